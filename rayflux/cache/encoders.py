@@ -1,0 +1,121 @@
+"""Callable classes for Ray Data ``map_batches`` actor pools: the VAE and the two text encoders.
+
+These are the only places that load encoders. When the cache stage's dataset finishes, Ray tears the pools down,
+so encoder memory never reaches the training processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+
+from rayflux.cache import tensors
+from rayflux.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def _column(batch: dict, name: str) -> list:
+    return list(batch[name])
+
+
+def _seed_of(sample_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+class VaeEncoder:
+    """Encode prepared pixels to FLUX latents, ``(z - shift_factor) * scaling_factor``, one row per sample.
+
+    Rows of one batch may come from different buckets; each bucket is encoded as its own sub-batch.
+    """
+
+    def __init__(self, model: ModelConfig, store_dtype: str):
+        import torch
+
+        from rayflux import models
+
+        self.device = models.default_device()
+        self.vae = models.load_vae(model, self.device, models.torch_dtype(model.dtype, self.device))
+        self.store_dtype = store_dtype
+        self.shift = float(self.vae.config.shift_factor or 0.0)
+        self.scale = float(self.vae.config.scaling_factor)
+        self.torch = torch
+
+    def __call__(self, batch: dict) -> dict:
+        torch = self.torch
+        n = len(batch["sample_id"])
+        latents: list[bytes] = [b""] * n
+        shapes = np.zeros((n, 3), dtype=np.int64)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(n):
+            if not batch["skip_reason"][i]:
+                groups.setdefault((int(batch["target_h"][i]), int(batch["target_w"][i])), []).append(i)
+        for (h, w), idx in groups.items():
+            pixels = np.stack([np.frombuffer(batch["pixels"][i], dtype=np.uint8).reshape(h, w, 3) for i in idx])
+            x = torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+            with torch.inference_mode():
+                dist = self.vae.encode(x).latent_dist
+                # Per-sample noise from the sample's own seed: a latent does not depend on which batch it was in.
+                eps = torch.stack(
+                    [
+                        torch.randn(dist.mean.shape[1:], generator=torch.Generator().manual_seed(_seed_of(batch["sample_id"][i])))
+                        for i in idx
+                    ]
+                ).to(dist.mean.device, dist.mean.dtype)
+                z = (dist.mean + dist.std * eps - self.shift) * self.scale
+            for j, i in enumerate(idx):
+                latents[i] = tensors.to_bytes(z[j], self.store_dtype)  # a contiguous copy of sample j alone
+                shapes[i] = z.shape[1:]
+        out = {k: v for k, v in batch.items() if k != "pixels"}
+        out["latent"] = np.array(latents, dtype=object)
+        out["latent_c"], out["latent_h"], out["latent_w"] = shapes[:, 0], shapes[:, 1], shapes[:, 2]
+        out["latent_dtype"] = np.array([self.store_dtype if latents[i] else "" for i in range(n)], dtype=object)
+        return out
+
+
+class TextEncoder:
+    """Encode unique captions with CLIP-L (pooled output) and T5-XXL (full padded sequence).
+
+    T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are
+    kept at the model's full ``max_sequence_length``.
+    """
+
+    def __init__(self, model: ModelConfig, store_dtype: str, t5_max_length: int):
+        import torch
+
+        from rayflux import models
+
+        self.device = models.default_device()
+        dtype = models.torch_dtype(model.dtype, self.device)
+        self.clip_tok, self.clip, self.t5_tok, self.t5 = models.load_text_encoders(model, self.device, dtype)
+        self.store_dtype = store_dtype
+        self.t5_max_length = t5_max_length
+        self.torch = torch
+        self.passes = 0
+
+    def __call__(self, batch: dict) -> dict:
+        torch = self.torch
+        captions = [str(c) for c in batch["caption"]]
+        with torch.inference_mode():
+            clip_ids = self.clip_tok(
+                captions, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
+            ).input_ids.to(self.device)
+            pooled = self.clip(clip_ids, output_hidden_states=False).pooler_output
+            t5_ids = self.t5_tok(
+                captions, padding="max_length", max_length=self.t5_max_length, truncation=True, return_tensors="pt"
+            ).input_ids.to(self.device)
+            seq = self.t5(t5_ids, output_hidden_states=False)[0]
+        self.passes += len(captions)
+        n = len(captions)
+        return {
+            "caption_id": np.array(batch["caption_id"], dtype=object),
+            "caption": np.array(captions, dtype=object),
+            "t5": np.array([tensors.to_bytes(seq[i], self.store_dtype) for i in range(n)], dtype=object),
+            "t5_len": np.full(n, seq.shape[1], dtype=np.int64),
+            "t5_dim": np.full(n, seq.shape[2], dtype=np.int64),
+            "clip_pooled": np.array([tensors.to_bytes(pooled[i], self.store_dtype) for i in range(n)], dtype=object),
+            "clip_dim": np.full(n, pooled.shape[1], dtype=np.int64),
+            "text_dtype": np.array([self.store_dtype] * n, dtype=object),
+        }

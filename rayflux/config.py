@@ -1,0 +1,369 @@
+"""Typed job configuration: dataclasses, YAML files, dotted ``--set`` overrides and generated help.
+
+Each field's docstring (the string literal under it) is the documentation users see in ``--help``; it is read from
+the source with ``ast`` so that the code and the help can never disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class DataConfig:
+    """Where the training images and their captions come from."""
+
+    images_dir: str = ""
+    """Folder or URI (``s3://bucket/prefix``) of training images. Empty: the generated demo images."""
+    caption_ext: str = ".txt"
+    """Sidecar caption extension. Several lines in one file are several captions; one is chosen per generation."""
+    missing_caption: str = "filename"
+    """When an image has no caption: ``skip`` it, use an ``empty`` caption, its ``filename``, or ``instance``."""
+    instance_prompt: str = ""
+    """Fixed caption used by ``missing_caption=instance``."""
+    resolution: int = 512
+    """Target size in pixels: the shorter edge, or the square root of the area (see ``resolution_type``)."""
+    resolution_type: str = "area"
+    """``area`` keeps about resolution² pixels per image; ``shorter_edge`` fixes the shorter side."""
+    crop: str = "center"
+    """How an image is cut to its bucket's aspect ratio: ``center`` or ``random`` (seeded per generation)."""
+    max_aspect: float = 2.5
+    """Aspect ratios beyond this (either way) are cropped down to it."""
+    min_image_size: int = 64
+    """Images whose shorter edge is below this many pixels are skipped with a reason."""
+    max_image_pixels: int = 178_956_970
+    """Images with more pixels than this are refused as decompression bombs (Pillow's own default limit)."""
+
+
+@dataclass
+class ModelConfig:
+    """Which FLUX model to fine-tune."""
+
+    path: str = ""
+    """A diffusers-format directory or hub id (e.g. black-forest-labs/FLUX.1-dev). Empty: the embedded tiny model."""
+    revision: str = ""
+    """Hub revision, when ``path`` is a hub id."""
+    dtype: str = "auto"
+    """Weight dtype for the frozen parts: ``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16``, ``float16``, ``float32``."""
+
+
+@dataclass
+class CacheConfig:
+    """The cache stage: VAE latents and text embeddings written as Parquet shards."""
+
+    dir: str = ""
+    """Where cache generations are written. Empty: ``<run.output_dir>/cache``."""
+    batch_size: int = 8
+    """Images per VAE call in an encoder actor."""
+    text_batch_size: int = 16
+    """Unique captions per text-encoder call."""
+    vae_actors: int = 1
+    """Largest number of VAE encoder actors (the pool scales from 1 up to this)."""
+    text_actors: int = 1
+    """Largest number of text encoder actors. Text work scales with unique captions, not images."""
+    actor_cpus: float = 1.0
+    """CPUs reserved by each encoder actor when there is no GPU."""
+    rows_per_shard: int = 256
+    """Rows per Parquet shard file (a shard never mixes more than one writer's batch)."""
+    dtype: str = "float32"
+    """Stored tensor dtype: ``float32``, ``float16`` or ``bfloat16``."""
+    refresh: str = "never"
+    """Build a new cache generation ``never``, ``every_epoch``, or every N epochs (an integer)."""
+    strict: bool = False
+    """Fail the job on the first bad input instead of skipping it with a recorded reason."""
+    seed: int = 0
+    """Seed for random crops and caption choice; each generation derives its own from it."""
+
+
+@dataclass
+class TrainConfig:
+    """The LoRA training stage."""
+
+    epochs: int = 2
+    """Passes over the cached samples."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps per worker (0: run all epochs)."""
+    num_workers: Any = 2
+    """Ray Train workers: an integer, or ``[min, max]`` for an elastic run."""
+    cpus_per_worker: float = 0.5
+    """CPUs reserved per worker. Fractional values let two workers share a small machine."""
+    use_gpu: str = "auto"
+    """``auto`` (use GPUs when the cluster has them), ``true`` or ``false``."""
+    batch_size: int = 1
+    """Samples per batch on each worker. A batch always holds one bucket."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    rank: int = 4
+    """LoRA rank."""
+    alpha: float = 4.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    targets: str = "attention"
+    """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
+    guidance: float = 1.0
+    """Guidance value fed to guidance-distilled models (ignored when the model has no guidance embedding)."""
+    sigma_sampling: str = "logit_normal"
+    """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
+    logit_mean: float = 0.0
+    """Mean of the normal behind ``logit_normal``."""
+    logit_std: float = 1.0
+    """Standard deviation of the normal behind ``logit_normal``; the scale for ``sigmoid``."""
+    shift: float = 3.0
+    """The fixed shift for ``sigma_sampling=shift``."""
+    loss_weighting: str = "none"
+    """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
+    max_grad_norm: float = 1.0
+    """Clip the LoRA gradient norm to this (0 disables clipping)."""
+    seed: int = 0
+    """Seed for noise, σ and the batch order. Every rank derives its own stream from it."""
+    log_every: int = 1
+    """Report metrics every this many steps."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes its outputs."""
+
+    output_dir: str = "runs/demo"
+    """Run directory: LoRA, checkpoints, ledger and logs. A rerun with the same directory continues the run."""
+    name: str = "rayflux"
+    """Ray Train run name under ``<output_dir>/checkpoints``."""
+    ray_address: str = ""
+    """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, *sections: str) -> str:
+        """A short stable hash of the named sections (all when none are named)."""
+        d = self.to_dict()
+        chosen = {k: d[k] for k in (sections or d)}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; its message names the key."""
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+
+
+def _section_class(name: str) -> type:
+    return {"data": DataConfig, "model": ModelConfig, "cache": CacheConfig, "train": TrainConfig, "run": RunConfig}[
+        name
+    ]
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the docstring written under it in the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(key: str, value: Any, default: Any, annotation: Any) -> Any:
+    """Turn a YAML/CLI value into the field's type, or raise a ConfigError naming the key."""
+    if annotation in ("Any", Any) or annotation is typing.Any:
+        return value
+    kind = type(default)
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered in ("true", "1", "yes", "on"):
+                    return True
+                if lowered in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if isinstance(value, (bool, int)):
+                return bool(value)
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind is str:
+            return "" if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+    return value
+
+
+def apply(cfg: JobConfig, updates: dict, prefix: str = "") -> JobConfig:
+    """Apply a nested dict of updates (from YAML or ``--set``) to ``cfg`` in place, checking every key."""
+    for name, value in updates.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"unknown config section {prefix}{name!r}; expected one of {sorted(_SECTIONS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section {name!r} must be a mapping")
+        section = getattr(cfg, name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, raw in value.items():
+            if key not in fields:
+                raise ConfigError(f"unknown config key {name}.{key}; known keys: {', '.join(sorted(fields))}")
+            current = getattr(section, key)
+            setattr(section, key, _coerce(f"{name}.{key}", raw, current, fields[key].type))
+    return cfg
+
+
+def parse_set(item: str) -> dict:
+    """``train.epochs=3`` -> ``{"train": {"epochs": 3}}``; the value is parsed as YAML (so ``[1, 4]`` is a list)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"--set key must look like section.key, got {key!r}")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return {parts[0]: {parts[1]: value}}
+
+
+def load(config_file: str | None = None, overrides: list[str] = ()) -> JobConfig:
+    """Build a JobConfig from defaults, then an optional YAML file, then ``--set`` overrides in order."""
+    cfg = JobConfig()
+    if config_file:
+        text = Path(config_file).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{config_file}: top level must be a mapping of sections")
+        apply(cfg, data)
+    for item in overrides:
+        apply(cfg, parse_set(item))
+    validate(cfg)
+    return cfg
+
+
+def worker_range(num_workers: Any) -> tuple[int, int]:
+    """Normalise ``train.num_workers`` (int or [min, max]) to a (min, max) pair."""
+    if isinstance(num_workers, bool):
+        raise ConfigError("train.num_workers must be an integer or [min, max]")
+    if isinstance(num_workers, int):
+        lo = hi = num_workers
+    elif isinstance(num_workers, (list, tuple)) and len(num_workers) == 2 and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in num_workers
+    ):
+        lo, hi = num_workers
+    else:
+        raise ConfigError(f"train.num_workers must be an integer or [min, max], got {num_workers!r}")
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"train.num_workers needs 1 <= min <= max, got {num_workers!r}")
+    return lo, hi
+
+
+_CHOICES = {
+    ("data", "missing_caption"): ("skip", "empty", "filename", "instance"),
+    ("data", "resolution_type"): ("area", "shorter_edge"),
+    ("data", "crop"): ("center", "random"),
+    ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("cache", "dtype"): ("float32", "float16", "bfloat16"),
+    ("train", "use_gpu"): ("auto", "true", "false"),
+    ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
+    ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
+}
+_POSITIVE = {
+    ("data", "resolution"),
+    ("data", "min_image_size"),
+    ("cache", "batch_size"),
+    ("cache", "text_batch_size"),
+    ("cache", "vae_actors"),
+    ("cache", "text_actors"),
+    ("cache", "rows_per_shard"),
+    ("train", "epochs"),
+    ("train", "batch_size"),
+    ("train", "rank"),
+    ("train", "log_every"),
+}
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check value ranges and choices; raise ConfigError naming the first bad key."""
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{section}.{key} must be one of {', '.join(choices)}; got {value!r}")
+    for section, key in _POSITIVE:
+        value = getattr(getattr(cfg, section), key)
+        if value <= 0:
+            raise ConfigError(f"{section}.{key} must be positive, got {value}")
+    if cfg.data.max_aspect < 1:
+        raise ConfigError(f"data.max_aspect must be >= 1, got {cfg.data.max_aspect}")
+    if cfg.train.max_steps < 0:
+        raise ConfigError("train.max_steps must be >= 0")
+    if cfg.train.cpus_per_worker <= 0:
+        raise ConfigError("train.cpus_per_worker must be positive")
+    refresh_interval(cfg.cache.refresh)
+    worker_range(cfg.train.num_workers)
+    if cfg.data.missing_caption == "instance" and not cfg.data.instance_prompt:
+        raise ConfigError("data.missing_caption=instance needs data.instance_prompt")
+
+
+def refresh_interval(refresh: str) -> int:
+    """``never`` -> 0, ``every_epoch`` -> 1, ``"3"`` -> 3."""
+    if refresh == "never":
+        return 0
+    if refresh == "every_epoch":
+        return 1
+    try:
+        n = int(refresh)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"cache.refresh must be never, every_epoch or a positive integer; got {refresh!r}")
+    return n
+
+
+def help_text() -> str:
+    """Every key with its default and docstring, for ``--help``."""
+    lines = ["Config keys (set with --set KEY=VALUE or in a --config YAML file):"]
+    defaults = JobConfig()
+    for name in _SECTIONS:
+        cls = _section_class(name)
+        lines.append(f"\n  {name}: {cls.__doc__}")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, name), f.name)
+            lines.append(f"    {name}.{f.name} = {default!r}")
+            lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
+    return "\n".join(lines)
+
+
+def from_dict(d: dict) -> JobConfig:
+    """Rebuild a JobConfig from ``JobConfig.to_dict()`` (how the config travels to Ray workers)."""
+    return apply(JobConfig(), d)

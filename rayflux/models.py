@@ -1,0 +1,144 @@
+"""Load FLUX parts from a diffusers-format directory or hub id, through ``from_pretrained`` only.
+
+The embedded tiny model, FLUX.1-dev and FLUX.1-schnell all take this one path; only ``model.path`` differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayflux.config import ModelConfig
+
+
+def resolve_path(cfg: ModelConfig) -> str:
+    """The directory or hub id to load. An empty ``model.path`` means the embedded tiny model, built if missing."""
+    if cfg.path:
+        return cfg.path
+    from rayflux.testing.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def _kwargs(cfg: ModelConfig, subfolder: str) -> dict:
+    kw: dict = {"subfolder": subfolder}
+    if cfg.revision:
+        kw["revision"] = cfg.revision
+    return kw
+
+
+def torch_dtype(name: str, device: str):
+    """Map ``model.dtype`` to a torch dtype; ``auto`` is bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are slow)."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the rest of the job needs to know about a model, read from its config files alone (no weights)."""
+
+    vae_scale_factor: int
+    latent_channels: int
+    shift_factor: float
+    scaling_factor: float
+    guidance_embeds: bool
+    t5_max_length: int
+    identity: str
+    """Hash of the VAE and text-encoder configs and weight file sizes/names (or the hub revision): part of the
+    cache key, so a different encoder never reuses old latents."""
+
+    @property
+    def alignment(self) -> int:
+        """Pixel sides must be multiples of this: VAE downscale times the 2x2 latent packing."""
+        return 2 * self.vae_scale_factor
+
+
+def _load_config(path: str, cfg: ModelConfig, subfolder: str) -> dict:
+    from diffusers import AutoencoderKL
+
+    # Any diffusers ConfigMixin can read any subfolder's config.json, from a local dir or the hub cache.
+    return dict(AutoencoderKL.load_config(path, **_kwargs(cfg, subfolder)))
+
+
+def _weights_signature(path: str, subfolders: list[str]) -> list:
+    """Names and sizes of local weight files; cheap, and changes whenever the weights are replaced."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    sig = []
+    for sub in subfolders:
+        for f in sorted((root / sub).glob("*.safetensors")):
+            sig.append([sub, f.name, f.stat().st_size, int(f.stat().st_mtime)])
+    return sig
+
+
+def model_facts(cfg: ModelConfig) -> ModelFacts:
+    path = resolve_path(cfg)
+    vae = _load_config(path, cfg, "vae")
+    transformer = _load_config(path, cfg, "transformer")
+    clip = _load_config(path, cfg, "text_encoder")
+    t5 = _load_config(path, cfg, "text_encoder_2")
+    # FLUX.1-schnell was distilled with 256 T5 tokens and dev with 512; guidance_embeds tells them apart.
+    guidance = bool(transformer.get("guidance_embeds", False))
+    t5_len = 512 if guidance else 256
+    blob = json.dumps(
+        {
+            "vae": {k: v for k, v in vae.items() if not k.startswith("_")},
+            "clip": {k: v for k, v in clip.items() if not k.startswith("_")},
+            "t5": {k: v for k, v in t5.items() if not k.startswith("_")},
+            "weights": _weights_signature(path, ["vae", "text_encoder", "text_encoder_2"]),
+            "path": path if not Path(path).is_dir() else "",
+            "revision": cfg.revision,
+            "t5_len": t5_len,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return ModelFacts(
+        vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
+        latent_channels=int(vae["latent_channels"]),
+        shift_factor=float(vae.get("shift_factor") or 0.0),
+        scaling_factor=float(vae["scaling_factor"]),
+        guidance_embeds=guidance,
+        t5_max_length=t5_len,
+        identity=hashlib.sha256(blob.encode()).hexdigest()[:16],
+    )
+
+
+def load_vae(cfg: ModelConfig, device: str, dtype):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(resolve_path(cfg), torch_dtype=dtype, **_kwargs(cfg, "vae"))
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def load_text_encoders(cfg: ModelConfig, device: str, dtype):
+    """CLIP-L and T5-XXL with their tokenizers. Only the cache stage's text actors ever call this."""
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+    path = resolve_path(cfg)
+    clip_tok = CLIPTokenizer.from_pretrained(path, **_kwargs(cfg, "tokenizer"))
+    t5_tok = T5TokenizerFast.from_pretrained(path, **_kwargs(cfg, "tokenizer_2"))
+    clip = CLIPTextModel.from_pretrained(path, dtype=dtype, **_kwargs(cfg, "text_encoder"))
+    t5 = T5EncoderModel.from_pretrained(path, dtype=dtype, **_kwargs(cfg, "text_encoder_2"))
+    clip = clip.to(device).eval().requires_grad_(False)
+    t5 = t5.to(device).eval().requires_grad_(False)
+    return clip_tok, clip, t5_tok, t5
+
+
+def load_transformer(cfg: ModelConfig, device: str, dtype):
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(resolve_path(cfg), torch_dtype=dtype, **_kwargs(cfg, "transformer"))
+    return model.to(device)

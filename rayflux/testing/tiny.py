@@ -1,0 +1,212 @@
+"""A tiny FLUX-shaped model and demo images, built locally from seeded random weights.
+
+Nothing here downloads anything: the tokenizers are trained in memory on a small corpus, every weight is drawn from a
+fixed seed, and the result is written as an ordinary diffusers-format directory. The job then loads it through the
+same ``from_pretrained`` path as real FLUX.1-dev, so the demo and the tests exercise the production code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+TINY_SEED = 1234
+# Bumped whenever the tiny configs change, so an old directory is rebuilt rather than silently reused.
+TINY_VERSION = "3"
+_MARKER = "rayflux_tiny.json"
+
+# Words the demo captions are made of; the tokenizers are trained on these plus a little filler text.
+_COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+_SHAPES = ["circle", "square", "triangle", "stripe", "ring", "cross"]
+_CORPUS_EXTRA = (
+    "a photo of an image with the on in at and sks dog cat style painting picture of a small large "
+    "bright dark background foreground pattern drawing illustration rayflux flux lora"
+)
+
+
+def default_home() -> Path:
+    """Where generated demo assets live: ``$RAYFLUX_HOME`` or ``~/.cache/rayflux``."""
+    return Path(os.environ.get("RAYFLUX_HOME", Path.home() / ".cache" / "rayflux")).expanduser()
+
+
+def _corpus() -> list[str]:
+    lines = [f"a {c} {s} on a {b} background" for c in _COLOURS for s in _SHAPES for b in _COLOURS]
+    lines.append(_CORPUS_EXTRA)
+    return lines
+
+
+def _clip_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|startoftext|>", "<|endoftext|>"],
+        end_of_word_suffix="</w>",
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_corpus(), trainer)
+    state = json.loads(bpe.to_str())
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["model"]["merges"]]
+    return CLIPTokenizer(vocab=state["model"]["vocab"], merges=merges, model_max_length=77)
+
+
+def _t5_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import T5TokenizerFast
+
+    uni = Tokenizer(models.Unigram())
+    uni.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
+    )
+    uni.train_from_iterator(_corpus(), trainer)
+    vocab = [(piece, score) for piece, score in json.loads(uni.to_str())["model"]["vocab"]]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of the tiny model. The defaults keep the whole directory around a megabyte."""
+
+    latent_channels: int = 4
+    """VAE latent channels; the transformer's input is 4x this after 2x2 packing."""
+    text_dim: int = 32
+    """Hidden size of both text encoders (joint_attention_dim and pooled_projection_dim)."""
+    t5_layers: int = 2
+    """T5 encoder depth. Raise it to make the text encoders heavier than the transformer (memory tests)."""
+    t5_ff: int = 37
+    """T5 feed-forward width; raise it with ``t5_layers`` for a heavier text encoder."""
+    guidance_embeds: bool = True
+    """Like FLUX.1-dev (guidance-distilled); False behaves like schnell."""
+
+
+def build_pipeline(spec: TinySpec = TinySpec()):
+    """Build the tiny ``FluxPipeline`` in memory from a fixed seed."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    clip_tok = _clip_tokenizer()
+    t5_tok = _t5_tokenizer()
+    torch.manual_seed(TINY_SEED)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * spec.latent_channels,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=spec.text_dim,
+        pooled_projection_dim=spec.text_dim,
+        guidance_embeds=spec.guidance_embeds,
+        axes_dims_rope=(4, 4, 8),
+    )
+    # The CLIP pooler picks the eos position, so eos_token_id must be the tokenizer's real id.
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=spec.text_dim,
+            intermediate_size=37,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            projection_dim=spec.text_dim,
+            max_position_embeddings=77,
+            bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=spec.text_dim,
+            d_kv=8,
+            d_ff=spec.t5_ff,
+            num_layers=spec.t5_layers,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+            decoder_start_token_id=t5_tok.pad_token_id,
+        )
+    )
+    # Four down blocks give vae_scale_factor 8, as in FLUX, so bucket math is the real one.
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=spec.latent_channels,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, use_dynamic_shifting=True
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tok,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+
+
+def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write the tiny model as a diffusers directory at ``path`` (atomically: temp dir, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
+    try:
+        build_pipeline(spec).save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"version": TINY_VERSION, "seed": TINY_SEED, "spec": spec.__dict__}))
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            # Another process won the race and wrote the same seeded model; keep theirs.
+            if not _is_current(path, spec):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _is_current(path: Path, spec: TinySpec) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    info = json.loads(marker.read_text())
+    return info.get("version") == TINY_VERSION and info.get("spec") == spec.__dict__
+
+
+def ensure_tiny_model(path: str | Path | None = None, spec: TinySpec = TinySpec()) -> Path:
+    """Return a directory holding the current tiny model, building it once if it is missing or stale.
+
+    Every node that needs it can call this: the weights come from a fixed seed, so independent builds agree.
+    """
+    path = Path(path) if path else default_home() / f"tiny-flux-v{TINY_VERSION}"
+    if _is_current(path, spec):
+        return path
+    if path.exists():
+        # Only a directory this module wrote (it carries the marker) is ever replaced.
+        if not (path / _MARKER).is_file():
+            raise FileExistsError(f"{path} exists and is not a rayflux tiny model; refusing to overwrite it")
+        shutil.rmtree(path)
+    return write_tiny_model(path, spec)

@@ -1,0 +1,1 @@
+"""The training stage: FLUX flow-matching LoRA on Ray Train workers."""

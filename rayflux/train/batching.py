@@ -1,0 +1,114 @@
+"""Bucket-pure batches with equal steps on every rank.
+
+The driver plans every batch of an epoch before training: one bucket per batch, a shuffle seeded per
+(seed, epoch, bucket) over the bucket's *sorted* sample ids, then a seeded shuffle of the batch order. Every
+process that computes the plan gets the same answer, regardless of listing order.
+
+Remainder rule (the same on every rank): a bucket's last batch may be smaller than ``batch_size``; then the
+epoch's batch count is cut down to a multiple of the world size by dropping batches from the *end* of the shuffled
+order, so each rank runs exactly ``len(plan) / world_size`` steps and DDP never waits on a rank that ran out.
+The dropped samples are counted in the epoch's metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from rayflux.cache import shards, tensors
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one cached sample lives: its shard and row (row group) number."""
+
+    sample_id: str
+    bucket: str
+    file: str
+    row: int
+
+
+def _rng(*parts) -> random.Random:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+def index_samples(files: list[str]) -> list[SampleRef]:
+    """Every sample of a generation's shards, read from the id and bucket columns only."""
+    refs = []
+    for f in files:
+        t = shards.read_column(f, ["sample_id", "bucket"])
+        for i, (sid, b) in enumerate(zip(t["sample_id"].to_pylist(), t["bucket"].to_pylist())):
+            refs.append(SampleRef(sid, b, f, i))
+    return refs
+
+
+def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int) -> tuple[list[dict], int]:
+    """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``."""
+    by_bucket: dict[str, list[SampleRef]] = {}
+    for r in refs:
+        by_bucket.setdefault(r.bucket, []).append(r)
+    batches: list[list[SampleRef]] = []
+    for bucket in sorted(by_bucket):
+        members = sorted(by_bucket[bucket], key=lambda r: r.sample_id)
+        _rng(seed, epoch, bucket).shuffle(members)
+        batches.extend(members[i : i + batch_size] for i in range(0, len(members), batch_size))
+    _rng(seed, epoch, "order").shuffle(batches)
+    keep = len(batches) - len(batches) % world_size
+    dropped = sum(len(b) for b in batches[keep:])
+    planned = [
+        {
+            "epoch": epoch,
+            "index": i,
+            "bucket": b[0].bucket,
+            "size": len(b),
+            "refs": json.dumps([[r.file, r.row, r.sample_id] for r in b]),
+        }
+        for i, b in enumerate(batches[:keep])
+    ]
+    return planned, dropped
+
+
+def load_batch(item: dict) -> dict:
+    """Ray Data ``map``: read one planned batch's rows and stack them; a shape mismatch is a CacheShapeError."""
+    refs = json.loads(item["refs"])
+    by_file: dict[str, list[int]] = {}
+    for f, row, _ in refs:
+        by_file.setdefault(f, []).append(row)
+    cols = ["sample_id", "source_uri", "bucket", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
+            "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
+    rows = []
+    for f, rs in by_file.items():
+        rows.extend(shards.read_rows(f, rs, columns=cols).to_pylist())
+    first = rows[0]
+    lat_shape = (first["latent_c"], first["latent_h"], first["latent_w"])
+    t5_shape = (first["t5_len"], first["t5_dim"])
+    lat, t5, clip = [], [], []
+    for r in rows:
+        for what, want, got in (
+            ("bucket", item["bucket"], r["bucket"]),
+            ("latent shape", lat_shape, (r["latent_c"], r["latent_h"], r["latent_w"])),
+            ("t5 shape", t5_shape, (r["t5_len"], r["t5_dim"])),
+            ("clip dim", first["clip_dim"], r["clip_dim"]),
+        ):
+            if want != got:
+                raise shards.shape_error(item["bucket"], r["sample_id"], r["source_uri"], what, want, got)
+        lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
+        t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
+        clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
+    return {
+        "epoch": item["epoch"],
+        "index": item["index"],
+        "bucket": item["bucket"],
+        "size": len(rows),
+        "latent": np.stack(lat).tobytes(),
+        "latent_shape": json.dumps([len(rows), *lat_shape]),
+        "t5": np.stack(t5).tobytes(),
+        "t5_shape": json.dumps([len(rows), *t5_shape]),
+        "clip": np.stack(clip).tobytes(),
+        "clip_dim": int(first["clip_dim"]),
+    }

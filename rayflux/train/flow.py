@@ -1,0 +1,116 @@
+"""FLUX flow-matching math as small pure functions (no state, no I/O), each unit-tested.
+
+Conventions follow diffusers' ``FluxPipeline`` and the published FLUX training recipes:
+``noisy = (1 - σ) x + σ ε``, the model predicts ``ε - x``, and it is called with ``timestep = σ`` (it multiplies
+by 1000 internally).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: 2x2 patches become tokens, as ``FluxPipeline._pack_latents``."""
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height and width must be even to pack 2x2, got {h}x{w}")
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack` for a latent of ``height`` x ``width``."""
+    b, n, d = tokens.shape
+    c = d // 4
+    if n != (height // 2) * (width // 2):
+        raise ValueError(f"{n} tokens cannot form a {height}x{width} latent")
+    x = tokens.view(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, height, width)
+
+
+def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``[(H/2)(W/2), 3]`` position ids for packed latent tokens: row in channel 1, column in channel 2."""
+    h, w = height // 2, width // 2
+    ids = torch.zeros(h, w, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(h, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(w, device=device, dtype=dtype)[None, :]
+    return ids.reshape(h * w, 3)
+
+
+def text_ids(length: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``[L, 3]`` zeros: text tokens carry no spatial position."""
+    return torch.zeros(length, 3, device=device, dtype=dtype)
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """Fixed timestep shift ``σ' = sσ / (1 + (s - 1)σ)``; s > 1 moves weight towards noisier σ."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flux_mu(seq_len: int, base_len: int = 256, max_len: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15):
+    """FLUX's resolution-dependent shift exponent: linear in the token count from (256, 0.5) to (4096, 1.15)."""
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return base_shift + slope * (seq_len - base_len)
+
+
+def time_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
+    """``σ' = e^μ / (e^μ + (1/σ - 1))``, the exponential shift FLUX.1 uses at inference."""
+    return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+
+
+def sample_sigmas(
+    n: int,
+    method: str,
+    generator: torch.Generator,
+    *,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    shift: float = 3.0,
+    seq_len: int = 256,
+) -> torch.Tensor:
+    """Draw ``n`` noise levels σ in (0, 1) by one of the published schemes."""
+    if method == "uniform":
+        s = torch.rand(n, generator=generator)
+    elif method == "logit_normal":
+        s = torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
+    elif method == "sigmoid":
+        s = torch.sigmoid(torch.randn(n, generator=generator) * logit_std)
+    elif method == "shift":
+        s = shift_sigmas(torch.sigmoid(torch.randn(n, generator=generator)), shift)
+    elif method == "flux_shift":
+        s = time_shift(torch.sigmoid(torch.randn(n, generator=generator)), flux_mu(seq_len))
+    else:
+        raise ValueError(f"unknown sigma sampling {method!r}")
+    # Keep σ strictly inside (0, 1): σ = 0 has no noise to learn and σ = 1 breaks the 1/σ shift above.
+    return s.clamp(1e-5, 1 - 1e-5)
+
+
+def noisy_input(latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """``(1 - σ) x + σ ε`` with σ broadcast over every non-batch dimension."""
+    s = sigmas.view(-1, *([1] * (latents.dim() - 1))).to(latents.dtype)
+    return (1 - s) * latents + s * noise
+
+
+def flow_target(latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The velocity the model learns to predict: ``ε - x``."""
+    return noise - latents
+
+
+def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Per-sample loss weights: ``none`` (1), ``sigma_sqrt`` (σ⁻²) or ``cosmap`` (2 / (π(1 - 2σ + 2σ²)))."""
+    if scheme == "none":
+        return torch.ones_like(sigmas)
+    if scheme == "sigma_sqrt":
+        return sigmas.float() ** -2.0
+    if scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+    raise ValueError(f"unknown loss weighting {scheme!r}")
+
+
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Batch mean of the per-sample mean of ``w (pred - target)²``."""
+    per_sample = ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+    return (weights.float() * per_sample).mean()

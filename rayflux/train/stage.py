@@ -1,0 +1,99 @@
+"""Launch the training stage: plan bucket-pure batches, build the Ray Data feed, run ``TorchTrainer``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from rayflux import storage
+from rayflux.cache import generations
+from rayflux.config import JobConfig, worker_range
+from rayflux.models import ModelFacts
+from rayflux.train import batching
+from rayflux.train.loop import METRICS_FILE, train_loop_per_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]
+    checkpoint_path: str
+    """Where Ray Train stored the final checkpoint (local path or URI)."""
+    checkpoint_dir: str
+    """A local copy of it, for exporting the LoRA."""
+    epoch_counts: dict = field(default_factory=dict)
+
+
+def plan(cfg: JobConfig, manifest: dict, world_size: int) -> tuple[list[dict], dict]:
+    """Every planned batch of every epoch, plus per-epoch sample accounting."""
+    refs = batching.index_samples(generations.sample_files(manifest))
+    batches, counts = [], {}
+    for epoch in range(cfg.train.epochs):
+        planned, dropped = batching.plan_epoch(refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size)
+        batches.extend(planned)
+        counts[epoch] = {"samples": sum(b["size"] for b in planned), "dropped": dropped, "batches": len(planned)}
+    return batches, counts
+
+
+def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
+    return {"auto": cluster_gpus, "true": True, "false": False}[cfg.train.use_gpu]
+
+
+def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool) -> TrainResult:
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    lo, hi = worker_range(cfg.train.num_workers)
+    batches, counts = plan(cfg, manifest, hi)
+    if not batches:
+        raise RuntimeError(
+            f"no full set of batches for {hi} workers: {manifest['cached']} samples, batch_size {cfg.train.batch_size}"
+        )
+    steps = len(batches) // hi
+    if cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    for epoch, c in counts.items():
+        log.info("epoch %d: %d samples in %d batches, %d dropped by the remainder rule", epoch, c["samples"], c["batches"], c["dropped"])
+
+    ds = ray.data.from_items(batches, override_num_blocks=min(len(batches), 1000))
+    ds = ds.map(batching.load_batch, num_cpus=0.25)
+
+    use_gpu = _use_gpu(cfg, cluster_gpus)
+    resources = {"CPU": cfg.train.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = 1
+    scaling = ray.train.ScalingConfig(
+        num_workers=hi if lo == hi else (lo, hi), use_gpu=use_gpu, resources_per_worker=resources
+    )
+    run_config = ray.train.RunConfig(
+        name=cfg.run.name,
+        storage_path=storage.join(output_dir, "checkpoints"),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        failure_config=ray.train.FailureConfig(max_failures=3),
+    )
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"job": cfg.to_dict(), "steps_per_worker": steps},
+        scaling_config=scaling,
+        run_config=run_config,
+        datasets={"train": ds},
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training reported no checkpoint: {result.error}")
+    local = result.checkpoint.to_directory(tempfile.mkdtemp(prefix="rayflux-final-"))
+    with open(os.path.join(local, METRICS_FILE)) as f:
+        metrics = json.load(f)
+    return TrainResult(
+        steps=int(metrics["step"]),
+        losses=[h["loss"] for h in metrics["history"]],
+        checkpoint_path=result.checkpoint.path,
+        checkpoint_dir=local,
+        epoch_counts=counts,
+    )
