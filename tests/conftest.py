@@ -1,0 +1,66 @@
+"""Shared fixtures: one local Ray per test session, the tiny model, and demo images.
+
+Everything is real (Ray, torch, diffusers); only the model is tiny.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Generated assets go to a per-session home, never the user's ~/.cache; set before Ray starts so workers inherit it.
+_HOME = tempfile.mkdtemp(prefix="rayflux-test-home-")
+os.environ["RAYFLUX_HOME"] = _HOME
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from rayflux.testing.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def demo_images() -> Path:
+    from rayflux.testing.images import ensure_demo_images
+
+    return ensure_demo_images()
+
+
+@pytest.fixture(scope="session")
+def ray_session(tiny_model):
+    """A local Ray for the whole session (start-up costs seconds; tests share it). Stopped at the end."""
+    import ray
+    from ray.data import DataContext
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def job_config(tiny_model, demo_images, tmp_path):
+    """A small, fast job config on the tiny model and demo images."""
+    from rayflux import config
+
+    return config.load(
+        None,
+        [
+            f"model.path={tiny_model}",
+            f"data.images_dir={demo_images}",
+            f"run.output_dir={tmp_path / 'run'}",
+            "data.resolution=64",
+            "train.epochs=1",
+            "train.num_workers=2",
+        ],
+    )

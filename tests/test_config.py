@@ -1,0 +1,90 @@
+"""Config: YAML files, dotted overrides, validation and generated help."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rayflux import config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_validate():
+    cfg = config.load()
+    assert cfg.train.num_workers == 2 and cfg.cache.refresh == "never"
+
+
+def test_yaml_then_set_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  epochs: 5\n  learning_rate: 0.001\ndata:\n  images_dir: /data/x\n")
+    cfg = config.load(str(f), ["train.epochs=3", "train.num_workers=[1, 4]", "cache.strict=true"])
+    assert cfg.train.epochs == 3
+    assert cfg.train.learning_rate == 0.001
+    assert cfg.data.images_dir == "/data/x"
+    assert cfg.train.num_workers == [1, 4]
+    assert cfg.cache.strict is True
+    assert config.worker_range(cfg.train.num_workers) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("train.epochz=3", "unknown config key train.epochz"),
+        ("trian.epochs=3", "unknown config section"),
+        ("train.epochs=three", "train.epochs: expected int"),
+        ("train.epochs=0", "train.epochs must be positive"),
+        ("data.crop=diagonal", "data.crop must be one of"),
+        ("cache.refresh=sometimes", "cache.refresh must be"),
+        ("train.num_workers=[3, 1]", "min <= max"),
+        ("cache.strict=maybe", "cache.strict: expected bool"),
+        ("train.epochs", "KEY=VALUE"),
+    ],
+)
+def test_bad_values_name_the_key(item, message):
+    with pytest.raises(config.ConfigError, match=message.replace("[", r"\[")):
+        config.load(None, [item])
+
+
+def test_every_field_has_a_docstring():
+    for section in ("data", "model", "cache", "train", "run"):
+        cls = type(getattr(config.JobConfig(), section))
+        docs = config.field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{section}.{f.name} has no docstring"
+
+
+def test_refresh_interval():
+    assert config.refresh_interval("never") == 0
+    assert config.refresh_interval("every_epoch") == 1
+    assert config.refresh_interval("3") == 3
+
+
+def test_fingerprint_tracks_sections():
+    a, b = config.load(), config.load(None, ["train.epochs=9"])
+    assert a.fingerprint("data") == b.fingerprint("data")
+    assert a.fingerprint("train") != b.fingerprint("train")
+
+
+def test_cli_help_lists_every_key_with_default():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for key in ("data.images_dir", "cache.dir", "run.output_dir", "model.path", "train.epochs", "train.max_steps",
+                "train.num_workers", "train.batch_size", "cache.refresh", "cache.strict"):  # fmt: skip
+        assert key in out
+    assert "train.num_workers = 2" in out
+    assert "--only" in out
+
+
+def test_cli_config_error_is_one_line_and_nonzero():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--set", "train.epochs=-1"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "train.epochs must be positive" in proc.stderr

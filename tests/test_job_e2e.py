@@ -1,0 +1,124 @@
+"""End to end on a real local Ray: cache stage, 2-worker training, LoRA loaded back into diffusers."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rayflux import job
+from rayflux.cache import generations
+from rayflux.sources import IMAGE_EXTENSIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_session, tiny_model, demo_images, tmp_path_factory):
+    from rayflux import config
+
+    out = tmp_path_factory.mktemp("e2e") / "run"
+    cfg = config.load(
+        None,
+        [
+            f"model.path={tiny_model}",
+            f"data.images_dir={demo_images}",
+            f"run.output_dir={out}",
+            "data.resolution=64",
+            "train.epochs=2",
+            "train.num_workers=2",
+            "cache.batch_size=8",
+        ],
+    )
+    return job.run(cfg), cfg
+
+
+def test_one_row_per_input_image(finished_run, demo_images):
+    summary, _ = finished_run
+    manifest = generations.load_manifest(summary.cache_dir)
+    images = sorted(p.name for p in Path(demo_images).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    table = pq.ParquetDataset(generations.sample_files(manifest)).read()
+    assert table.num_rows == len(images) == manifest["cached"] == summary.cached
+    assert sorted(table["rel_path"].to_pylist()) == images
+    assert len(set(table["sample_id"].to_pylist())) == len(images)
+    assert manifest["skipped"] == 0 and summary.discovered == len(images)
+
+
+def test_shape_columns_match_stored_bytes(finished_run):
+    summary, _ = finished_run
+    manifest = generations.load_manifest(summary.cache_dir)
+    for path in generations.sample_files(manifest):
+        for row in pq.read_table(path).to_pylist():
+            assert row["latent_dtype"] == "float32"
+            c, h, w = row["latent_c"], row["latent_h"], row["latent_w"]
+            assert len(row["latent"]) == c * h * w * 4
+            assert (h * 8, w * 8) == (row["target_h"], row["target_w"])
+            assert f"{row['target_w']}x{row['target_h']}" == row["bucket"]
+            assert len(row["t5"]) == row["t5_len"] * row["t5_dim"] * 4
+            assert len(row["clip_pooled"]) == row["clip_dim"] * 4
+            lat = np.frombuffer(row["latent"], np.float32).reshape(c, h, w)
+            assert np.isfinite(lat).all() and lat.std() > 0
+
+
+def test_losses_are_finite_and_recorded(finished_run):
+    summary, _ = finished_run
+    # 8 demo images, batch size 1, 2 workers, 2 epochs -> 8 steps per worker
+    assert summary.steps == 8
+    assert len(summary.losses) == summary.steps
+    assert all(math.isfinite(x) for x in summary.losses)
+    ledger = json.loads(Path(summary.ledger).read_text())
+    assert [s["name"] for s in ledger["stages"]] == ["cache:g0", "train"]
+    assert all(s["status"] == "done" for s in ledger["stages"])
+
+
+def test_lora_loads_into_diffusers_and_changes_output(finished_run, tiny_model):
+    from diffusers import FluxPipeline
+
+    summary, _ = finished_run
+    lora = Path(summary.lora_path)
+    assert lora.name == "pytorch_lora_weights.safetensors" and lora.is_file()
+
+    def render(pipe):
+        return pipe(
+            "a red circle on a blue background",
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+        ).images[0]
+
+    pipe = FluxPipeline.from_pretrained(tiny_model)
+    base = render(pipe)
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    tuned = render(pipe)
+    assert np.abs(tuned - base).max() > 1e-4
+
+
+def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
+    summary, cfg = finished_run
+    manifest_before = generations.load_manifest(summary.cache_dir)
+    again = job.run(cfg, only="cache")
+    assert again.cache_dir == summary.cache_dir
+    assert generations.load_manifest(again.cache_dir)["committed_at"] == manifest_before["committed_at"]
+
+
+def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
+    """The README's demo command, joined to the session's Ray through RAY_ADDRESS."""
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    out = tmp_path / "cli-run"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--set", f"run.output_dir={out}",
+         "--set", f"model.path={tiny_model}", "--set", "data.resolution=64", "--set", "train.max_steps=2"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert "LoRA:" in proc.stdout and str(out) in proc.stdout
