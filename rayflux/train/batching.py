@@ -48,7 +48,10 @@ def index_samples(files: list[str]) -> list[SampleRef]:
 
 
 def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int) -> tuple[list[dict], int]:
-    """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``."""
+    """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
+
+    Each batch carries its own noise ``seed``, so its noise and σ do not depend on which rank trains it.
+    """
     by_bucket: dict[str, list[SampleRef]] = {}
     for r in refs:
         by_bucket.setdefault(r.bucket, []).append(r)
@@ -64,6 +67,7 @@ def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, wo
         {
             "epoch": epoch,
             "index": i,
+            "seed": _rng(seed, epoch, "batch", i).getrandbits(62),
             "bucket": b[0].bucket,
             "size": len(b),
             "refs": json.dumps([[r.file, r.row, r.sample_id] for r in b]),
@@ -103,6 +107,8 @@ def load_batch(item: dict) -> dict:
     return {
         "epoch": item["epoch"],
         "index": item["index"],
+        "seed": item["seed"],
+        "rank_batches": item["rank_batches"],
         "bucket": item["bucket"],
         "size": len(rows),
         "latent": np.stack(lat).tobytes(),

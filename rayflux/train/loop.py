@@ -28,6 +28,7 @@ def _batch_tensors(item: dict, device, dtype):
 
 
 def flow_step(model, latents, t5, clip, generator, train_cfg, guidance_embeds: bool):
+    """``generator`` is seeded per planned batch, so a batch's noise is the same whichever rank trains it."""
     """One forward pass and loss (no backward): pack, noise, predict ``ε - x``."""
     b, _, h, w = latents.shape
     device, dtype = latents.device, latents.dtype
@@ -100,18 +101,19 @@ def train_loop_per_worker(loop_config: dict) -> None:
     model = ray.train.torch.prepare_model(transformer)
     model.train()
 
-    steps_total = loop_config["steps_per_worker"]
-    generator = torch.Generator().manual_seed(t.seed * 100_003 + rank * 7919 + step)
     shard = ray.train.get_dataset_shard("train")
     seen = 0
     t0, samples = time.perf_counter(), 0
+    steps_total = 0
     for item in shard.iter_rows():
+        steps_total = min(int(item["rank_batches"]), t.max_steps or int(item["rank_batches"]))
         seen += 1
         if seen <= step:
-            continue  # already trained on before the restart
+            continue  # trained on before the restart: the plan replays the same order, so skip exactly these
         if step >= steps_total:
             break
         latents, t5, clip = _batch_tensors(item, device, dtype)
+        generator = torch.Generator().manual_seed(int(item["seed"]))
         loss = flow_step(model, latents, t5, clip, generator, t, guidance_embeds)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

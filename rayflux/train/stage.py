@@ -13,6 +13,7 @@ from rayflux.cache import generations
 from rayflux.config import JobConfig, worker_range
 from rayflux.models import ModelFacts
 from rayflux.train import batching
+from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
 from rayflux.train.loop import METRICS_FILE, train_loop_per_worker
 
 log = logging.getLogger(__name__)
@@ -29,15 +30,13 @@ class TrainResult:
     epoch_counts: dict = field(default_factory=dict)
 
 
-def plan(cfg: JobConfig, manifest: dict, world_size: int) -> tuple[list[dict], dict]:
-    """Every planned batch of every epoch, plus per-epoch sample accounting."""
-    refs = batching.index_samples(generations.sample_files(manifest))
-    batches, counts = [], {}
+def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
+    """Per-epoch sample accounting for a world size (the same plan the data feed builds)."""
+    counts = {}
     for epoch in range(cfg.train.epochs):
         planned, dropped = batching.plan_epoch(refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size)
-        batches.extend(planned)
         counts[epoch] = {"samples": sum(b["size"] for b in planned), "dropped": dropped, "batches": len(planned)}
-    return batches, counts
+    return counts
 
 
 def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
@@ -45,24 +44,18 @@ def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
 
 
 def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool) -> TrainResult:
-    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
     lo, hi = worker_range(cfg.train.num_workers)
-    batches, counts = plan(cfg, manifest, hi)
-    if not batches:
+    refs = batching.index_samples(generations.sample_files(manifest))
+    counts = plan_counts(cfg, refs, hi)
+    if counts[0]["batches"] == 0:
         raise RuntimeError(
             f"no full set of batches for {hi} workers: {manifest['cached']} samples, batch_size {cfg.train.batch_size}"
         )
-    steps = len(batches) // hi
-    if cfg.train.max_steps:
-        steps = min(steps, cfg.train.max_steps)
     for epoch, c in counts.items():
         log.info("epoch %d: %d samples in %d batches, %d dropped by the remainder rule", epoch, c["samples"], c["batches"], c["dropped"])
-
-    ds = ray.data.from_items(batches, override_num_blocks=min(len(batches), 1000))
-    ds = ds.map(batching.load_batch, num_cpus=0.25)
 
     use_gpu = _use_gpu(cfg, cluster_gpus)
     resources = {"CPU": cfg.train.cpus_per_worker}
@@ -79,10 +72,11 @@ def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cl
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": cfg.to_dict(), "steps_per_worker": steps},
+        train_loop_config={"job": cfg.to_dict()},
         scaling_config=scaling,
         run_config=run_config,
-        datasets={"train": ds},
+        datasets={DATASET: index_dataset(refs)},
+        dataset_config=PlannedDataConfig(cfg.train.batch_size, cfg.train.seed, cfg.train.epochs),
     )
     result = trainer.fit()
     if result.checkpoint is None:
