@@ -10,9 +10,9 @@ from pathlib import Path
 
 from rayflux.testing.tiny import default_home
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"
 # (width, height): square, landscape and portrait, so the demo exercises more than one bucket.
-DEMO_SIZES = [(96, 96), (96, 96), (128, 80), (128, 80), (80, 128), (80, 128), (112, 96), (96, 112)]
+DEMO_SIZES = [(512, 512), (512, 512), (640, 384), (640, 384), (384, 640), (384, 640), (576, 448), (448, 576)]
 _RGB = {
     "red": (220, 40, 40),
     "green": (40, 180, 60),

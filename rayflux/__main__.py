@@ -1,0 +1,30 @@
+"""``python -m rayflux <command>``: tools around the job.
+
+- ``cache verify <cache_dir>``: check a cache generation's shards against its manifest and buckets.
+- ``data check <config.yaml>``: the dataset doctor; discovery, captions, buckets and path safety, no encoding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command words -> module with a ``main(argv) -> int``; imported lazily so one tool never pays for another's imports.
+COMMANDS = {
+    ("cache", "verify"): "rayflux.cache.verify",
+    ("data", "check"): "rayflux.doctor",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    key = tuple(argv[:2])
+    if key not in COMMANDS:
+        names = ", ".join(" ".join(k) for k in COMMANDS)
+        print(f"usage: python -m rayflux <command> ...; commands: {names}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[key]).main(argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
