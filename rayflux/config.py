@@ -85,6 +85,15 @@ class CacheConfig:
     """Fail the job on the first bad input instead of skipping it with a recorded reason."""
     seed: int = 0
     """Seed for random crops and caption choice; each generation derives its own from it."""
+    use_gpu: str = "auto"
+    """Encoder actors on GPUs: ``auto`` (when the cluster has GPUs or ``cache.accelerator_type`` is set), ``true`` or
+    ``false``. Set ``true`` on an autoscaling cluster whose GPU nodes are not up yet when the job starts."""
+    accelerator_type: str = ""
+    """GPU type each encoder actor needs (e.g. ``L4``, ``A10G``), so encoding runs on cheaper GPU nodes than training.
+    Empty: any GPU. Implies GPU encoders."""
+    actor_resources: dict = field(default_factory=dict)
+    """Extra Ray resources each encoder actor reserves, e.g. ``{encode_node: 1}`` for a node type that declares that
+    custom resource in ``cluster.yaml``."""
 
 
 @dataclass
@@ -100,7 +109,22 @@ class TrainConfig:
     cpus_per_worker: float = 0.5
     """CPUs reserved per worker. Fractional values let two workers share a small machine."""
     use_gpu: str = "auto"
-    """``auto`` (use GPUs when the cluster has them), ``true`` or ``false``."""
+    """``auto`` (use GPUs when the cluster has them or ``train.accelerator_type`` is set), ``true`` or ``false``."""
+    accelerator_type: str = ""
+    """GPU type every train worker needs (e.g. ``H100``), so workers go only to such nodes. Empty: any. Implies GPU
+    training."""
+    worker_resources: dict = field(default_factory=dict)
+    """Extra Ray resources each train worker reserves, e.g. ``{train_node: 1}`` to keep training on a node type that
+    declares that custom resource."""
+    max_failures: int = 3
+    """Restarts after a worker or node failure before the job gives up (-1: no limit). Each resumes from the latest
+    checkpoint. Announced preemptions (node drains) are not counted here: Ray Train retries those without limit."""
+    checkpoint_every: int = 100
+    """Checkpoint every this many optimizer steps (0: only at the end). A node loss, resize or preemption resumes
+    from the latest checkpoint, so this bounds the work lost."""
+    resize_check_seconds: float = 60.0
+    """How often an elastic run (``num_workers: [min, max]``) looks for room for more workers. Growing restarts the
+    worker group from the latest checkpoint."""
     batch_size: int = 1
     """Samples per batch on each worker. A batch always holds one bucket."""
     learning_rate: float = 1e-4
@@ -159,10 +183,20 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self, *sections: str) -> str:
-        """A short stable hash of the named sections (all when none are named)."""
+        """A short stable hash of the named sections (all when none are named), without :data:`PLACEMENT_KEYS`."""
         d = self.to_dict()
-        chosen = {k: d[k] for k in (sections or d)}
+        chosen = {k: {f: v for f, v in d[k].items() if f not in PLACEMENT_KEYS.get(k, ())} for k in (sections or d)}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Where and how a run executes, not what it trains: a rerun of a run (a resubmitted cluster job) may change these and
+# still continue it, since every restart re-plans for its world size (rayflux/train/progress.py). Fingerprints, and
+# with them the ledger's "same run" check, leave them out.
+PLACEMENT_KEYS = {
+    "train": {"num_workers", "accelerator_type", "worker_resources", "max_failures", "checkpoint_every",
+              "resize_check_seconds"},  # fmt: skip
+    "cache": {"use_gpu", "accelerator_type", "actor_resources"},
+}
 
 
 class ConfigError(ValueError):
@@ -220,6 +254,8 @@ def _coerce(key: str, value: Any, default: Any, annotation: Any) -> Any:
         if kind is float:
             return float(value)
         if kind is str:
+            if isinstance(value, bool):  # YAML reads true/false as booleans; choice keys spell them in lower case
+                return str(value).lower()
             return "" if value is None else str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
@@ -287,6 +323,22 @@ def worker_range(num_workers: Any) -> tuple[int, int]:
     return lo, hi
 
 
+def resource_map(key: str, value: Any) -> dict[str, float]:
+    """Check a custom-resource mapping (``{name: amount}``); CPU and GPU have their own keys."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a mapping of resource name to amount, got {value!r}")
+    out = {}
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{key}: resource names must be non-empty strings, got {name!r}")
+        if name in ("CPU", "GPU"):
+            raise ConfigError(f"{key}: set {name} through its own key (cpus_per_worker, actor_cpus, use_gpu)")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+            raise ConfigError(f"{key}.{name} must be a positive number, got {amount!r}")
+        out[name] = float(amount)
+    return out
+
+
 _CHOICES = {
     ("data", "missing_caption"): ("skip", "empty", "filename", "instance"),
     ("data", "resolution_type"): ("area", "shorter_edge"),
@@ -294,6 +346,7 @@ _CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("cache", "dtype"): ("float32", "float16", "bfloat16"),
     ("train", "use_gpu"): ("auto", "true", "false"),
+    ("cache", "use_gpu"): ("auto", "true", "false"),
     ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
     ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
 }
@@ -330,6 +383,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.cpus_per_worker must be positive")
     refresh_interval(cfg.cache.refresh)
     worker_range(cfg.train.num_workers)
+    if cfg.train.max_failures < -1:
+        raise ConfigError("train.max_failures must be -1 (no limit) or >= 0")
+    if cfg.train.checkpoint_every < 0:
+        raise ConfigError("train.checkpoint_every must be >= 0")
+    if cfg.train.resize_check_seconds < 0:
+        raise ConfigError("train.resize_check_seconds must be >= 0")
+    resource_map("train.worker_resources", cfg.train.worker_resources)
+    resource_map("cache.actor_resources", cfg.cache.actor_resources)
     if cfg.data.missing_caption == "instance" and not cfg.data.instance_prompt:
         raise ConfigError("data.missing_caption=instance needs data.instance_prompt")
 

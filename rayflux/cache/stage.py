@@ -14,7 +14,7 @@ from rayflux import buckets, storage
 from rayflux.cache import generations, shards
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
-from rayflux.config import JobConfig
+from rayflux.config import JobConfig, resource_map
 from rayflux.models import ModelFacts
 from rayflux.sources import Discovery, caption_id
 
@@ -56,9 +56,17 @@ def cache_key(cfg: JobConfig, facts: ModelFacts) -> str:
 
 
 def _resources(cfg: JobConfig, use_gpu: bool) -> dict:
-    if use_gpu:
-        return {"num_gpus": 1, "num_cpus": 1}
-    return {"num_cpus": cfg.cache.actor_cpus}
+    """Ray options of every encoder actor. ``use_gpu`` says whether the cluster has GPUs right now; an accelerator
+    type or custom resource lets encoding target a cheaper GPU node type than training (see ``cluster.yaml``)."""
+    c = cfg.cache
+    gpu = {"auto": use_gpu or bool(c.accelerator_type), "true": True, "false": False}[c.use_gpu]
+    res: dict = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": c.actor_cpus}
+    if c.accelerator_type:
+        res["accelerator_type"] = c.accelerator_type
+    extra = resource_map("cache.actor_resources", c.actor_resources)
+    if extra:
+        res["resources"] = extra
+    return res
 
 
 @functools.lru_cache(maxsize=4)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from rayflux import storage
 from rayflux.cache import generations
-from rayflux.config import JobConfig, worker_range
+from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.models import ModelFacts
 from rayflux.train import batching
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
@@ -40,14 +40,46 @@ def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int)
 
 
 def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
-    return {"auto": cluster_gpus, "true": True, "false": False}[cfg.train.use_gpu]
+    # An accelerator type names a GPU, so it implies GPU workers even before the autoscaler has started any.
+    auto = cluster_gpus or bool(cfg.train.accelerator_type)
+    return {"auto": auto, "true": True, "false": False}[cfg.train.use_gpu]
+
+
+def scaling_config(cfg: JobConfig, use_gpu: bool):
+    """Ray Train's ``ScalingConfig``: fixed or elastic (``num_workers: [min, max]``) and where workers may run."""
+    import ray.train
+
+    lo, hi = worker_range(cfg.train.num_workers)
+    resources = {"CPU": cfg.train.cpus_per_worker}
+    resources.update(resource_map("train.worker_resources", cfg.train.worker_resources))
+    if use_gpu:
+        resources["GPU"] = 1
+    return ray.train.ScalingConfig(
+        num_workers=hi if lo == hi else (lo, hi),
+        use_gpu=use_gpu,
+        resources_per_worker=resources,
+        accelerator_type=cfg.train.accelerator_type or None,
+        elastic_resize_monitor_interval_s=cfg.train.resize_check_seconds,
+    )
+
+
+def run_config(cfg: JobConfig, output_dir: str):
+    """Ray Train's ``RunConfig``. The storage path must be shared by every node (``s3://`` on a cloud cluster):
+    restarts, resizes and resumed jobs all load the latest checkpoint from it."""
+    import ray.train
+
+    return ray.train.RunConfig(
+        name=cfg.run.name,
+        storage_path=storage.join(output_dir, "checkpoints"),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+    )
 
 
 def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool) -> TrainResult:
-    import ray.train
     from ray.train.torch import TorchTrainer
 
-    lo, hi = worker_range(cfg.train.num_workers)
+    _, hi = worker_range(cfg.train.num_workers)
     refs = batching.index_samples(generations.sample_files(manifest))
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
@@ -57,24 +89,11 @@ def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cl
     for epoch, c in counts.items():
         log.info("epoch %d: %d samples in %d batches, %d dropped by the remainder rule", epoch, c["samples"], c["batches"], c["dropped"])
 
-    use_gpu = _use_gpu(cfg, cluster_gpus)
-    resources = {"CPU": cfg.train.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = 1
-    scaling = ray.train.ScalingConfig(
-        num_workers=hi if lo == hi else (lo, hi), use_gpu=use_gpu, resources_per_worker=resources
-    )
-    run_config = ray.train.RunConfig(
-        name=cfg.run.name,
-        storage_path=storage.join(output_dir, "checkpoints"),
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-        failure_config=ray.train.FailureConfig(max_failures=3),
-    )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": cfg.to_dict()},
-        scaling_config=scaling,
-        run_config=run_config,
+        scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
+        run_config=run_config(cfg, output_dir),
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(cfg.train.batch_size, cfg.train.seed, cfg.train.epochs),
     )
