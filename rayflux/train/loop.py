@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rayflux import config as config_mod
-from rayflux.train import flow, lora
+from rayflux.train import flow, lora, progress
 
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.json"
@@ -72,7 +72,6 @@ def _save_checkpoint(transformer, optimizer, step: int, history: list, extra: di
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
-    from ray.train import Checkpoint
 
     from rayflux import models
 
@@ -89,7 +88,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     guidance_embeds = bool(transformer.config.guidance_embeds)
 
-    step, history = 0, []
+    step, history, saved_progress = 0, [], None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
@@ -97,21 +96,19 @@ def train_loop_per_worker(loop_config: dict) -> None:
             state = torch.load(os.path.join(d, STATE_FILE), weights_only=True)
             optimizer.load_state_dict(state["optimizer"])
             step = int(state["step"])
-            history = json.load(open(os.path.join(d, METRICS_FILE)))["history"]
+            saved = json.load(open(os.path.join(d, METRICS_FILE)))
+            history, saved_progress = saved["history"], saved.get("progress")
+    # Restarts (failures, resizes, preemptions) may change the world size: resume by the plan cursor, not by step.
+    prog = progress.Progress.restore(saved_progress, step, world)
+    save_policy = progress.SavePolicy(t.checkpoint_every)
+    report_checkpoint = _reporter(transformer, optimizer, history, prog, rank, world)
     model = ray.train.torch.prepare_model(transformer)
     model.train()
 
     shard = ray.train.get_dataset_shard("train")
-    seen = 0
     t0, samples = time.perf_counter(), 0
-    steps_total = 0
-    for item in shard.iter_rows():
-        steps_total = min(int(item["rank_batches"]), t.max_steps or int(item["rank_batches"]))
-        seen += 1
-        if seen <= step:
-            continue  # trained on before the restart: the plan replays the same order, so skip exactly these
-        if step >= steps_total:
-            break
+    steps_left = max(t.max_steps - step, 0) if t.max_steps else None
+    for item, last in prog.remaining(shard.iter_rows(), world, steps_left):
         latents, t5, clip = _batch_tensors(item, device, dtype)
         generator = torch.Generator().manual_seed(int(item["seed"]))
         loss = flow_step(model, latents, t5, clip, generator, t, guidance_embeds)
@@ -120,17 +117,44 @@ def train_loop_per_worker(loop_config: dict) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm > 0 else torch.tensor(0.0)
         optimizer.step()
         step += 1
+        prog.advance(item, world)
         samples += int(item["size"])
         mean_loss = loss.detach().float()
         if world > 1:
             torch.distributed.all_reduce(mean_loss)
             mean_loss /= world
-        history.append({"step": step, "epoch": int(item["epoch"]), "loss": float(mean_loss)})
-        if step % t.log_every == 0 and step < steps_total:
-            dt = time.perf_counter() - t0
-            ray.train.report(
-                {"step": step, "loss": float(mean_loss), "grad_norm": float(grad_norm), "samples_per_s": samples * world / dt}
-            )
-    final = {"step": step, "loss": history[-1]["loss"] if history else float("nan")}
-    ckpt_dir = _save_checkpoint(transformer, optimizer, step, history, {"world_size": world}) if rank == 0 else None
-    ray.train.report(final, checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
+        # The step trained batches index .. index + world - 1 of its epoch (rank r trains index + r).
+        batches = {"epoch": int(item["epoch"]), "index": int(item["index"]) - rank, "world": world}
+        history.append({"step": step, **batches, "loss": float(mean_loss)})
+        if last:
+            break
+        metrics = {"step": step, "loss": float(mean_loss), "grad_norm": float(grad_norm)}
+        metrics["samples_per_s"] = samples * world / (time.perf_counter() - t0)
+        reason = save_policy.reason(step)
+        if reason:
+            report_checkpoint(metrics, reason)
+        elif step % t.log_every == 0:
+            ray.train.report(metrics)
+    report_checkpoint({"step": step, "loss": history[-1]["loss"] if history else float("nan")}, "final")
+
+
+def _reporter(transformer, optimizer, history: list, prog: progress.Progress, rank: int, world: int):
+    """``report_checkpoint(metrics, reason)``: every rank reports; rank 0 attaches the checkpoint."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    def report_checkpoint(metrics: dict, reason: str) -> None:
+        step = int(metrics["step"])
+        prog.saved(step, world, reason)
+        ckpt_dir = None
+        if rank == 0:
+            extra = {"world_size": world, "checkpoint_reason": reason, "progress": prog.to_dict()}
+            ckpt_dir = _save_checkpoint(transformer, optimizer, step, history, extra)
+        # The directory is a temporary one of ours, so Ray may delete it once uploaded.
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None,
+            delete_local_checkpoint_after_upload=ckpt_dir is not None,
+        )
+
+    return report_checkpoint
