@@ -2,6 +2,8 @@
 
 - ``cache verify <cache_dir>``: check a cache generation's shards against its manifest and buckets.
 - ``data check <config.yaml>``: the dataset doctor; discovery, captions, buckets and path safety, no encoding.
+- ``cluster runtime-env <file>``: a runtime_env YAML as JSON for ``ray job submit``, with secrets from the environment.
+- ``cluster spot-guard``: on a worker node, drain it for Ray Train as soon as EC2 announces a spot reclaim.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 COMMANDS = {
     ("cache", "verify"): "rayflux.cache.verify",
     ("data", "check"): "rayflux.doctor",
+    ("cluster", "runtime-env"): "rayflux.cluster.runtime_env",
+    ("cluster", "spot-guard"): "rayflux.cluster.spot_guard",
 }
 
 
