@@ -18,6 +18,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Token auth, as ``ray.init()`` turns on by default in Ray 2.60, for every Ray the tests start or join (clusters
+# started with ``ray start`` and the in-process GCS clients of tests/cluster_support.py included).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @pytest.fixture(scope="session")

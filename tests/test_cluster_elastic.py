@@ -1,0 +1,216 @@
+"""Elastic training on a multi-node ``ray.cluster_utils.Cluster``: one job through node loss, growth and preemption.
+
+The job (``jobs/train_flux.py``, a subprocess joined through ``RAY_ADDRESS``) trains with ``num_workers: [1, 2]`` and
+``worker_resources: {trainer: 1}``. Worker nodes have one ``trainer`` each and the head none, so every train worker
+has a node of its own and the head never trains. The test drives four events, each once Ray Train has *registered* a
+checkpoint of the previous phase (the one a restart resumes from):
+
+1. worker node B crashes            -> training restarts from the latest checkpoint on node A alone;
+2. node C joins                     -> the elastic run grows back to two workers;
+3. SIGTERM to C's ``ray start``     -> Ray 2.60 drains C for preemption; the loop checkpoints at once;
+4. node C is gone (the reclaim)     -> training resumes from there on node A and finishes every planned batch.
+
+On a virtual machine the reclaim's SIGTERM reaches every process at once, so there the spot guard drains the node on
+EC2's two-minute notice instead; its test serves that notice from a local HTTP server speaking IMDSv2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from cluster_support import (
+    alive_nodes,
+    ensure_auth_token,
+    gcs,
+    ray_env,
+    ray_node,
+    registered_checkpoint,
+    stop_process_group,
+    train_job_cmd,
+    wait_for,
+)
+
+EPOCHS = 30
+BATCHES_PER_EPOCH = 8  # 8 demo images, batch size 1; divisible by both world sizes, so no remainder drops
+PHASE_S = 420  # a bound for each phase to happen at all, on a busy 2-core machine; never a performance claim
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    ensure_auth_token()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    yield c
+    # Node by node rather than Cluster.shutdown(), which also resets this process's Ray client state (a session Ray
+    # started by other tests in this process must keep working).
+    for node in list(c.worker_nodes):
+        c.remove_node(node, allow_graceful=False)
+    c.remove_node(c.head_node, allow_graceful=False)
+
+
+def _trainer_node(cluster):
+    return cluster.add_node(num_cpus=1, resources={"trainer": 1})
+
+
+def _wait_checkpoint(storage: Path, job: subprocess.Popen, what: str, check) -> dict:
+    return wait_for(lambda: (m := registered_checkpoint(storage)) and check(m) and m, PHASE_S, what, proc=job)
+
+
+class _Imds(BaseHTTPRequestHandler):
+    """EC2's instance metadata service, the two calls the guard makes (IMDSv2: a session token, then the notice)."""
+
+    def do_PUT(self):
+        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        self._reply(200 if ok else 400, b"imds-token")
+
+    def do_GET(self):
+        if self.headers.get("X-aws-ec2-metadata-token") != "imds-token":
+            return self._reply(401, b"")
+        if self.path != "/latest/meta-data/spot/instance-action":
+            return self._reply(404, b"")
+        self.server.polls += 1
+        notice = self.server.notice
+        self._reply(200, json.dumps(notice).encode()) if notice else self._reply(404, b"")
+
+    def _reply(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_spot_guard_drains_its_node_on_an_interruption_notice(cluster):
+    node = cluster.add_node(num_cpus=0)
+    imds = ThreadingHTTPServer(("127.0.0.1", 0), _Imds)
+    imds.notice, imds.polls = None, 0
+    threading.Thread(target=imds.serve_forever, daemon=True).start()
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "rayflux", "cluster", "spot-guard", f"--address={cluster.address}",
+         f"--node-id={node.node_id}", f"--imds-url=http://127.0.0.1:{imds.server_port}", "--poll-s=0.2"],
+        env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: imds.polls >= 2, PHASE_S, "the guard reading the spot notice", proc=guard)
+        assert node.node_id in alive_nodes(cluster.address)  # no notice, no drain
+        when = (datetime.now(timezone.utc) + timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        imds.notice = {"action": "terminate", "time": when}
+        output, _ = guard.communicate(timeout=PHASE_S)
+        assert guard.returncode == 0, output
+        # An idle node leaves as soon as it is drained; Ray records why. (A node running train workers stays until
+        # the deadline or until they are done; the elastic test below covers that.)
+        info = wait_for(lambda: _dead_node_info(cluster.address, node.node_id), PHASE_S, "the drained node leaving")
+        assert info.death_info.Reason.Name(info.death_info.reason) == "AUTOSCALER_DRAIN_PREEMPTED"
+        assert "spot interruption" in info.death_info.reason_message and when in info.death_info.reason_message
+    finally:
+        if guard.poll() is None:
+            guard.kill()
+            guard.wait()
+        imds.shutdown()
+        cluster.remove_node(node, allow_graceful=False)
+
+
+def _dead_node_info(address: str, node_id: str):
+    for nid, info in gcs(address).get_all_node_info().items():
+        if nid.hex() == node_id and info.state != info.ALIVE:
+            return info
+    return None
+
+
+def _preemption_saves(metrics: dict) -> list[dict]:
+    return [s for s in metrics["progress"]["saves"] if s["reason"] == "preemption"]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _expected_batches(progress: dict, history: list[dict]) -> set[tuple[int, int]]:
+    """Every planned batch, less those a restart skips by rounding its cursor up to its world size."""
+    expected = {(e, i) for e in range(EPOCHS) for i in range(BATCHES_PER_EPOCH)}
+    for start in progress["starts"][1:]:
+        before = [h for h in history if h["step"] == start["step"]]
+        assert len(before) == 1, f"restart at step {start['step']} has no recorded step to resume after"
+        epoch, cursor = before[0]["epoch"], before[0]["index"] + before[0]["world"]
+        expected -= {(epoch, i) for i in range(cursor, _round_up(cursor, start["world"]))}
+    return expected
+
+
+def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_images, tmp_path):
+    node_a, node_b = _trainer_node(cluster), _trainer_node(cluster)
+    out = tmp_path / "run"
+    storage = out / "checkpoints" / "rayflux"
+    job_env = dict(
+        ray_env(),
+        RAY_ADDRESS=cluster.address,
+        RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5",  # Ray Train's drain watcher; propagated to its controller
+        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="1",
+        RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="300",  # a busy machine can take over a minute to start workers
+    )
+    cmd = train_job_cmd(
+        f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
+        "data.resolution=64", f"train.epochs={EPOCHS}", "train.num_workers=[1, 2]",
+        "train.worker_resources={trainer: 1}", "train.checkpoint_every=4", "train.resize_check_seconds=2",
+        "train.log_every=1000000",
+    )  # fmt: skip
+    with open(tmp_path / "job.log", "wb") as log:
+        job = subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # 1. Node loss: B crashes (SIGKILL, no drain) once two workers have a registered checkpoint.
+        first = _wait_checkpoint(storage, job, "a checkpoint from two workers", lambda m: m["world_size"] == 2)
+        cluster.remove_node(node_b, allow_graceful=False)
+        shrunk = _wait_checkpoint(storage, job, "a checkpoint after the restart on one node",
+                                  lambda m: m["world_size"] == 1)  # fmt: skip
+
+        # 2. Capacity returns: node C joins, as its own `ray start --block` process tree.
+        node_c_args = [f"--address={cluster.address}", "--num-cpus=1", '--resources={"trainer": 1}']
+        with ray_node(node_c_args, tmp_path / "node-c.log", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="300") as node_c:
+            grown = _wait_checkpoint(storage, job, "a checkpoint from two workers after node C joined",
+                                     lambda m: m["world_size"] == 2 and m["step"] > shrunk["step"])  # fmt: skip
+
+            # 3. Spot reclaim: SIGTERM to C's `ray start`. Ray drains the node (reason PREEMPTION) and waits.
+            node_c_id = (set(alive_nodes(cluster.address)) - {n.node_id for n in cluster.list_all_nodes()}).pop()
+            os.kill(node_c.pid, signal.SIGTERM)
+            # Saves accumulate in every checkpoint, so a later interval checkpoint still shows the preemption one.
+            noticed = _wait_checkpoint(storage, job, "the checkpoint saved on the preemption notice", _preemption_saves)
+            jit = _preemption_saves(noticed)[0]
+            assert node_c_id in gcs(cluster.address).get_draining_nodes()
+
+            # 4. The node is gone; training must resume from the latest checkpoint on node A and finish.
+            stop_process_group(node_c)
+        assert job.wait(timeout=PHASE_S) == 0, (tmp_path / "job.log").read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    cluster.remove_node(node_a, allow_graceful=False)
+
+    final = registered_checkpoint(storage)
+    progress, history = final["progress"], final["history"]
+    assert final["checkpoint_reason"] == "final" and final["step"] == len(history)
+    # Every (re)start of the worker group, with the step it resumed at: 2 workers, 1 after the crash, 2 after the
+    # join, 1 after the reclaim; each restart resumed at a step that had been checkpointed, never from scratch.
+    assert [s["world"] for s in progress["starts"]] == [2, 1, 2, 1], progress["starts"]
+    saved_steps = {s["step"] for s in progress["saves"]}
+    assert all(s["step"] in saved_steps for s in progress["starts"][1:]), progress
+    assert progress["starts"][1]["step"] >= first["step"] > 0
+    assert progress["starts"][2]["step"] >= shrunk["step"]
+    assert progress["starts"][3]["step"] >= jit["step"] >= grown["step"]
+    assert _preemption_saves(final) == [jit] and jit["world"] == 2
+    # No batch trained twice, none missed beyond the documented rounding at restarts: every planned step ran.
+    trained = [(h["epoch"], h["index"] + r) for h in history for r in range(h["world"])]
+    assert len(trained) == len(set(trained)), "a batch was trained twice"
+    assert set(trained) == _expected_batches(progress, history)
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
