@@ -91,12 +91,30 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 def ray_node(args: list[str], log: Path, **env: str):
     """A ``ray start --block`` node (a head when ``args`` has ``--head``) leading its own process group; stopped by
     group on exit. SIGTERM to the yielded process is SIGTERM to the node, as a container runtime sends it."""
+    from ray._private.services import get_node_ip_address
+
     ensure_auth_token()
     proc = start_process_group([RAY, "start", "--block", *args, *node_ports("--head" in args)], ray_env(**env), log)
     try:
         yield proc
     finally:
         stop_process_group(proc)
+        ports = [a.split("=", 1)[1] for a in args if a.startswith("--port=")]
+        if "--head" in args and ports:
+            forget_address(f"{get_node_ip_address()}:{ports[0]}")
+
+
+def forget_address(address: str) -> None:
+    """Drop a stopped head from Ray's "latest cluster" file, which a plain ``ray.init()`` would otherwise try to join.
+
+    Ray writes the file for every head it starts (``ray start``, ``Cluster``). Every Ray on the machine shares it, so
+    it is only reset while it still names the head these tests stopped.
+    """
+    from ray._common.utils import reset_ray_address
+    from ray._private.utils import read_ray_address
+
+    if read_ray_address() == address:
+        reset_ray_address()
 
 
 def ray_env(**extra: str) -> dict:

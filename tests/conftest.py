@@ -43,7 +43,9 @@ def ray_session(tiny_model):
     import ray
     from ray.data import DataContext
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": always a new Ray of our own, never the "latest cluster" another head on this machine
+    # recorded (a plain ray.init() joins that one when its file exists).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

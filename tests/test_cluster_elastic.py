@@ -30,6 +30,7 @@ import pytest
 from cluster_support import (
     alive_nodes,
     ensure_auth_token,
+    forget_address,
     gcs,
     ray_env,
     ray_node,
@@ -53,9 +54,11 @@ def cluster():
     yield c
     # Node by node rather than Cluster.shutdown(), which also resets this process's Ray client state (a session Ray
     # started by other tests in this process must keep working).
+    address = c.address
     for node in list(c.worker_nodes):
         c.remove_node(node, allow_graceful=False)
     c.remove_node(c.head_node, allow_graceful=False)
+    forget_address(address)
 
 
 def _trainer_node(cluster):
