@@ -5,9 +5,11 @@ The driver plans every batch of an epoch before training: one bucket per batch, 
 process that computes the plan gets the same answer, regardless of listing order.
 
 Remainder rule (the same on every rank): a bucket's last batch may be smaller than ``batch_size``; then the
-epoch's batch count is cut down to a multiple of the world size by dropping batches from the *end* of the shuffled
-order, so each rank runs exactly ``len(plan) / world_size`` steps and DDP never waits on a rank that ran out.
-The dropped samples are counted in the epoch's metrics.
+epoch's batch count is cut down to a multiple of ``world_size * accumulation`` by dropping batches from the *end*
+of the shuffled order. Each rank then gets exactly ``len(plan) / world_size`` batches, a whole number of optimizer
+steps of ``accumulation`` batches each, so every rank runs the same number of optimizer steps and DDP never waits on
+a rank that ran out; an optimizer step never straddles two epochs. The dropped samples are counted in the epoch's
+metrics, and since the shuffle is per epoch, a different set is dropped each epoch.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def index_samples(files: list[str]) -> list[SampleRef]:
     return refs
 
 
-def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int) -> tuple[list[dict], int]:
+def plan_epoch(
+    refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1
+) -> tuple[list[dict], int]:
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
 
     Each batch carries its own noise ``seed``, so its noise and σ do not depend on which rank trains it.
@@ -61,7 +65,7 @@ def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, wo
         _rng(seed, epoch, bucket).shuffle(members)
         batches.extend(members[i : i + batch_size] for i in range(0, len(members), batch_size))
     _rng(seed, epoch, "order").shuffle(batches)
-    keep = len(batches) - len(batches) % world_size
+    keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])
     planned = [
         {
@@ -104,17 +108,24 @@ def load_batch(item: dict) -> dict:
         lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
         t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
         clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
+    return stack_batch(item, [r["sample_id"] for r in rows], lat, t5, clip)
+
+
+def stack_batch(item: dict, sample_ids: list[str], latents: list, t5: list, clip: list) -> dict:
+    """One training row: the plan fields of ``item`` plus the stacked float32 tensors as bytes."""
+    lat, t5, clip = (np.stack([np.asarray(x, np.float32) for x in xs]) for xs in (latents, t5, clip))
     return {
         "epoch": item["epoch"],
         "index": item["index"],
         "seed": item["seed"],
         "rank_batches": item["rank_batches"],
         "bucket": item["bucket"],
-        "size": len(rows),
-        "latent": np.stack(lat).tobytes(),
-        "latent_shape": json.dumps([len(rows), *lat_shape]),
-        "t5": np.stack(t5).tobytes(),
-        "t5_shape": json.dumps([len(rows), *t5_shape]),
-        "clip": np.stack(clip).tobytes(),
-        "clip_dim": int(first["clip_dim"]),
+        "size": len(sample_ids),
+        "sample_ids": json.dumps(sample_ids),
+        "latent": lat.tobytes(),
+        "latent_shape": json.dumps(list(lat.shape)),
+        "t5": t5.tobytes(),
+        "t5_shape": json.dumps(list(t5.shape)),
+        "clip": clip.tobytes(),
+        "clip_dim": int(clip.shape[1]),
     }

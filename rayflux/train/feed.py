@@ -24,11 +24,12 @@ DATASET = "train"
 class PlannedDataConfig(DataConfig):
     """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields."""
 
-    def __init__(self, batch_size: int, seed: int, epochs: int, read_cpus: float = 0.25):
+    def __init__(self, batch_size: int, seed: int, epochs: int, accumulation: int = 1, read_cpus: float = 0.25):
         super().__init__(datasets_to_split=[])
         self.batch_size = batch_size
         self.seed = seed
         self.epochs = epochs
+        self.accumulation = accumulation
         self.read_cpus = read_cpus
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
@@ -37,9 +38,12 @@ class PlannedDataConfig(DataConfig):
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
         plan = []
         for epoch in range(self.epochs):
-            plan.extend(batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size)[0])
-        # Each epoch's batch count is a multiple of world_size, so every rank gets the same number.
-        assert len(plan) % world_size == 0
+            plan.extend(
+                batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size, self.accumulation)[0]
+            )
+        # Each epoch's batch count is a multiple of world_size * accumulation: every rank gets the same whole
+        # number of optimizer steps.
+        assert len(plan) % (world_size * self.accumulation) == 0
         output = []
         for rank in range(world_size):
             # Every row says how many batches its rank gets, so the loop knows its step budget up front.
