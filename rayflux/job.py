@@ -87,6 +87,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     from rayflux.cache import generations
     from rayflux.cache.stage import build_generation, cache_key
     from rayflux.sources import discover
+    from rayflux.train.checkpoint import lora_file
     from rayflux.train.stage import train
 
     images, cache_root, output = resolve_dirs(cfg)
@@ -131,7 +132,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     summary.steps, summary.losses, summary.checkpoint = result.steps, result.losses, result.checkpoint_path
 
     lora_dir = storage.join(output, "lora")
-    summary.lora_path = export_lora(result.checkpoint_dir, lora_dir)
+    summary.lora_path = export_lora(result.checkpoint_dir, lora_dir, lora_file(cfg.train.output_format))
     ledger.finish(entry, checkpoint=result.checkpoint_path, lora=summary.lora_path, steps=result.steps)
     return summary
 
@@ -151,12 +152,12 @@ def _next_free_generation(cache_root: str, key: str) -> str:
     return generations.generation_dir(cache_root, key, g)
 
 
-def export_lora(checkpoint_dir: str, lora_dir: str) -> str:
-    """Copy the final checkpoint's diffusers LoRA file into ``<output_dir>/lora``."""
+def export_lora(checkpoint_dir: str, lora_dir: str, weight_name: str = "") -> str:
+    """Copy the final checkpoint's LoRA file (diffusers format unless named) into ``<output_dir>/lora``."""
     from rayflux.train.lora import WEIGHT_NAME
 
-    dest = storage.join(lora_dir, WEIGHT_NAME)
-    src = os.path.join(checkpoint_dir, WEIGHT_NAME)
+    dest = storage.join(lora_dir, weight_name or WEIGHT_NAME)
+    src = os.path.join(checkpoint_dir, weight_name or WEIGHT_NAME)
     if storage.is_uri(dest):
         with open(src, "rb") as f:
             storage.write_bytes_atomic(dest, f.read())
