@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rayflux import storage
 from rayflux.cache import shards, tensors
 
 
@@ -77,13 +78,28 @@ def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, wo
     return planned, dropped
 
 
+class GenerationNotReadable(RuntimeError):
+    """A reader reached a generation that is not committed, or already retired: a stage-ordering bug, never data."""
+
+
+def check_readable(shard_path: str) -> None:
+    """Refuse to read a shard whose generation has no committed manifest or has been retired."""
+    from rayflux.cache import generations
+
+    gen_dir = shard_path.rsplit("/", 2)[0]  # <gen_dir>/samples/<file>
+    if generations.is_retired(gen_dir) or not storage.exists(storage.join(gen_dir, generations.MANIFEST)):
+        raise GenerationNotReadable(f"{shard_path}: generation {gen_dir} is not committed or has been retired")
+
+
 def load_batch(item: dict) -> dict:
     """Ray Data ``map``: read one planned batch's rows and stack them; a shape mismatch is a CacheShapeError."""
     refs = json.loads(item["refs"])
     by_file: dict[str, list[int]] = {}
     for f, row, _ in refs:
         by_file.setdefault(f, []).append(row)
-    cols = ["sample_id", "source_uri", "bucket", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
+    for f in by_file:
+        check_readable(f)
+    cols = ["sample_id", "source_uri", "bucket", "generation", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
     rows = []
     for f, rs in by_file.items():
@@ -108,7 +124,9 @@ def load_batch(item: dict) -> dict:
         "epoch": item["epoch"],
         "index": item["index"],
         "seed": item["seed"],
-        "rank_batches": item["rank_batches"],
+        "step": item["step"],
+        "total_steps": item["total_steps"],
+        "generation": int(rows[0]["generation"]),
         "bucket": item["bucket"],
         "size": len(rows),
         "latent": np.stack(lat).tobytes(),

@@ -69,6 +69,15 @@ def _save_checkpoint(transformer, optimizer, step: int, history: list, extra: di
     return d
 
 
+def _debug_delay(loop_config: dict, rank: int) -> None:
+    """``run.debug_slow_rank = "RANK:SECONDS"`` sleeps on one rank before each step, to expose ordering races."""
+    spec = loop_config["job"]["run"].get("debug_slow_rank", "")
+    if spec:
+        slow_rank, seconds = spec.split(":")
+        if int(slow_rank) == rank:
+            time.sleep(float(seconds))
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
@@ -102,16 +111,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     model.train()
 
     shard = ray.train.get_dataset_shard("train")
-    seen = 0
     t0, samples = time.perf_counter(), 0
-    steps_total = 0
     for item in shard.iter_rows():
-        steps_total = min(int(item["rank_batches"]), t.max_steps or int(item["rank_batches"]))
-        seen += 1
-        if seen <= step:
+        steps_total = min(int(item["total_steps"]), t.max_steps or int(item["total_steps"]))
+        if int(item["step"]) <= step:
             continue  # trained on before the restart: the plan replays the same order, so skip exactly these
         if step >= steps_total:
             break
+        _debug_delay(loop_config, rank)
         latents, t5, clip = _batch_tensors(item, device, dtype)
         generator = torch.Generator().manual_seed(int(item["seed"]))
         loss = flow_step(model, latents, t5, clip, generator, t, guidance_embeds)
@@ -121,11 +128,20 @@ def train_loop_per_worker(loop_config: dict) -> None:
         optimizer.step()
         step += 1
         samples += int(item["size"])
-        mean_loss = loss.detach().float()
+        # [loss sum, samples]: all-reduced so that rank 0's history holds the whole step, for exact accounting.
+        stats = torch.tensor([float(loss.detach()), float(item["size"])], dtype=torch.float64)
         if world > 1:
-            torch.distributed.all_reduce(mean_loss)
-            mean_loss /= world
-        history.append({"step": step, "epoch": int(item["epoch"]), "loss": float(mean_loss)})
+            torch.distributed.all_reduce(stats)
+        mean_loss = stats[0] / world
+        history.append(
+            {
+                "step": step,
+                "epoch": int(item["epoch"]),
+                "generation": int(item["generation"]),
+                "samples": int(stats[1]),
+                "loss": float(mean_loss),
+            }
+        )
         if step % t.log_every == 0 and step < steps_total:
             dt = time.perf_counter() - t0
             ray.train.report(
