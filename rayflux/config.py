@@ -175,6 +175,8 @@ class RunConfig:
     """Ray Train run name under ``<output_dir>/checkpoints``."""
     ray_address: str = ""
     """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray."""
+    debug_slow_rank: str = ""
+    """``RANK:SECONDS`` delays every step of one training rank, to shake out ordering races. Empty: off."""
 
 
 @dataclass
@@ -283,6 +285,11 @@ def parse_set(item: str) -> dict:
     parts = key.strip().split(".")
     if len(parts) != 2:
         raise ConfigError(f"--set key must look like section.key, got {key!r}")
+    section = _section_class(parts[0]) if parts[0] in _SECTIONS else None
+    default = getattr(section(), parts[1], None) if section else None
+    # String keys take the text as written: YAML would turn "1:0.4" into 60.4 (sexagesimal) or "off" into False.
+    if isinstance(default, str):
+        return {parts[0]: {parts[1]: raw}}
     value = yaml.safe_load(raw) if raw.strip() else ""
     return {parts[0]: {parts[1]: value}}
 

@@ -40,7 +40,8 @@ def ray_session(tiny_model):
     import ray
     from ray.data import DataContext
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local" always starts a fresh local Ray, even when another head runs on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

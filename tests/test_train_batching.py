@@ -72,10 +72,11 @@ def test_stacked_row_round_trips_to_tensors():
     lat = [np.full((4, 6, 10), i, np.float32) for i in range(2)]
     t5 = [np.full((7, 3), 10 + i, np.float32) for i in range(2)]
     clip = [np.full((3,), 20 + i, np.float32) for i in range(2)]
-    plan = {"epoch": 1, "index": 4, "seed": 99, "rank_batches": 8, "bucket": "80x48"}
-    row = batching.stack_batch(plan, ["a", "b"], lat, t5, clip)
+    plan = {"epoch": 1, "index": 4, "seed": 99, "step": 3, "total_steps": 8, "bucket": "80x48"}
+    row = batching.stack_batch(plan, 2, ["a", "b"], lat, t5, clip)
     batch = step.from_item(row)
     assert batch.seed == 99 and row["size"] == 2 and json.loads(row["sample_ids"]) == ["a", "b"]
+    assert (row["step"], row["total_steps"], row["generation"]) == (3, 8, 2)
     assert batch.latents.shape == (2, 4, 6, 10) and torch.equal(batch.latents[1], torch.ones(4, 6, 10))
     assert batch.t5.shape == (2, 7, 3) and float(batch.t5[1, 0, 0]) == 11
     assert batch.clip.shape == (2, 3) and float(batch.clip[0, 0]) == 20

@@ -69,11 +69,9 @@ def test_scheduler_follows_lr_factor():
     assert seen == pytest.approx([0.01 * optim.lr_factor(s, 2, 6, "cosine") for s in range(6)])
 
 
-@pytest.mark.parametrize(
-    "rank_batches, accumulation, max_steps, expected", [(8, 1, 0, 8), (8, 2, 0, 4), (8, 2, 3, 3), (8, 1, 20, 8)]
-)
-def test_total_steps(rank_batches, accumulation, max_steps, expected):
-    assert optim.total_steps(rank_batches, accumulation, max_steps) == expected
+@pytest.mark.parametrize("planned, max_steps, expected", [(8, 0, 8), (8, 3, 3), (8, 20, 8)])
+def test_total_steps(planned, max_steps, expected):
+    assert optim.total_steps(planned, max_steps) == expected
 
 
 def test_autocast_choice():

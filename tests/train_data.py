@@ -24,8 +24,8 @@ def items(n: int, batch_size: int = 2, seed: int = 0) -> list[dict]:
         lat = [torch.randn(LATENT, generator=g).numpy() for _ in range(batch_size)]
         t5 = [torch.randn(T5, generator=g).numpy() for _ in range(batch_size)]
         clip = [torch.randn(CLIP, generator=g).numpy() for _ in range(batch_size)]
-        plan = {"epoch": 0, "index": i, "seed": 1000 + i, "rank_batches": n, "bucket": "64x64"}
-        out.append(batching.stack_batch(plan, [f"sample-{i}-{j}" for j in range(batch_size)], lat, t5, clip))
+        plan = {"epoch": 0, "index": i, "seed": 1000 + i, "step": i + 1, "total_steps": n, "bucket": "64x64"}
+        out.append(batching.stack_batch(plan, 0, [f"sample-{i}-{j}" for j in range(batch_size)], lat, t5, clip))
     return out
 
 

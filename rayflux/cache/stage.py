@@ -208,7 +208,7 @@ def build_generation(
         "discovered": discovery.discovered,
         "cached": cached,
         "skipped": len(skipped),
-        "inputs": _inputs_signature(discovery),
+        "inputs": inputs_signature(discovery),
     }
     if cached + len(skipped) != discovery.discovered:
         raise RuntimeError(
@@ -217,7 +217,7 @@ def build_generation(
     return generations.commit(gen_dir, manifest, skipped)
 
 
-def _inputs_signature(discovery: Discovery) -> str:
+def inputs_signature(discovery: Discovery) -> str:
     """Hash of what was discovered (paths, sizes, mtimes, chosen captions): equal means nothing to re-encode."""
     import hashlib
 

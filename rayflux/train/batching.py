@@ -9,7 +9,7 @@ epoch's batch count is cut down to a multiple of ``world_size * accumulation`` b
 of the shuffled order. Each rank then gets exactly ``len(plan) / world_size`` batches, a whole number of optimizer
 steps of ``accumulation`` batches each, so every rank runs the same number of optimizer steps and DDP never waits on
 a rank that ran out; an optimizer step never straddles two epochs. The dropped samples are counted in the epoch's
-metrics, and since the shuffle is per epoch, a different set is dropped each epoch.
+metrics; the shuffle differs per epoch, so the dropped samples usually differ too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rayflux import storage
 from rayflux.cache import shards, tensors
 
 
@@ -81,13 +82,28 @@ def plan_epoch(
     return planned, dropped
 
 
+class GenerationNotReadable(RuntimeError):
+    """A reader reached a generation that is not committed, or already retired: a stage-ordering bug, never data."""
+
+
+def check_readable(shard_path: str) -> None:
+    """Refuse to read a shard whose generation has no committed manifest or has been retired."""
+    from rayflux.cache import generations
+
+    gen_dir = shard_path.rsplit("/", 2)[0]  # <gen_dir>/samples/<file>
+    if generations.is_retired(gen_dir) or not storage.exists(storage.join(gen_dir, generations.MANIFEST)):
+        raise GenerationNotReadable(f"{shard_path}: generation {gen_dir} is not committed or has been retired")
+
+
 def load_batch(item: dict) -> dict:
     """Ray Data ``map``: read one planned batch's rows and stack them; a shape mismatch is a CacheShapeError."""
     refs = json.loads(item["refs"])
     by_file: dict[str, list[int]] = {}
     for f, row, _ in refs:
         by_file.setdefault(f, []).append(row)
-    cols = ["sample_id", "source_uri", "bucket", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
+    for f in by_file:
+        check_readable(f)
+    cols = ["sample_id", "source_uri", "bucket", "generation", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
     rows = []
     for f, rs in by_file.items():
@@ -108,17 +124,19 @@ def load_batch(item: dict) -> dict:
         lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
         t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
         clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
-    return stack_batch(item, [r["sample_id"] for r in rows], lat, t5, clip)
+    return stack_batch(item, int(first["generation"]), [r["sample_id"] for r in rows], lat, t5, clip)
 
 
-def stack_batch(item: dict, sample_ids: list[str], latents: list, t5: list, clip: list) -> dict:
-    """One training row: the plan fields of ``item`` plus the stacked float32 tensors as bytes."""
+def stack_batch(item: dict, generation: int, sample_ids: list[str], latents: list, t5: list, clip: list) -> dict:
+    """One training row: the plan fields of ``item``, the cache generation, and the stacked float32 tensors."""
     lat, t5, clip = (np.stack([np.asarray(x, np.float32) for x in xs]) for xs in (latents, t5, clip))
     return {
         "epoch": item["epoch"],
         "index": item["index"],
         "seed": item["seed"],
-        "rank_batches": item["rank_batches"],
+        "step": item["step"],
+        "total_steps": item["total_steps"],
+        "generation": generation,
         "bucket": item["bucket"],
         "size": len(sample_ids),
         "sample_ids": json.dumps(sample_ids),

@@ -2,8 +2,9 @@
 report, render and checkpoint.
 
 Every rank gets the same number of optimizer steps from the plan (see :mod:`rayflux.train.batching`), so every
-``ray.train.report`` (a barrier) is called equally often on every rank. The loop never touches a text encoder or the
-VAE outside rank 0's validation renders: everything else it needs is in the cached shards.
+``ray.train.report`` (a barrier) is called equally often on every rank. One trainer run may cover only some epochs (a
+cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop never
+touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached shards.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import itertools
 import json
 import logging
 import tempfile
+import time
 
 import torch
 
@@ -33,15 +35,35 @@ def grouped(rows, size: int):
         yield group
 
 
-def skip_trained(rows, progress: Progress) -> None:
-    """Consume the rows a restored run already trained. The plan replays the same order, so these are exactly the
-    first ``progress.batches_done`` rows; the restored batch log (same world size only) confirms it row by row."""
-    logged = [b["index"] for b in progress.batches]
-    for i in range(progress.batches_done):
-        index = int(next(rows)["index"])
-        if logged and index != logged[i]:
-            log.warning("resumed data order differs from the checkpoint's at batch %d (did the cache change?)", i)
-            logged = []
+def with_last(items):
+    """``(item, is_last)`` pairs: the loop must know a segment's last step before training it, to checkpoint it."""
+    it = iter(items)
+    prev = next(it, None)
+    for cur in it:
+        yield prev, False
+        prev = cur
+    if prev is not None:
+        yield prev, True
+
+
+def skip_trained(rows, progress: Progress):
+    """The rows after the restored step. Every row carries its planned global step, so a resumed run skips exactly
+    what it trained; the restored batch log (same world size only) confirms the skipped rows are those batches."""
+    logged = {(b["step"], b["index"]) for b in progress.batches}
+    for row in rows:
+        if int(row["step"]) > progress.step:
+            yield row
+        elif logged and (int(row["step"]), int(row["index"])) not in logged:
+            log.warning("resumed data order differs from the checkpoint's at step %s (plan changed?)", row["step"])
+            logged = set()
+
+
+def _debug_delay(cfg, rank: int) -> None:
+    """``run.debug_slow_rank = "RANK:SECONDS"`` sleeps on one rank before each step, to expose ordering races."""
+    if cfg.run.debug_slow_rank:
+        slow_rank, seconds = cfg.run.debug_slow_rank.split(":")
+        if int(slow_rank) == rank:
+            time.sleep(float(seconds))
 
 
 def _all_ranks(loss: float, samples: int, device, world: int) -> tuple[float, int]:
@@ -65,8 +87,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = ray.train.torch.get_device()
 
     rows = iter(ray.train.get_dataset_shard(DATASET).iter_rows())
-    first = next(rows)  # every row carries this rank's batch count, which fixes the LR schedule's horizon
-    total = optim.total_steps(int(first["rank_batches"]), t.gradient_accumulation, t.max_steps)
+    first = next(rows)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
+    total = optim.total_steps(int(first["total_steps"]), t.max_steps)
     empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
     trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model)
 
@@ -76,9 +98,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         with restored.as_directory() as d:
             progress = checkpoint.restore(d, trainer, rank, world)
     start = progress.step
-    rows = itertools.chain([first], rows)
-    if progress.step < total:
-        skip_trained(rows, progress)
+    rows = skip_trained(itertools.chain([first], rows), progress)
     board = metrics.TensorBoardLog(run_dir) if rank == 0 else None
     window = metrics.Throughput()
 
@@ -95,9 +115,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
             delete_local_checkpoint_after_upload=bool(directory),
         )
 
-    for group in grouped(rows, t.gradient_accumulation) if progress.step < total else ():
+    for group, end_of_feed in with_last(grouped(rows, t.gradient_accumulation)):
+        if progress.step >= total:
+            break
+        _debug_delay(cfg, rank)
         stats = trainer.train_step([step.from_item(item) for item in group])
-        progress.step += 1
+        progress.step = int(group[0]["step"])
         progress.batches_done += len(group)
         loss, samples = _all_ranks(stats.loss, stats.samples, device, world)
         window.add(samples)
@@ -106,10 +129,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
              "samples": json.loads(i["sample_ids"])}
             for i in group
         )  # fmt: skip
-        record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "loss": loss, "lr": stats.lr,
-                  "grad_norm": stats.grad_norm}  # fmt: skip
+        record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "generation": int(group[0]["generation"]),
+                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm}  # fmt: skip
         last = progress.step >= total
-        due_checkpoint = bool(last or (t.checkpoint_every and progress.step % t.checkpoint_every == 0))
+        every = t.checkpoint_every and progress.step % t.checkpoint_every == 0
+        due_checkpoint = bool(last or end_of_feed or every)
         due_report = due_checkpoint or progress.step % t.log_every == 0
         if due_report:
             record.update(window.take())
@@ -124,10 +148,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if due_report:
             report(record, due_checkpoint)
             window = metrics.Throughput()  # rates exclude the time spent rendering and checkpointing
-        if last:
-            break
     if progress.step == start:
-        # Nothing left to train (a rerun of a finished run): still end with this run's own final checkpoint.
+        # Nothing left to train (a rerun of a finished run or segment): still end with this run's own checkpoint.
         report({"step": progress.step}, True)
     if board:
         board.close()

@@ -43,8 +43,7 @@ def autocast_dtype(mixed_precision: str, device_type: str):
     return None
 
 
-def total_steps(rank_batches: int, accumulation: int, max_steps: int) -> int:
-    """Optimizer steps of a run: every planned batch of this rank in groups of ``accumulation``, capped by
-    ``max_steps`` (0: no cap). The plan gives every rank a multiple of ``accumulation`` batches."""
-    steps = rank_batches // accumulation
-    return min(steps, max_steps) if max_steps else steps
+def total_steps(planned_steps: int, max_steps: int) -> int:
+    """Optimizer steps of the whole run (every segment): the planned epochs' steps, capped by ``max_steps`` (0: no cap).
+    This is the LR schedule's horizon."""
+    return min(planned_steps, max_steps) if max_steps else planned_steps

@@ -27,6 +27,8 @@ class TrainResult:
     """Where Ray Train stored the final checkpoint (local path or URI)."""
     checkpoint_dir: str
     """A local copy of it, for exporting the LoRA."""
+    history: list = field(default_factory=list)
+    """Per step: epoch, generation, samples trained (all ranks), mean loss."""
     epoch_counts: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     """The last metrics rank 0 reported with the final checkpoint."""
@@ -47,7 +49,15 @@ def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
     return {"auto": cluster_gpus, "true": True, "false": False}[cfg.train.use_gpu]
 
 
-def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool) -> TrainResult:
+def train(
+    cfg: JobConfig,
+    manifest: dict,
+    facts: ModelFacts,
+    output_dir: str,
+    cluster_gpus: bool,
+    epochs: tuple[int, int] | None = None,
+) -> TrainResult:
+    """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -85,7 +95,11 @@ def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cl
         run_config=run_config,
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(
-            cfg.train.batch_size, cfg.train.seed, cfg.train.epochs, cfg.train.gradient_accumulation
+            cfg.train.batch_size,
+            cfg.train.seed,
+            epochs or (0, cfg.train.epochs),
+            cfg.train.epochs,
+            cfg.train.gradient_accumulation,
         ),
     )
     result = trainer.fit()
@@ -97,6 +111,7 @@ def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cl
     return TrainResult(
         steps=int(metrics["step"]),
         losses=[h["loss"] for h in metrics["history"]],
+        history=metrics["history"],
         checkpoint_path=result.checkpoint.path,
         checkpoint_dir=local,
         epoch_counts=counts,
