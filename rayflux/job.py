@@ -95,7 +95,11 @@ def run_identity(cfg: JobConfig) -> str:
     import json
 
     d = cfg.to_dict()
-    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps"):
+    # Resources, run length, and what is written beside the weights (checkpoint cadence, validation, file format)
+    # may change between reruns without changing what is being trained.
+    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
+                "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
+                "validation_inference_steps", "validation_guidance"):  # fmt: skip
         d["train"].pop(key, None)
     ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
     ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
