@@ -85,6 +85,9 @@ class TinySpec:
     """T5 encoder depth. Raise it to make the text encoders heavier than the transformer (memory tests)."""
     t5_ff: int = 37
     """T5 feed-forward width; raise it with ``t5_layers`` for a heavier text encoder."""
+    t5_extra_mb: int = 0
+    """Pad T5's embedding table with this many MiB of unused rows: a text encoder heavy in memory but not in
+    compute, so memory tests can tell "never loaded" from "loaded and freed" at a glance."""
     guidance_embeds: bool = True
     """Like FLUX.1-dev (guidance-distilled); False behaves like schnell."""
     flux_vae: bool = False
@@ -140,7 +143,7 @@ def build_pipeline(spec: TinySpec = TinySpec()):
     )
     t5 = T5EncoderModel(
         T5Config(
-            vocab_size=len(t5_tok),
+            vocab_size=len(t5_tok) + spec.t5_extra_mb * 2**20 // (4 * spec.text_dim),
             d_model=spec.text_dim,
             d_kv=8,
             d_ff=spec.t5_ff,

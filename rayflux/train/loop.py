@@ -18,6 +18,7 @@ import time
 import torch
 
 from rayflux import config as config_mod
+from rayflux import memory
 from rayflux.train import captions, checkpoint, metrics, optim, step, validation
 from rayflux.train.checkpoint import METRICS_FILE, Progress
 from rayflux.train.feed import DATASET
@@ -75,6 +76,16 @@ def _all_ranks(loss: float, samples: int, device, world: int) -> tuple[float, in
     return float(t[0]) / world, int(t[1])
 
 
+def _worst_rank(facts: dict, device, world: int) -> dict:
+    """The largest value of each memory fact over all ranks (a collective: every rank must call it)."""
+    if world == 1:
+        return facts
+    keys = sorted(facts)
+    t = torch.tensor([float(facts[k]) for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return {k: (int(v) if isinstance(facts[k], int) else round(float(v), 1)) for k, v in zip(keys, t.tolist())}
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
@@ -82,6 +93,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     cfg = config_mod.from_dict(loop_config["job"])
     t, run_dir = cfg.train, loop_config["run_dir"]
+    start_rss = memory.rss_mb()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -105,6 +117,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     def report(record: dict, with_checkpoint: bool) -> None:
         directory = None
         if with_checkpoint:
+            # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
+            record.update(_worst_rank(memory.snapshot(start_rss), device, world))
             directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
             checkpoint.save(directory, trainer, rank, progress, t.output_format)
             if board:
