@@ -31,6 +31,10 @@ class SampleRef:
     bucket: str
     file: str
     row: int
+    dataset: str = ""
+    """The shards' ``dataset`` column; decides repeats and loss weight (see :func:`rayflux.datasets.mix`)."""
+    weight: float = 1.0
+    """Loss weight of this sample (regularisation datasets use ``data.reg_loss_weight``)."""
 
 
 def _rng(*parts) -> random.Random:
@@ -42,9 +46,10 @@ def index_samples(files: list[str]) -> list[SampleRef]:
     """Every sample of a generation's shards, read from the id and bucket columns only."""
     refs = []
     for f in files:
-        t = shards.read_column(f, ["sample_id", "bucket"])
-        for i, (sid, b) in enumerate(zip(t["sample_id"].to_pylist(), t["bucket"].to_pylist())):
-            refs.append(SampleRef(sid, b, f, i))
+        t = shards.read_column(f, ["sample_id", "bucket", "dataset"])
+        columns = zip(t["sample_id"].to_pylist(), t["bucket"].to_pylist(), t["dataset"].to_pylist())
+        for i, (sid, b, d) in enumerate(columns):
+            refs.append(SampleRef(sid, b, f, i, d))
     return refs
 
 
@@ -71,7 +76,7 @@ def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, wo
             "seed": _rng(seed, epoch, "batch", i).getrandbits(62),
             "bucket": b[0].bucket,
             "size": len(b),
-            "refs": json.dumps([[r.file, r.row, r.sample_id] for r in b]),
+            "refs": json.dumps([[r.file, r.row, r.sample_id, r.weight] for r in b]),
         }
         for i, b in enumerate(batches[:keep])
     ]
@@ -95,7 +100,7 @@ def load_batch(item: dict) -> dict:
     """Ray Data ``map``: read one planned batch's rows and stack them; a shape mismatch is a CacheShapeError."""
     refs = json.loads(item["refs"])
     by_file: dict[str, list[int]] = {}
-    for f, row, _ in refs:
+    for f, row, *_ in refs:
         by_file.setdefault(f, []).append(row)
     for f in by_file:
         check_readable(f)
@@ -103,7 +108,11 @@ def load_batch(item: dict) -> dict:
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
     rows = []
     for f, rs in by_file.items():
-        rows.extend(shards.read_rows(f, rs, columns=cols).to_pylist())
+        read = shards.read_rows(f, rs, columns=cols).to_pylist()
+        # Rows come back per file in the order asked, and a repeated sample once per ask, which keeps rows aligned
+        # with their refs' weights below.
+        rows.extend(read)
+    weights = [w for f in by_file for ref_f, _, _, w in refs if ref_f == f]
     first = rows[0]
     lat_shape = (first["latent_c"], first["latent_h"], first["latent_w"])
     t5_shape = (first["t5_len"], first["t5_dim"])
@@ -135,4 +144,5 @@ def load_batch(item: dict) -> dict:
         "t5_shape": json.dumps([len(rows), *t5_shape]),
         "clip": np.stack(clip).tobytes(),
         "clip_dim": int(first["clip_dim"]),
+        "weights": json.dumps(weights),
     }

@@ -27,7 +27,7 @@ def _batch_tensors(item: dict, device, dtype):
     return lat.to(device, dtype), t5.to(device, dtype), clip.to(device, dtype)
 
 
-def flow_step(model, latents, t5, clip, generator, train_cfg, guidance_embeds: bool):
+def flow_step(model, latents, t5, clip, generator, train_cfg, guidance_embeds: bool, sample_weights=None):
     """``generator`` is seeded per planned batch, so a batch's noise is the same whichever rank trains it."""
     """One forward pass and loss (no backward): pack, noise, predict ``ε - x``."""
     b, _, h, w = latents.shape
@@ -57,7 +57,10 @@ def flow_step(model, latents, t5, clip, generator, train_cfg, guidance_embeds: b
         return_dict=False,
         **kwargs,
     )[0]
-    return flow.flow_loss(pred, target, flow.loss_weights(sigmas, train_cfg.loss_weighting))
+    weights = flow.loss_weights(sigmas, train_cfg.loss_weighting)
+    if sample_weights is not None:  # per-dataset weights (regularisation sets), see rayflux.datasets.mix
+        weights = weights * sample_weights.to(weights.device, weights.dtype)
+    return flow.flow_loss(pred, target, weights)
 
 
 def _save_checkpoint(transformer, optimizer, step: int, history: list, extra: dict) -> str:
@@ -121,7 +124,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         _debug_delay(loop_config, rank)
         latents, t5, clip = _batch_tensors(item, device, dtype)
         generator = torch.Generator().manual_seed(int(item["seed"]))
-        loss = flow_step(model, latents, t5, clip, generator, t, guidance_embeds)
+        sample_weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32)
+        loss = flow_step(model, latents, t5, clip, generator, t, guidance_embeds, sample_weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm > 0 else torch.tensor(0.0)
