@@ -69,7 +69,8 @@ def datasets_of(data: DataConfig) -> list[DatasetConfig]:
         values = dict(shared)
         for key, raw in entry.items():
             if key not in _DATASET_FIELDS:
-                raise ConfigError(f"unknown dataset key {where}.{key}; known keys: {', '.join(sorted(_DATASET_FIELDS))}")
+                known = ", ".join(sorted(_DATASET_FIELDS))
+                raise ConfigError(f"unknown dataset key {where}.{key}; known keys: {known}")
             values[key] = _coerce(f"{where}.{key}", raw, shared[key], _DATASET_FIELDS[key].type)
         if not values["images_dir"]:
             raise ConfigError(f"{where}.images_dir is required")
@@ -116,9 +117,7 @@ def cache_identity(ds: DatasetConfig, canonical_images_dir: str) -> dict:
 
 def sample_weights(data: DataConfig) -> dict[str, tuple[int, float]]:
     """Dataset name (as stored in the shards' ``dataset`` column) -> (repeats, loss weight)."""
-    return {
-        key(data, ds): (ds.repeats, data.reg_loss_weight if ds.regularisation else 1.0) for ds in datasets_of(data)
-    }
+    return {key(data, ds): (ds.repeats, data.reg_loss_weight if ds.regularisation else 1.0) for ds in datasets_of(data)}
 
 
 def mix(refs: list, weights: dict[str, tuple[int, float]]) -> list:

@@ -132,7 +132,8 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
 def render(report: Report) -> list[str]:
     out = []
     for d in report.datasets:
-        line = f"dataset {d['name']} ({d['images_dir'] or 'demo images'}): {d['discovered']} images, {d['usable']} usable"
+        where = d["images_dir"] or "demo images"
+        line = f"dataset {d['name']} ({where}): {d['discovered']} images, {d['usable']} usable"
         if d.get("unsampled"):
             line += f", {d['unsampled']} more left out by max_samples"
         out.append(line)

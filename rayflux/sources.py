@@ -134,7 +134,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
         )
     if ds.caption_strategy == "sidecar":
         orphans = [p for p in sorted(files) if p.endswith(ds.caption_ext) and p[: -len(ds.caption_ext)] not in images]
-        found.problems += [f"dataset {name}: caption file without an image: {p[len(base):]}" for p in orphans]
+        found.problems += [f"dataset {name}: caption file without an image: {p[len(base) :]}" for p in orphans]
     if uncaptioned and ds.missing_caption != "skip":
         found.problems.append(
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "

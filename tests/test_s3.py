@@ -36,7 +36,6 @@ def test_s3_filesystem_comes_from_the_environment(s3_server, s3_bucket):
 
 @pytest.fixture(scope="module")
 def s3_job(ray_session, s3_server, tiny_model, demo_images, tmp_path_factory):
-    import pyarrow.fs as pafs
 
     bucket = f"s3://rayflux-e2e-{np.random.default_rng().integers(1 << 30):x}"
     fs, _ = storage.resolve(bucket)

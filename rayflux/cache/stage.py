@@ -95,9 +95,8 @@ def _write_samples(
         if batch["skip_reason"][i]:
             if strict:
                 raise ValueError(f"cache.strict: {batch['uri'][i]}: {batch['skip_reason'][i]}")
-            skipped.append(
-                {"source_uri": str(batch["uri"][i]), "dataset": str(batch["dataset"][i]), "reason": str(batch["skip_reason"][i])}
-            )
+            reason = str(batch["skip_reason"][i])
+            skipped.append({"source_uri": str(batch["uri"][i]), "dataset": str(batch["dataset"][i]), "reason": reason})
             continue
         cid = str(batch["caption_id"][i])
         f, rg = index[cid]
@@ -151,9 +150,11 @@ def build_generation(
         compute=ActorPoolStrategy(min_size=1, max_size=c.text_actors),
         **res,
     )
-    text_meta = text_ds.map_batches(
+    text_ds = text_ds.map_batches(
         _write_text, fn_kwargs={"out_dir": gen_dir}, batch_size=c.rows_per_shard, num_cpus=0.25
-    ).take_all()
+    )
+    text_ds.set_name(f"cache-text-g{generation}")  # what the stage's progress bar is called
+    text_meta = text_ds.take_all()
     text_files = tuple(storage.join(gen_dir, m["path"]) for m in text_meta)
 
     specs = {datasets.key(cfg.data, ds): bucket_spec(ds, facts) for ds in datasets.datasets_of(cfg.data)}
@@ -173,7 +174,7 @@ def build_generation(
             compute=ActorPoolStrategy(min_size=1, max_size=c.vae_actors),
             **res,
         )
-        sample_meta = ds.map_batches(
+        ds = ds.map_batches(
             _write_samples,
             fn_kwargs={
                 "out_dir": gen_dir,
@@ -186,7 +187,9 @@ def build_generation(
             },
             batch_size=c.rows_per_shard,
             num_cpus=0.25,
-        ).take_all()
+        )
+        ds.set_name(f"cache-images-g{generation}")
+        sample_meta = ds.take_all()
 
     skipped = list(discovery.skipped)
     files = []

@@ -108,10 +108,8 @@ def load_batch(item: dict) -> dict:
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
     rows = []
     for f, rs in by_file.items():
-        read = shards.read_rows(f, rs, columns=cols).to_pylist()
-        # Rows come back per file in the order asked, and a repeated sample once per ask, which keeps rows aligned
-        # with their refs' weights below.
-        rows.extend(read)
+        rows.extend(shards.read_rows(f, rs, columns=cols).to_pylist())
+    # Rows arrive file by file, in the order asked (a repeated sample once per ask): order the weights the same way.
     weights = [w for f in by_file for ref_f, _, _, w in refs if ref_f == f]
     first = rows[0]
     lat_shape = (first["latent_c"], first["latent_h"], first["latent_w"])
