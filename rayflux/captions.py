@@ -32,7 +32,6 @@ class MetadataIndex:
 
     captions: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-    tables: list[str] = field(default_factory=list)
 
 
 def read_sidecar(fs: pafs.FileSystem, path: str) -> list[str]:
@@ -69,7 +68,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object
             lines = raw.decode("utf-8-sig").splitlines()
         except UnicodeDecodeError as exc:
             raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
-        rows = []
+        rows, has_column = [], False
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -82,6 +81,9 @@ def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object
             if "file_name" not in obj:
                 raise CaptionError(f"{path} line {n}: no 'file_name' key (keys: {', '.join(sorted(obj))})")
             rows.append((f"{name} line {n}", obj["file_name"], obj.get(column)))
+            has_column = has_column or column in obj
+        if rows and not has_column:
+            raise CaptionError(f"{path}: no row has a {column!r} key (set caption_column to the caption's key)")
         return rows
     if name.endswith(".csv"):
         import pyarrow.csv as pacsv
@@ -107,7 +109,9 @@ def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object
     if "file_name" not in table.column_names:
         raise CaptionError(f"{path}: no 'file_name' column (columns: {', '.join(table.column_names)})")
     names = table["file_name"].to_pylist()
-    cells = table[column].to_pylist() if column in table.column_names else [None] * len(names)
+    if column not in table.column_names:
+        raise CaptionError(f"{path}: no {column!r} column (columns: {', '.join(table.column_names)})")
+    cells = table[column].to_pylist()
     return [(f"{name} row {i + 1}", n, c) for i, (n, c) in enumerate(zip(names, cells))]
 
 
@@ -140,7 +144,6 @@ def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetCo
         )
     seen: dict[str, str] = {}
     for tfs, path, folder in tables:
-        index.tables.append(path)
         for where, file_name, cell in _rows(tfs, path, ds.caption_column):
             if not isinstance(file_name, str) or not file_name.strip():
                 index.problems.append(f"{path}: {where}: file_name is empty or not a string")

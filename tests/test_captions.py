@@ -93,6 +93,7 @@ def test_metadata_lists_are_options_and_rows_with_trouble_are_reported(tmp_path)
     [
         ('{"image": "a.png", "text": "x"}\n', "no 'file_name' key"),
         ("not json\n", "line 1: not JSON"),
+        ('{"file_name": "a.png", "caption": "x"}\n', "no row has a 'text' key"),
         (None, "holds no metadata.jsonl"),
     ],
 )
@@ -109,6 +110,11 @@ def test_csv_without_file_name_column_names_its_columns(tmp_path):
     (tmp_path / "captions.csv").write_text("image,text\na.png,hello\n")
     with pytest.raises(CaptionError, match="no 'file_name' column \\(columns: image, text\\)"):
         discover_dataset(_dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv"))
+    (tmp_path / "captions.csv").write_text("file_name,caption\na.png,hello\n")
+    with pytest.raises(CaptionError, match="no 'text' column"):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv"))
+    ds = _dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv", caption_column="caption")
+    assert _captions(discover_dataset(ds)) == {"a.png": "hello"}
 
 
 def test_instance_prompt_and_prepending(tmp_path):

@@ -135,3 +135,22 @@ def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job):
     exported = load(storage.read_bytes(again.lora_path))
     assert exported.keys() == marked.keys()
     assert all(np.array_equal(exported[k], marked[k]) for k in marked)
+
+
+def test_doctor_checks_a_dataset_in_a_bucket(s3_bucket, tiny_model, tmp_path):
+    from rayflux import doctor
+
+    write_images(tmp_path / "imgs", sizes=[(512, 512), (640, 384)])
+    (tmp_path / "imgs" / "empty.png").write_bytes(b"")
+    _upload(tmp_path / "imgs", f"{s3_bucket}/imgs")
+    cfg = config.load(
+        None,
+        [f"data.images_dir={s3_bucket}/imgs", "data.resolution=64", f"model.path={tiny_model}",
+         f"run.output_dir={s3_bucket}/imgs/run"],
+    )  # fmt: skip
+    report = doctor.examine(cfg)
+    assert report.datasets[0]["discovered"] == 3 and report.datasets[0]["usable"] == 2
+    assert [s["source_uri"] for s in report.skipped] == [f"{s3_bucket}/imgs/empty.png"]
+    assert sum(sum(b["per_dataset"].values()) for b in report.buckets.values()) == 2
+    # A run (and so cache) folder inside the image prefix is caught for URIs too.
+    assert any(f"{s3_bucket}/imgs/run" in p and "lies inside" in p for p in report.problems)
