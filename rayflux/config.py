@@ -26,8 +26,8 @@ class DatasetConfig:
     """One folder of training images: how it is captioned, cropped, and mixed into each epoch."""
 
     name: str = ""
-    """Short name (letters, digits, ``.``, ``_``, ``-``) shown in summaries; it prefixes the dataset's sample paths in
-    the cache. Empty: the last folder name of ``images_dir``."""
+    """Short name (letters, digits, ``.``, ``_``, ``-``) shown in summaries. In ``data.datasets`` it also prefixes the
+    dataset's sample paths in the cache, so it must be unique there. Empty: the last folder name of ``images_dir``."""
     images_dir: str = ""
     """Folder or URI (``s3://bucket/prefix``, or any pyarrow/fsspec filesystem) of training images. Empty: the
     generated demo images."""
