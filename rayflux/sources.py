@@ -146,7 +146,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     return found
 
 
-def discover(data: DataConfig, seed: int = 0) -> Discovery:
+def discover(data: DataConfig, *, seed: int = 0) -> Discovery:
     """Discover every dataset of the job (``data.images_dir``, or each of ``data.datasets``), in config order."""
     found = Discovery()
     prefix = datasets.prefixes_paths(data)

@@ -2,7 +2,7 @@
 
 One job reads two datasets from a bucket (different resolutions, a metadata table, repeats, a regularisation set
 with a corrupt image), writes its cache, checkpoints, LoRA and ledger to the bucket, and a rerun of the same command
-reuses the committed cache and resumes training from the checkpoint in the bucket.
+with one more epoch reuses the committed cache and resumes training from the checkpoint in the bucket.
 """
 
 import json
@@ -115,26 +115,29 @@ def test_repeats_reach_training_and_checkpoints_land_in_the_bucket(s3_job, demo_
     text = "\n".join(summary.lines())
     assert "photos: 8 discovered, 8 cached, 0 skipped (repeats 2)" in text
     assert "reg: 4 discovered, 3 cached, 1 skipped (regularisation, repeats 1)" in text
-    assert set(summary.stage_seconds) == {"discover", "cache", "train"}
+    assert set(summary.stage_seconds) == {"discover", "cache:g0", "train:seg0"}
 
 
 def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job):
-    from safetensors.numpy import load, save
-
     bucket, cfg, first = s3_job
     committed = generations.load_manifest(first.cache_dir)["committed_at"]
-    # Mark the checkpoint the rerun must resume from: a retrained LoRA could never equal these scaled weights.
-    ckpt_lora = storage.join(first.checkpoint, "pytorch_lora_weights.safetensors")
-    marked = {k: v * 3 for k, v in load(storage.read_bytes(ckpt_lora)).items()}
-    storage.write_bytes_atomic(ckpt_lora, save(marked))
+    # Mark the checkpoint the rerun must resume from; a run that started over could not carry the mark.
+    metrics_uri = storage.join(first.checkpoint, "metrics.json")
+    metrics = json.loads(storage.read_bytes(metrics_uri))
+    metrics["history"][0]["mark"] = "from the bucket"
+    storage.write_bytes_atomic(metrics_uri, json.dumps(metrics).encode())
 
-    again = job.run(cfg)
+    # The same command asking for one more epoch (a run's length may change between reruns).
+    longer = config.from_dict(cfg.to_dict())
+    longer.train.epochs = 2
+    again = job.run(longer)
     assert again.cache_dir == first.cache_dir
     assert generations.load_manifest(again.cache_dir)["committed_at"] == committed
-    assert again.steps == first.steps
-    exported = load(storage.read_bytes(again.lora_path))
-    assert exported.keys() == marked.keys()
-    assert all(np.array_equal(exported[k], marked[k]) for k in marked)
+    assert again.steps == 2 * first.steps
+    assert again.history[0]["mark"] == "from the bucket"
+    assert [h["step"] for h in again.history] == list(range(1, again.steps + 1))
+    assert [h["loss"] for h in again.history[: first.steps]] == first.losses
+    assert again.checkpoint.startswith(f"{bucket}/run/checkpoints/") and again.checkpoint != first.checkpoint
 
 
 def test_doctor_checks_a_dataset_in_a_bucket(s3_bucket, tiny_model, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from rayflux import buckets, config, datasets, storage
-from rayflux.cache import shards
+from rayflux.cache import generations, shards
 from rayflux.cache.stage import bucket_spec
 from rayflux.models import ModelFacts
 from rayflux.sources import discover
@@ -141,18 +141,22 @@ def test_fsspec_filesystems_work_for_discovery():
     mem.rm("/rayflux-test", recursive=True)
 
 
-def _shard(path, ids, dataset, fill=0.0):
+def _shard(gen_dir, name, ids, dataset, fill=0.0):
+    """One real shard in a committed generation (the trainer reads only committed generations)."""
     zeros = lambda n: np.zeros(n, np.float32).tobytes()  # noqa: E731
     rows = [
         {"sample_id": sid, "source_uri": f"/src/{sid}", "rel_path": sid, "dataset": dataset, "bucket": "16x16",
          "latent_c": 1, "latent_h": 2, "latent_w": 2, "latent_dtype": "float32",
          "latent": np.full(4, fill, np.float32).tobytes(),
-         "t5_len": 1, "t5_dim": 2, "clip_dim": 2, "text_dtype": "float32", "t5": zeros(2), "clip_pooled": zeros(2)}
+         "t5_len": 1, "t5_dim": 2, "clip_dim": 2, "text_dtype": "float32", "t5": zeros(2), "clip_pooled": zeros(2),
+         "generation": 0}
         for sid in ids
     ]  # fmt: skip
     table = pa.Table.from_pylist(rows, schema=shards.SAMPLE_SCHEMA)
-    shards.write_table(table, str(path))
-    return str(path)
+    path = str(gen_dir / "samples" / name)
+    shards.write_table(table, path)
+    generations.commit(str(gen_dir), {"files": []}, [])
+    return path
 
 
 def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
@@ -163,8 +167,8 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
     )  # fmt: skip
     # The latent's value tells the datasets apart inside a stacked batch: main rows hold 1.0, the reg row 5.0.
     files = [
-        _shard(tmp_path / "m.parquet", ["m0", "m1"], "main", fill=1.0),
-        _shard(tmp_path / "r.parquet", ["r0"], "reg", fill=5.0),
+        _shard(tmp_path, "m.parquet", ["m0", "m1"], "main", fill=1.0),
+        _shard(tmp_path, "r.parquet", ["r0"], "reg", fill=5.0),
     ]
     refs = datasets.mix(batching.index_samples(files), datasets.sample_weights(cfg.data))
     assert sorted((r.sample_id, r.weight) for r in refs) == [("m0", 1.0)] * 3 + [("m1", 1.0)] * 3 + [("r0", 0.25)]
@@ -172,7 +176,7 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
     assert dropped == 0 and len(planned) == 1
     # Seed 1 puts the reg sample mid-batch, so reading rows file by file reorders them: weights must follow.
     assert [sid for *_, sid, _ in json.loads(planned[0]["refs"])].index("r0") < 6
-    batch = batching.load_batch({**planned[0], "rank_batches": 1})
+    batch = batching.load_batch({**planned[0], "step": 1, "total_steps": 1})
     latents = np.frombuffer(batch["latent"], np.float32).reshape(json.loads(batch["latent_shape"]))
     weights = json.loads(batch["weights"])
     assert batch["size"] == 7 and len(weights) == 7
@@ -182,6 +186,6 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
 
 def test_samples_of_an_unlisted_dataset_are_refused(tmp_path):
     cfg = config.load(None, ["data.datasets=[{name: main, images_dir: /m}]"])
-    refs = batching.index_samples([_shard(tmp_path / "x.parquet", ["x0"], "gone")])
+    refs = batching.index_samples([_shard(tmp_path, "x.parquet", ["x0"], "gone")])
     with pytest.raises(ValueError, match="dataset 'gone', which the config does not list"):
         datasets.mix(refs, datasets.sample_weights(cfg.data))
