@@ -39,8 +39,8 @@ def main() -> int:
     from rayflux.testing.images import write_images
     from rayflux.testing.tiny import TinySpec, write_tiny_model
     from rayflux.train import batching, lora
+    from rayflux.train import step as train_step
     from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
-    from rayflux.train.loop import _batch_tensors, flow_step
 
     work = Path(tempfile.mkdtemp(prefix="bench-feed-"))
     # A transformer wide enough that a step costs what a small real one would on CPU, not microseconds.
@@ -71,8 +71,8 @@ def main() -> int:
         guidance = bool(transformer.config.guidance_embeds)
 
         def step(item):
-            lat, t5, clip = _batch_tensors(item, "cpu", torch.float32)
-            loss = flow_step(transformer, lat, t5, clip, torch.Generator().manual_seed(int(item["seed"])), cfg.train, guidance)
+            batch = train_step.from_item(item)
+            loss = train_step.flow_loss(transformer, batch, cfg.train, guidance, None, "cpu", torch.float32)
             opt.zero_grad()
             loss.backward()
             opt.step()

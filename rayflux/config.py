@@ -137,7 +137,7 @@ class TrainConfig:
     epochs: int = 2
     """Passes over the cached samples."""
     max_steps: int = 0
-    """Stop after this many optimizer steps per worker (0: run all epochs)."""
+    """Stop after this many optimizer steps per worker (0: run all epochs). Also the LR schedule's horizon."""
     num_workers: Any = 2
     """Ray Train workers: an integer, or ``[min, max]`` for an elastic run."""
     cpus_per_worker: float = 0.5
@@ -146,18 +146,36 @@ class TrainConfig:
     """``auto`` (use GPUs when the cluster has them), ``true`` or ``false``."""
     batch_size: int = 1
     """Samples per batch on each worker. A batch always holds one bucket."""
+    gradient_accumulation: int = 1
+    """Batches per optimizer step on each worker."""
     learning_rate: float = 1e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, after warmup)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule after warmup: ``constant`` or ``cosine`` (down to 0 at the last step)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from ``learning_rate / warmup_steps`` up to ``learning_rate``."""
+    max_grad_norm: float = 1.0
+    """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
+    mixed_precision: str = "auto"
+    """``auto`` (bf16 autocast on GPU, fp32 on CPU), ``bf16`` (autocast everywhere) or ``fp32`` (no autocast)."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer block activations in the backward pass: less memory, about 30% more time."""
     rank: int = 4
     """LoRA rank."""
     alpha: float = 4.0
     """LoRA alpha; the update is scaled by alpha / rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch's input during training."""
     targets: str = "attention"
     """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
+    init_lora: str = ""
+    """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
     guidance: float = 1.0
     """Guidance value fed to guidance-distilled models (ignored when the model has no guidance embedding)."""
+    guidance_max: float = 0.0
+    """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
     sigma_sampling: str = "logit_normal"
     """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
     logit_mean: float = 0.0
@@ -168,12 +186,26 @@ class TrainConfig:
     """The fixed shift for ``sigma_sampling=shift``."""
     loss_weighting: str = "none"
     """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
-    max_grad_norm: float = 1.0
-    """Clip the LoRA gradient norm to this (0 disables clipping)."""
+    caption_dropout: float = 0.0
+    """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
     seed: int = 0
     """Seed for noise, σ and the batch order. Every rank derives its own stream from it."""
     log_every: int = 1
     """Report metrics every this many steps."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many optimizer steps (0: only at the end; the last step always checkpoints)."""
+    checkpoints_to_keep: int = 2
+    """How many of the newest checkpoints to keep in storage."""
+    output_format: str = "diffusers"
+    """Exported LoRA keys: ``diffusers`` (``transformer.*``) or ``kohya`` (``lora_unet_*``, for ComfyUI)."""
+    validation_prompts: list[str] = field(default_factory=list)
+    """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
+    validation_every: int = 0
+    """Render validation images every this many steps (0: only at the end)."""
+    validation_inference_steps: int = 20
+    """Denoising steps per validation image."""
+    validation_guidance: float = 3.5
+    """Guidance scale for validation images."""
 
 
 @dataclass
@@ -269,12 +301,6 @@ def _coerce(key: str, value: Any, default: Any, annotation: Any) -> Any:
             return float(value)
         if kind is str:
             return "" if value is None else str(value)
-        if kind is list:
-            if value is None:
-                return []
-            if not isinstance(value, list):
-                raise ValueError(value)
-            return value
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
     return value
@@ -352,6 +378,9 @@ _CHOICES = {
     ("train", "use_gpu"): ("auto", "true", "false"),
     ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
     ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
+    ("train", "lr_scheduler"): ("constant", "cosine"),
+    ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
+    ("train", "output_format"): ("diffusers", "kohya"),
 }
 _POSITIVE = {
     ("data", "max_image_pixels"),
@@ -363,7 +392,12 @@ _POSITIVE = {
     ("train", "epochs"),
     ("train", "batch_size"),
     ("train", "rank"),
+    ("train", "alpha"),
+    ("train", "learning_rate"),
+    ("train", "gradient_accumulation"),
     ("train", "log_every"),
+    ("train", "checkpoints_to_keep"),
+    ("train", "validation_inference_steps"),
 }
 
 
@@ -377,8 +411,17 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value <= 0:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
-    if cfg.train.max_steps < 0:
-        raise ConfigError("train.max_steps must be >= 0")
+    for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0")
+    for key in ("lora_dropout", "caption_dropout"):
+        if not 0 <= getattr(cfg.train, key) < 1:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
+    if cfg.train.guidance_max and cfg.train.guidance_max < cfg.train.guidance:
+        raise ConfigError("train.guidance_max must be 0 (constant guidance) or >= train.guidance")
+    prompts = cfg.train.validation_prompts
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
     if cfg.train.cpus_per_worker <= 0:
         raise ConfigError("train.cpus_per_worker must be positive")
     refresh_interval(cfg.cache.refresh)

@@ -53,6 +53,9 @@ def _check(ds: DatasetConfig, label) -> None:
 def datasets_of(data: DataConfig) -> list[DatasetConfig]:
     """The job's datasets, each complete and checked. Raises ConfigError naming the offending key."""
     shared = {name: getattr(data, name) for name in _DATASET_FIELDS}
+    if not isinstance(data.datasets, list):
+        example = "[{images_dir: /data/a}, {images_dir: /data/b}]"
+        raise ConfigError(f"data.datasets must be a YAML list of mappings, e.g. {example}; got {data.datasets!r}")
     if not data.datasets:
         ds = DatasetConfig(**shared)
         _check(ds, lambda key: f"data.{key}")

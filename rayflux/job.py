@@ -45,6 +45,7 @@ class Summary:
     """Skip reason (its text up to the first colon) -> count."""
     skipped_report: str = ""
     validation_dir: str = ""
+    tensorboard_dir: str = ""
     logs: str = ""
 
     def lines(self) -> list[str]:
@@ -73,6 +74,8 @@ class Summary:
                 out.append(f"validation: {self.validation_dir}")
             out.append(f"checkpoint: {self.checkpoint}")
         out.append(f"ledger:     {self.ledger}")
+        if self.tensorboard_dir:
+            out.append(f"metrics:    {self.tensorboard_dir} (tensorboard --logdir)")
         if self.logs:
             out.append(f"logs:       {self.logs}")
         out.append("time:       " + ", ".join(f"{k} {v:.1f}s" for k, v in self.stage_seconds.items()))
@@ -123,7 +126,11 @@ def run_identity(cfg: JobConfig) -> str:
     import json
 
     d = cfg.to_dict()
-    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps"):
+    # Resources, run length, and what is written beside the weights (checkpoint cadence, validation, file format)
+    # may change between reruns without changing what is being trained.
+    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
+                "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
+                "validation_inference_steps", "validation_guidance"):  # fmt: skip
         d["train"].pop(key, None)
     ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
     ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
@@ -203,6 +210,7 @@ class _Stages:
 
 def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
+    from rayflux.train.checkpoint import lora_file
     from rayflux.train.stage import train
 
     images, cache_root, output = resolve_dirs(cfg)
@@ -258,12 +266,16 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
                 # fit() returned: every worker has finished every epoch that read this generation.
                 stages.retire(seg.generation)
 
-    lora_dest = storage.join(output, "lora", "pytorch_lora_weights.safetensors")
+    lora_name = lora_file(cfg.train.output_format)
+    lora_dest = storage.join(output, "lora", lora_name)
+    # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
+    summary.validation_dir = storage.join(output, "validation") if cfg.train.validation_prompts else ""
+    summary.tensorboard_dir = storage.join(output, "tensorboard")
     if result is not None:
         summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
         summary.checkpoint = result.checkpoint_path
         entry = ledger.start("export", result.checkpoint_path)
-        summary.lora_path = export_lora(result.checkpoint_dir, storage.join(output, "lora"))
+        summary.lora_path = export_lora(result.checkpoint_dir, storage.join(output, "lora"), lora_name)
         ledger.finish(entry, lora=summary.lora_path)
     else:
         summary.lora_path = lora_dest
@@ -310,12 +322,12 @@ def _ray_logs_dir() -> str:
         return ""
 
 
-def export_lora(checkpoint_dir: str, lora_dir: str) -> str:
-    """Copy the final checkpoint's diffusers LoRA file into ``<output_dir>/lora``."""
+def export_lora(checkpoint_dir: str, lora_dir: str, weight_name: str = "") -> str:
+    """Copy the final checkpoint's LoRA file (diffusers format unless named) into ``<output_dir>/lora``."""
     from rayflux.train.lora import WEIGHT_NAME
 
-    dest = storage.join(lora_dir, WEIGHT_NAME)
-    src = os.path.join(checkpoint_dir, WEIGHT_NAME)
+    dest = storage.join(lora_dir, weight_name or WEIGHT_NAME)
+    src = os.path.join(checkpoint_dir, weight_name or WEIGHT_NAME)
     if storage.is_uri(dest):
         with open(src, "rb") as f:
             storage.write_bytes_atomic(dest, f.read())

@@ -64,7 +64,7 @@ def test_single_images_dir_is_one_unprefixed_dataset():
         ("data:\n  datasets:\n    - {images_dir: /a, repeats: 0}\n", r"data.datasets\[0\].repeats must be positive"),
         ("data:\n  datasets:\n    - {name: x}\n", r"data.datasets\[0\].images_dir is required"),
         ("data:\n  datasets:\n    - /a\n", r"data.datasets\[0\] must be a mapping"),
-        ("data:\n  datasets: /a\n", r"data.datasets: expected list"),
+        ("data:\n  datasets: /a\n", r"data.datasets must be a YAML list of mappings"),
         ("data:\n  images_dir: /b\n  datasets:\n    - {images_dir: /a}\n", "are exclusive"),
         ("data:\n  datasets:\n    - {images_dir: /x/a}\n    - {images_dir: /y/a}\n", "name 'a' is used 2 times"),
         ("data:\n  datasets:\n    - {images_dir: /a, name: 'a/b'}\n", r"data.datasets\[0\].name 'a/b' may only"),
@@ -175,7 +175,7 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
     planned, dropped = batching.plan_epoch(refs, batch_size=7, seed=1, epoch=0, world_size=1)
     assert dropped == 0 and len(planned) == 1
     # Seed 1 puts the reg sample mid-batch, so reading rows file by file reorders them: weights must follow.
-    assert [sid for *_, sid, _ in json.loads(planned[0]["refs"])].index("r0") < 6
+    assert [sid for _, _, sid in json.loads(planned[0]["refs"])].index("r0") < 6
     batch = batching.load_batch({**planned[0], "step": 1, "total_steps": 1})
     latents = np.frombuffer(batch["latent"], np.float32).reshape(json.loads(batch["latent_shape"]))
     weights = json.loads(batch["weights"])

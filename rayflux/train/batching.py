@@ -5,9 +5,11 @@ The driver plans every batch of an epoch before training: one bucket per batch, 
 process that computes the plan gets the same answer, regardless of listing order.
 
 Remainder rule (the same on every rank): a bucket's last batch may be smaller than ``batch_size``; then the
-epoch's batch count is cut down to a multiple of the world size by dropping batches from the *end* of the shuffled
-order, so each rank runs exactly ``len(plan) / world_size`` steps and DDP never waits on a rank that ran out.
-The dropped samples are counted in the epoch's metrics.
+epoch's batch count is cut down to a multiple of ``world_size * accumulation`` by dropping batches from the *end*
+of the shuffled order. Each rank then gets exactly ``len(plan) / world_size`` batches, a whole number of optimizer
+steps of ``accumulation`` batches each, so every rank runs the same number of optimizer steps and DDP never waits on
+a rank that ran out; an optimizer step never straddles two epochs. The dropped samples are counted in the epoch's
+metrics; the shuffle differs per epoch, so the dropped samples usually differ too.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def index_samples(files: list[str]) -> list[SampleRef]:
     return refs
 
 
-def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int) -> tuple[list[dict], int]:
+def plan_epoch(
+    refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1
+) -> tuple[list[dict], int]:
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
 
     Each batch carries its own noise ``seed``, so its noise and σ do not depend on which rank trains it.
@@ -67,7 +71,7 @@ def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, wo
         _rng(seed, epoch, bucket).shuffle(members)
         batches.extend(members[i : i + batch_size] for i in range(0, len(members), batch_size))
     _rng(seed, epoch, "order").shuffle(batches)
-    keep = len(batches) - len(batches) % world_size
+    keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])
     planned = [
         {
@@ -76,7 +80,8 @@ def plan_epoch(refs: list[SampleRef], batch_size: int, seed: int, epoch: int, wo
             "seed": _rng(seed, epoch, "batch", i).getrandbits(62),
             "bucket": b[0].bucket,
             "size": len(b),
-            "refs": json.dumps([[r.file, r.row, r.sample_id, r.weight] for r in b]),
+            "refs": json.dumps([[r.file, r.row, r.sample_id] for r in b]),
+            "weights": json.dumps([r.weight for r in b]),
         }
         for i, b in enumerate(batches[:keep])
     ]
@@ -100,17 +105,18 @@ def load_batch(item: dict) -> dict:
     """Ray Data ``map``: read one planned batch's rows and stack them; a shape mismatch is a CacheShapeError."""
     refs = json.loads(item["refs"])
     by_file: dict[str, list[int]] = {}
-    for f, row, *_ in refs:
+    for f, row, _ in refs:
         by_file.setdefault(f, []).append(row)
     for f in by_file:
         check_readable(f)
+    # Rows are read file by file (a repeated sample once per ask): order the refs' loss weights the same way.
+    ref_weights = json.loads(item["weights"]) if "weights" in item else [1.0] * len(refs)
+    weights = [w for f in by_file for (ref_f, _, _), w in zip(refs, ref_weights) if ref_f == f]
     cols = ["sample_id", "source_uri", "bucket", "generation", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
     rows = []
     for f, rs in by_file.items():
         rows.extend(shards.read_rows(f, rs, columns=cols).to_pylist())
-    # Rows arrive file by file, in the order asked (a repeated sample once per ask): order the weights the same way.
-    weights = [w for f in by_file for ref_f, _, _, w in refs if ref_f == f]
     first = rows[0]
     lat_shape = (first["latent_c"], first["latent_h"], first["latent_w"])
     t5_shape = (first["t5_len"], first["t5_dim"])
@@ -127,20 +133,30 @@ def load_batch(item: dict) -> dict:
         lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
         t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
         clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
+    return stack_batch(item, int(first["generation"]), [r["sample_id"] for r in rows], lat, t5, clip, weights)
+
+
+def stack_batch(
+    item: dict, generation: int, sample_ids: list[str], latents: list, t5: list, clip: list, weights: list | None = None
+) -> dict:
+    """One training row: the plan fields of ``item``, the cache generation, the stacked float32 tensors, and each
+    sample's loss weight."""
+    lat, t5, clip = (np.stack([np.asarray(x, np.float32) for x in xs]) for xs in (latents, t5, clip))
     return {
         "epoch": item["epoch"],
         "index": item["index"],
         "seed": item["seed"],
         "step": item["step"],
         "total_steps": item["total_steps"],
-        "generation": int(rows[0]["generation"]),
+        "generation": generation,
         "bucket": item["bucket"],
-        "size": len(rows),
-        "latent": np.stack(lat).tobytes(),
-        "latent_shape": json.dumps([len(rows), *lat_shape]),
-        "t5": np.stack(t5).tobytes(),
-        "t5_shape": json.dumps([len(rows), *t5_shape]),
-        "clip": np.stack(clip).tobytes(),
-        "clip_dim": int(first["clip_dim"]),
-        "weights": json.dumps(weights),
+        "size": len(sample_ids),
+        "sample_ids": json.dumps(sample_ids),
+        "latent": lat.tobytes(),
+        "latent_shape": json.dumps(list(lat.shape)),
+        "t5": t5.tobytes(),
+        "t5_shape": json.dumps(list(t5.shape)),
+        "clip": clip.tobytes(),
+        "clip_dim": int(clip.shape[1]),
+        "weights": json.dumps(weights or [1.0] * len(sample_ids)),
     }

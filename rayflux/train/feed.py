@@ -6,8 +6,10 @@ rank ``r`` the planned batches ``r, r + W, r + 2W, ...`` as an ordered Ray Data 
 rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``.
 
 Why not Ray's default ``streaming_split``: it hands blocks to whichever worker asks first, so the batch a rank sees
-at step ``s`` differs from run to run. With a plan, global step ``s`` always trains on batches ``sW .. sW + W - 1``,
-a resumed run replays exactly what an uninterrupted one would, and per-epoch sample counts are exact.
+at step ``s`` differs from run to run. With a plan, each epoch's optimizer step ``s`` (from 0) always trains its
+planned batches ``sWA .. (s + 1)WA - 1`` (``A`` batches accumulated per rank), a resumed run replays exactly what an
+uninterrupted one would, and per-epoch sample counts are exact. Every row carries its global step, so a restored
+run skips exactly the steps it already trained.
 """
 
 from __future__ import annotations
@@ -25,15 +27,24 @@ class PlannedDataConfig(DataConfig):
     """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields.
 
     ``epochs`` is the half-open range this trainer run covers (one refresh segment); ``total_epochs`` is the whole
-    run, so every row knows the global step it trains at and the run's total step count.
+    run, so every row knows the global optimizer step it trains at and the run's total step count.
     """
 
-    def __init__(self, batch_size: int, seed: int, epochs: tuple[int, int], total_epochs: int, read_cpus: float = 0.25):
+    def __init__(
+        self,
+        batch_size: int,
+        seed: int,
+        epochs: tuple[int, int],
+        total_epochs: int,
+        accumulation: int = 1,
+        read_cpus: float = 0.25,
+    ):
         super().__init__(datasets_to_split=[])
         self.batch_size = batch_size
         self.seed = seed
         self.epochs = epochs
         self.total_epochs = total_epochs
+        self.accumulation = accumulation
         self.read_cpus = read_cpus
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
@@ -42,14 +53,15 @@ class PlannedDataConfig(DataConfig):
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
         per_rank: list[list[dict]] = [[] for _ in range(world_size)]
         for epoch in range(*self.epochs):
-            planned = batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size)[0]
-            # The remainder rule makes each epoch's batch count a multiple of world_size.
-            steps_per_epoch = len(planned) // world_size
+            planned = batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size, self.accumulation)[0]
+            # The remainder rule makes each epoch's batch count a multiple of world_size * accumulation, so every
+            # rank gets the same whole number of optimizer steps, each of `accumulation` consecutive batches.
+            steps_per_epoch = len(planned) // (world_size * self.accumulation)
             for i, b in enumerate(planned):
                 per_rank[i % world_size].append(
                     {
                         **b,
-                        "step": epoch * steps_per_epoch + i // world_size + 1,
+                        "step": epoch * steps_per_epoch + (i // world_size) // self.accumulation + 1,
                         "total_steps": steps_per_epoch * self.total_epochs,
                     }
                 )

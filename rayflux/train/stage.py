@@ -30,13 +30,17 @@ class TrainResult:
     history: list = field(default_factory=list)
     """Per step: epoch, generation, samples trained (all ranks), mean loss."""
     epoch_counts: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    """The last metrics rank 0 reported with the final checkpoint."""
 
 
 def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
     """Per-epoch sample accounting for a world size (the same plan the data feed builds)."""
     counts = {}
     for epoch in range(cfg.train.epochs):
-        planned, dropped = batching.plan_epoch(refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size)
+        planned, dropped = batching.plan_epoch(
+            refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size, cfg.train.gradient_accumulation
+        )
         counts[epoch] = {"samples": sum(b["size"] for b in planned), "dropped": dropped, "batches": len(planned)}
     return counts
 
@@ -80,17 +84,25 @@ def train(
         storage_path=storage_path,
         storage_filesystem=storage_fs,
         callbacks=[progress.TrainProgress(counts, hi, cfg.train.max_steps)],
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.checkpoints_to_keep),
         failure_config=ray.train.FailureConfig(max_failures=3),
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": cfg.to_dict()},
+        train_loop_config={
+            "job": cfg.to_dict(),
+            "run_dir": output_dir,  # validation images and TensorBoard events
+            "text_files": generations.text_files(manifest),  # the empty caption, for caption dropout
+        },
         scaling_config=scaling,
         run_config=run_config,
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(
-            cfg.train.batch_size, cfg.train.seed, epochs or (0, cfg.train.epochs), cfg.train.epochs
+            cfg.train.batch_size,
+            cfg.train.seed,
+            epochs or (0, cfg.train.epochs),
+            cfg.train.epochs,
+            cfg.train.gradient_accumulation,
         ),
     )
     result = trainer.fit()
@@ -106,4 +118,5 @@ def train(
         checkpoint_path=storage.to_uri(output_dir, result.checkpoint.path),
         checkpoint_dir=local,
         epoch_counts=counts,
+        metrics=dict(result.metrics or {}),
     )
