@@ -70,7 +70,7 @@ def cache_stage(model_dir: str, images_dir: str, out: str, resolution: int, vae_
     )  # fmt: skip
     t0 = time.perf_counter()
     facts = models.model_facts(cfg.model)
-    discovery = discover(cfg.data, images_dir)
+    discovery = discover(cfg.data)
     manifest = build_generation(cfg, facts, discovery, out, 0, 0, False)
     assert manifest["cached"] == discovery.discovered
     return time.perf_counter() - t0

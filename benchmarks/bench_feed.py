@@ -57,7 +57,7 @@ def main() -> int:
     DataContext.get_current().enable_progress_bars = False
     try:
         facts = models.model_facts(cfg.model)
-        manifest = build_generation(cfg, facts, discover(cfg.data, cfg.data.images_dir), str(work / "cache"), 0, 0, False)
+        manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, False)
         refs = batching.index_samples(generations.sample_files(manifest))
         feed = PlannedDataConfig(1, 0, (0, 1), 1)
 

@@ -22,17 +22,34 @@ import yaml
 
 
 @dataclass
-class DataConfig:
-    """Where the training images and their captions come from."""
+class DatasetConfig:
+    """One folder of training images: how it is captioned, cropped, and mixed into each epoch."""
 
+    name: str = ""
+    """Short name (letters, digits, ``.``, ``_``, ``-``) shown in summaries. In ``data.datasets`` it also prefixes the
+    dataset's sample paths in the cache, so it must be unique there. Empty: the last folder name of ``images_dir``."""
     images_dir: str = ""
-    """Folder or URI (``s3://bucket/prefix``) of training images. Empty: the generated demo images."""
+    """Folder or URI (``s3://bucket/prefix``, or any pyarrow/fsspec filesystem) of training images. Empty: the
+    generated demo images."""
+    caption_strategy: str = "sidecar"
+    """Where captions come from: ``sidecar`` files, the ``filename``, a ``metadata`` table (``metadata.jsonl``,
+    ``.csv`` or ``.parquet`` with ``file_name`` and ``text`` columns, as Hugging Face imagefolder) or the fixed
+    ``instance`` prompt."""
     caption_ext: str = ".txt"
     """Sidecar caption extension. Several lines in one file are several captions; one is chosen per generation."""
+    metadata_file: str = ""
+    """For ``caption_strategy=metadata``: the table's path relative to ``images_dir`` (or a URI). Empty: every
+    ``metadata.jsonl``, ``metadata.csv`` or ``metadata.parquet`` in the tree, each naming files relative to its own
+    folder."""
+    caption_column: str = "text"
+    """Metadata column holding the caption: a string, or a list of strings (one chosen per generation)."""
     missing_caption: str = "filename"
     """When an image has no caption: ``skip`` it, use an ``empty`` caption, its ``filename``, or ``instance``."""
     instance_prompt: str = ""
-    """Fixed caption used by ``missing_caption=instance``."""
+    """Fixed caption for ``caption_strategy=instance`` and ``missing_caption=instance``; the prefix for
+    ``prepend_instance_prompt``."""
+    prepend_instance_prompt: bool = False
+    """Put ``instance_prompt`` and a space in front of every caption (e.g. a trigger word)."""
     resolution: int = 512
     """Target size in pixels: the shorter edge, or the square root of the area (see ``resolution_type``)."""
     resolution_type: str = "area"
@@ -43,6 +60,32 @@ class DataConfig:
     """Aspect ratios beyond this (either way) are cropped down to it."""
     min_image_size: int = 64
     """Images whose shorter edge is below this many pixels are skipped with a reason."""
+    repeats: int = 1
+    """Times each cached sample of this dataset appears in every epoch."""
+    max_samples: int = 0
+    """Use at most this many images of the dataset (a stable choice by path hash). 0: all of them."""
+    regularisation: bool = False
+    """A regularisation (prior-preservation) set: its samples' loss is weighted by ``data.reg_loss_weight``."""
+
+
+# Keys a dataset mapping may set; they decide what is cached, except these, which only shape the epoch.
+TRAINING_ONLY_KEYS = ("repeats", "regularisation")
+
+
+@dataclass
+class DataConfig(DatasetConfig):
+    """Where the training images and their captions come from.
+
+    The ``data.*`` keys inherited from a dataset describe the single dataset ``data.images_dir``; with
+    ``data.datasets`` they are the defaults every listed dataset starts from.
+    """
+
+    datasets: list = field(default_factory=list)
+    """Several datasets in one job: a list of mappings with the dataset keys above (``images_dir``, ``name``,
+    ``caption_strategy``, ``resolution``, ``repeats``, ``max_samples``, ``regularisation``...). A key a mapping leaves
+    out takes its ``data.*`` value. Empty: the one dataset ``data.images_dir``."""
+    reg_loss_weight: float = 1.0
+    """Loss weight of samples from regularisation datasets (1.0: weighted like any other sample)."""
     max_image_pixels: int = 178_956_970
     """Images with more pixels than this are refused as decompression bombs (Pillow's own default limit)."""
 
@@ -214,10 +257,13 @@ def _section_class(name: str) -> type:
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a dataclass to the docstring written under it in the source."""
+    """Map each field of a dataclass to the docstring written under it in the source (inherited fields included)."""
+    docs: dict[str, str] = {}
+    for base in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
-    docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if (
             isinstance(node, ast.AnnAssign)
@@ -327,9 +373,6 @@ def worker_range(num_workers: Any) -> tuple[int, int]:
 
 
 _CHOICES = {
-    ("data", "missing_caption"): ("skip", "empty", "filename", "instance"),
-    ("data", "resolution_type"): ("area", "shorter_edge"),
-    ("data", "crop"): ("center", "random"),
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("cache", "dtype"): ("float32", "float16", "bfloat16"),
     ("train", "use_gpu"): ("auto", "true", "false"),
@@ -340,8 +383,7 @@ _CHOICES = {
     ("train", "output_format"): ("diffusers", "kohya"),
 }
 _POSITIVE = {
-    ("data", "resolution"),
-    ("data", "min_image_size"),
+    ("data", "max_image_pixels"),
     ("cache", "batch_size"),
     ("cache", "text_batch_size"),
     ("cache", "vae_actors"),
@@ -369,8 +411,6 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value <= 0:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
-    if cfg.data.max_aspect < 1:
-        raise ConfigError(f"data.max_aspect must be >= 1, got {cfg.data.max_aspect}")
     for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm"):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0")
@@ -386,8 +426,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.cpus_per_worker must be positive")
     refresh_interval(cfg.cache.refresh)
     worker_range(cfg.train.num_workers)
-    if cfg.data.missing_caption == "instance" and not cfg.data.instance_prompt:
-        raise ConfigError("data.missing_caption=instance needs data.instance_prompt")
+    if cfg.data.reg_loss_weight < 0:
+        raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
+    from rayflux.datasets import datasets_of  # it builds on this module's types
+
+    datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
 
 
 def refresh_interval(refresh: str) -> int:

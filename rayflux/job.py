@@ -8,13 +8,14 @@ ever delete cache files, and only at points where no worker can be reading them.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 
-from rayflux import models, paths, refresh, storage
+from rayflux import datasets, models, paths, progress, refresh, storage
 from rayflux.config import JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
@@ -38,25 +39,55 @@ class Summary:
     history: list = field(default_factory=list)
     generations: list = field(default_factory=list)
     stage_seconds: dict = field(default_factory=dict)
+    datasets: list = field(default_factory=list)
+    """One dict per dataset: name, discovered, cached, skipped, unsampled, repeats, regularisation."""
+    skip_reasons: dict = field(default_factory=dict)
+    """Skip reason (its text up to the first colon) -> count."""
+    skipped_report: str = ""
+    validation_dir: str = ""
+    tensorboard_dir: str = ""
+    logs: str = ""
 
     def lines(self) -> list[str]:
+        unsampled = sum(d["unsampled"] for d in self.datasets)
         out = [
-            f"images: {self.discovered} discovered, {self.cached} cached, {self.skipped} skipped",
-            f"cache:      {self.cache_dir}",
+            f"images: {self.discovered} discovered, {self.cached} cached, {self.skipped} skipped"
+            + (f", {unsampled} left out by max_samples" if unsampled else "")
         ]
+        if len(self.datasets) > 1 or unsampled:
+            for d in self.datasets:
+                role = "regularisation, " if d["regularisation"] else ""
+                out.append(
+                    f"  {d['name']}: {d['discovered']} discovered, {d['cached']} cached, {d['skipped']} skipped"
+                    + (f", {d['unsampled']} left out" if d["unsampled"] else "")
+                    + f" ({role}repeats {d['repeats']})"
+                )
+        for reason, n in sorted(self.skip_reasons.items(), key=lambda kv: -kv[1]):
+            out.append(f"skipped:    {n} x {reason}")
+        if self.skipped:
+            out.append(f"skip list:  {self.skipped_report}")
+        out.append(f"cache:      {self.cache_dir}")
         if self.steps:
             out.append(f"training:   {self.steps} steps per worker, last loss {self.losses[-1]:.4f}")
             out.append(f"LoRA:       {self.lora_path}")
+            if self.validation_dir:
+                out.append(f"validation: {self.validation_dir}")
             out.append(f"checkpoint: {self.checkpoint}")
         out.append(f"ledger:     {self.ledger}")
+        if self.tensorboard_dir:
+            out.append(f"metrics:    {self.tensorboard_dir} (tensorboard --logdir)")
+        if self.logs:
+            out.append(f"logs:       {self.logs}")
         out.append("time:       " + ", ".join(f"{k} {v:.1f}s" for k, v in self.stage_seconds.items()))
         return out
 
 
 def resolve_dirs(cfg: JobConfig) -> tuple[str, str, str]:
-    """(images_dir, cache_root, output_dir), absolute, with the demo images filled in when none are given."""
+    """(images_dir, cache_root, output_dir), absolute, with the demo images filled in when no dataset is given.
+
+    ``images_dir`` is "" when the job lists its datasets under ``data.datasets``."""
     images = cfg.data.images_dir
-    if not images:
+    if not images and not cfg.data.datasets:
         from rayflux.testing.images import ensure_demo_images
 
         images = str(ensure_demo_images())
@@ -116,6 +147,7 @@ class _Stages:
         self.cache_root = cache_root
         self.key = cache_key(cfg, facts)
         self.dirs: dict[int, str] = {}
+        self.discoveries: dict = {}
 
     def generation(self, g: int) -> dict:
         """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest."""
@@ -124,7 +156,14 @@ class _Stages:
         from rayflux.sources import discover
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
-        discovery = discover(self.cfg.data, self.cfg.data.images_dir, seed=seed)
+        t0 = time.perf_counter()
+        discovery = discover(self.cfg.data, seed=seed)
+        if not self.discoveries:  # the same files every generation: say what is wrong with them once
+            for problem in discovery.problems:
+                log.warning("%s", problem)
+        self.discoveries[g] = discovery
+        seconds = self.summary.stage_seconds
+        seconds["discover"] = seconds.get("discover", 0.0) + time.perf_counter() - t0
         inputs = inputs_signature(discovery)
         gen_dir = generations.generation_dir(self.cache_root, self.key, g, inputs)
         self.dirs[g] = gen_dir
@@ -175,15 +214,18 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     from rayflux.train.stage import train
 
     images, cache_root, output = resolve_dirs(cfg)
-    # Refuse overlapping directories before any Ray work or any write.
-    paths.check_disjoint(images, **{"cache.dir": cache_root, "run.output_dir": output})
     cfg.data.images_dir = images
+    # Refuse overlapping directories before any Ray work or any write.
+    for ds in datasets.datasets_of(cfg.data):
+        paths.check_disjoint(ds.images_dir, **{"cache.dir": cache_root, "run.output_dir": output})
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
     ledger = Ledger(output, run_identity(cfg))
     summary.ledger = ledger.path
 
     connect(cfg.run.ray_address)
+    progress.quiet_operator_bars()
+    summary.logs = _ray_logs_dir()
     stages = _Stages(cfg, facts, ledger, cache_root, cluster_has_gpus(), summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 
@@ -193,9 +235,11 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     # A rerun starts at the first unfinished segment; earlier generations may already be retired.
     pending = [seg for seg in segs if not seg_done(seg)] if only != "cache" else segs[:1]
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
-    first = stages.generation((pending[0] if pending else segs[-1]).generation)
+    first_g = (pending[0] if pending else segs[-1]).generation
+    first = stages.generation(first_g)
     summary.cache_dir = first["dir"]
     summary.discovered, summary.cached, summary.skipped = first["discovered"], first["cached"], first["skipped"]
+    _account(summary, cfg, stages.discoveries[first_g], first["dir"])
     if only == "cache":
         return summary
     if first["cached"] == 0:
@@ -224,6 +268,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
 
     lora_name = lora_file(cfg.train.output_format)
     lora_dest = storage.join(output, "lora", lora_name)
+    # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
+    summary.validation_dir = storage.join(output, "validation") if cfg.train.validation_prompts else ""
+    summary.tensorboard_dir = storage.join(output, "tensorboard")
     if result is not None:
         summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
         summary.checkpoint = result.checkpoint_path
@@ -235,6 +282,44 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         done = ledger.find("export")
         summary.checkpoint = done["inputs"] if done else ""
     return summary
+
+
+def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
+    """Per-dataset counts and grouped skip reasons, from the committed generation's skip list."""
+    from rayflux.cache import generations
+
+    summary.skipped_report = storage.join(gen_dir, generations.SKIPPED)
+    raw = storage.read_bytes(summary.skipped_report) if storage.exists(summary.skipped_report) else b""
+    skipped = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    for s in skipped:
+        reason = s["reason"].split(":", 1)[0]
+        summary.skip_reasons[reason] = summary.skip_reasons.get(reason, 0) + 1
+    for ds in datasets.datasets_of(cfg.data):
+        key = datasets.key(cfg.data, ds)
+        found = sum(1 for s in discovery.sources if s.dataset == key)
+        found += sum(1 for s in discovery.skipped if s.get("dataset") == key)
+        lost = sum(1 for s in skipped if s.get("dataset") == key)
+        summary.datasets.append(
+            {
+                "name": datasets.label(ds),
+                "discovered": found,
+                "cached": found - lost,
+                "skipped": lost,
+                "unsampled": discovery.unsampled.get(datasets.label(ds), 0),
+                "repeats": ds.repeats,
+                "regularisation": ds.regularisation,
+            }
+        )
+
+
+def _ray_logs_dir() -> str:
+    """The Ray session's log folder on this node (worker and Ray Data logs), or "" when Ray does not say."""
+    try:
+        import ray._private.worker  # no public API names the folder; a failure only drops the summary line
+
+        return ray._private.worker.global_worker.node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def export_lora(checkpoint_dir: str, lora_dir: str, weight_name: str = "") -> str:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# The loopback S3 server for the object-storage tests; a plugin, so its endpoint is set before Ray starts.
+pytest_plugins = ["s3server"]
+
 # Generated assets go to a per-session home, never the user's ~/.cache; set before Ray starts so workers inherit it.
 _HOME = tempfile.mkdtemp(prefix="rayflux-test-home-")
 os.environ["RAYFLUX_HOME"] = _HOME

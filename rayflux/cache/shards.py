@@ -19,13 +19,14 @@ import pyarrow.parquet as pq
 from rayflux import buckets, storage
 from rayflux.cache import tensors
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the dataset column
 
 SAMPLE_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
         ("source_uri", pa.string()),
         ("rel_path", pa.string()),
+        ("dataset", pa.string()),
         ("source_sha256", pa.string()),
         ("caption", pa.string()),
         ("caption_id", pa.string()),

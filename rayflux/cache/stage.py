@@ -10,20 +10,19 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from rayflux import buckets, storage
+from rayflux import buckets, datasets, storage
 from rayflux.cache import generations, shards
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
-from rayflux.config import JobConfig
+from rayflux.config import DatasetConfig, JobConfig
 from rayflux.models import ModelFacts
 from rayflux.sources import Discovery, caption_id
 
 log = logging.getLogger(__name__)
 
 
-def bucket_spec(cfg: JobConfig, facts: ModelFacts) -> buckets.BucketSpec:
-    """The bucket knobs: user settings plus what the model dictates (alignment, latent channels)."""
-    d = cfg.data
+def bucket_spec(d: DatasetConfig, facts: ModelFacts) -> buckets.BucketSpec:
+    """One dataset's bucket knobs: its settings plus what the model dictates (alignment, latent channels)."""
     return buckets.BucketSpec(
         resolution=d.resolution,
         resolution_type=d.resolution_type,
@@ -40,15 +39,15 @@ def cache_key(cfg: JobConfig, facts: ModelFacts) -> str:
     """A cache's identity: encoders, preprocessing and shard schema. Anything else never invalidates it."""
     import hashlib
 
-    d = dataclasses.asdict(cfg.data)
-    d.pop("images_dir")
     blob = json.dumps(
         {
             "schema": shards.SCHEMA_VERSION,
             "model": facts.identity,
-            "data": d,
+            "datasets": [
+                datasets.cache_identity(ds, storage.canonical(ds.images_dir)) for ds in datasets.datasets_of(cfg.data)
+            ],
+            "max_image_pixels": cfg.data.max_image_pixels,
             "dtype": cfg.cache.dtype,
-            "images": storage.canonical(cfg.data.images_dir),
         },
         sort_keys=True,
     )
@@ -96,7 +95,8 @@ def _write_samples(
         if batch["skip_reason"][i]:
             if strict:
                 raise ValueError(f"cache.strict: {batch['uri'][i]}: {batch['skip_reason'][i]}")
-            skipped.append({"source_uri": str(batch["uri"][i]), "reason": str(batch["skip_reason"][i])})
+            reason = str(batch["skip_reason"][i])
+            skipped.append({"source_uri": str(batch["uri"][i]), "dataset": str(batch["dataset"][i]), "reason": reason})
             continue
         cid = str(batch["caption_id"][i])
         f, rg = index[cid]
@@ -114,6 +114,11 @@ def _write_samples(
         shards.write_table(table, storage.join(out_dir, "samples", name))
         out.update(path=[f"samples/{name}"], rows=[len(rows)], buckets=[json.dumps(shards.bucket_summary(table))])
     return out
+
+
+def _prepare_in_dataset(row: dict, specs: dict, seed: int, max_pixels: int) -> dict:
+    """``prepare_row`` with the bucket spec of the row's own dataset (each dataset has its resolution and crop)."""
+    return prepare_row(row, specs[row["dataset"]], seed, max_pixels)
 
 
 def build_generation(
@@ -145,19 +150,21 @@ def build_generation(
         compute=ActorPoolStrategy(min_size=1, max_size=c.text_actors),
         **res,
     )
-    text_meta = text_ds.map_batches(
+    text_ds = text_ds.map_batches(
         _write_text, fn_kwargs={"out_dir": gen_dir}, batch_size=c.rows_per_shard, num_cpus=0.25
-    ).take_all()
+    )
+    text_ds.set_name(f"cache-text-g{generation}")  # what the stage's progress bar is called
+    text_meta = text_ds.take_all()
     text_files = tuple(storage.join(gen_dir, m["path"]) for m in text_meta)
 
-    spec = bucket_spec(cfg, facts)
+    specs = {datasets.key(cfg.data, ds): bucket_spec(ds, facts) for ds in datasets.datasets_of(cfg.data)}
     items = [{**dataclasses.asdict(s), "caption_id": caption_id(s.caption)} for s in discovery.sources]
     sample_meta: list[dict] = []
     if items:
         ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items) // c.batch_size, 64)))
         ds = ds.map(
-            prepare_row,
-            fn_kwargs={"spec": spec, "seed": seed, "max_pixels": cfg.data.max_image_pixels},
+            _prepare_in_dataset,
+            fn_kwargs={"specs": specs, "seed": seed, "max_pixels": cfg.data.max_image_pixels},
             num_cpus=0.5,
         )
         ds = ds.map_batches(
@@ -167,7 +174,7 @@ def build_generation(
             compute=ActorPoolStrategy(min_size=1, max_size=c.vae_actors),
             **res,
         )
-        sample_meta = ds.map_batches(
+        ds = ds.map_batches(
             _write_samples,
             fn_kwargs={
                 "out_dir": gen_dir,
@@ -180,7 +187,9 @@ def build_generation(
             },
             batch_size=c.rows_per_shard,
             num_cpus=0.25,
-        ).take_all()
+        )
+        ds.set_name(f"cache-images-g{generation}")
+        sample_meta = ds.take_all()
 
     skipped = list(discovery.skipped)
     files = []

@@ -33,6 +33,10 @@ class SampleRef:
     bucket: str
     file: str
     row: int
+    dataset: str = ""
+    """The shards' ``dataset`` column; decides repeats and loss weight (see :func:`rayflux.datasets.mix`)."""
+    weight: float = 1.0
+    """Loss weight of this sample (regularisation datasets use ``data.reg_loss_weight``)."""
 
 
 def _rng(*parts) -> random.Random:
@@ -44,9 +48,10 @@ def index_samples(files: list[str]) -> list[SampleRef]:
     """Every sample of a generation's shards, read from the id and bucket columns only."""
     refs = []
     for f in files:
-        t = shards.read_column(f, ["sample_id", "bucket"])
-        for i, (sid, b) in enumerate(zip(t["sample_id"].to_pylist(), t["bucket"].to_pylist())):
-            refs.append(SampleRef(sid, b, f, i))
+        t = shards.read_column(f, ["sample_id", "bucket", "dataset"])
+        columns = zip(t["sample_id"].to_pylist(), t["bucket"].to_pylist(), t["dataset"].to_pylist())
+        for i, (sid, b, d) in enumerate(columns):
+            refs.append(SampleRef(sid, b, f, i, d))
     return refs
 
 
@@ -76,6 +81,7 @@ def plan_epoch(
             "bucket": b[0].bucket,
             "size": len(b),
             "refs": json.dumps([[r.file, r.row, r.sample_id] for r in b]),
+            "weights": json.dumps([r.weight for r in b]),
         }
         for i, b in enumerate(batches[:keep])
     ]
@@ -103,6 +109,9 @@ def load_batch(item: dict) -> dict:
         by_file.setdefault(f, []).append(row)
     for f in by_file:
         check_readable(f)
+    # Rows are read file by file (a repeated sample once per ask): order the refs' loss weights the same way.
+    ref_weights = json.loads(item["weights"]) if "weights" in item else [1.0] * len(refs)
+    weights = [w for f in by_file for (ref_f, _, _), w in zip(refs, ref_weights) if ref_f == f]
     cols = ["sample_id", "source_uri", "bucket", "generation", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
     rows = []
@@ -124,11 +133,14 @@ def load_batch(item: dict) -> dict:
         lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
         t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
         clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
-    return stack_batch(item, int(first["generation"]), [r["sample_id"] for r in rows], lat, t5, clip)
+    return stack_batch(item, int(first["generation"]), [r["sample_id"] for r in rows], lat, t5, clip, weights)
 
 
-def stack_batch(item: dict, generation: int, sample_ids: list[str], latents: list, t5: list, clip: list) -> dict:
-    """One training row: the plan fields of ``item``, the cache generation, and the stacked float32 tensors."""
+def stack_batch(
+    item: dict, generation: int, sample_ids: list[str], latents: list, t5: list, clip: list, weights: list | None = None
+) -> dict:
+    """One training row: the plan fields of ``item``, the cache generation, the stacked float32 tensors, and each
+    sample's loss weight."""
     lat, t5, clip = (np.stack([np.asarray(x, np.float32) for x in xs]) for xs in (latents, t5, clip))
     return {
         "epoch": item["epoch"],
@@ -146,4 +158,5 @@ def stack_batch(item: dict, generation: int, sample_ids: list[str], latents: lis
         "t5_shape": json.dumps(list(t5.shape)),
         "clip": clip.tobytes(),
         "clip_dim": int(clip.shape[1]),
+        "weights": json.dumps(weights or [1.0] * len(sample_ids)),
     }

@@ -72,6 +72,7 @@ class PlannedDataConfig(DataConfig):
             options = copy.deepcopy(ds.context.execution_options)
             options.preserve_order = True  # a rank's batches arrive in plan order
             ds.context.execution_options = options
+            ds.context.enable_progress_bars = False  # the training bar (rayflux.progress) is the stage's one line
             output.append({DATASET: ds.iterator()})
         return output
 

@@ -8,7 +8,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from rayflux import storage
+from rayflux import datasets, progress, storage
 from rayflux.cache import generations
 from rayflux.config import JobConfig, worker_range
 from rayflux.models import ModelFacts
@@ -62,7 +62,7 @@ def train(
     from ray.train.torch import TorchTrainer
 
     lo, hi = worker_range(cfg.train.num_workers)
-    refs = batching.index_samples(generations.sample_files(manifest))
+    refs = datasets.mix(batching.index_samples(generations.sample_files(manifest)), datasets.sample_weights(cfg.data))
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
         raise RuntimeError(
@@ -78,9 +78,12 @@ def train(
     scaling = ray.train.ScalingConfig(
         num_workers=hi if lo == hi else (lo, hi), use_gpu=use_gpu, resources_per_worker=resources
     )
+    storage_path, storage_fs = storage.for_ray_train(storage.join(output_dir, "checkpoints"))
     run_config = ray.train.RunConfig(
         name=cfg.run.name,
-        storage_path=storage.join(output_dir, "checkpoints"),
+        storage_path=storage_path,
+        storage_filesystem=storage_fs,
+        callbacks=[progress.TrainProgress(counts, hi, cfg.train.max_steps)],
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.checkpoints_to_keep),
         failure_config=ray.train.FailureConfig(max_failures=3),
     )
@@ -112,7 +115,7 @@ def train(
         steps=int(metrics["step"]),
         losses=[h["loss"] for h in metrics["history"]],
         history=metrics["history"],
-        checkpoint_path=result.checkpoint.path,
+        checkpoint_path=storage.to_uri(output_dir, result.checkpoint.path),
         checkpoint_dir=local,
         epoch_counts=counts,
         metrics=dict(result.metrics or {}),

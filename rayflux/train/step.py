@@ -24,6 +24,8 @@ class Batch:
     t5: torch.Tensor
     clip: torch.Tensor
     seed: int
+    weights: torch.Tensor | None = None
+    """Per-sample loss weights ``[B]`` (regularisation datasets); None weighs every sample 1."""
 
 
 @dataclass
@@ -43,7 +45,8 @@ def from_item(item: dict) -> Batch:
     lat = _array(item["latent"], json.loads(item["latent_shape"]))
     t5 = _array(item["t5"], json.loads(item["t5_shape"]))
     clip = _array(item["clip"], (lat.shape[0], int(item["clip_dim"])))
-    return Batch(lat, t5, clip, int(item["seed"]))
+    weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None
+    return Batch(lat, t5, clip, int(item["seed"]), weights)
 
 
 def flow_loss(model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty: EmptyCaption | None, device, dtype):
@@ -84,4 +87,7 @@ def flow_loss(model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty:
         return_dict=False,
         **kwargs,
     )[0]
-    return flow.flow_loss(pred, target, flow.loss_weights(sigmas, t.loss_weighting))
+    weights = flow.loss_weights(sigmas, t.loss_weighting)
+    if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
+        weights = weights * batch.weights.to(weights.device, weights.dtype)
+    return flow.flow_loss(pred, target, weights)
