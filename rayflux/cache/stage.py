@@ -14,7 +14,7 @@ from rayflux import buckets, storage
 from rayflux.cache import generations, shards
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
-from rayflux.config import JobConfig
+from rayflux.config import ConfigError, JobConfig
 from rayflux.models import ModelFacts
 from rayflux.sources import Discovery, caption_id
 
@@ -24,16 +24,21 @@ log = logging.getLogger(__name__)
 def bucket_spec(cfg: JobConfig, facts: ModelFacts) -> buckets.BucketSpec:
     """The bucket knobs: user settings plus what the model dictates (alignment, latent channels)."""
     d = cfg.data
-    return buckets.BucketSpec(
+    spec = buckets.BucketSpec(
         resolution=d.resolution,
         resolution_type=d.resolution_type,
-        alignment=facts.alignment,
+        alignment=d.alignment or facts.alignment,
         crop=d.crop,
         max_aspect=d.max_aspect,
         min_image_size=d.min_image_size,
         vae_scale_factor=facts.vae_scale_factor,
         latent_channels=facts.latent_channels,
     )
+    try:
+        buckets.check_spec(spec)
+    except ValueError as exc:
+        raise ConfigError(f"data.alignment: {exc}") from None
+    return spec
 
 
 def cache_key(cfg: JobConfig, facts: ModelFacts) -> str:
