@@ -54,6 +54,8 @@ class DatasetConfig:
     """Target size in pixels: the shorter edge, or the square root of the area (see ``resolution_type``)."""
     resolution_type: str = "area"
     """``area`` keeps about resolution² pixels per image; ``shorter_edge`` fixes the shorter side."""
+    alignment: int = 0
+    """Target sides are multiples of this many pixels. 0: the model's own, 2 x its VAE downscale (16 for FLUX)."""
     crop: str = "center"
     """How an image is cut to its bucket's aspect ratio: ``center`` or ``random`` (seeded per generation)."""
     max_aspect: float = 2.5
@@ -411,6 +413,8 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value <= 0:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
+    if cfg.data.alignment < 0:
+        raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
     for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm"):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0")

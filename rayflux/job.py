@@ -181,7 +181,9 @@ class _Stages:
             self.ledger.finish(entry)
         entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
         t0 = time.perf_counter()
-        manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu)
+        # Unchanged samples and captions are copied from the newest committed generation instead of encoded again.
+        previous = generations.latest_committed(storage.join(self.cache_root, self.key), exclude=gen_dir)
+        manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
         self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest["cached"])
         return manifest

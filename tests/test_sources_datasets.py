@@ -154,7 +154,9 @@ def _shard(gen_dir, name, ids, dataset, fill=0.0):
     ]  # fmt: skip
     table = pa.Table.from_pylist(rows, schema=shards.SAMPLE_SCHEMA)
     path = str(gen_dir / "samples" / name)
-    shards.write_table(table, path)
+    # latent 1 x 2 x 2 for bucket 16x16 means a VAE downscale of 8; t5 rows of length 1
+    layout = shards.ShardLayout("samples", "float32", latent_channels=1, vae_scale_factor=8, t5_len=1)
+    shards.write_table(table, path, layout)
     generations.commit(str(gen_dir), {"files": []}, [])
     return path
 

@@ -114,22 +114,12 @@ def load_batch(item: dict) -> dict:
     weights = [w for f in by_file for (ref_f, _, _), w in zip(refs, ref_weights) if ref_f == f]
     cols = ["sample_id", "source_uri", "bucket", "generation", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
             "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
-    rows = []
-    for f, rs in by_file.items():
-        rows.extend(shards.read_rows(f, rs, columns=cols).to_pylist())
+    rows = shards.read_batch(by_file, item["bucket"], cols)  # every row checked against the bucket's shape
     first = rows[0]
     lat_shape = (first["latent_c"], first["latent_h"], first["latent_w"])
     t5_shape = (first["t5_len"], first["t5_dim"])
     lat, t5, clip = [], [], []
     for r in rows:
-        for what, want, got in (
-            ("bucket", item["bucket"], r["bucket"]),
-            ("latent shape", lat_shape, (r["latent_c"], r["latent_h"], r["latent_w"])),
-            ("t5 shape", t5_shape, (r["t5_len"], r["t5_dim"])),
-            ("clip dim", first["clip_dim"], r["clip_dim"]),
-        ):
-            if want != got:
-                raise shards.shape_error(item["bucket"], r["sample_id"], r["source_uri"], what, want, got)
         lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
         t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
         clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
