@@ -1,8 +1,9 @@
 """The one bucket function: original image size + config -> crop box, target size, latent shape and bucket key.
 
-Every stage that needs a size calls :func:`plan`: preparation crops with it, the shard writer validates against it,
-and the dataset doctor reports it. SimpleTuner's latent shape mismatches came from two rounding paths that
-disagreed; here there is only one.
+Every stage that needs a size calls :func:`plan`: preparation crops with it, ``cache verify`` recomputes it for
+every row, and the dataset doctor reports it. Validation at write and train time reads a row's expected latent shape
+from its bucket key with :func:`latent_shape_of`, the same arithmetic. SimpleTuner's latent shape mismatches came
+from two rounding paths that disagreed; here there is only one.
 """
 
 from __future__ import annotations
@@ -67,6 +68,26 @@ class ImageTooSmall(ValueError):
     """The image's shorter edge is under ``min_image_size``."""
 
 
+def check_spec(spec: BucketSpec) -> None:
+    """Raise ValueError for knobs no image could satisfy, so that a bad config fails before any work starts."""
+    if spec.resolution_type not in ("area", "shorter_edge"):
+        raise ValueError(f"unknown resolution_type {spec.resolution_type!r}; expected area or shorter_edge")
+    if spec.crop not in ("center", "random"):
+        raise ValueError(f"unknown crop mode {spec.crop!r}; expected center or random")
+    if spec.alignment <= 0 or spec.alignment % (2 * spec.vae_scale_factor) != 0:
+        raise ValueError(
+            f"alignment {spec.alignment} must be a positive multiple of 2 x vae_scale_factor "
+            f"({2 * spec.vae_scale_factor}): the VAE downscales by {spec.vae_scale_factor} and FLUX packs 2x2 latents"
+        )
+    if spec.max_aspect < 1:
+        raise ValueError(f"max_aspect must be >= 1, got {spec.max_aspect}")
+
+
+def _latent_side(pixels: int, vae_scale_factor: int) -> int:
+    # Exact: target sides are multiples of the alignment, itself a multiple of the VAE's downscale.
+    return pixels // vae_scale_factor
+
+
 def _round_to(value: float, multiple: int) -> int:
     return max(multiple, int(round(value / multiple)) * multiple)
 
@@ -107,12 +128,9 @@ def plan(width: int, height: int, spec: BucketSpec, seed: int = 0, salt: str = "
     """
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
+    check_spec(spec)
     if min(width, height) < spec.min_image_size:
         raise ImageTooSmall(f"image is {width}x{height}; shorter edge is under min_image_size={spec.min_image_size}")
-    if spec.alignment % (2 * spec.vae_scale_factor) != 0:
-        raise ValueError(
-            f"alignment {spec.alignment} must be a multiple of 2 x vae_scale_factor ({2 * spec.vae_scale_factor})"
-        )
     tw, th = target_size(width, height, spec)
     # Largest box of aspect tw/th inside the image; compare in integers to avoid float ties.
     if width * th >= height * tw:
@@ -131,12 +149,20 @@ def plan(width: int, height: int, spec: BucketSpec, seed: int = 0, salt: str = "
         target_width=tw,
         target_height=th,
         latent_channels=spec.latent_channels,
-        latent_height=th // spec.vae_scale_factor,
-        latent_width=tw // spec.vae_scale_factor,
+        latent_height=_latent_side(th, spec.vae_scale_factor),
+        latent_width=_latent_side(tw, spec.vae_scale_factor),
     )
 
 
 def parse_key(key: str) -> tuple[int, int]:
     """``"512x384"`` -> (512, 384) as (width, height)."""
-    w, _, h = key.partition("x")
+    w, sep, h = key.partition("x")
+    if not sep or not w.isdigit() or not h.isdigit():
+        raise ValueError(f"not a bucket key: {key!r}; expected '<width>x<height>'")
     return int(w), int(h)
+
+
+def latent_shape_of(key: str, latent_channels: int, vae_scale_factor: int) -> tuple[int, int, int]:
+    """The latent shape every sample of bucket ``key`` has: the same arithmetic :func:`plan` used to make the key."""
+    w, h = parse_key(key)
+    return (latent_channels, _latent_side(h, vae_scale_factor), _latent_side(w, vae_scale_factor))

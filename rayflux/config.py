@@ -22,27 +22,72 @@ import yaml
 
 
 @dataclass
-class DataConfig:
-    """Where the training images and their captions come from."""
+class DatasetConfig:
+    """One folder of training images: how it is captioned, cropped, and mixed into each epoch."""
 
+    name: str = ""
+    """Short name (letters, digits, ``.``, ``_``, ``-``) shown in summaries. In ``data.datasets`` it also prefixes the
+    dataset's sample paths in the cache, so it must be unique there. Empty: the last folder name of ``images_dir``."""
     images_dir: str = ""
-    """Folder or URI (``s3://bucket/prefix``) of training images. Empty: the generated demo images."""
+    """Folder or URI (``s3://bucket/prefix``, or any pyarrow/fsspec filesystem) of training images. Empty: the
+    generated demo images."""
+    caption_strategy: str = "sidecar"
+    """Where captions come from: ``sidecar`` files, the ``filename``, a ``metadata`` table (``metadata.jsonl``,
+    ``.csv`` or ``.parquet`` with ``file_name`` and ``text`` columns, as Hugging Face imagefolder) or the fixed
+    ``instance`` prompt."""
     caption_ext: str = ".txt"
     """Sidecar caption extension. Several lines in one file are several captions; one is chosen per generation."""
+    metadata_file: str = ""
+    """For ``caption_strategy=metadata``: the table's path relative to ``images_dir`` (or a URI). Empty: every
+    ``metadata.jsonl``, ``metadata.csv`` or ``metadata.parquet`` in the tree, each naming files relative to its own
+    folder."""
+    caption_column: str = "text"
+    """Metadata column holding the caption: a string, or a list of strings (one chosen per generation)."""
     missing_caption: str = "filename"
     """When an image has no caption: ``skip`` it, use an ``empty`` caption, its ``filename``, or ``instance``."""
     instance_prompt: str = ""
-    """Fixed caption used by ``missing_caption=instance``."""
+    """Fixed caption for ``caption_strategy=instance`` and ``missing_caption=instance``; the prefix for
+    ``prepend_instance_prompt``."""
+    prepend_instance_prompt: bool = False
+    """Put ``instance_prompt`` and a space in front of every caption (e.g. a trigger word)."""
     resolution: int = 512
     """Target size in pixels: the shorter edge, or the square root of the area (see ``resolution_type``)."""
     resolution_type: str = "area"
     """``area`` keeps about resolution² pixels per image; ``shorter_edge`` fixes the shorter side."""
+    alignment: int = 0
+    """Target sides are multiples of this many pixels. 0: the model's own, 2 x its VAE downscale (16 for FLUX)."""
     crop: str = "center"
     """How an image is cut to its bucket's aspect ratio: ``center`` or ``random`` (seeded per generation)."""
     max_aspect: float = 2.5
     """Aspect ratios beyond this (either way) are cropped down to it."""
     min_image_size: int = 64
     """Images whose shorter edge is below this many pixels are skipped with a reason."""
+    repeats: int = 1
+    """Times each cached sample of this dataset appears in every epoch."""
+    max_samples: int = 0
+    """Use at most this many images of the dataset (a stable choice by path hash). 0: all of them."""
+    regularisation: bool = False
+    """A regularisation (prior-preservation) set: its samples' loss is weighted by ``data.reg_loss_weight``."""
+
+
+# Keys a dataset mapping may set; they decide what is cached, except these, which only shape the epoch.
+TRAINING_ONLY_KEYS = ("repeats", "regularisation")
+
+
+@dataclass
+class DataConfig(DatasetConfig):
+    """Where the training images and their captions come from.
+
+    The ``data.*`` keys inherited from a dataset describe the single dataset ``data.images_dir``; with
+    ``data.datasets`` they are the defaults every listed dataset starts from.
+    """
+
+    datasets: list = field(default_factory=list)
+    """Several datasets in one job: a list of mappings with the dataset keys above (``images_dir``, ``name``,
+    ``caption_strategy``, ``resolution``, ``repeats``, ``max_samples``, ``regularisation``...). A key a mapping leaves
+    out takes its ``data.*`` value. Empty: the one dataset ``data.images_dir``."""
+    reg_loss_weight: float = 1.0
+    """Loss weight of samples from regularisation datasets (1.0: weighted like any other sample)."""
     max_image_pixels: int = 178_956_970
     """Images with more pixels than this are refused as decompression bombs (Pillow's own default limit)."""
 
@@ -103,7 +148,7 @@ class TrainConfig:
     epochs: int = 2
     """Passes over the cached samples."""
     max_steps: int = 0
-    """Stop after this many optimizer steps per worker (0: run all epochs)."""
+    """Stop after this many optimizer steps per worker (0: run all epochs). Also the LR schedule's horizon."""
     num_workers: Any = 2
     """Ray Train workers: an integer, or ``[min, max]`` for an elastic run."""
     cpus_per_worker: float = 0.5
@@ -119,26 +164,41 @@ class TrainConfig:
     max_failures: int = 3
     """Restarts after a worker or node failure before the job gives up (-1: no limit). Each resumes from the latest
     checkpoint. Announced preemptions (node drains) are not counted here: Ray Train retries those without limit."""
-    checkpoint_every: int = 100
-    """Checkpoint every this many optimizer steps (0: only at the end). A node loss, resize or preemption resumes
-    from the latest checkpoint, so this bounds the work lost."""
     resize_check_seconds: float = 60.0
     """How often an elastic run (``num_workers: [min, max]``) looks for room for more workers. Growing restarts the
     worker group from the latest checkpoint."""
     batch_size: int = 1
     """Samples per batch on each worker. A batch always holds one bucket."""
+    gradient_accumulation: int = 1
+    """Batches per optimizer step on each worker."""
     learning_rate: float = 1e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, after warmup)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule after warmup: ``constant`` or ``cosine`` (down to 0 at the last step)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from ``learning_rate / warmup_steps`` up to ``learning_rate``."""
+    max_grad_norm: float = 1.0
+    """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
+    mixed_precision: str = "auto"
+    """``auto`` (bf16 autocast on GPU, fp32 on CPU), ``bf16`` (autocast everywhere) or ``fp32`` (no autocast)."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer block activations in the backward pass: less memory, about 30% more time."""
     rank: int = 4
     """LoRA rank."""
     alpha: float = 4.0
     """LoRA alpha; the update is scaled by alpha / rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch's input during training."""
     targets: str = "attention"
     """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
+    init_lora: str = ""
+    """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
     guidance: float = 1.0
     """Guidance value fed to guidance-distilled models (ignored when the model has no guidance embedding)."""
+    guidance_max: float = 0.0
+    """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
     sigma_sampling: str = "logit_normal"
     """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
     logit_mean: float = 0.0
@@ -149,12 +209,26 @@ class TrainConfig:
     """The fixed shift for ``sigma_sampling=shift``."""
     loss_weighting: str = "none"
     """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
-    max_grad_norm: float = 1.0
-    """Clip the LoRA gradient norm to this (0 disables clipping)."""
+    caption_dropout: float = 0.0
+    """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
     seed: int = 0
     """Seed for noise, σ and the batch order. Every rank derives its own stream from it."""
     log_every: int = 1
     """Report metrics every this many steps."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many optimizer steps (0: only at the end; the last step always checkpoints)."""
+    checkpoints_to_keep: int = 2
+    """How many of the newest checkpoints to keep in storage."""
+    output_format: str = "diffusers"
+    """Exported LoRA keys: ``diffusers`` (``transformer.*``) or ``kohya`` (``lora_unet_*``, for ComfyUI)."""
+    validation_prompts: list[str] = field(default_factory=list)
+    """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
+    validation_every: int = 0
+    """Render validation images every this many steps (0: only at the end)."""
+    validation_inference_steps: int = 20
+    """Denoising steps per validation image."""
+    validation_guidance: float = 3.5
+    """Guidance scale for validation images."""
 
 
 @dataclass
@@ -167,6 +241,8 @@ class RunConfig:
     """Ray Train run name under ``<output_dir>/checkpoints``."""
     ray_address: str = ""
     """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray."""
+    debug_slow_rank: str = ""
+    """``RANK:SECONDS`` delays every step of one training rank, to shake out ordering races. Empty: off."""
 
 
 @dataclass
@@ -183,20 +259,10 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self, *sections: str) -> str:
-        """A short stable hash of the named sections (all when none are named), without :data:`PLACEMENT_KEYS`."""
+        """A short stable hash of the named sections (all when none are named)."""
         d = self.to_dict()
-        chosen = {k: {f: v for f, v in d[k].items() if f not in PLACEMENT_KEYS.get(k, ())} for k in (sections or d)}
+        chosen = {k: d[k] for k in (sections or d)}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# Where and how a run executes, not what it trains: a rerun of a run (a resubmitted cluster job) may change these and
-# still continue it, since every restart re-plans for its world size (rayflux/train/progress.py). Fingerprints, and
-# with them the ledger's "same run" check, leave them out.
-PLACEMENT_KEYS = {
-    "train": {"num_workers", "accelerator_type", "worker_resources", "max_failures", "checkpoint_every",
-              "resize_check_seconds"},  # fmt: skip
-    "cache": {"use_gpu", "accelerator_type", "actor_resources"},
-}
 
 
 class ConfigError(ValueError):
@@ -214,10 +280,13 @@ def _section_class(name: str) -> type:
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a dataclass to the docstring written under it in the source."""
+    """Map each field of a dataclass to the docstring written under it in the source (inherited fields included)."""
+    docs: dict[str, str] = {}
+    for base in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
-    docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if (
             isinstance(node, ast.AnnAssign)
@@ -287,6 +356,11 @@ def parse_set(item: str) -> dict:
     parts = key.strip().split(".")
     if len(parts) != 2:
         raise ConfigError(f"--set key must look like section.key, got {key!r}")
+    section = _section_class(parts[0]) if parts[0] in _SECTIONS else None
+    default = getattr(section(), parts[1], None) if section else None
+    # String keys take the text as written: YAML would turn "1:0.4" into 60.4 (sexagesimal) or "off" into False.
+    if isinstance(default, str):
+        return {parts[0]: {parts[1]: raw}}
     value = yaml.safe_load(raw) if raw.strip() else ""
     return {parts[0]: {parts[1]: value}}
 
@@ -340,19 +414,18 @@ def resource_map(key: str, value: Any) -> dict[str, float]:
 
 
 _CHOICES = {
-    ("data", "missing_caption"): ("skip", "empty", "filename", "instance"),
-    ("data", "resolution_type"): ("area", "shorter_edge"),
-    ("data", "crop"): ("center", "random"),
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("cache", "dtype"): ("float32", "float16", "bfloat16"),
     ("train", "use_gpu"): ("auto", "true", "false"),
     ("cache", "use_gpu"): ("auto", "true", "false"),
     ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
     ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
+    ("train", "lr_scheduler"): ("constant", "cosine"),
+    ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
+    ("train", "output_format"): ("diffusers", "kohya"),
 }
 _POSITIVE = {
-    ("data", "resolution"),
-    ("data", "min_image_size"),
+    ("data", "max_image_pixels"),
     ("cache", "batch_size"),
     ("cache", "text_batch_size"),
     ("cache", "vae_actors"),
@@ -361,7 +434,12 @@ _POSITIVE = {
     ("train", "epochs"),
     ("train", "batch_size"),
     ("train", "rank"),
+    ("train", "alpha"),
+    ("train", "learning_rate"),
+    ("train", "gradient_accumulation"),
     ("train", "log_every"),
+    ("train", "checkpoints_to_keep"),
+    ("train", "validation_inference_steps"),
 }
 
 
@@ -375,24 +453,34 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value <= 0:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
-    if cfg.data.max_aspect < 1:
-        raise ConfigError(f"data.max_aspect must be >= 1, got {cfg.data.max_aspect}")
-    if cfg.train.max_steps < 0:
-        raise ConfigError("train.max_steps must be >= 0")
+    if cfg.data.alignment < 0:
+        raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
+    for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0")
+    for key in ("lora_dropout", "caption_dropout"):
+        if not 0 <= getattr(cfg.train, key) < 1:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
+    if cfg.train.guidance_max and cfg.train.guidance_max < cfg.train.guidance:
+        raise ConfigError("train.guidance_max must be 0 (constant guidance) or >= train.guidance")
+    prompts = cfg.train.validation_prompts
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
     if cfg.train.cpus_per_worker <= 0:
         raise ConfigError("train.cpus_per_worker must be positive")
     refresh_interval(cfg.cache.refresh)
     worker_range(cfg.train.num_workers)
     if cfg.train.max_failures < -1:
         raise ConfigError("train.max_failures must be -1 (no limit) or >= 0")
-    if cfg.train.checkpoint_every < 0:
-        raise ConfigError("train.checkpoint_every must be >= 0")
     if cfg.train.resize_check_seconds < 0:
         raise ConfigError("train.resize_check_seconds must be >= 0")
     resource_map("train.worker_resources", cfg.train.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
-    if cfg.data.missing_caption == "instance" and not cfg.data.instance_prompt:
-        raise ConfigError("data.missing_caption=instance needs data.instance_prompt")
+    if cfg.data.reg_loss_weight < 0:
+        raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
+    from rayflux.datasets import datasets_of  # it builds on this module's types
+
+    datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
 
 
 def refresh_interval(refresh: str) -> int:

@@ -1,16 +1,22 @@
-"""The stage runner: validate -> cache -> train -> export, recorded in the run's ledger."""
+"""The stage runner: validate -> cache(g0) -> train(segment 0) -> [cache(g1) -> train -> retire(g0)] ... -> export.
+
+Every stage is recorded in the run's ledger; a rerun of the same command skips finished stages, discards a
+half-built generation, and resumes training from the last checkpoint. Only the ``retire`` and ``discard`` stages
+ever delete cache files, and only at points where no worker can be reading them.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 
-from rayflux import config as config_mod
-from rayflux import models, paths, storage
-from rayflux.config import JobConfig
+from rayflux import datasets, models, paths, progress, refresh, storage
+from rayflux.config import JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
 log = logging.getLogger("rayflux")
@@ -30,26 +36,58 @@ class Summary:
     skipped: int = 0
     steps: int = 0
     losses: list = field(default_factory=list)
+    history: list = field(default_factory=list)
+    generations: list = field(default_factory=list)
     stage_seconds: dict = field(default_factory=dict)
+    datasets: list = field(default_factory=list)
+    """One dict per dataset: name, discovered, cached, skipped, unsampled, repeats, regularisation."""
+    skip_reasons: dict = field(default_factory=dict)
+    """Skip reason (its text up to the first colon) -> count."""
+    skipped_report: str = ""
+    validation_dir: str = ""
+    tensorboard_dir: str = ""
+    logs: str = ""
 
     def lines(self) -> list[str]:
+        unsampled = sum(d["unsampled"] for d in self.datasets)
         out = [
-            f"images: {self.discovered} discovered, {self.cached} cached, {self.skipped} skipped",
-            f"cache:      {self.cache_dir}",
+            f"images: {self.discovered} discovered, {self.cached} cached, {self.skipped} skipped"
+            + (f", {unsampled} left out by max_samples" if unsampled else "")
         ]
+        if len(self.datasets) > 1 or unsampled:
+            for d in self.datasets:
+                role = "regularisation, " if d["regularisation"] else ""
+                out.append(
+                    f"  {d['name']}: {d['discovered']} discovered, {d['cached']} cached, {d['skipped']} skipped"
+                    + (f", {d['unsampled']} left out" if d["unsampled"] else "")
+                    + f" ({role}repeats {d['repeats']})"
+                )
+        for reason, n in sorted(self.skip_reasons.items(), key=lambda kv: -kv[1]):
+            out.append(f"skipped:    {n} x {reason}")
+        if self.skipped:
+            out.append(f"skip list:  {self.skipped_report}")
+        out.append(f"cache:      {self.cache_dir}")
         if self.steps:
             out.append(f"training:   {self.steps} steps per worker, last loss {self.losses[-1]:.4f}")
             out.append(f"LoRA:       {self.lora_path}")
+            if self.validation_dir:
+                out.append(f"validation: {self.validation_dir}")
             out.append(f"checkpoint: {self.checkpoint}")
         out.append(f"ledger:     {self.ledger}")
+        if self.tensorboard_dir:
+            out.append(f"metrics:    {self.tensorboard_dir} (tensorboard --logdir)")
+        if self.logs:
+            out.append(f"logs:       {self.logs}")
         out.append("time:       " + ", ".join(f"{k} {v:.1f}s" for k, v in self.stage_seconds.items()))
         return out
 
 
 def resolve_dirs(cfg: JobConfig) -> tuple[str, str, str]:
-    """(images_dir, cache_root, output_dir), absolute, with the demo images filled in when none are given."""
+    """(images_dir, cache_root, output_dir), absolute, with the demo images filled in when no dataset is given.
+
+    ``images_dir`` is "" when the job lists its datasets under ``data.datasets``."""
     images = cfg.data.images_dir
-    if not images:
+    if not images and not cfg.data.datasets:
         from rayflux.testing.images import ensure_demo_images
 
         images = str(ensure_demo_images())
@@ -82,81 +120,217 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+def run_identity(cfg: JobConfig) -> str:
+    """What makes a run the same run: everything but resources and length, which may change between reruns."""
+    import hashlib
+    import json
+
+    d = cfg.to_dict()
+    # Resources, run length, and what is written beside the weights (checkpoint cadence, validation, file format)
+    # may change between reruns without changing what is being trained.
+    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
+                "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
+                "validation_inference_steps", "validation_guidance",
+                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds"):  # fmt: skip
+        d["train"].pop(key, None)
+    ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
+    ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Stages:
+    """The stages of one job, each recorded in the ledger."""
+
+    def __init__(self, cfg: JobConfig, facts, ledger: Ledger, cache_root: str, use_gpu: bool, summary: Summary):
+        from rayflux.cache.stage import cache_key
+
+        self.cfg, self.facts, self.ledger, self.use_gpu, self.summary = cfg, facts, ledger, use_gpu, summary
+        self.cache_root = cache_root
+        self.key = cache_key(cfg, facts)
+        self.dirs: dict[int, str] = {}
+        self.discoveries: dict = {}
+
+    def generation(self, g: int) -> dict:
+        """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest."""
+        from rayflux.cache import generations
+        from rayflux.cache.stage import build_generation, inputs_signature
+        from rayflux.sources import discover
+
+        seed = refresh.generation_seed(self.cfg.cache.seed, g)
+        t0 = time.perf_counter()
+        discovery = discover(self.cfg.data, seed=seed)
+        if not self.discoveries:  # the same files every generation: say what is wrong with them once
+            for problem in discovery.problems:
+                log.warning("%s", problem)
+        self.discoveries[g] = discovery
+        seconds = self.summary.stage_seconds
+        seconds["discover"] = seconds.get("discover", 0.0) + time.perf_counter() - t0
+        inputs = inputs_signature(discovery)
+        gen_dir = generations.generation_dir(self.cache_root, self.key, g, inputs)
+        self.dirs[g] = gen_dir
+        manifest = generations.load_manifest(gen_dir)
+        if manifest is not None and not generations.is_retired(gen_dir):
+            log.info("cache generation %d is committed and up to date (%s); nothing to encode", g, gen_dir)
+            if not self.ledger.done(f"cache:g{g}", gen_dir):
+                entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, reused=True)
+                self.ledger.finish(entry, cached=manifest["cached"])
+            return manifest
+        if storage.exists(gen_dir):
+            # Left half-built (or retired) by an earlier, interrupted run: nothing committed reads it, so drop it.
+            entry = self.ledger.start(f"discard:g{g}", gen_dir)
+            generations.remove_tree(gen_dir)
+            self.ledger.finish(entry)
+        entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
+        t0 = time.perf_counter()
+        # Unchanged samples and captions are copied from the newest committed generation instead of encoded again.
+        previous = generations.latest_committed(storage.join(self.cache_root, self.key), exclude=gen_dir)
+        manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
+        self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
+        self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest["cached"])
+        return manifest
+
+    def retire(self, g: int) -> None:
+        from rayflux.cache import generations
+
+        gen_dir = self.dirs[g]
+        if self.ledger.done(f"retire:g{g}", gen_dir):
+            return
+        entry = self.ledger.start(f"retire:g{g}", gen_dir)
+        generations.retire(gen_dir)
+        self.ledger.finish(entry)
+
+    def room_for_overlap(self) -> bool:
+        """Can generation g+1 be encoded while training runs? Only if both fit, with a CPU to spare for tasks."""
+        import ray
+
+        total = ray.cluster_resources()
+        workers = worker_range(self.cfg.train.num_workers)[1]
+        cpu_left = total.get("CPU", 0) - workers * self.cfg.train.cpus_per_worker
+        if self.use_gpu:
+            return total.get("GPU", 0) - workers >= 1 and cpu_left >= 2
+        return cpu_left >= self.cfg.cache.actor_cpus + 1
+
+
 def run(cfg: JobConfig, only: str = "") -> Summary:
-    """Run the job's stages. ``only="cache"`` stops after the cache stage."""
-    from rayflux.cache import generations
-    from rayflux.cache.stage import build_generation, cache_key
-    from rayflux.sources import discover
+    """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
+    from rayflux.train.checkpoint import lora_file
     from rayflux.train.stage import train
 
     images, cache_root, output = resolve_dirs(cfg)
-    # Refuse overlapping directories before any Ray work or any write.
-    paths.check_disjoint(images, **{"cache.dir": cache_root, "run.output_dir": output})
     cfg.data.images_dir = images
+    # Refuse overlapping directories before any Ray work or any write.
+    for ds in datasets.datasets_of(cfg.data):
+        paths.check_disjoint(ds.images_dir, **{"cache.dir": cache_root, "run.output_dir": output})
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
-    ledger = Ledger(output, cfg.fingerprint("data", "model", "train"))
+    ledger = Ledger(output, run_identity(cfg))
     summary.ledger = ledger.path
 
     connect(cfg.run.ray_address)
-    use_gpu = cluster_has_gpus()
+    progress.quiet_operator_bars()
+    summary.logs = _ray_logs_dir()
+    stages = _Stages(cfg, facts, ledger, cache_root, cluster_has_gpus(), summary)
+    segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 
-    t0 = time.perf_counter()
-    key = cache_key(cfg, facts)
-    discovery = discover(cfg.data, images, seed=cfg.cache.seed)
-    gen_dir = generations.generation_dir(cache_root, key, 0)
-    manifest = generations.load_manifest(gen_dir)
-    inputs = f"{key}:{_inputs(discovery)}"
-    if manifest is not None and manifest.get("inputs") == _inputs(discovery):
-        log.info("cache generation %s is committed and up to date; nothing to encode", gen_dir)
-    else:
-        if manifest is not None:
-            log.info("images or captions changed since %s was built; building a new generation", gen_dir)
-            gen_dir = _next_free_generation(cache_root, key)
-        entry = ledger.start("cache:g0", inputs, dir=gen_dir)
-        manifest = build_generation(cfg, facts, discovery, gen_dir, 0, cfg.cache.seed, use_gpu)
-        ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest["cached"])
-    summary.stage_seconds["cache"] = time.perf_counter() - t0
-    summary.cache_dir = gen_dir
-    summary.discovered, summary.cached, summary.skipped = manifest["discovered"], manifest["cached"], manifest["skipped"]
+    def seg_done(seg) -> bool:
+        return ledger.done(f"train:seg{seg.index}", f"epochs {seg.first_epoch}-{seg.end_epoch}") is not None
+
+    # A rerun starts at the first unfinished segment; earlier generations may already be retired.
+    pending = [seg for seg in segs if not seg_done(seg)] if only != "cache" else segs[:1]
+    # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
+    first_g = (pending[0] if pending else segs[-1]).generation
+    first = stages.generation(first_g)
+    summary.cache_dir = first["dir"]
+    summary.discovered, summary.cached, summary.skipped = first["discovered"], first["cached"], first["skipped"]
+    _account(summary, cfg, stages.discoveries[first_g], first["dir"])
     if only == "cache":
         return summary
-    if manifest["cached"] == 0:
-        raise RuntimeError(f"no image could be cached (see {storage.join(gen_dir, generations.SKIPPED)})")
+    if first["cached"] == 0:
+        raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
 
-    t0 = time.perf_counter()
-    entry = ledger.start("train", manifest["dir"])
-    result = train(cfg, manifest, facts, output, use_gpu)
-    summary.stage_seconds["train"] = time.perf_counter() - t0
-    summary.steps, summary.losses, summary.checkpoint = result.steps, result.losses, result.checkpoint_path
+    result = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        for seg in pending:
+            nxt = segs[seg.index + 1] if seg.index + 1 < len(segs) else None
+            name = f"train:seg{seg.index}"
+            manifest = stages.generation(seg.generation)
+            summary.generations.append(manifest["dir"])
+            prebuild = None
+            if nxt is not None and nxt.generation != seg.generation and stages.room_for_overlap():
+                prebuild = pool.submit(stages.generation, nxt.generation)
+            entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest["dir"])
+            t0 = time.perf_counter()
+            result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
+            summary.stage_seconds[name] = time.perf_counter() - t0
+            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps)
+            if prebuild is not None:
+                prebuild.result()
+            if nxt is not None and nxt.generation != seg.generation:
+                # fit() returned: every worker has finished every epoch that read this generation.
+                stages.retire(seg.generation)
 
-    lora_dir = storage.join(output, "lora")
-    summary.lora_path = export_lora(result.checkpoint_dir, lora_dir)
-    ledger.finish(entry, checkpoint=result.checkpoint_path, lora=summary.lora_path, steps=result.steps)
+    lora_name = lora_file(cfg.train.output_format)
+    lora_dest = storage.join(output, "lora", lora_name)
+    # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
+    summary.validation_dir = storage.join(output, "validation") if cfg.train.validation_prompts else ""
+    summary.tensorboard_dir = storage.join(output, "tensorboard")
+    if result is not None:
+        summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
+        summary.checkpoint = result.checkpoint_path
+        entry = ledger.start("export", result.checkpoint_path)
+        summary.lora_path = export_lora(result.checkpoint_dir, storage.join(output, "lora"), lora_name)
+        ledger.finish(entry, lora=summary.lora_path)
+    else:
+        summary.lora_path = lora_dest
+        done = ledger.find("export")
+        summary.checkpoint = done["inputs"] if done else ""
     return summary
 
 
-def _inputs(discovery) -> str:
-    from rayflux.cache.stage import _inputs_signature
-
-    return _inputs_signature(discovery)
-
-
-def _next_free_generation(cache_root: str, key: str) -> str:
+def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
+    """Per-dataset counts and grouped skip reasons, from the committed generation's skip list."""
     from rayflux.cache import generations
 
-    g = 1
-    while storage.exists(generations.generation_dir(cache_root, key, g)):
-        g += 1
-    return generations.generation_dir(cache_root, key, g)
+    summary.skipped_report = storage.join(gen_dir, generations.SKIPPED)
+    raw = storage.read_bytes(summary.skipped_report) if storage.exists(summary.skipped_report) else b""
+    skipped = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    for s in skipped:
+        reason = s["reason"].split(":", 1)[0]
+        summary.skip_reasons[reason] = summary.skip_reasons.get(reason, 0) + 1
+    for ds in datasets.datasets_of(cfg.data):
+        key = datasets.key(cfg.data, ds)
+        found = sum(1 for s in discovery.sources if s.dataset == key)
+        found += sum(1 for s in discovery.skipped if s.get("dataset") == key)
+        lost = sum(1 for s in skipped if s.get("dataset") == key)
+        summary.datasets.append(
+            {
+                "name": datasets.label(ds),
+                "discovered": found,
+                "cached": found - lost,
+                "skipped": lost,
+                "unsampled": discovery.unsampled.get(datasets.label(ds), 0),
+                "repeats": ds.repeats,
+                "regularisation": ds.regularisation,
+            }
+        )
 
 
-def export_lora(checkpoint_dir: str, lora_dir: str) -> str:
-    """Copy the final checkpoint's diffusers LoRA file into ``<output_dir>/lora``."""
+def _ray_logs_dir() -> str:
+    """The Ray session's log folder on this node (worker and Ray Data logs), or "" when Ray does not say."""
+    try:
+        import ray._private.worker  # no public API names the folder; a failure only drops the summary line
+
+        return ray._private.worker.global_worker.node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def export_lora(checkpoint_dir: str, lora_dir: str, weight_name: str = "") -> str:
+    """Copy the final checkpoint's LoRA file (diffusers format unless named) into ``<output_dir>/lora``."""
     from rayflux.train.lora import WEIGHT_NAME
 
-    dest = storage.join(lora_dir, WEIGHT_NAME)
-    src = os.path.join(checkpoint_dir, WEIGHT_NAME)
+    dest = storage.join(lora_dir, weight_name or WEIGHT_NAME)
+    src = os.path.join(checkpoint_dir, weight_name or WEIGHT_NAME)
     if storage.is_uri(dest):
         with open(src, "rb") as f:
             storage.write_bytes_atomic(dest, f.read())
@@ -165,6 +339,3 @@ def export_lora(checkpoint_dir: str, lora_dir: str) -> str:
         shutil.copyfile(src, dest + ".tmp")
         os.replace(dest + ".tmp", dest)
     return dest
-
-
-__all__ = ["Summary", "run", "connect", "resolve_dirs", "config_mod"]

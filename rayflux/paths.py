@@ -2,9 +2,18 @@
 
 SimpleTuner once allowed an image directory equal to its cache directory; a cache clear then deleted training
 data. rayflux refuses such a configuration before any Ray work starts.
+
+Paths are compared in a canonical form:
+
+- local paths are made absolute with ``~``, symlinks, ``..`` and trailing slashes resolved (``file://`` URIs are
+  local paths too);
+- object-store URIs (``s3://bucket/prefix``) compare by scheme, bucket and key, with empty, ``.`` and ``..`` segments
+  folded, so ``s3://b/data/`` and ``s3://b//data/x/..`` are the same prefix.
 """
 
 from __future__ import annotations
+
+import posixpath
 
 from rayflux import storage
 
@@ -13,29 +22,52 @@ class PathOverlapError(ValueError):
     """Two directories that must be disjoint overlap."""
 
 
+def canonical(path: str) -> str:
+    """The comparable form of a local path or URI (see the module docstring)."""
+    if path.startswith("file://"):
+        return storage.canonical(path[len("file://") :])
+    if not storage.is_uri(path):
+        return storage.canonical(path)
+    scheme, rest = path.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    # normpath folds "a//b", "a/./b" and "a/x/../b"; a ".." above the bucket root stays at the root.
+    folded = posixpath.normpath("/" + key).lstrip("/")
+    return f"{scheme.lower()}://{bucket}" + (f"/{folded}" if folded else "")
+
+
 def _inside(child: str, parent: str) -> bool:
+    """True when ``child`` is ``parent`` or below it; "s3://b/data" does not contain "s3://b/database"."""
     return child == parent or child.startswith(parent.rstrip("/") + "/")
+
+
+def overlap(a: str, b: str) -> str:
+    """How canonical path ``a`` relates to canonical path ``b``: ``same``, ``inside``, ``contains`` or ``""``."""
+    if a == b:
+        return "same"
+    if _inside(a, b):
+        return "inside"
+    if _inside(b, a):
+        return "contains"
+    return ""
+
+
+_HOW = {"same": "is the same directory as", "inside": "lies inside", "contains": "contains"}
 
 
 def check_disjoint(images_dir: str, **others: str) -> None:
     """Raise PathOverlapError if any of ``others`` equals, lies inside, or contains ``images_dir``.
 
-    Paths are compared after resolving symlinks, ``..`` and trailing slashes; URIs compare by scheme, bucket and key.
+    ``others`` maps a config key (``cache.dir``) to its path. Empty paths are ignored. The message names both
+    paths as given and as resolved.
     """
-    img = storage.canonical(images_dir)
+    img = canonical(images_dir)
     for label, other in others.items():
         if not other:
             continue
-        o = storage.canonical(other)
-        if o == img:
-            how = "is the same directory as"
-        elif _inside(o, img):
-            how = "lies inside"
-        elif _inside(img, o):
-            how = "contains"
-        else:
-            continue
-        raise PathOverlapError(
-            f"{label} {other!r} {how} data.images_dir {images_dir!r} (resolved: {o} vs {img}); "
-            "choose a separate directory so that cache or run files can never touch training images"
-        )
+        resolved = canonical(other)
+        how = overlap(resolved, img)
+        if how:
+            raise PathOverlapError(
+                f"{label} {other!r} {_HOW[how]} data.images_dir {images_dir!r} (resolved: {resolved} vs {img}); "
+                "choose a separate directory so that cache or run files can never touch training images"
+            )

@@ -1,4 +1,4 @@
-"""Discover training images and their captions, on local disk or an object store."""
+"""Discover training images and their captions, on local disk, an object store, or any pyarrow/fsspec filesystem."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from rayflux import storage
-from rayflux.config import DataConfig
+from rayflux import captions, datasets, storage
+from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -20,23 +20,36 @@ class Source:
     uri: str
     """Full path or URI of the image."""
     rel_path: str
-    """Path relative to the dataset root; part of the cache key, so same-named files in different folders differ."""
+    """Path under the dataset root, prefixed by the dataset's name when the job lists several datasets; part of the
+    cache key, so same-named files in different folders or datasets differ."""
     size: int
     """File size in bytes (with mtime, a cheap change detector for incremental caching)."""
     mtime_ns: int
     caption: str
+    dataset: str = ""
+    """The shards' ``dataset`` column: the dataset's name, or "" for ``data.images_dir``."""
 
 
 @dataclass
 class Discovery:
-    """Everything discovery found: the usable sources, and each skipped input with its reason."""
+    """Everything discovery found: usable sources, skipped inputs with reasons, and dataset-level problems."""
 
     sources: list[Source] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    """Trouble that costs no image by itself but needs a look: orphan caption files, bad metadata rows..."""
+    unsampled: dict[str, int] = field(default_factory=dict)
+    """Per dataset, usable images left out by its ``max_samples``; not counted as discovered."""
 
     @property
     def discovered(self) -> int:
         return len(self.sources) + len(self.skipped)
+
+    def extend(self, other: Discovery) -> None:
+        self.sources.extend(other.sources)
+        self.skipped.extend(other.skipped)
+        self.problems.extend(other.problems)
+        self.unsampled.update(other.unsampled)
 
 
 def choose(options: list[str], seed: int, rel_path: str) -> str:
@@ -47,53 +60,98 @@ def choose(options: list[str], seed: int, rel_path: str) -> str:
     return options[int.from_bytes(digest[:8], "little") % len(options)]
 
 
-def _read_caption(fs: pafs.FileSystem, path: str) -> list[str]:
-    with fs.open_input_stream(path) as f:
-        raw = f.read()
-    text = raw.decode("utf-8-sig")  # UnicodeDecodeError is reported by the caller as a skip reason
-    return [line.strip() for line in text.splitlines() if line.strip()]
+def _hidden(rel: str) -> bool:
+    return any(part.startswith(".") for part in rel.split("/"))
 
 
-def discover(data: DataConfig, images_dir: str, seed: int = 0) -> Discovery:
-    """List every image under ``images_dir`` (recursively, sorted) and resolve its caption per ``data``."""
-    fs, root = storage.resolve(images_dir)
-    info = fs.get_file_info(root)
-    if info.type != pafs.FileType.Directory:
-        raise FileNotFoundError(f"data.images_dir {images_dir!r} is not a directory")
+def _limit(found: Discovery, ds: DatasetConfig, name: str) -> None:
+    """Keep ``max_samples`` sources, chosen by a hash of their path: the same subset on every run and node."""
+    if not ds.max_samples or len(found.sources) <= ds.max_samples:
+        return
+    ranked = sorted(found.sources, key=lambda s: hashlib.sha256(s.rel_path.encode()).digest())
+    keep = {s.rel_path for s in ranked[: ds.max_samples]}
+    found.unsampled[name] = len(found.sources) - ds.max_samples
+    found.sources = [s for s in found.sources if s.rel_path in keep]
+
+
+def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
+    """List every image under ``ds.images_dir`` (recursively, sorted) and resolve its caption.
+
+    ``key`` is the dataset's value of the ``dataset`` column; with ``prefix``, relative paths start with ``key/``.
+    Raises FileNotFoundError or CaptionError when the dataset as a whole is unusable.
+    """
+    fs, root = storage.resolve(ds.images_dir)
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        raise FileNotFoundError(f"images_dir {ds.images_dir!r} is not a directory (dataset {datasets.label(ds)})")
     entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     files = {e.path: e for e in entries if e.type == pafs.FileType.File}
-    found = Discovery()
-    prefix = root.rstrip("/") + "/"
+    metadata = captions.load_metadata(fs, root, set(files), ds) if ds.caption_strategy == "metadata" else None
+    name = datasets.label(ds)
+    found = Discovery(problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
+    base = root.rstrip("/") + "/"
+    images, uncaptioned = set(), []
     for path in sorted(files):
-        rel = path[len(prefix) :] if path.startswith(prefix) else path
-        name = rel.rsplit("/", 1)[-1]
-        if name.startswith(".") or not name.lower().endswith(IMAGE_EXTENSIONS):
+        rel = path[len(base) :] if path.startswith(base) else path
+        file_name = rel.rsplit("/", 1)[-1]
+        if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS):
             continue
-        uri = storage.join(images_dir, rel)
-        stem = path[: path.rfind(".")]
-        sidecar = stem + data.caption_ext
+        images.add(path[: path.rfind(".")])
+        uri = storage.join(ds.images_dir, rel)
+        sample_path = f"{key}/{rel}" if prefix else rel
         options: list[str] = []
-        if sidecar in files:
-            try:
-                options = _read_caption(fs, sidecar)
-            except UnicodeDecodeError as exc:
-                found.skipped.append({"source_uri": uri, "reason": f"caption file is not UTF-8 ({exc.reason})"})
-                continue
+        if ds.caption_strategy == "sidecar":
+            sidecar = path[: path.rfind(".")] + ds.caption_ext
+            if sidecar in files:
+                try:
+                    options = captions.read_sidecar(fs, sidecar)
+                except UnicodeDecodeError as exc:
+                    found.skipped.append(
+                        {"source_uri": uri, "dataset": key, "reason": f"caption file is not UTF-8 ({exc.reason})"}
+                    )
+                    continue
+        elif ds.caption_strategy == "metadata":
+            options = list(metadata.captions.get(rel, []))
+        elif ds.caption_strategy == "filename":
+            options = [captions.from_filename(file_name)]
+        else:
+            options = [ds.instance_prompt]
         if not options:
-            policy = data.missing_caption
-            if policy == "skip":
-                found.skipped.append({"source_uri": uri, "reason": "no caption (data.missing_caption=skip)"})
-                continue
-            if policy == "empty":
-                options = [""]
-            elif policy == "instance":
-                options = [data.instance_prompt]
-            else:
-                options = [name[: name.rfind(".")].replace("_", " ").replace("-", " ")]
+            uncaptioned.append(rel)
+        options, reason = captions.finish(options, ds, file_name)
+        if reason:
+            found.skipped.append({"source_uri": uri, "dataset": key, "reason": reason})
+            continue
         e = files[path]
         found.sources.append(
-            Source(uri=uri, rel_path=rel, size=e.size or 0, mtime_ns=e.mtime_ns or 0, caption=choose(options, seed, rel))
+            Source(
+                uri=uri,
+                rel_path=sample_path,
+                size=e.size or 0,
+                mtime_ns=e.mtime_ns or 0,
+                caption=choose(options, seed, sample_path),
+                dataset=key,
+            )
         )
+    if ds.caption_strategy == "sidecar":
+        orphans = [p for p in sorted(files) if p.endswith(ds.caption_ext) and p[: -len(ds.caption_ext)] not in images]
+        found.problems += [f"dataset {name}: caption file without an image: {p[len(base) :]}" for p in orphans]
+    if uncaptioned and ds.missing_caption != "skip":
+        found.problems.append(
+            f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
+            f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0]})"
+        )
+    if not images:
+        found.problems.append(f"dataset {name}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {ds.images_dir}")
+    _limit(found, ds, name)
+    return found
+
+
+def discover(data: DataConfig, *, seed: int = 0) -> Discovery:
+    """Discover every dataset of the job (``data.images_dir``, or each of ``data.datasets``), in config order."""
+    found = Discovery()
+    prefix = datasets.prefixes_paths(data)
+    for ds in datasets.datasets_of(data):
+        found.extend(discover_dataset(ds, seed, key=datasets.key(data, ds), prefix=prefix))
     return found
 
 

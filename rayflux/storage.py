@@ -6,9 +6,11 @@ Endpoints, regions and credentials come from the standard environment (``AWS_END
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 
@@ -16,23 +18,62 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def _s3_settings() -> tuple[str, str]:
+    """(endpoint URL, region) from the standard AWS variables; the S3-specific endpoint variable wins."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return endpoint, region
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
+    # One client per (endpoint, region): a preparation task reads thousands of objects and need not reconnect for
+    # each. Credentials are left to the AWS default chain (environment, profile, instance role).
+    scheme = "https" if endpoint.startswith("https") else "http"
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True
+    )
+
+
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it). Local paths are made absolute with symlinks and ``..`` resolved."""
+    """(filesystem, path inside it). Local paths are made absolute with symlinks and ``..`` resolved.
+
+    ``s3://`` honours ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` (MinIO, Ceph, R2...); other schemes go to pyarrow
+    (``gs://``, ``hdfs://``, ``abfs://``...), then to fsspec for anything pyarrow does not know.
+    """
     if is_uri(path):
-        if path.startswith("s3://") and os.environ.get("AWS_ENDPOINT_URL"):
-            bucket_path = path[len("s3://") :].rstrip("/")
-            endpoint = os.environ["AWS_ENDPOINT_URL"]
-            scheme = "https" if endpoint.startswith("https") else "http"
-            fs = pafs.S3FileSystem(
-                endpoint_override=endpoint.split("://", 1)[-1],
-                scheme=scheme,
-                region=os.environ.get("AWS_REGION", os.environ.get("AWS_DEFAULT_REGION", "us-east-1")),
-                allow_bucket_creation=True,
-            )
-            return fs, bucket_path
-        fs, inner = pafs.FileSystem.from_uri(path)
+        if path.startswith("s3://"):
+            endpoint, region = _s3_settings()
+            if endpoint:
+                return _s3_filesystem(endpoint, region), path[len("s3://") :].rstrip("/")
+        try:
+            fs, inner = pafs.FileSystem.from_uri(path)
+        except pa.ArrowInvalid:
+            import fsspec
+
+            ffs, inner = fsspec.core.url_to_fs(path)
+            fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
         return fs, inner.rstrip("/")
     return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
+
+
+def for_ray_train(path: str) -> tuple[str, pafs.FileSystem | None]:
+    """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``.
+
+    Ray resolves a bare URI with ``FileSystem.from_uri``, which knows no custom S3 endpoint and no fsspec scheme, so
+    for URIs it gets the filesystem built here, and the path inside it.
+    """
+    if not is_uri(path):
+        return path, None
+    fs, inner = resolve(path)
+    return inner, fs
+
+
+def to_uri(like: str, fs_path: str) -> str:
+    """Turn a path inside ``like``'s filesystem (as Ray Train reports it) back into a URI with ``like``'s scheme."""
+    if not is_uri(like) or is_uri(fs_path):
+        return fs_path
+    return like.split("://", 1)[0] + "://" + fs_path.lstrip("/")
 
 
 def canonical(path: str) -> str:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# The loopback S3 server for the object-storage tests; a plugin, so its endpoint is set before Ray starts.
+pytest_plugins = ["s3server"]
+
 # Generated assets go to a per-session home, never the user's ~/.cache; set before Ray starts so workers inherit it.
 _HOME = tempfile.mkdtemp(prefix="rayflux-test-home-")
 os.environ["RAYFLUX_HOME"] = _HOME
@@ -37,15 +40,37 @@ def demo_images() -> Path:
     return ensure_demo_images()
 
 
+_DASHBOARD: dict = {}
+
+
+@pytest.fixture(scope="session")
+def ray_dashboard(ray_session) -> str:
+    """The session Ray's dashboard URL, for Ray's state API (``ray.util.state``)."""
+    return _DASHBOARD["url"]
+
+
 @pytest.fixture(scope="session")
 def ray_session(tiny_model):
     """A local Ray for the whole session (start-up costs seconds; tests share it). Stopped at the end."""
     import ray
     from ray.data import DataContext
 
-    # address="local": always a new Ray of our own, never the "latest cluster" another head on this machine
-    # recorded (a plain ray.init() joins that one when its file exists).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    import socket
+
+    # The dashboard serves Ray's state API (tests list live actors); a free port keeps it clear of any other head.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dashboard_port = s.getsockname()[1]
+    # address="local" always starts a fresh local Ray, even when another head runs on this machine.
+    context = ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
+        log_to_driver=False,
+    )
+    _DASHBOARD["url"] = f"http://{context.dashboard_url}"
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

@@ -81,7 +81,7 @@ def test_runtime_env_helper_adds_secrets_from_the_environment_only(tmp_path):
     assert "HF_TOKEN is not set" in without.stderr
 
 
-def test_elastic_scaling_and_failure_config():
+def test_elastic_scaling_and_failure_config(tmp_path):
     from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
 
     cfg = config.load(None, ["train.num_workers=[2, 16]", "train.accelerator_type=H100", "train.max_failures=5",
@@ -93,19 +93,21 @@ def test_elastic_scaling_and_failure_config():
     per_worker = scaling._resources_per_worker_not_none
     assert per_worker["GPU"] == 1 and per_worker["h100_node"] == 1 and "accelerator_type:H100" in per_worker
     assert type(create_scaling_policy(scaling)).__name__ == "ElasticScalingPolicy"
-    run = run_config(cfg, "s3://bucket/runs/x")
-    assert run.failure_config.max_failures == 5 and run.storage_path == "s3://bucket/runs/x/checkpoints"
+    run = run_config(cfg, str(tmp_path), callbacks=[])
+    assert run.failure_config.max_failures == 5 and run.storage_path == str(tmp_path / "checkpoints")
     fixed = scaling_config(config.load(None, ["train.num_workers=4"]), False)
     assert fixed.num_workers == 4 and not fixed.use_gpu
 
 
 def test_a_rerun_may_change_placement_but_not_training():
+    from rayflux.job import run_identity
+
     base = config.load(None, ["train.num_workers=2"])
     moved = config.load(None, ["train.num_workers=[4, 16]", "train.accelerator_type=H100", "train.max_failures=9",
-                               "train.checkpoint_every=7", "cache.accelerator_type=L4"])  # fmt: skip
-    assert moved.fingerprint("data", "model", "train") == base.fingerprint("data", "model", "train")
-    changed = config.load(None, ["train.num_workers=2", "train.learning_rate=0.5"])
-    assert changed.fingerprint("data", "model", "train") != base.fingerprint("data", "model", "train")
+                               "train.resize_check_seconds=7", "train.worker_resources={h100: 1}",
+                               "cache.accelerator_type=L4", "cache.actor_resources={encode: 1}"])  # fmt: skip
+    assert run_identity(moved) == run_identity(base)
+    assert run_identity(config.load(None, ["train.learning_rate=0.5"])) != run_identity(base)
 
 
 def test_encoder_actors_can_target_another_node_type():
@@ -124,7 +126,7 @@ def test_encoder_actors_can_target_another_node_type():
         ("train.worker_resources={trainer: 0}", "must be a positive number"),
         ("cache.actor_resources=encode", "must be a mapping"),
         ("train.max_failures=-2", "train.max_failures"),
-        ("train.checkpoint_every=-1", "train.checkpoint_every"),
+        ("train.resize_check_seconds=-1", "train.resize_check_seconds"),
         ("cache.use_gpu=maybe", "cache.use_gpu must be one of"),
     ],
 )

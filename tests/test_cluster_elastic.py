@@ -132,22 +132,27 @@ def _dead_node_info(address: str, node_id: str):
     return None
 
 
-def _preemption_saves(metrics: dict) -> list[dict]:
-    return [s for s in metrics["progress"]["saves"] if s["reason"] == "preemption"]
+def _preempted_steps(metrics: dict) -> list[dict]:
+    """The history records of steps that ended in a checkpoint because a preemption was announced."""
+    return [h for h in metrics["history"] if h.get("preempted")]
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _expected_batches(progress: dict, history: list[dict]) -> set[tuple[int, int]]:
-    """Every planned batch, less those a restart skips by rounding its cursor up to its world size."""
+def _record(history: list[dict], step: int) -> dict:
+    [record] = [h for h in history if h["step"] == step]
+    return record
+
+
+def _expected_batches(restarts: list[int], history: list[dict]) -> set[tuple[int, int]]:
+    """Every planned batch, less those a restart skips by rounding its position up to its world size."""
     expected = {(e, i) for e in range(EPOCHS) for i in range(BATCHES_PER_EPOCH)}
-    for start in progress["starts"][1:]:
-        before = [h for h in history if h["step"] == start["step"]]
-        assert len(before) == 1, f"restart at step {start['step']} has no recorded step to resume after"
-        epoch, cursor = before[0]["epoch"], before[0]["index"] + before[0]["world"]
-        expected -= {(epoch, i) for i in range(cursor, _round_up(cursor, start["world"]))}
+    for step in restarts:
+        before, after = _record(history, step), _record(history, step + 1)
+        position = before["index"] + before["span"]
+        expected -= {(before["epoch"], i) for i in range(position, _round_up(position, after["world"]))}
     return expected
 
 
@@ -188,9 +193,9 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
             # 3. Spot reclaim: SIGTERM to C's `ray start`. Ray drains the node (reason PREEMPTION) and waits.
             node_c_id = (set(alive_nodes(cluster.address)) - {n.node_id for n in cluster.list_all_nodes()}).pop()
             os.kill(node_c.pid, signal.SIGTERM)
-            # Saves accumulate in every checkpoint, so a later interval checkpoint still shows the preemption one.
-            noticed = _wait_checkpoint(storage, job, "the checkpoint saved on the preemption notice", _preemption_saves)
-            jit = _preemption_saves(noticed)[0]
+            # Every checkpoint holds the whole history, so a later one still shows the step saved on the notice.
+            noticed = _wait_checkpoint(storage, job, "the checkpoint saved on the preemption notice", _preempted_steps)
+            [jit] = _preempted_steps(noticed)
             assert node_c_id in gcs(cluster.address).get_draining_nodes()
 
             # 4. The node is gone; training must resume from the latest checkpoint on node A and finish.
@@ -203,19 +208,18 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
     cluster.remove_node(node_a, allow_graceful=False)
 
     final = registered_checkpoint(storage)
-    progress, history = final["progress"], final["history"]
-    assert final["checkpoint_reason"] == "final" and final["step"] == len(history)
-    # Every (re)start of the worker group, with the step it resumed at: 2 workers, 1 after the crash, 2 after the
-    # join, 1 after the reclaim; each restart resumed at a step that had been checkpointed, never from scratch.
-    assert [s["world"] for s in progress["starts"]] == [2, 1, 2, 1], progress["starts"]
-    saved_steps = {s["step"] for s in progress["saves"]}
-    assert all(s["step"] in saved_steps for s in progress["starts"][1:]), progress
-    assert progress["starts"][1]["step"] >= first["step"] > 0
-    assert progress["starts"][2]["step"] >= shrunk["step"]
-    assert progress["starts"][3]["step"] >= jit["step"] >= grown["step"]
-    assert _preemption_saves(final) == [jit] and jit["world"] == 2
+    history, restarts = final["history"], final["resumed_at"]
+    # Steps count on across restarts, and the final checkpoint holds every one of them.
+    assert [h["step"] for h in history] == list(range(1, final["step"] + 1))
+    # The worker group's size at the start and after each restart: 2, 1 after the crash, 2 after the join, 1 after
+    # the reclaim; every restart resumed from a checkpoint, never from scratch.
+    worlds = [history[0]["world"]] + [_record(history, s + 1)["world"] for s in restarts]
+    assert worlds == [2, 1, 2, 1], (restarts, worlds)
+    assert restarts[0] >= first["step"] > 0 and restarts[1] >= shrunk["step"] and restarts[2] >= grown["step"]
+    # SIGTERM ended in a checkpoint on two workers, and the last restart resumed at or after it.
+    assert _preempted_steps(final) == [jit] and jit["world"] == 2 and restarts[2] >= jit["step"]
     # No batch trained twice, none missed beyond the documented rounding at restarts: every planned step ran.
-    trained = [(h["epoch"], h["index"] + r) for h in history for r in range(h["world"])]
+    trained = [(h["epoch"], h["index"] + k) for h in history for k in range(h["span"])]
     assert len(trained) == len(set(trained)), "a batch was trained twice"
-    assert set(trained) == _expected_batches(progress, history)
+    assert set(trained) == _expected_batches(restarts, history)
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()

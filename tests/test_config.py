@@ -88,3 +88,10 @@ def test_cli_config_error_is_one_line_and_nonzero():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "train.epochs must be positive" in proc.stderr
+
+
+def test_string_keys_keep_their_text():
+    cfg = config.load(None, ["run.debug_slow_rank=1:0.4", "data.instance_prompt=off", "cache.refresh=2"])
+    assert cfg.run.debug_slow_rank == "1:0.4"
+    assert cfg.data.instance_prompt == "off"
+    assert config.refresh_interval(cfg.cache.refresh) == 2

@@ -73,7 +73,7 @@ def test_losses_are_finite_and_recorded(finished_run):
     assert len(summary.losses) == summary.steps
     assert all(math.isfinite(x) for x in summary.losses)
     ledger = json.loads(Path(summary.ledger).read_text())
-    assert [s["name"] for s in ledger["stages"]] == ["cache:g0", "train"]
+    assert [s["name"] for s in ledger["stages"]] == ["cache:g0", "train:seg0", "export"]
     assert all(s["status"] == "done" for s in ledger["stages"])
 
 

@@ -17,54 +17,60 @@ from rayflux.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def _column(batch: dict, name: str) -> list:
-    return list(batch[name])
-
-
-def _seed_of(sample_id: str) -> int:
+def noise_seed(sample_id: str) -> int:
+    """The seed of one sample's latent noise: a latent does not depend on which batch or worker encoded it."""
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 class VaeEncoder:
     """Encode prepared pixels to FLUX latents, ``(z - shift_factor) * scaling_factor``, one row per sample.
 
-    Rows of one batch may come from different buckets; each bucket is encoded as its own sub-batch.
+    Rows of one batch may come from different buckets; each bucket is encoded as its own sub-batch. Skipped rows
+    and rows reused from a previous generation pass through untouched; each row this actor encodes is stamped
+    with ``encode_id``, so a generation records exactly which rows cost an encoder pass. The VAE loads on the first
+    row that needs it: a rerun with nothing new never loads it at all.
     """
 
-    def __init__(self, model: ModelConfig, store_dtype: str):
-        import torch
+    def __init__(self, model: ModelConfig, store_dtype: str, encode_id: str):
+        self.model = model
+        self.store_dtype = store_dtype
+        self.encode_id = encode_id
+        self.vae = None
 
+    def _load(self) -> None:
         from rayflux import models
 
         self.device = models.default_device()
-        self.vae = models.load_vae(model, self.device, models.torch_dtype(model.dtype, self.device))
-        self.store_dtype = store_dtype
+        self.vae = models.load_vae(self.model, self.device, models.torch_dtype(self.model.dtype, self.device))
         self.shift = float(self.vae.config.shift_factor or 0.0)
         self.scale = float(self.vae.config.scaling_factor)
-        self.torch = torch
+
+    def encode(self, pixels: np.ndarray, sample_ids: list[str]):
+        """Latents of a ``[N, H, W, 3]`` uint8 batch of one size, as the VAE returns them (not contiguous)."""
+        import torch
+
+        if self.vae is None:
+            self._load()
+        x = torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+        with torch.inference_mode():
+            dist = self.vae.encode(x).latent_dist
+            shape = dist.mean.shape[1:]
+            eps = torch.stack(
+                [torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(s))) for s in sample_ids]
+            ).to(dist.mean.device, dist.mean.dtype)
+            return (dist.mean + dist.std * eps - self.shift) * self.scale
 
     def __call__(self, batch: dict) -> dict:
-        torch = self.torch
         n = len(batch["sample_id"])
         latents: list[bytes] = [b""] * n
         shapes = np.zeros((n, 3), dtype=np.int64)
         groups: dict[tuple[int, int], list[int]] = {}
         for i in range(n):
-            if not batch["skip_reason"][i]:
+            if not batch["skip_reason"][i] and not batch["reuse"][i]:
                 groups.setdefault((int(batch["target_h"][i]), int(batch["target_w"][i])), []).append(i)
         for (h, w), idx in groups.items():
             pixels = np.stack([np.frombuffer(batch["pixels"][i], dtype=np.uint8).reshape(h, w, 3) for i in idx])
-            x = torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
-            with torch.inference_mode():
-                dist = self.vae.encode(x).latent_dist
-                # Per-sample noise from the sample's own seed: a latent does not depend on which batch it was in.
-                eps = torch.stack(
-                    [
-                        torch.randn(dist.mean.shape[1:], generator=torch.Generator().manual_seed(_seed_of(batch["sample_id"][i])))
-                        for i in idx
-                    ]
-                ).to(dist.mean.device, dist.mean.dtype)
-                z = (dist.mean + dist.std * eps - self.shift) * self.scale
+            z = self.encode(pixels, [str(batch["sample_id"][i]) for i in idx])
             for j, i in enumerate(idx):
                 latents[i] = tensors.to_bytes(z[j], self.store_dtype)  # a contiguous copy of sample j alone
                 shapes[i] = z.shape[1:]
@@ -72,6 +78,7 @@ class VaeEncoder:
         out["latent"] = np.array(latents, dtype=object)
         out["latent_c"], out["latent_h"], out["latent_w"] = shapes[:, 0], shapes[:, 1], shapes[:, 2]
         out["latent_dtype"] = np.array([self.store_dtype if latents[i] else "" for i in range(n)], dtype=object)
+        out["encode_id"] = np.array([self.encode_id if latents[i] else "" for i in range(n)], dtype=object)
         return out
 
 
@@ -79,10 +86,11 @@ class TextEncoder:
     """Encode unique captions with CLIP-L (pooled output) and T5-XXL (full padded sequence).
 
     T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are
-    kept at the model's full ``max_sequence_length``.
+    kept at the model's full ``max_sequence_length``. Every output row is one caption that went through both
+    encoders, stamped with ``encode_id``.
     """
 
-    def __init__(self, model: ModelConfig, store_dtype: str, t5_max_length: int):
+    def __init__(self, model: ModelConfig, store_dtype: str, t5_max_length: int, encode_id: str):
         import torch
 
         from rayflux import models
@@ -92,6 +100,7 @@ class TextEncoder:
         self.clip_tok, self.clip, self.t5_tok, self.t5 = models.load_text_encoders(model, self.device, dtype)
         self.store_dtype = store_dtype
         self.t5_max_length = t5_max_length
+        self.encode_id = encode_id
         self.torch = torch
         self.passes = 0
 
@@ -118,4 +127,5 @@ class TextEncoder:
             "clip_pooled": np.array([tensors.to_bytes(pooled[i], self.store_dtype) for i in range(n)], dtype=object),
             "clip_dim": np.full(n, pooled.shape[1], dtype=np.int64),
             "text_dtype": np.array([self.store_dtype] * n, dtype=object),
+            "encode_id": np.array([self.encode_id] * n, dtype=object),
         }

@@ -1,22 +1,36 @@
 """Cache generations: a directory of shards that becomes visible only when its ``manifest.json`` is written.
 
-Layout: ``<cache.dir>/<cache_key>/g00000/{samples,text}/*.parquet``, then ``skipped.jsonl``, then ``manifest.json``
-last. Readers trust a generation only through its committed manifest; files not listed there do not exist to them.
+Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet``, then ``skipped.jsonl``, then
+``manifest.json`` last. Readers trust a generation only through its committed manifest; files not listed there do not
+exist to them, and a directory without a manifest (a build that crashed or is still running) or with a ``RETIRED``
+mark is never read or reused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
+
+import pyarrow.fs as pafs
 
 from rayflux import storage
 
 MANIFEST = "manifest.json"
 SKIPPED = "skipped.jsonl"
+_GENERATION = re.compile(r"^g(\d{5})(?:-[0-9a-f]+)?$")
 
 
-def generation_dir(cache_root: str, cache_key: str, generation: int) -> str:
-    return storage.join(cache_root, cache_key, f"g{generation:05d}")
+def generation_dir(cache_root: str, cache_key: str, generation: int, inputs: str) -> str:
+    """``<root>/<cache key>/g00001-<inputs hash>``: the inputs hash (file list, sizes, mtimes, chosen captions) makes
+    a changed dataset land in a new directory instead of silently reusing a stale one."""
+    return storage.join(cache_root, cache_key, f"g{generation:05d}-{inputs}")
+
+
+def generation_number(gen_dir: str) -> int | None:
+    """``.../g00003-<inputs hash>`` -> 3; None for a directory that is not named like a generation."""
+    m = _GENERATION.match(gen_dir.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
 
 
 def commit(gen_dir: str, manifest: dict, skipped: list[dict]) -> dict:
@@ -30,11 +44,52 @@ def commit(gen_dir: str, manifest: dict, skipped: list[dict]) -> dict:
 
 
 def load_manifest(gen_dir: str) -> dict | None:
-    """The committed manifest of a generation, or None when it was never committed."""
+    """The committed manifest of a generation, or None when it was never committed.
+
+    ``dir`` is set to where the manifest was found, so a cache that was moved or synced elsewhere still reads its
+    own files rather than the paths it was built at.
+    """
     path = storage.join(gen_dir, MANIFEST)
     if not storage.exists(path):
         return None
-    return json.loads(storage.read_bytes(path))
+    return {**json.loads(storage.read_bytes(path)), "dir": gen_dir}
+
+
+def load_skipped(gen_dir: str) -> list[dict]:
+    """The skipped report beside a manifest: one ``{"source_uri", "reason"}`` per line."""
+    return [json.loads(line) for line in storage.read_bytes(storage.join(gen_dir, SKIPPED)).decode().splitlines()]
+
+
+def list_dirs(parent: str) -> list[str]:
+    """Immediate subdirectories of ``parent`` (local or URI), sorted; empty when it does not exist."""
+    fs, inner = storage.resolve(parent)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+    return [storage.join(parent, n) for n in names]
+
+
+def generation_dirs(key_dir: str) -> list[str]:
+    """Every generation directory of one cache key, committed or not, in generation order."""
+    found = [d for d in list_dirs(key_dir) if generation_number(d) is not None]
+    return sorted(found, key=lambda d: (generation_number(d), d))
+
+
+def latest_committed(key_dir: str, exclude: str = "") -> dict | None:
+    """The manifest of the most recently committed, unretired generation of a cache key (other than ``exclude``).
+
+    Directories without a manifest are skipped whatever their number: a crashed build is never anyone's source.
+    """
+    found = []
+    for gen_dir in generation_dirs(key_dir):
+        if gen_dir == exclude or is_retired(gen_dir):
+            continue
+        manifest = load_manifest(gen_dir)
+        if manifest is not None:
+            found.append(manifest)
+    return max(found, key=lambda m: m["committed_at"], default=None)
 
 
 def sample_files(manifest: dict) -> list[str]:
@@ -43,3 +98,33 @@ def sample_files(manifest: dict) -> list[str]:
 
 def text_files(manifest: dict) -> list[str]:
     return [storage.join(manifest["dir"], f["path"]) for f in manifest["text_files"]]
+
+
+RETIRED = "RETIRED"
+
+
+def is_retired(gen_dir: str) -> bool:
+    return storage.exists(storage.join(gen_dir, RETIRED))
+
+
+def remove_tree(gen_dir: str) -> None:
+    """Delete a generation directory. Only the stage runner's ``retire`` and ``discard`` stages call this."""
+    fs, inner = storage.resolve(gen_dir)
+    if storage.exists(gen_dir):
+        fs.delete_dir(inner)
+
+
+def retire(gen_dir: str) -> None:
+    """Retire a committed generation: mark it (so a straggling reader fails loudly), then delete it.
+
+    Runs only as the job's ``retire`` stage, after the train stage has returned, i.e. after every worker finished
+    every epoch that read this generation.
+    """
+    storage.write_bytes_atomic(storage.join(gen_dir, RETIRED), b"retired\n")
+    fs, inner = storage.resolve(gen_dir)
+    for info in fs.get_file_info(pafs.FileSelector(inner)):
+        if info.base_name != RETIRED:
+            if info.type == pafs.FileType.Directory:
+                fs.delete_dir(info.path)
+            else:
+                fs.delete_file(info.path)

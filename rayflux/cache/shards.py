@@ -1,31 +1,55 @@
-"""Parquet shards: one sample per row, explicit shape columns, validated per bucket as they are written.
+"""Parquet shards: one sample per row, explicit shape columns, validated per bucket as they are written and read.
 
 Any pyarrow reader can rebuild every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to
 ``(latent_c, latent_h, latent_w)``; likewise ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to ``(clip_dim,)``
 (``bfloat16`` is stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Each row is its
-own Parquet row group, so one sample can be read without reading its neighbours.
+own Parquet row group, so one sample can be read without reading its neighbours. Each file also carries its
+:class:`ShardLayout` in the Parquet key-value metadata (key ``rayflux``), so a shard alone says what its buckets'
+latent shapes must be.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayflux import buckets, storage
 from rayflux.cache import tensors
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3  # 2: layout metadata and non-nullable tensors; 3: the dataset column
+_META_KEY = b"rayflux"
+
+
+def _tensor(name: str) -> pa.Field:
+    # Non-nullable: a missing tensor is an error at write time, and no definition levels are stored per value.
+    return pa.field(name, pa.binary(), nullable=False)
+
+
+_TEXT_FIELDS = [
+    ("t5_len", pa.int32()),
+    ("t5_dim", pa.int32()),
+    ("clip_dim", pa.int32()),
+    ("text_dtype", pa.string()),
+    _tensor("t5"),
+    _tensor("clip_pooled"),
+]
 
 SAMPLE_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
         ("source_uri", pa.string()),
         ("rel_path", pa.string()),
+        ("dataset", pa.string()),
         ("source_sha256", pa.string()),
         ("caption", pa.string()),
         ("caption_id", pa.string()),
@@ -42,29 +66,51 @@ SAMPLE_SCHEMA = pa.schema(
         ("latent_h", pa.int32()),
         ("latent_w", pa.int32()),
         ("latent_dtype", pa.string()),
-        ("latent", pa.binary()),
-        ("t5_len", pa.int32()),
-        ("t5_dim", pa.int32()),
-        ("clip_dim", pa.int32()),
-        ("text_dtype", pa.string()),
-        ("t5", pa.binary()),
-        ("clip_pooled", pa.binary()),
+        _tensor("latent"),
+        *_TEXT_FIELDS,
         ("generation", pa.int32()),
+        ("encode_id", pa.string()),
     ]
 )
 
 TEXT_SCHEMA = pa.schema(
-    [
-        ("caption_id", pa.string()),
-        ("caption", pa.string()),
-        ("t5_len", pa.int32()),
-        ("t5_dim", pa.int32()),
-        ("clip_dim", pa.int32()),
-        ("text_dtype", pa.string()),
-        ("t5", pa.binary()),
-        ("clip_pooled", pa.binary()),
-    ]
+    [("caption_id", pa.string()), ("caption", pa.string()), *_TEXT_FIELDS, ("encode_id", pa.string())]
 )
+
+# The only columns worth a dictionary or statistics; on tensor columns both would store each tensor again.
+_STRING_COLUMNS = [f.name for f in SAMPLE_SCHEMA if f.type == pa.string()]
+_STATS_COLUMNS = ["sample_id", "caption_id"]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What every row of a shard must look like; written into the shard's own metadata and into the manifest."""
+
+    kind: str
+    """``samples`` or ``text``."""
+    dtype: str
+    """Stored dtype of every tensor column."""
+    latent_channels: int
+    """VAE latent channels; with ``vae_scale_factor`` and a bucket key it fixes the latent shape."""
+    vae_scale_factor: int
+    """Pixel-to-latent downscale of the VAE."""
+    t5_len: int
+    """T5 sequence length (the model's full ``max_sequence_length``)."""
+    schema_version: int = SCHEMA_VERSION
+    """Version of the column layout above."""
+
+    def latent_shape(self, bucket: str) -> tuple[int, int, int]:
+        return buckets.latent_shape_of(bucket, self.latent_channels, self.vae_scale_factor)
+
+    def schema(self) -> pa.Schema:
+        base = SAMPLE_SCHEMA if self.kind == "samples" else TEXT_SCHEMA
+        return base.with_metadata({_META_KEY: json.dumps(asdict(self), sort_keys=True).encode()})
+
+
+def layout_of(schema: pa.Schema) -> ShardLayout | None:
+    """The layout a shard's schema carries, or None for a file rayflux did not write."""
+    raw = (schema.metadata or {}).get(_META_KEY)
+    return ShardLayout(**json.loads(raw)) if raw else None
 
 
 class CacheShapeError(ValueError):
@@ -72,44 +118,68 @@ class CacheShapeError(ValueError):
 
 
 def shape_error(bucket: str, sample_id: str, source: str, what: str, expected, actual) -> CacheShapeError:
-    return CacheShapeError(
-        f"bucket {bucket}: sample {sample_id} ({source}): {what} expected {expected}, got {actual}"
-    )
+    return CacheShapeError(f"bucket {bucket}: sample {sample_id} ({source}): {what} expected {expected}, got {actual}")
 
 
-def expected_latent_shape(bucket: str, latent_channels: int, vae_scale_factor: int) -> tuple[int, int, int]:
-    """The latent shape a bucket promises, from the same key ``buckets.plan`` produced."""
-    w, h = buckets.parse_key(bucket)
-    return (latent_channels, h // vae_scale_factor, w // vae_scale_factor)
+def _check_tensor(row: dict, col: str, shape, dtype: str, error, values: bool) -> None:
+    data = row[col]
+    want = tensors.nbytes(shape, dtype)
+    if data is None or len(data) != want:
+        raise error(f"{col} bytes for shape {tuple(int(s) for s in shape)}", want, None if data is None else len(data))
+    if values and not np.isfinite(tensors.from_bytes_numpy(data, dtype, shape)).all():
+        raise error(f"{col} values", "all finite", "NaN or Inf")
 
 
-def validate_row(row: dict, latent_channels: int, vae_scale_factor: int, dtype: str) -> None:
-    """Check one sample row against its bucket; raise CacheShapeError naming bucket, sample, source and shapes."""
-    bucket, sid, src = row["bucket"], row["sample_id"], row["source_uri"]
-    want = expected_latent_shape(bucket, latent_channels, vae_scale_factor)
-    got = (row["latent_c"], row["latent_h"], row["latent_w"])
-    if tuple(int(x) for x in got) != want:
-        raise shape_error(bucket, sid, src, "latent shape", want, got)
-    if row["latent_dtype"] != dtype or row["text_dtype"] != dtype:
-        raise shape_error(bucket, sid, src, "dtype", dtype, (row["latent_dtype"], row["text_dtype"]))
-    for col, shape in (
-        ("latent", want),
-        ("t5", (row["t5_len"], row["t5_dim"])),
-        ("clip_pooled", (row["clip_dim"],)),
-    ):
-        data = row[col]
-        if len(data) != tensors.nbytes(shape, dtype):
-            actual = f"{len(data)} bytes"
-            raise shape_error(bucket, sid, src, f"{col} size for shape {tuple(shape)}", tensors.nbytes(shape, dtype), actual)
-        if not np.isfinite(tensors.from_bytes_numpy(data, dtype, shape)).all():
-            raise shape_error(bucket, sid, src, f"{col} values", "all finite", "NaN or Inf")
+def check_text(row: dict, layout: ShardLayout, error, values: bool = True) -> None:
+    """Check a row's text columns (a sample row's copy or a text-table row) against ``layout``."""
+    if row["text_dtype"] != layout.dtype:
+        raise error("text dtype", layout.dtype, row["text_dtype"])
+    if row["t5_len"] != layout.t5_len:
+        raise error("t5 length", layout.t5_len, row["t5_len"])
+    _check_tensor(row, "t5", (row["t5_len"], row["t5_dim"]), layout.dtype, error, values)
+    _check_tensor(row, "clip_pooled", (row["clip_dim"],), layout.dtype, error, values)
 
 
-def write_table(table: pa.Table, path: str) -> int:
-    """Write ``table`` as Parquet, one row per row group, atomically (temp name then rename). Returns bytes."""
+def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values: bool = True) -> None:
+    """Check one sample row against its bucket; raise CacheShapeError naming bucket, sample, source and shapes.
+
+    ``bucket`` is the bucket the row must belong to (a training batch's); by default, the row's own.
+    """
+    bucket = bucket or row["bucket"]
+
+    def error(what, expected, actual):
+        return shape_error(bucket, row.get("sample_id"), row.get("source_uri"), what, expected, actual)
+
+    if row["bucket"] != bucket:
+        raise error("bucket", bucket, row["bucket"])
+    want = layout.latent_shape(bucket)
+    got = tuple(int(x) for x in (row["latent_c"], row["latent_h"], row["latent_w"]))
+    if got != want:
+        raise error("latent shape", want, got)
+    if row["latent_dtype"] != layout.dtype:
+        raise error("latent dtype", layout.dtype, row["latent_dtype"])
+    _check_tensor(row, "latent", want, layout.dtype, error, values)
+    check_text(row, layout, error, values)
+
+
+def write_table(table: pa.Table, path: str, layout: ShardLayout | None = None) -> int:
+    """Write ``table`` as Parquet, one row per row group, atomically (temp name, then rename). Returns bytes.
+
+    The cache stage always passes the shard's ``layout``, which goes into the file's metadata; without one the file
+    has no layout, and training refuses to read sample rows from it.
+    """
     buf = io.BytesIO()
-    # Binary tensor columns do not compress; skipping it keeps reads cheap and sizes honest.
-    pq.write_table(table, buf, row_group_size=1, compression="none", write_statistics=["sample_id", "caption_id"])
+    if layout is not None:
+        table = table.cast(layout.schema())
+    pq.write_table(
+        table,
+        buf,
+        row_group_size=1,
+        # Tensor bytes do not compress; dictionaries and min/max statistics would store them again.
+        compression="none",
+        use_dictionary=[c for c in _STRING_COLUMNS if c in table.column_names],
+        write_statistics=[c for c in _STATS_COLUMNS if c in table.column_names],
+    )
     data = buf.getvalue()
     storage.write_bytes_atomic(path, data)
     return len(data)
@@ -119,36 +189,59 @@ def new_shard_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}.parquet"
 
 
+@contextmanager
+def open_shard(path: str) -> Iterator[pq.ParquetFile]:
+    """A shard opened for reading (its footer read, no rows yet), closed on exit."""
+    fs, inner = storage.resolve(path)
+    with fs.open_input_file(inner) as raw:
+        yield pq.ParquetFile(raw)
+
+
 def read_rows(path: str, row_groups: list[int], columns: list[str] | None = None) -> pa.Table:
     """Read selected rows (row groups) of one shard."""
-    fs, inner = storage.resolve(path)
-    with fs.open_input_file(inner) as f:
-        return pq.ParquetFile(f).read_row_groups(row_groups, columns=columns)
+    with open_shard(path) as f:
+        return f.read_row_groups(row_groups, columns=columns)
 
 
 def read_column(path: str, columns: list[str]) -> pa.Table:
-    fs, inner = storage.resolve(path)
-    with fs.open_input_file(inner) as f:
-        return pq.read_table(f, columns=columns)
+    with open_shard(path) as f:
+        return f.read(columns=columns)
+
+
+def read_batch(rows_by_file: dict[str, list[int]], bucket: str, columns: list[str]) -> list[dict]:
+    """Read one training batch and check every row against ``bucket`` by its shard's layout.
+
+    Raises CacheShapeError (naming bucket, sample, source, expected and actual) on any mismatch, so a bad cache
+    never reaches ``np.stack`` or ``torch.stack``.
+    """
+    rows: list[dict] = []
+    for path, groups in rows_by_file.items():
+        with open_shard(path) as f:
+            layout = layout_of(f.schema_arrow)
+            part = f.read_row_groups(groups, columns=columns).to_pylist()
+        if layout is None:
+            raise CacheShapeError(f"bucket {bucket}: shard {path} carries no rayflux layout metadata")
+        for row in part:
+            check_row(row, layout, bucket=bucket)
+        rows.extend(part)
+    first = rows[0]
+    for row in rows[1:]:
+        for col in ("t5_dim", "clip_dim"):
+            if row[col] != first[col]:
+                raise shape_error(bucket, row["sample_id"], row["source_uri"], col, first[col], row[col])
+    return rows
 
 
 def bucket_summary(table: pa.Table) -> dict:
     """Rows, latent shape and bytes per bucket, as written into the manifest and printed by ``cache verify``."""
     out: dict = {}
-    for i in range(table.num_rows):
-        b = table["bucket"][i].as_py()
-        entry = out.setdefault(
-            b,
-            {
-                "rows": 0,
-                "latent_shape": [table[c][i].as_py() for c in ("latent_c", "latent_h", "latent_w")],
-                "dtype": table["latent_dtype"][i].as_py(),
-                "latent_bytes": 0,
-            },
-        )
+    shapes = zip(*(table[c].to_pylist() for c in ("latent_c", "latent_h", "latent_w")))
+    lengths = pc.binary_length(table["latent"]).to_pylist()
+    for b, shape, dtype, nbytes in zip(table["bucket"].to_pylist(), shapes, table["latent_dtype"].to_pylist(), lengths):
+        entry = out.setdefault(b, {"rows": 0, "latent_shape": list(shape), "dtype": dtype, "latent_bytes": 0})
         entry["rows"] += 1
-        entry["latent_bytes"] += len(table["latent"][i].as_py())
-    return out
+        entry["latent_bytes"] += nbytes
+    return dict(sorted(out.items()))
 
 
 def merge_summaries(parts: list[dict]) -> dict:
@@ -157,9 +250,9 @@ def merge_summaries(parts: list[dict]) -> dict:
         for b, e in part.items():
             t = total.setdefault(b, {**e, "rows": 0, "latent_bytes": 0})
             if t["latent_shape"] != e["latent_shape"]:
-                raise CacheShapeError(f"bucket {b}: shards disagree on latent shape {t['latent_shape']} vs {e['latent_shape']}")
+                raise CacheShapeError(
+                    f"bucket {b}: shards disagree on latent shape {t['latent_shape']} vs {e['latent_shape']}"
+                )
             t["rows"] += e["rows"]
             t["latent_bytes"] += e["latent_bytes"]
     return dict(sorted(total.items()))
-
-

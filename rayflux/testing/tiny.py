@@ -85,8 +85,21 @@ class TinySpec:
     """T5 encoder depth. Raise it to make the text encoders heavier than the transformer (memory tests)."""
     t5_ff: int = 37
     """T5 feed-forward width; raise it with ``t5_layers`` for a heavier text encoder."""
+    t5_extra_mb: int = 0
+    """Pad T5's embedding table with this many MiB of unused rows: a text encoder heavy in memory but not in
+    compute, so memory tests can tell "never loaded" from "loaded and freed" at a glance."""
     guidance_embeds: bool = True
     """Like FLUX.1-dev (guidance-distilled); False behaves like schnell."""
+    flux_vae: bool = False
+    """Use FLUX.1's real VAE architecture (16 latent channels, 128-512 wide blocks; random weights) for benchmarks."""
+    num_layers: int = 1
+    """Double-stream transformer blocks."""
+    num_single_layers: int = 1
+    """Single-stream transformer blocks."""
+    attention_head_dim: int = 16
+    """Transformer head width; its sum of ``axes_dims_rope`` must equal it."""
+    num_attention_heads: int = 2
+    """Transformer heads."""
 
 
 def build_pipeline(spec: TinySpec = TinySpec()):
@@ -98,17 +111,20 @@ def build_pipeline(spec: TinySpec = TinySpec()):
     clip_tok = _clip_tokenizer()
     t5_tok = _t5_tokenizer()
     torch.manual_seed(TINY_SEED)
+    latent_channels = 16 if spec.flux_vae else spec.latent_channels
+    quarter = spec.attention_head_dim // 4
     transformer = FluxTransformer2DModel(
         patch_size=1,
-        in_channels=4 * spec.latent_channels,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        in_channels=4 * latent_channels,
+        num_layers=spec.num_layers,
+        num_single_layers=spec.num_single_layers,
+        attention_head_dim=spec.attention_head_dim,
+        num_attention_heads=spec.num_attention_heads,
         joint_attention_dim=spec.text_dim,
         pooled_projection_dim=spec.text_dim,
         guidance_embeds=spec.guidance_embeds,
-        axes_dims_rope=(4, 4, 8),
+        # FLUX splits each head's rotary dims 16/56/56 of 128; keep the same shape of split at any width.
+        axes_dims_rope=(quarter, quarter, spec.attention_head_dim - 2 * quarter),
     )
     # The CLIP pooler picks the eos position, so eos_token_id must be the tokenizer's real id.
     clip = CLIPTextModel(
@@ -127,7 +143,7 @@ def build_pipeline(spec: TinySpec = TinySpec()):
     )
     t5 = T5EncoderModel(
         T5Config(
-            vocab_size=len(t5_tok),
+            vocab_size=len(t5_tok) + spec.t5_extra_mb * 2**20 // (4 * spec.text_dim),
             d_model=spec.text_dim,
             d_kv=8,
             d_ff=spec.t5_ff,
@@ -145,10 +161,10 @@ def build_pipeline(spec: TinySpec = TinySpec()):
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        latent_channels=spec.latent_channels,
-        norm_num_groups=4,
+        block_out_channels=(128, 256, 512, 512) if spec.flux_vae else (8, 8, 16, 16),
+        layers_per_block=2 if spec.flux_vae else 1,
+        latent_channels=latent_channels,
+        norm_num_groups=32 if spec.flux_vae else 4,
         sample_size=64,
         scaling_factor=0.3611,
         shift_factor=0.1159,

@@ -6,8 +6,10 @@ rank ``r`` the planned batches ``r, r + W, r + 2W, ...`` as an ordered Ray Data 
 rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``.
 
 Why not Ray's default ``streaming_split``: it hands blocks to whichever worker asks first, so the batch a rank sees
-at step ``s`` differs from run to run. With a plan, global step ``s`` always trains on batches ``sW .. sW + W - 1``,
-a resumed run replays exactly what an uninterrupted one would, and per-epoch sample counts are exact.
+at step ``s`` differs from run to run. With a plan, each epoch's optimizer step ``s`` (from 0) always trains its
+planned batches ``sWA .. (s + 1)WA - 1`` (``A`` batches accumulated per rank), a resumed run replays exactly what an
+uninterrupted one would, and per-epoch sample counts are exact. Every row carries its global step, so a restored
+run skips exactly the steps it already trained.
 """
 
 from __future__ import annotations
@@ -22,33 +24,55 @@ DATASET = "train"
 
 
 class PlannedDataConfig(DataConfig):
-    """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields."""
+    """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields.
 
-    def __init__(self, batch_size: int, seed: int, epochs: int, read_cpus: float = 0.25):
+    ``epochs`` is the half-open range this trainer run covers (one refresh segment); ``total_epochs`` is the whole
+    run, so every row knows the global optimizer step it trains at and the run's total step count.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        seed: int,
+        epochs: tuple[int, int],
+        total_epochs: int,
+        accumulation: int = 1,
+        read_cpus: float = 0.25,
+    ):
         super().__init__(datasets_to_split=[])
         self.batch_size = batch_size
         self.seed = seed
         self.epochs = epochs
+        self.total_epochs = total_epochs
+        self.accumulation = accumulation
         self.read_cpus = read_cpus
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         import ray.data
 
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
-        plan = []
-        for epoch in range(self.epochs):
-            plan.extend(batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size)[0])
-        # Each epoch's batch count is a multiple of world_size, so every rank gets the same number.
-        assert len(plan) % world_size == 0
+        per_rank: list[list[dict]] = [[] for _ in range(world_size)]
+        for epoch in range(*self.epochs):
+            planned = batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size, self.accumulation)[0]
+            # The remainder rule makes each epoch's batch count a multiple of world_size * accumulation, so every
+            # rank gets the same whole number of optimizer steps, each of `accumulation` consecutive batches.
+            steps_per_epoch = len(planned) // (world_size * self.accumulation)
+            for i, b in enumerate(planned):
+                per_rank[i % world_size].append(
+                    {
+                        **b,
+                        "step": epoch * steps_per_epoch + (i // world_size) // self.accumulation + 1,
+                        "total_steps": steps_per_epoch * self.total_epochs,
+                    }
+                )
         output = []
-        for rank in range(world_size):
-            # Every row says how many batches its rank gets, so the loop knows its step budget up front.
-            mine = [{**b, "rank_batches": len(plan) // world_size} for b in plan[rank::world_size]]
+        for mine in per_rank:
             ds = ray.data.from_items(mine, override_num_blocks=max(1, min(len(mine), 1000)))
             ds = ds.map(batching.load_batch, num_cpus=self.read_cpus)
             options = copy.deepcopy(ds.context.execution_options)
             options.preserve_order = True  # a rank's batches arrive in plan order
             ds.context.execution_options = options
+            ds.context.enable_progress_bars = False  # the training bar (rayflux.progress) is the stage's one line
             output.append({DATASET: ds.iterator()})
         return output
 

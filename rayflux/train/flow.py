@@ -114,3 +114,30 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -
     """Batch mean of the per-sample mean of ``w (pred - target)²``."""
     per_sample = ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
     return (weights.float() * per_sample).mean()
+
+
+def sample_guidance(n: int, low: float, high: float, generator: torch.Generator) -> torch.Tensor:
+    """Per-sample guidance: the constant ``low``, or uniform in ``[low, high]`` when ``high > low``.
+
+    A constant draws nothing from ``generator``, so turning a range off leaves every later draw unchanged.
+    """
+    if high <= low:
+        return torch.full((n,), float(low))
+    return low + (high - low) * torch.rand(n, generator=generator)
+
+
+def caption_dropout_mask(n: int, p: float, generator: torch.Generator) -> torch.Tensor:
+    """Which of ``n`` samples train on the empty caption (each independently with probability ``p``)."""
+    if p <= 0:
+        return torch.zeros(n, dtype=torch.bool)
+    return torch.rand(n, generator=generator) < p
+
+
+def drop_captions(t5, clip, mask, empty_t5, empty_clip):
+    """Swap the text embeddings of the masked samples for the empty caption's (``[L, D]`` and ``[D]``)."""
+    if not bool(mask.any()):
+        return t5, clip
+    m = mask.to(t5.device)
+    t5 = torch.where(m.view(-1, 1, 1), empty_t5.to(t5.device, t5.dtype).expand_as(t5), t5)
+    clip = torch.where(m.view(-1, 1), empty_clip.to(clip.device, clip.dtype).expand_as(clip), clip)
+    return t5, clip

@@ -1,160 +1,180 @@
-"""``train_loop_per_worker``: build the LoRA model, run flow-matching steps, report and checkpoint.
+"""``train_loop_per_worker``: build the trainer, skip what a restored checkpoint already trained, then step,
+report, render and checkpoint.
 
-The loop never touches a text encoder or the VAE: everything it needs is in the cached shards.
+Every rank gets the same number of optimizer steps from the plan (see :mod:`rayflux.train.batching`), so every
+``ray.train.report`` (a barrier) is called equally often on every rank. One trainer run may cover only some epochs (a
+cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop never
+touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached shards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
-import os
+import logging
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 from rayflux import config as config_mod
-from rayflux.train import flow, lora, progress
+from rayflux import memory
+from rayflux.train import captions, checkpoint, elastic, metrics, optim, step, validation
+from rayflux.train.checkpoint import METRICS_FILE, Progress
+from rayflux.train.feed import DATASET
+from rayflux.train.trainer import LoraTrainer
 
-STATE_FILE = "train_state.pt"
-METRICS_FILE = "metrics.json"
+log = logging.getLogger(__name__)
 
-
-def _batch_tensors(item: dict, device, dtype):
-    lat = torch.from_numpy(np.frombuffer(item["latent"], np.float32).reshape(json.loads(item["latent_shape"])).copy())
-    t5 = torch.from_numpy(np.frombuffer(item["t5"], np.float32).reshape(json.loads(item["t5_shape"])).copy())
-    clip = torch.from_numpy(np.frombuffer(item["clip"], np.float32).reshape(lat.shape[0], int(item["clip_dim"])).copy())
-    return lat.to(device, dtype), t5.to(device, dtype), clip.to(device, dtype)
+__all__ = ["train_loop_per_worker", "METRICS_FILE"]
 
 
-def flow_step(model, latents, t5, clip, generator, train_cfg, guidance_embeds: bool):
-    """``generator`` is seeded per planned batch, so a batch's noise is the same whichever rank trains it."""
-    """One forward pass and loss (no backward): pack, noise, predict ``ε - x``."""
-    b, _, h, w = latents.shape
-    device, dtype = latents.device, latents.dtype
-    noise = torch.randn(latents.shape, generator=generator).to(device, dtype)
-    sigmas = flow.sample_sigmas(
-        b,
-        train_cfg.sigma_sampling,
-        generator,
-        logit_mean=train_cfg.logit_mean,
-        logit_std=train_cfg.logit_std,
-        shift=train_cfg.shift,
-        seq_len=(h // 2) * (w // 2),
-    ).to(device)
-    noisy = flow.pack(flow.noisy_input(latents, noise, sigmas))
-    target = flow.pack(flow.flow_target(latents, noise))
-    kwargs = {}
-    if guidance_embeds:
-        kwargs["guidance"] = torch.full((b,), train_cfg.guidance, device=device, dtype=dtype)
-    pred = model(
-        hidden_states=noisy,
-        encoder_hidden_states=t5,
-        pooled_projections=clip,
-        timestep=sigmas.to(dtype),
-        img_ids=flow.image_ids(h, w, device, dtype),
-        txt_ids=flow.text_ids(t5.shape[1], device, dtype),
-        return_dict=False,
-        **kwargs,
-    )[0]
-    return flow.flow_loss(pred, target, flow.loss_weights(sigmas, train_cfg.loss_weighting))
+def grouped(rows, size: int):
+    """Consecutive groups of ``size`` rows: the batches of one optimizer step."""
+    it = iter(rows)
+    while group := list(itertools.islice(it, size)):
+        yield group
 
 
-def _save_checkpoint(transformer, optimizer, step: int, history: list, extra: dict) -> str:
-    d = tempfile.mkdtemp(prefix="rayflux-ckpt-")
-    lora.save_diffusers(transformer, d)
-    torch.save({"optimizer": optimizer.state_dict(), "step": step}, os.path.join(d, STATE_FILE))
-    with open(os.path.join(d, METRICS_FILE), "w") as f:
-        json.dump({"step": step, "history": history, **extra}, f)
-    return d
+def with_last(items):
+    """``(item, is_last)`` pairs: the loop must know a segment's last step before training it, to checkpoint it."""
+    it = iter(items)
+    prev = next(it, None)
+    for cur in it:
+        yield prev, False
+        prev = cur
+    if prev is not None:
+        yield prev, True
+
+
+def skip_trained(rows, progress: Progress):
+    """The rows after the restored step. Every row carries its planned global step, so a resumed run skips exactly
+    what it trained; the restored batch log (same world size only) confirms the skipped rows are those batches."""
+    logged = {(b["step"], b["index"]) for b in progress.batches}
+    for row in rows:
+        if int(row["step"]) > progress.step:
+            yield row
+        elif logged and (int(row["step"]), int(row["index"])) not in logged:
+            log.warning("resumed data order differs from the checkpoint's at step %s (plan changed?)", row["step"])
+            logged = set()
+
+
+def _debug_delay(cfg, rank: int) -> None:
+    """``run.debug_slow_rank = "RANK:SECONDS"`` sleeps on one rank before each step, to expose ordering races."""
+    if cfg.run.debug_slow_rank:
+        slow_rank, seconds = cfg.run.debug_slow_rank.split(":")
+        if int(slow_rank) == rank:
+            time.sleep(float(seconds))
+
+
+def _all_ranks(loss: float, samples: int, device, world: int) -> tuple[float, int]:
+    """Mean loss and total samples over all ranks for one step."""
+    if world == 1:
+        return loss, samples
+    t = torch.tensor([loss, float(samples)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return float(t[0]) / world, int(t[1])
+
+
+def _worst_rank(facts: dict, device, world: int) -> dict:
+    """The largest value of each memory fact over all ranks (a collective: every rank must call it)."""
+    if world == 1:
+        return facts
+    keys = sorted(facts)
+    t = torch.tensor([float(facts[k]) for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return {k: (int(v) if isinstance(facts[k], int) else round(float(v), 1)) for k, v in zip(keys, t.tolist())}
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
-
-    from rayflux import models
+    from ray.train import Checkpoint
 
     cfg = config_mod.from_dict(loop_config["job"])
-    t = cfg.train
+    t, run_dir = cfg.train, loop_config["run_dir"]
+    start_rss = memory.rss_mb()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    dtype = models.torch_dtype(cfg.model.dtype, device.type)
-    torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP also broadcasts rank 0's)
 
-    transformer = models.load_transformer(cfg.model, device, dtype)
-    params = lora.add_lora(transformer, t.rank, t.alpha, t.targets)
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    guidance_embeds = bool(transformer.config.guidance_embeds)
+    rows = iter(ray.train.get_dataset_shard(DATASET).iter_rows())
+    first = next(rows)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
+    empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
 
-    step, history, saved_progress = 0, [], None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            lora.load_into(transformer, os.path.join(d, lora.WEIGHT_NAME))
-            state = torch.load(os.path.join(d, STATE_FILE), weights_only=True)
-            optimizer.load_state_dict(state["optimizer"])
-            step = int(state["step"])
-            saved = json.load(open(os.path.join(d, METRICS_FILE)))
-            history, saved_progress = saved["history"], saved.get("progress")
-    # Restarts (failures, resizes, preemptions) may change the world size: resume by the plan cursor, not by step.
-    prog = progress.Progress.restore(saved_progress, step, world)
-    save_policy = progress.SavePolicy(t.checkpoint_every)
-    report_checkpoint = _reporter(transformer, optimizer, history, prog, rank, world)
-    model = ray.train.torch.prepare_model(transformer)
-    model.train()
+    progress = Progress(world_size=world)
+    restored = ray.train.get_checkpoint()
+    with restored.as_directory() if restored else contextlib.nullcontext() as d:
+        # Resume by plan position (world sizes may differ) and shift the plan's step numbers by `offset`.
+        rows, offset, positioned = elastic.resume_rows(
+            itertools.chain([first], rows), d, METRICS_FILE, world, t.gradient_accumulation
+        )
+        total = optim.total_steps(int(first["total_steps"]) + offset, t.max_steps)
+        trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model)
+        if d:
+            progress = checkpoint.restore(d, trainer, rank, world)
+    start = progress.step
+    if not positioned:
+        rows = skip_trained(rows, progress)
+    preemption = elastic.PreemptionNotice()
+    board = metrics.TensorBoardLog(run_dir) if rank == 0 else None
+    window = metrics.Throughput()
 
-    shard = ray.train.get_dataset_shard("train")
-    t0, samples = time.perf_counter(), 0
-    steps_left = max(t.max_steps - step, 0) if t.max_steps else None
-    for item, last in prog.remaining(shard.iter_rows(), world, steps_left):
-        latents, t5, clip = _batch_tensors(item, device, dtype)
-        generator = torch.Generator().manual_seed(int(item["seed"]))
-        loss = flow_step(model, latents, t5, clip, generator, t, guidance_embeds)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm > 0 else torch.tensor(0.0)
-        optimizer.step()
-        step += 1
-        prog.advance(item, world)
-        samples += int(item["size"])
-        mean_loss = loss.detach().float()
-        if world > 1:
-            torch.distributed.all_reduce(mean_loss)
-            mean_loss /= world
-        # The step trained batches index .. index + world - 1 of its epoch (rank r trains index + r).
-        batches = {"epoch": int(item["epoch"]), "index": int(item["index"]) - rank, "world": world}
-        history.append({"step": step, **batches, "loss": float(mean_loss)})
-        if last:
-            break
-        metrics = {"step": step, "loss": float(mean_loss), "grad_norm": float(grad_norm)}
-        metrics["samples_per_s"] = samples * world / (time.perf_counter() - t0)
-        reason = save_policy.reason(step)
-        if reason:
-            report_checkpoint(metrics, reason)
-        elif step % t.log_every == 0:
-            ray.train.report(metrics)
-    report_checkpoint({"step": step, "loss": history[-1]["loss"] if history else float("nan")}, "final")
-
-
-def _reporter(transformer, optimizer, history: list, prog: progress.Progress, rank: int, world: int):
-    """``report_checkpoint(metrics, reason)``: every rank reports; rank 0 attaches the checkpoint."""
-    import ray.train
-    from ray.train import Checkpoint
-
-    def report_checkpoint(metrics: dict, reason: str) -> None:
-        step = int(metrics["step"])
-        prog.saved(step, world, reason)
-        ckpt_dir = None
-        if rank == 0:
-            extra = {"world_size": world, "checkpoint_reason": reason, "progress": prog.to_dict()}
-            ckpt_dir = _save_checkpoint(transformer, optimizer, step, history, extra)
-        # The directory is a temporary one of ours, so Ray may delete it once uploaded.
+    def report(record: dict, with_checkpoint: bool) -> None:
+        directory = None
+        if with_checkpoint:
+            # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
+            record.update(_worst_rank(memory.snapshot(start_rss), device, world))
+            directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
+            checkpoint.save(directory, trainer, rank, progress, t.output_format)
+            if board:
+                board.flush()
         ray.train.report(
-            metrics,
-            checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None,
-            delete_local_checkpoint_after_upload=ckpt_dir is not None,
+            record,
+            checkpoint=Checkpoint.from_directory(directory) if directory else None,
+            delete_local_checkpoint_after_upload=bool(directory),
         )
 
-    return report_checkpoint
+    for group, end_of_feed in with_last(grouped(rows, t.gradient_accumulation)):
+        if progress.step >= total:
+            break
+        _debug_delay(cfg, rank)
+        stats = trainer.train_step([step.from_item(item) for item in group])
+        progress.step = int(group[0]["step"]) + offset
+        progress.batches_done += len(group)
+        loss, samples = _all_ranks(stats.loss, stats.samples, device, world)
+        window.add(samples)
+        progress.batches.extend(
+            {"step": progress.step, "epoch": int(i["epoch"]), "index": int(i["index"]), "bucket": i["bucket"],
+             "samples": json.loads(i["sample_ids"])}
+            for i in group
+        )  # fmt: skip
+        record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "generation": int(group[0]["generation"]),
+                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm}  # fmt: skip
+        record.update(elastic.step_position(group, rank, world))
+        last = progress.step >= total
+        every = t.checkpoint_every and progress.step % t.checkpoint_every == 0
+        preempted = preemption()  # a barrier: every rank asks once per step
+        if preempted:
+            record["preempted"] = True
+        due_checkpoint = bool(last or end_of_feed or every or preempted)
+        due_report = due_checkpoint or progress.step % t.log_every == 0
+        if due_report:
+            record.update(window.take())
+        progress.history.append(record)
+        if board:
+            board.scalars(progress.step, record)
+        due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
+        if rank == 0 and t.validation_prompts and due_images:
+            images = validation.render(trainer.transformer, cfg, device, trainer.dtype)
+            record["validation_image"] = validation.save_grid(images, run_dir, progress.step)
+            board.image(progress.step, "validation", validation.grid(images))
+        if due_report:
+            report(record, due_checkpoint)
+            window = metrics.Throughput()  # rates exclude the time spent rendering and checkpointing
+    if progress.step == start:
+        # Nothing left to train (a rerun of a finished run or segment): still end with this run's own checkpoint.
+        report({"step": progress.step}, True)
+    if board:
+        board.close()

@@ -1,8 +1,16 @@
-"""LoRA adapters through peft (``add_adapter``), and saving/loading in diffusers' format."""
+"""LoRA adapters through peft (``add_adapter``): target presets, saving and loading in diffusers' format.
+
+Targets resolve to full module names before peft sees them. Presets only reach into the transformer blocks: a bare
+suffix such as ``proj_out`` would otherwise also catch the model's final projection, which no FLUX recipe trains.
+An explicit list keeps peft's rule (a name matches itself or any module ending in ``.name``) over the whole model.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 FFS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
@@ -12,17 +20,31 @@ PRESETS = {
     # Every linear layer of the blocks, including modulation (norm) projections.
     "all": ATTENTION + FFS + ["norm1.linear", "norm1_context.linear", "norm.linear"],
 }
+BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+ADAPTER = "default"
 
 
-def target_modules(spec: str) -> list[str]:
-    """A preset name or a comma-separated list of module names."""
+def _matches(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)
+
+
+def resolve_targets(transformer, spec: str) -> list[str]:
+    """Full names of the Linear modules a preset or comma-separated list selects; an unmatched name is an error."""
+    import torch
+
+    linear = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
     if spec in PRESETS:
-        return list(PRESETS[spec])
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names:
-        raise ValueError(f"train.targets {spec!r} names no modules; presets: {', '.join(PRESETS)}")
-    return names
+        suffixes, pool = PRESETS[spec], [n for n in linear if n.startswith(BLOCKS)]
+    else:
+        suffixes, pool = [s.strip() for s in spec.split(",") if s.strip()], linear
+        missing = [s for s in suffixes if not any(_matches(n, s) for n in pool)]
+        if missing:
+            raise ValueError(f"train.targets: no Linear module matches {missing}; presets: {', '.join(PRESETS)}")
+    chosen = [n for n in pool if any(_matches(n, s) for s in suffixes)]
+    if not chosen:
+        raise ValueError(f"train.targets {spec!r} matched no module of the transformer")
+    return chosen
 
 
 def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float = 0.0) -> list:
@@ -36,12 +58,10 @@ def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float 
         lora_alpha=alpha,
         lora_dropout=dropout,
         init_lora_weights="gaussian",
-        target_modules=target_modules(targets),
+        target_modules=resolve_targets(transformer, targets),
     )
     transformer.add_adapter(config)
     params = [p for p in transformer.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"train.targets {targets!r} matched no module of the transformer")
     for p in params:
         # Adapter weights train in fp32 even when the frozen base is bf16: tiny updates survive rounding.
         p.data = p.data.to(torch.float32)
@@ -49,27 +69,96 @@ def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float 
 
 
 def lora_state_dict(transformer) -> dict:
+    """The adapter's weights with peft's names (``<module>.lora_A.weight`` / ``lora_B``), no ``transformer.``."""
     from peft.utils import get_peft_model_state_dict
 
     return get_peft_model_state_dict(transformer)
 
 
+def scale(transformer) -> float:
+    """The adapter's ``alpha / rank``: how much of ``B @ A`` is added to each targeted weight."""
+    config = transformer.peft_config[ADAPTER]
+    return config.lora_alpha / config.r
+
+
 def save_diffusers(transformer, directory: str | Path) -> Path:
-    """Write ``pytorch_lora_weights.safetensors`` with ``transformer.*`` keys via ``FluxPipeline.save_lora_weights``."""
+    """Write ``pytorch_lora_weights.safetensors`` with ``transformer.*`` keys via ``FluxPipeline.save_lora_weights``.
+
+    The peft config travels in the file's metadata: without it, loaders assume ``alpha == rank`` and a LoRA trained
+    with any other alpha would load at the wrong strength.
+    """
     from diffusers import FluxPipeline
 
-    FluxPipeline.save_lora_weights(str(directory), transformer_lora_layers=lora_state_dict(transformer))
+    config = transformer.peft_config[ADAPTER].to_dict()
+    config["target_modules"] = sorted(config["target_modules"])  # a set in peft; metadata must be JSON
+    FluxPipeline.save_lora_weights(
+        str(directory), transformer_lora_layers=lora_state_dict(transformer), transformer_lora_adapter_metadata=config
+    )
     return Path(directory) / WEIGHT_NAME
 
 
-def load_into(transformer, path: str | Path) -> None:
-    """Load a diffusers-format LoRA file into an adapter already attached with :func:`add_lora`."""
+def _set(transformer, state: dict, source: str) -> None:
     from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    state = load_file(str(path))
-    state = {k.removeprefix("transformer."): v for k, v in state.items()}
-    result = set_peft_model_state_dict(transformer, state)
+    try:
+        result = set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER)
+    except RuntimeError as exc:  # size mismatch: another rank, or a fused layout this adapter cannot hold
+        raise ValueError(f"{source}: LoRA shapes do not fit the adapter (train.rank, train.targets): {exc}") from None
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        raise ValueError(f"{path}: LoRA keys do not match the adapter, e.g. {unexpected[:3]}")
+        raise ValueError(f"{source}: LoRA keys do not match the adapter, e.g. {unexpected[:3]}")
+
+
+def load_into(transformer, path: str | Path) -> None:
+    """Restore a file written by :func:`save_diffusers` into the same adapter (checkpoint resume)."""
+    from safetensors.torch import load_file
+
+    state = {k.removeprefix("transformer."): v for k, v in load_file(str(path)).items()}
+    _set(transformer, state, str(path))
+
+
+def init_from_file(transformer, path: str) -> int:
+    """Start the adapter from an existing LoRA file (diffusers or kohya keys; local path or URI).
+
+    diffusers' own converter reads the file. Its strength (metadata alpha/rank, else 1, which is also what the
+    kohya converter bakes in) is rescaled to this adapter's ``alpha / rank``, so the starting model is exactly the
+    file's. Modules the file lacks keep their fresh init. Returns how many modules were loaded.
+    """
+    import tempfile
+
+    from diffusers import FluxPipeline
+
+    from rayflux import storage
+
+    with tempfile.TemporaryDirectory(prefix="rayflux-init-lora-") as tmp:
+        local = path
+        if storage.is_uri(path):
+            local = str(Path(tmp) / Path(path).name)
+            Path(local).write_bytes(storage.read_bytes(path))
+        state, _, metadata = FluxPipeline.lora_state_dict(local, return_alphas=True, return_lora_metadata=True)
+    meta = metadata or {}  # diffusers flattens it to "transformer.<LoraConfig field>"
+    alpha, r = meta.get("transformer.lora_alpha"), meta.get("transformer.r")
+    if meta.get("transformer.alpha_pattern") or meta.get("transformer.rank_pattern"):
+        raise ValueError(f"{path}: per-module alpha or rank patterns are not supported for train.init_lora")
+    file_scale = alpha / r if alpha and r else 1.0
+    factor = file_scale / scale(transformer)
+    ours = {
+        k.removeprefix("transformer."): (v * factor if ".lora_B." in k else v)
+        for k, v in state.items()
+        if k.startswith("transformer.")
+    }
+    _set(transformer, ours, path)
+    loaded = len({k.split(".lora_")[0] for k in ours})
+    log.info("initialised %d LoRA modules from %s", loaded, path)
+    return loaded
+
+
+def delta_weights(transformer) -> dict:
+    """``{module name: scale * B @ A}``: what the adapter adds to each targeted weight (for comparisons)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name: module.get_delta_weight(ADAPTER).detach()
+        for name, module in transformer.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
+    }

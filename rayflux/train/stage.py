@@ -8,7 +8,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from rayflux import storage
+from rayflux import datasets, progress, storage
 from rayflux.cache import generations
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.models import ModelFacts
@@ -27,14 +27,20 @@ class TrainResult:
     """Where Ray Train stored the final checkpoint (local path or URI)."""
     checkpoint_dir: str
     """A local copy of it, for exporting the LoRA."""
+    history: list = field(default_factory=list)
+    """Per step: epoch, generation, samples trained (all ranks), mean loss."""
     epoch_counts: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    """The last metrics rank 0 reported with the final checkpoint."""
 
 
 def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
     """Per-epoch sample accounting for a world size (the same plan the data feed builds)."""
     counts = {}
     for epoch in range(cfg.train.epochs):
-        planned, dropped = batching.plan_epoch(refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size)
+        planned, dropped = batching.plan_epoch(
+            refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size, cfg.train.gradient_accumulation
+        )
         counts[epoch] = {"samples": sum(b["size"] for b in planned), "dropped": dropped, "batches": len(planned)}
     return counts
 
@@ -63,24 +69,35 @@ def scaling_config(cfg: JobConfig, use_gpu: bool):
     )
 
 
-def run_config(cfg: JobConfig, output_dir: str):
-    """Ray Train's ``RunConfig``. The storage path must be shared by every node (``s3://`` on a cloud cluster):
-    restarts, resizes and resumed jobs all load the latest checkpoint from it."""
+def run_config(cfg: JobConfig, output_dir: str, callbacks: list):
+    """Ray Train's ``RunConfig``. Its storage must be shared by every node (``s3://`` on a cloud cluster): restarts,
+    resizes and resumed jobs all load the latest checkpoint from it."""
     import ray.train
 
+    storage_path, storage_fs = storage.for_ray_train(storage.join(output_dir, "checkpoints"))
     return ray.train.RunConfig(
         name=cfg.run.name,
-        storage_path=storage.join(output_dir, "checkpoints"),
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        storage_path=storage_path,
+        storage_filesystem=storage_fs,
+        callbacks=callbacks,
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.checkpoints_to_keep),
         failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
     )
 
 
-def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool) -> TrainResult:
+def train(
+    cfg: JobConfig,
+    manifest: dict,
+    facts: ModelFacts,
+    output_dir: str,
+    cluster_gpus: bool,
+    epochs: tuple[int, int] | None = None,
+) -> TrainResult:
+    """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
     from ray.train.torch import TorchTrainer
 
     _, hi = worker_range(cfg.train.num_workers)
-    refs = batching.index_samples(generations.sample_files(manifest))
+    refs = datasets.mix(batching.index_samples(generations.sample_files(manifest)), datasets.sample_weights(cfg.data))
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
         raise RuntimeError(
@@ -91,11 +108,21 @@ def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cl
 
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": cfg.to_dict()},
+        train_loop_config={
+            "job": cfg.to_dict(),
+            "run_dir": output_dir,  # validation images and TensorBoard events
+            "text_files": generations.text_files(manifest),  # the empty caption, for caption dropout
+        },
         scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
-        run_config=run_config(cfg, output_dir),
+        run_config=run_config(cfg, output_dir, [progress.TrainProgress(counts, hi, cfg.train.max_steps)]),
         datasets={DATASET: index_dataset(refs)},
-        dataset_config=PlannedDataConfig(cfg.train.batch_size, cfg.train.seed, cfg.train.epochs),
+        dataset_config=PlannedDataConfig(
+            cfg.train.batch_size,
+            cfg.train.seed,
+            epochs or (0, cfg.train.epochs),
+            cfg.train.epochs,
+            cfg.train.gradient_accumulation,
+        ),
     )
     result = trainer.fit()
     if result.checkpoint is None:
@@ -106,7 +133,9 @@ def train(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cl
     return TrainResult(
         steps=int(metrics["step"]),
         losses=[h["loss"] for h in metrics["history"]],
-        checkpoint_path=result.checkpoint.path,
+        history=metrics["history"],
+        checkpoint_path=storage.to_uri(output_dir, result.checkpoint.path),
         checkpoint_dir=local,
         epoch_counts=counts,
+        metrics=dict(result.metrics or {}),
     )

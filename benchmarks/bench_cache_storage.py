@@ -1,0 +1,159 @@
+"""Cache storage benchmark: bytes per row ÷ raw tensor bytes, and text-encoder passes ÷ unique captions.
+
+Runs the real cache stage (Ray Data, the real encoder classes) on generated images with repeated captions, then
+measures the written shards with pyarrow alone:
+
+- **row tensor ratio**: per row, the Parquet column chunks of ``latent``, ``t5`` and ``clip_pooled`` ÷ the raw
+  tensor bytes ``(C·h·w + t5_len·t5_dim + clip_dim) · itemsize`` (target ≤ 1.02; the worst row counts);
+- **file ratio**: whole shard files (footers and id columns included) ÷ raw tensor bytes;
+- **text passes ratio**: text rows stamped by this build's text encoder ÷ unique captions the generation needs
+  (the images' distinct captions plus the empty caption kept for caption dropout); target 1.0.
+
+Two model shapes, both with random weights: ``tiny`` (the test model: 4 latent channels, 32-wide text) and
+``wide`` (16 latent channels like FLUX, 768-wide text, 512 T5 tokens), so the per-row fixed costs show against
+tensors of realistic size.
+
+    python benchmarks/bench_cache_storage.py [--images 24] [--captions 6] [--resolution 512] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODELS = {
+    "tiny": {"latent_channels": 4, "text_dim": 32},
+    "wide": {"latent_channels": 16, "text_dim": 768},
+}
+SIZES = [(640, 512), (512, 640), (512, 512), (768, 384)]
+
+
+def write_images(root: Path, n: int, captions: int) -> int:
+    """``n`` captioned images cycling through ``captions`` distinct captions; returns the distinct caption count."""
+    from rayflux.testing.images import draw
+
+    root.mkdir(parents=True, exist_ok=True)
+    colours = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+    shapes = ["circle", "square", "triangle", "stripe", "ring", "cross"]
+    used = set()
+    for i in range(n):
+        w, h = SIZES[i % len(SIZES)]
+        c = i % captions
+        colour, shape, back = colours[c % 8], shapes[c % 6], colours[(c + 3) % 8]
+        draw(w, h, colour, shape, back, seed=i).save(root / f"img_{i:04d}.png")
+        text = f"a {colour} {shape} on a {back} background"
+        (root / f"img_{i:04d}.txt").write_text(text)
+        used.add(text)
+    return len(used)
+
+
+def measure(manifest: dict) -> dict:
+    """The ratios, read back from the shard files with pyarrow only."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from rayflux.cache import generations
+
+    worst_row, worst_latent, raw_total, file_total, rows = 0.0, 0.0, 0, 0, 0
+    for path in generations.sample_files(manifest):
+        pf = pq.ParquetFile(path)
+        cols = ["latent_c", "latent_h", "latent_w", "latent_dtype", "t5_len", "t5_dim", "clip_dim", "text_dtype"]
+        shapes = pf.read(columns=cols).to_pylist()
+        for i, s in enumerate(shapes):
+            rg = pf.metadata.row_group(i)
+            chunk = {rg.column(j).path_in_schema: rg.column(j).total_compressed_size for j in range(rg.num_columns)}
+            latent_raw = s["latent_c"] * s["latent_h"] * s["latent_w"] * np.dtype(_np_dtype(s["latent_dtype"])).itemsize
+            text_raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * np.dtype(_np_dtype(s["text_dtype"])).itemsize
+            stored = chunk["latent"] + chunk["t5"] + chunk["clip_pooled"]
+            worst_row = max(worst_row, stored / (latent_raw + text_raw))
+            worst_latent = max(worst_latent, chunk["latent"] / latent_raw)
+            raw_total += latent_raw + text_raw
+            rows += 1
+        file_total += os.path.getsize(path)
+    text = pq.ParquetDataset(generations.text_files(manifest)).read(columns=["caption_id", "encode_id"])
+    passes = sum(1 for e in text["encode_id"].to_pylist() if e == manifest["encode_id"])
+    return {
+        "rows": rows,
+        "raw_bytes_per_row": raw_total / rows,
+        "row_tensor_ratio": worst_row,
+        "latent_ratio": worst_latent,
+        "file_ratio": file_total / raw_total,
+        "text_passes": passes,
+        "unique_captions": len(set(text["caption_id"].to_pylist())),
+    }
+
+
+def _np_dtype(name: str) -> str:
+    return "uint16" if name == "bfloat16" else name
+
+
+def run_one(name: str, args, work: Path) -> dict:
+    from rayflux import config, models
+    from rayflux.cache import generations
+    from rayflux.cache.stage import build_generation, cache_key, inputs_signature
+    from rayflux.sources import discover
+    from rayflux.testing.tiny import TinySpec, ensure_tiny_model
+
+    model = ensure_tiny_model(work / f"model-{name}", TinySpec(**MODELS[name]))
+    images = work / "images"
+    distinct = write_images(images, args.images, args.captions) if not images.exists() else args.captions
+    cfg = config.load(
+        None,
+        [
+            f"model.path={model}",
+            f"data.images_dir={images}",
+            f"cache.dir={work / f'cache-{name}'}",
+            f"data.resolution={args.resolution}",
+            f"cache.dtype={args.dtype}",
+            "cache.batch_size=8",
+        ],
+    )
+    facts = models.model_facts(cfg.model)
+    discovery = discover(cfg.data, seed=0)
+    gen_dir = generations.generation_dir(cfg.cache.dir, cache_key(cfg, facts), 0, inputs_signature(discovery))
+    manifest = build_generation(cfg, facts, discovery, gen_dir, 0, 0, use_gpu=False)
+    result = measure(manifest)
+    result["distinct_image_captions"] = distinct
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=24)
+    p.add_argument("--captions", type=int, default=6, help="distinct captions among the images")
+    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--models", default="tiny,wide")
+    args = p.parse_args()
+
+    import ray
+    from ray.data import DataContext
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    DataContext.get_current().enable_progress_bars = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="rayflux-bench-storage-") as tmp:
+            print(f"{args.images} images, {args.captions} distinct captions, {args.resolution} px, {args.dtype}")
+            print("| model | raw tensor bytes/row | row tensor ratio (worst) | latent ratio (worst) | file ratio "
+                  "| text passes ÷ unique captions |")  # fmt: skip
+            print("| --- | --- | --- | --- | --- | --- |")
+            for name in args.models.split(","):
+                r = run_one(name, args, Path(tmp))
+                print(
+                    f"| {name} | {r['raw_bytes_per_row']:,.0f} | {r['row_tensor_ratio']:.4f} | {r['latent_ratio']:.4f} "
+                    f"| {r['file_ratio']:.4f} | {r['text_passes']} ÷ {r['unique_captions']} = "
+                    f"{r['text_passes'] / r['unique_captions']:.2f} |"
+                )
+                assert r["unique_captions"] == r["distinct_image_captions"] + 1  # plus the dropout caption ""
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

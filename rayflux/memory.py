@@ -1,0 +1,56 @@
+"""Process memory facts for stage logs and tests: current and peak RSS, and which encoder models are alive here."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+
+# Model classes that must live only in the cache stage's actors (and, briefly, in rank 0's validation render).
+ENCODER_CLASSES = {
+    "transformers": ("CLIPTextModel", "T5EncoderModel"),
+    "diffusers": ("AutoencoderKL",),
+}
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now, in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def live_encoders() -> dict[str, int]:
+    """Count live instances of encoder model classes in this process, without importing anything new."""
+    wanted = []
+    for module, names in ENCODER_CLASSES.items():
+        mod = sys.modules.get(module)
+        if mod is not None:
+            wanted.extend(getattr(mod, n) for n in names if hasattr(mod, n))
+    counts = {cls.__name__: 0 for cls in wanted}
+    if not wanted:
+        return counts
+    gc.collect()
+    for obj in gc.get_objects():
+        # type() rather than isinstance(): some lazy proxies warn when their __class__ is read.
+        kind = type(obj)
+        for cls in wanted:
+            if issubclass(kind, cls):
+                counts[cls.__name__] += 1
+    return counts
+
+
+def snapshot(start_rss_mb: float) -> dict:
+    """Memory fields for a metrics record."""
+    now = rss_mb()
+    return {
+        "rss_mb": round(now, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "rss_growth_mb": round(now - start_rss_mb, 1),
+        "encoders_alive": sum(live_encoders().values()),
+    }

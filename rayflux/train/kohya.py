@@ -1,0 +1,128 @@
+"""diffusers/peft LoRA -> kohya (sd-scripts, ComfyUI) ``lora_unet_*`` keys for FLUX.
+
+kohya names modules after Black Forest Labs' original FLUX code, which fuses layers diffusers keeps apart:
+``img_attn.qkv`` is ``to_q, to_k, to_v`` stacked along the output, and a single block's ``linear1`` is
+``to_q, to_k, to_v, proj_mlp``. A fused LoRA is written the way sd-scripts writes its split-qkv LoRAs: ``lora_down``
+stacks every part's ``A`` (a zero block for an untrained part) and ``lora_up`` is block-diagonal in the parts' ``B``.
+Then ``up @ down`` is exactly the parts' updates stacked, and diffusers' loader recognises the block-diagonal form
+and splits it back into per-part LoRAs of the original rank.
+
+``alpha / rank`` is baked into ``lora_up`` and each ``alpha`` is written equal to its rank (strength 1), so a
+loader that ignores ``alpha`` still gets the right strength.
+
+Only the blocks' layers have kohya names here. diffusers 0.42 drops a kohya file's ``final_layer`` keys when it
+loads one, so a LoRA on the model's outer layers (``proj_out``, ``norm_out.linear``, the embedders) would not survive
+the round trip; such targets are refused up front with ``output_format=kohya``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PREFIX = "lora_unet_"
+KOHYA_NAME = "pytorch_lora_weights_kohya.safetensors"
+
+# diffusers module inside a block -> (kohya name, part, parts); part is None for an unfused layer.
+DOUBLE = {
+    "attn.to_q": ("img_attn_qkv", 0, 3),
+    "attn.to_k": ("img_attn_qkv", 1, 3),
+    "attn.to_v": ("img_attn_qkv", 2, 3),
+    "attn.to_out.0": ("img_attn_proj", None, 1),
+    "attn.add_q_proj": ("txt_attn_qkv", 0, 3),
+    "attn.add_k_proj": ("txt_attn_qkv", 1, 3),
+    "attn.add_v_proj": ("txt_attn_qkv", 2, 3),
+    "attn.to_add_out": ("txt_attn_proj", None, 1),
+    "ff.net.0.proj": ("img_mlp_0", None, 1),
+    "ff.net.2": ("img_mlp_2", None, 1),
+    "ff_context.net.0.proj": ("txt_mlp_0", None, 1),
+    "ff_context.net.2": ("txt_mlp_2", None, 1),
+    "norm1.linear": ("img_mod_lin", None, 1),
+    "norm1_context.linear": ("txt_mod_lin", None, 1),
+}
+SINGLE = {
+    "attn.to_q": ("linear1", 0, 4),
+    "attn.to_k": ("linear1", 1, 4),
+    "attn.to_v": ("linear1", 2, 4),
+    "proj_mlp": ("linear1", 3, 4),
+    "proj_out": ("linear2", None, 1),
+    "norm.linear": ("modulation_lin", None, 1),
+}
+
+
+def locate(module: str) -> tuple[str, int | None, int, list[str]]:
+    """(kohya name, part, parts, sibling modules in part order) of a diffusers module name; KeyError if unmapped."""
+    for prefix, table, kohya_block in (
+        ("transformer_blocks.", DOUBLE, "double_blocks"),
+        ("single_transformer_blocks.", SINGLE, "single_blocks"),
+    ):
+        if module.startswith(prefix):
+            index, inner = module[len(prefix) :].split(".", 1)
+            name, part, parts = table[inner]
+            siblings = sorted((k for k, v in table.items() if v[0] == name), key=lambda k: table[k][1] or 0)
+            return f"{kohya_block}_{index}_{name}", part, parts, [f"{prefix}{index}.{s}" for s in siblings]
+    raise KeyError(module)
+
+
+def check_targets(modules: list[str]) -> None:
+    """Fail before training, not at export, when a targeted module has no kohya name."""
+    unmapped = []
+    for m in modules:
+        try:
+            locate(m)
+        except (KeyError, ValueError):
+            unmapped.append(m)
+    if unmapped:
+        raise ValueError(f"train.output_format=kohya: no kohya name for {unmapped[:5]}; use diffusers or other targets")
+
+
+def from_peft(state: dict, scale: float, out_features: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Convert peft's ``<module>.lora_A.weight``/``lora_B`` tensors (strength ``scale``) to kohya keys.
+
+    ``out_features`` gives every sibling's output size, so an untrained part of a fused layer gets zero rows of the
+    right height.
+    """
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    groups: dict[str, list] = {}
+    for m in modules:
+        name, part, parts, siblings = locate(m)
+        groups.setdefault(name, [parts, siblings])
+    out: dict[str, torch.Tensor] = {}
+    for name, (parts, siblings) in groups.items():
+        present = [s for s in siblings if f"{s}.lora_A.weight" in state]
+        a0 = state[f"{present[0]}.lora_A.weight"]
+        rank, in_features = a0.shape
+        downs, ups = [], []
+        for i, s in enumerate(siblings):
+            a = state.get(f"{s}.lora_A.weight", torch.zeros_like(a0))
+            b = state.get(f"{s}.lora_B.weight")
+            b = torch.zeros(out_features[s], rank, dtype=a0.dtype) if b is None else b * scale
+            up = torch.zeros(b.shape[0], rank * parts, dtype=b.dtype)
+            up[:, i * rank : (i + 1) * rank] = b
+            downs.append(a)
+            ups.append(up)
+        key = PREFIX + name
+        out[f"{key}.lora_down.weight"] = torch.cat(downs, dim=0).contiguous()
+        out[f"{key}.lora_up.weight"] = torch.cat(ups, dim=0).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(float(rank * parts))
+    return out
+
+
+def save(transformer, directory, scale: float) -> str:
+    """Write the adapter of ``transformer`` as kohya keys into ``directory/KOHYA_NAME``. Returns the path."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from rayflux.train.lora import lora_state_dict
+
+    state = {k: v.detach().float().cpu() for k, v in lora_state_dict(transformer).items()}
+    modules = {k.rsplit(".lora_", 1)[0] for k in state}
+    siblings = {s for m in modules for s in locate(m)[3]}
+    out_features = {s: _base_out_features(transformer.get_submodule(s)) for s in siblings}
+    path = os.path.join(str(directory), KOHYA_NAME)
+    save_file(from_peft(state, scale, out_features), path, metadata={"format": "pt"})
+    return path
+
+
+def _base_out_features(module) -> int:
+    return getattr(module, "base_layer", module).out_features

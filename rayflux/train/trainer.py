@@ -1,0 +1,109 @@
+"""The LoRA model and its optimizer: build once, then one optimizer step per group of accumulated batches.
+
+Ray-free on purpose: the Ray Train loop and the in-process tests (golden losses, exact resume) drive this same
+class, so what the tests pin down is what the workers run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rayflux import models
+from rayflux.config import JobConfig
+from rayflux.train import kohya, lora, optim, step
+from rayflux.train.step import EmptyCaption
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did on this rank."""
+
+    loss: float
+    """Mean loss over the step's batches on this rank."""
+    grad_norm: float
+    """LoRA gradient norm before clipping (after DDP's all-reduce, so the same on every rank)."""
+    lr: float
+    """Learning rate the step used."""
+    samples: int
+    """Samples this rank trained on in the step."""
+
+
+def worker_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's global RNGs (LoRA dropout), distinct per rank and stable across runs."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:worker:{rank}".encode()).digest()[:8], "little") >> 1
+
+
+class LoraTrainer:
+    """The transformer with its LoRA adapter, AdamW and the LR schedule over ``total_steps`` optimizer steps.
+
+    ``wrap`` turns the transformer into the module the forward pass goes through (Ray Train's ``prepare_model``,
+    i.e. DDP with several workers); in-process it is the transformer itself.
+    """
+
+    def __init__(self, cfg: JobConfig, device, total_steps: int, rank: int = 0, empty: EmptyCaption | None = None,
+                 wrap=None):  # fmt: skip
+        t = cfg.train
+        self.cfg, self.device, self.empty = cfg, torch.device(device), empty
+        self.dtype = models.torch_dtype(cfg.model.dtype, self.device.type)
+        self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
+        # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
+        torch.manual_seed(t.seed)
+        self.transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+        self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+        if t.output_format == "kohya":
+            kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules))
+        if t.init_lora:
+            lora.init_from_file(self.transformer, t.init_lora)
+        if t.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        self.optimizer, self.scheduler = optim.build(self.params, t, total_steps)
+        self.model = wrap(self.transformer) if wrap else self.transformer
+        self.model.train()
+        seed_everything(worker_seed(t.seed, rank))
+
+    def train_step(self, batches: list[step.Batch]) -> StepStats:
+        """Forward and backward every batch (gradients averaged over them), clip, then one optimizer step."""
+        t = self.cfg.train
+        lr = self.optimizer.param_groups[0]["lr"]
+        step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype)
+        losses = []
+        for i, batch in enumerate(batches):
+            # DDP all-reduces gradients only on the last batch of the group; earlier ones just accumulate.
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            autocast = torch.autocast(self.device.type, self.autocast or torch.float32, enabled=bool(self.autocast))
+            with sync:
+                with autocast:  # the forward only; backward runs in the dtypes the forward chose
+                    loss = step.flow_loss(self.model, batch, *step_args)
+                (loss / len(batches)).backward()
+            losses.append(float(loss.detach()))
+        # With clipping off, an infinite limit still returns the norm and leaves the gradients alone.
+        limit = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, limit))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(sum(losses) / len(losses), grad_norm, lr, sum(int(b.latents.shape[0]) for b in batches))
+
+    def state_dict(self) -> dict:
+        """Optimizer and scheduler state (the LoRA weights are saved as a LoRA file beside it)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), Python and numpy global RNGs."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)

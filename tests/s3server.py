@@ -1,0 +1,105 @@
+"""A real S3-compatible server for the object-storage tests: moto's standalone server, in its own process, on
+loopback only.
+
+Loaded as a pytest plugin (``pytest_plugins`` in conftest.py) because of an ordering constraint: Ray workers inherit
+the environment of the process that starts Ray, so the endpoint and credentials must be in ``os.environ`` before the
+session's Ray starts. ``pytest_configure`` therefore reserves a loopback port and sets the standard AWS variables;
+the server itself starts only when a test asks for the ``s3_server`` fixture, and stops at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+HOST = "127.0.0.1"
+_PORT = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def pytest_configure(config):
+    global _PORT
+    _PORT = _free_port()
+    # Test-only credentials for the local server; rayflux reads them through the AWS default chain like real ones.
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{HOST}:{_PORT}",
+        AWS_ACCESS_KEY_ID="rayflux-test",
+        AWS_SECRET_ACCESS_KEY="rayflux-test",
+        AWS_REGION="us-east-1",
+    )
+    os.environ.pop("AWS_ENDPOINT_URL_S3", None)  # it would take precedence over the test server
+    os.environ.pop("AWS_PROFILE", None)
+
+
+class S3Server:
+    """A running moto server; ``url`` is its endpoint."""
+
+    def __init__(self, port: int):
+        self.url = f"http://{HOST}:{port}"
+        # The server logs every request; a file, not a pipe, so that an unread pipe can never stall it.
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"moto server exited: {self.log.read().decode(errors='replace')[-2000:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2).close()
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto server did not answer on {self.url} within 60 s") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server(_PORT)
+    assert os.environ["AWS_ENDPOINT_URL"] == server.url
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket per test (``s3://<name>``), so tests never see each other's objects."""
+    import pyarrow.fs as pafs
+
+    from rayflux import storage
+
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"{name}-{os.urandom(3).hex()}"
+    fs, _ = storage.resolve(f"s3://{name}")
+    fs.create_dir(name)
+    assert fs.get_file_info(name).type == pafs.FileType.Directory
+    return f"s3://{name}"

@@ -1,0 +1,192 @@
+"""What the cache stage writes: one sample per row, tensors the encoders really produced, readable with plain pyarrow.
+
+Everything here reads the shared mixed-dataset cache (built once, cache batch size 8) with pyarrow directly.
+"""
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import cache_sets
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from rayflux import buckets
+from rayflux.cache import generations, shards
+from rayflux.cache.prepare import prepare_row, sample_id
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def built(ray_session, tmp_path_factory, tiny_model):
+    return cache_sets.shared_cache(tmp_path_factory, tiny_model)
+
+
+@pytest.fixture(scope="module")
+def rows(built):
+    return pq.ParquetDataset(generations.sample_files(built.manifest)).read().to_pylist()
+
+
+def _chunk_sizes(path: str, column: str) -> list[int]:
+    """Bytes the Parquet file spends on ``column`` in each row group, from the file's own metadata."""
+    md = pq.ParquetFile(path).metadata
+    sizes = []
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        assert rg.num_rows == 1, "one sample per row group"
+        (chunk,) = [rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == column]
+        sizes.append(chunk.total_compressed_size)
+    return sizes
+
+
+def test_each_row_stores_only_its_own_latent(built):
+    assert built.cfg.cache.batch_size == 8
+    checked = 0
+    for path in generations.sample_files(built.manifest):
+        shapes = pq.read_table(path, columns=["latent_c", "latent_h", "latent_w", "latent_dtype"]).to_pylist()
+        lengths = pc.binary_length(pq.read_table(path, columns=["latent"])["latent"]).to_pylist()
+        for s, stored, length in zip(shapes, _chunk_sizes(path, "latent"), lengths):
+            raw = s["latent_c"] * s["latent_h"] * s["latent_w"] * np.dtype(s["latent_dtype"]).itemsize
+            assert length == raw
+            assert raw <= stored <= 1.02 * raw, (path, s, stored)
+            checked += 1
+    # More rows than one encoder batch, so rows really were sliced out of shared batches.
+    assert checked == built.manifest["cached"] > built.cfg.cache.batch_size
+
+
+def test_each_row_stores_only_its_own_text_embedding(built):
+    for path in generations.sample_files(built.manifest):
+        shapes = pq.read_table(path, columns=["t5_len", "t5_dim", "clip_dim", "text_dtype"]).to_pylist()
+        for s, t5, clip in zip(shapes, _chunk_sizes(path, "t5"), _chunk_sizes(path, "clip_pooled")):
+            item = np.dtype(s["text_dtype"]).itemsize
+            raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * item
+            assert raw <= t5 + clip <= 1.02 * raw
+
+
+def test_decoded_rows_equal_the_encoders_own_output(built, rows):
+    """The VAE returns channels-last latents; the stored bytes must still be each sample's CHW tensor."""
+    from rayflux.cache.encoders import VaeEncoder
+    from rayflux.cache.stage import bucket_spec
+
+    same = [r for r in rows if r["bucket"] == "128x128"]
+    assert len(same) >= 5
+    spec = bucket_spec(built.cfg, built.facts)
+    seed, limit = built.cfg.cache.seed, cache_sets.MAX_PIXELS
+    prepared = [prepare_row({"uri": r["source_uri"], "rel_path": r["rel_path"]}, spec, seed, limit) for r in same]
+    assert [p["sample_id"] for p in prepared] == [r["sample_id"] for r in same]
+    pixels = np.stack([np.frombuffer(p["pixels"], np.uint8).reshape(128, 128, 3) for p in prepared])
+    z = VaeEncoder(built.cfg.model, "float32", "check").encode(pixels, [p["sample_id"] for p in prepared])
+    assert not z.is_contiguous()  # the trap is live: storage order is not CHW
+    for j, r in enumerate(same):
+        stored = np.frombuffer(r["latent"], r["latent_dtype"]).reshape(r["latent_c"], r["latent_h"], r["latent_w"])
+        # Batch composition moves convolution results by float rounding (~1e-5), nothing more.
+        np.testing.assert_allclose(stored, z[j].numpy(), rtol=1e-3, atol=2e-4)
+        assert not np.allclose(stored, z[(j + 1) % len(same)].numpy(), rtol=1e-3, atol=2e-4)  # not a neighbour's
+        # Serialising the clone's storage (what a careless writer does) gives other numbers: this check can fail.
+        naive = np.frombuffer(bytes(z[j].clone().untyped_storage()), np.float32)[: stored.size].reshape(stored.shape)
+        assert not np.allclose(naive, stored, rtol=1e-3, atol=2e-4)
+
+
+def test_plain_pyarrow_rebuilds_every_tensor_as_the_readme_shows(built, rows):
+    """The README's snippet, run as-is in a fresh interpreter that never imports Ray or torch."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Cache shards", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    path = generations.sample_files(built.manifest)[0]
+    code = snippet.replace('"samples-....parquet"', repr(path)) + (
+        "import sys, json\n"
+        "print(json.dumps({'shapes': [latent.shape, t5.shape, clip.shape], 'sum': float(latent.sum()),"
+        " 'heavy': sorted(m for m in ('ray', 'torch') if m in sys.modules)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    first = pq.read_table(path).to_pylist()[0]
+    latent = np.frombuffer(first["latent"], np.float32).reshape(first["latent_c"], first["latent_h"], first["latent_w"])
+    assert got["heavy"] == []
+    assert got["shapes"] == [list(latent.shape), [first["t5_len"], first["t5_dim"]], [first["clip_dim"]]]
+    assert got["sum"] == pytest.approx(float(latent.sum()), rel=1e-6)
+
+
+def test_readme_documents_every_column(built):
+    readme = (ROOT / "README.md").read_text().split("### Cache shards", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`([a-z0-9_]+)`", readme))
+    missing = [c for c in shards.SAMPLE_SCHEMA.names if c not in documented]
+    assert not missing
+
+
+def test_shards_describe_their_own_layout(built):
+    for path in generations.sample_files(built.manifest) + generations.text_files(built.manifest):
+        layout = shards.layout_of(pq.read_schema(path))
+        assert layout is not None
+        assert {k: v for k, v in layout.__dict__.items() if k != "kind"} == {
+            k: v for k, v in built.manifest["layout"].items() if k != "kind"
+        }
+
+
+def test_text_embeddings_are_encoded_once_per_unique_caption(built, rows):
+    m = built.manifest
+    captions = {e.caption for e in built.expected.values() if e.caption is not None}
+    assert len(rows) > len(captions)  # duplicates exist, so a per-sample encoder would have done more passes
+    text = pq.ParquetDataset(generations.text_files(m)).read()
+    ids = text["caption_id"].to_pylist()
+    assert len(ids) == len(set(ids))
+    # Every text row is one pass of the text encoder, stamped by the encoder itself; plus the dropout caption "".
+    assert sorted(text["caption"].to_pylist()) == sorted(captions | {""})
+    assert set(text["encode_id"].to_pylist()) == {m["encode_id"]}
+    assert m["encoded"]["captions"] == len(captions) + 1 == m["unique_captions"]
+    by_id = {r["caption_id"]: r for r in text.to_pylist()}
+    for r in rows:
+        assert r["t5"] == by_id[r["caption_id"]]["t5"] and r["caption"] == by_id[r["caption_id"]]["caption"]
+
+
+def test_every_input_is_cached_or_skipped_with_its_reason(built, rows):
+    m = built.manifest
+    cached = {r["rel_path"]: r for r in rows}
+    skipped = generations.load_skipped(built.gen_dir)
+    assert m["cached"] + m["skipped"] == m["discovered"] == len(built.expected)
+    assert len(cached) == m["cached"] and len(skipped) == m["skipped"] and skipped == m["skipped_inputs"]
+    reasons = {str(Path(s["source_uri"]).relative_to(built.images)): s["reason"] for s in skipped}
+    for rel, exp in built.expected.items():
+        if exp.skip:
+            assert exp.skip in reasons[rel], (rel, reasons.get(rel))
+        else:
+            assert cached[rel]["caption"] == exp.caption
+
+
+def test_same_named_files_in_different_folders_never_collide(built, rows):
+    by_rel = {r["rel_path"]: r for r in rows}
+    photos = [by_rel[f"{d}/photo.png"] for d in "abc"]
+    assert len({p["sample_id"] for p in photos}) == 3
+    for p in photos:
+        data = (built.images / p["rel_path"]).read_bytes()
+        assert p["source_sha256"] == hashlib.sha256(data).hexdigest()
+    assert photos[0]["latent"] != photos[1]["latent"]
+    assert photos[0]["source_sha256"] == photos[2]["source_sha256"]  # same bytes, still two samples
+    assert photos[0]["caption"] != photos[2]["caption"]
+
+
+def test_every_row_has_the_geometry_and_id_the_bucket_function_gives(built, rows):
+    from rayflux.cache.stage import bucket_spec
+
+    spec = bucket_spec(built.cfg, built.facts)
+    for r in rows:
+        p = buckets.plan(r["orig_w"], r["orig_h"], spec, seed=built.cfg.cache.seed, salt=r["rel_path"])
+        assert r["bucket"] == p.key
+        assert (r["crop_left"], r["crop_top"], r["crop_w"], r["crop_h"]) == (
+            p.crop_left, p.crop_top, p.crop_width, p.crop_height
+        )  # fmt: skip
+        assert (r["latent_c"], r["latent_h"], r["latent_w"]) == p.latent_shape
+        assert r["sample_id"] == sample_id(r["rel_path"], r["source_sha256"], p)
+    assert len({r["bucket"] for r in rows}) >= 3
+
+
+def test_exif_orientation_is_applied_before_bucketing(built, rows):
+    (r,) = [r for r in rows if r["rel_path"] == "exif/rotated.jpg"]
+    assert (r["orig_w"], r["orig_h"]) == (128, 192)  # stored 192x128, shown upright as portrait
+    assert r["target_h"] > r["target_w"]

@@ -1,0 +1,156 @@
+"""Caption strategies on real files: sidecars, file names, metadata tables (jsonl, csv, parquet), instance prompts."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from rayflux.captions import CaptionError
+from rayflux.config import DatasetConfig
+from rayflux.sources import choose, discover_dataset
+
+
+def _image(path, size=(80, 64)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 30, 30)).save(path)
+
+
+def _captions(found) -> dict:
+    return {s.rel_path: s.caption for s in found.sources}
+
+
+def _dataset(root, **kw) -> DatasetConfig:
+    return DatasetConfig(images_dir=str(root), **kw)
+
+
+def test_sidecar_lines_are_options_and_one_is_chosen_per_seed(tmp_path):
+    _image(tmp_path / "a.png")
+    options = ["a red square", "a crimson block", "red on white"]
+    (tmp_path / "a.txt").write_text("\n".join(options) + "\n\n")
+    picked = {seed: _captions(discover_dataset(_dataset(tmp_path), seed=seed))["a.png"] for seed in range(40)}
+    assert set(picked.values()) == set(options)  # every line gets its turn across generations
+    again = {seed: _captions(discover_dataset(_dataset(tmp_path), seed=seed))["a.png"] for seed in range(40)}
+    assert picked == again  # and the choice for a (seed, image) is stable
+    assert all(picked[s] == choose(options, s, "a.png") for s in picked)
+
+
+def test_filename_strategy_ignores_sidecars(tmp_path):
+    _image(tmp_path / "sub" / "a_red-square.png")
+    (tmp_path / "sub" / "a_red-square.txt").write_text("sidecar text")
+    found = discover_dataset(_dataset(tmp_path, caption_strategy="filename"))
+    assert _captions(found) == {"sub/a_red-square.png": "a red square"}
+
+
+def _write_metadata(root, fmt: str, rows: list[dict]) -> None:
+    if fmt == "jsonl":
+        (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "csv":
+        lines = ["file_name,text"] + [f'{r["file_name"]},"{r["text"]}"' for r in rows]
+        (root / "metadata.csv").write_text("\n".join(lines) + "\n")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), root / "metadata.parquet")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_metadata_tables_in_every_format(tmp_path, fmt):
+    for name in ("001.png", "b.png", "nested/c.png"):
+        _image(tmp_path / name)
+    # "1984" must stay a string caption and "001.png" must keep its zeros, whatever type inference thinks.
+    _write_metadata(tmp_path, fmt, [{"file_name": "001.png", "text": "1984"}, {"file_name": "b.png", "text": "a b"}])
+    # A table in a subfolder names files relative to itself (Hugging Face imagefolder).
+    _write_metadata(tmp_path / "nested", fmt, [{"file_name": "c.png", "text": "nested c"}])
+    found = discover_dataset(_dataset(tmp_path, caption_strategy="metadata", missing_caption="skip"))
+    assert _captions(found) == {"001.png": "1984", "b.png": "a b", "nested/c.png": "nested c"}
+    assert found.skipped == [] and found.problems == []
+
+
+def test_metadata_lists_are_options_and_rows_with_trouble_are_reported(tmp_path):
+    for name in ("a.png", "b.png", "c.png", "d.png"):
+        _image(tmp_path / name)
+    rows = [
+        {"file_name": "a.png", "text": ["first", "second"]},
+        {"file_name": "./b.png", "text": "bee"},
+        {"file_name": "b.png", "text": "again"},
+        {"file_name": "gone.png", "text": "missing file"},
+        {"file_name": "../escape.png", "text": "outside"},
+        {"file_name": "c.png", "text": 42},
+    ]
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = discover_dataset(_dataset(tmp_path, caption_strategy="metadata", missing_caption="skip", name="m"), seed=3)
+    caps = _captions(found)
+    assert caps["a.png"] in ("first", "second") and caps["b.png"] == "bee"
+    assert sorted(s["source_uri"].rsplit("/", 1)[-1] for s in found.skipped) == ["c.png", "d.png"]
+    text = "\n".join(found.problems)
+    for expected in ("line 3: b.png already has a caption", "'gone.png' matches no file",
+                     "'../escape.png' points outside", "line 6: 'text' must be a string or a list"):  # fmt: skip
+        assert expected in text
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"image": "a.png", "text": "x"}\n', "no 'file_name' key"),
+        ("not json\n", "line 1: not JSON"),
+        ('{"file_name": "a.png", "caption": "x"}\n', "no row has a 'text' key"),
+        (None, "holds no metadata.jsonl"),
+    ],
+)
+def test_unusable_metadata_is_a_clear_error(tmp_path, content, message):
+    _image(tmp_path / "a.png")
+    if content is not None:
+        (tmp_path / "metadata.jsonl").write_text(content)
+    with pytest.raises(CaptionError, match=message):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata"))
+
+
+def test_csv_without_file_name_column_names_its_columns(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "captions.csv").write_text("image,text\na.png,hello\n")
+    with pytest.raises(CaptionError, match="no 'file_name' column \\(columns: image, text\\)"):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv"))
+    (tmp_path / "captions.csv").write_text("file_name,caption\na.png,hello\n")
+    with pytest.raises(CaptionError, match="no 'text' column"):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv"))
+    ds = _dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv", caption_column="caption")
+    assert _captions(discover_dataset(ds)) == {"a.png": "hello"}
+
+
+def test_instance_prompt_and_prepending(tmp_path):
+    for name in ("a.png", "b.png"):
+        _image(tmp_path / name)
+    (tmp_path / "a.txt").write_text("a red square")
+    fixed = discover_dataset(_dataset(tmp_path, caption_strategy="instance", instance_prompt="sks dog"))
+    assert _captions(fixed) == {"a.png": "sks dog", "b.png": "sks dog"}
+    prefixed = discover_dataset(
+        _dataset(tmp_path, instance_prompt="sks", prepend_instance_prompt=True, missing_caption="instance")
+    )
+    # b.png has no sidecar: its stand-in caption is the instance prompt itself, not "sks sks".
+    assert _captions(prefixed) == {"a.png": "sks a red square", "b.png": "sks"}
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [("skip", None), ("empty", ""), ("filename", "b"), ("instance", "ohwx")],
+)
+def test_missing_caption_policies(tmp_path, policy, expected):
+    for name in ("a.png", "b.png"):
+        _image(tmp_path / name)
+    (tmp_path / "a.txt").write_text("has one")
+    found = discover_dataset(_dataset(tmp_path, missing_caption=policy, instance_prompt="ohwx"))
+    if expected is None:
+        assert _captions(found) == {"a.png": "has one"}
+        assert found.skipped[0]["reason"].startswith("no caption")
+    else:
+        assert _captions(found) == {"a.png": "has one", "b.png": expected}
+        assert "1 images have no sidecar caption" in found.problems[0]
+
+
+def test_non_utf8_sidecar_and_orphan_captions(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 latin-1")
+    (tmp_path / "lonely.txt").write_text("caption without image")
+    found = discover_dataset(_dataset(tmp_path))
+    assert found.sources == [] and "not UTF-8" in found.skipped[0]["reason"]
+    assert any("caption file without an image: lonely.txt" in p for p in found.problems)

@@ -1,0 +1,71 @@
+"""Encoders live only in the cache stage's actors: gone when it ends, never in a training worker."""
+
+import pytest
+
+from rayflux import config, job, memory
+
+
+@pytest.fixture(scope="module")
+def heavy_t5_model(tmp_path_factory):
+    """The tiny model with 256 MiB of extra T5 embedding rows: heavy in memory, not in compute."""
+    from rayflux.testing.tiny import TinySpec, write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("heavy") / "model", TinySpec(t5_extra_mb=256))
+
+
+def _encoder_actors(dashboard: str) -> dict[str, set]:
+    """State of every encoder actor Ray knows of, by kind: Ray Data names them ``MapWorker(MapBatches(<class>))``."""
+    from ray.util.state import list_actors
+
+    states: dict[str, set] = {"VaeEncoder": set(), "TextEncoder": set()}
+    for a in list_actors(address=dashboard, limit=10_000, raise_on_missing_output=False):
+        for kind in states:
+            if kind in (a.class_name or ""):
+                states[kind].add(a.state)
+    return states
+
+
+def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
+    ray_session, ray_dashboard, heavy_t5_model, demo_images, tmp_path
+):
+    t5_bytes_mb = 256
+    cfg = config.load(
+        None,
+        [f"model.path={heavy_t5_model}", f"data.images_dir={demo_images}", f"run.output_dir={tmp_path / 'run'}",
+         "data.resolution=64", "train.epochs=1", "train.num_workers=2", "train.checkpoint_every=2"],
+    )  # fmt: skip
+    summary = job.run(cfg)
+    # The state API saw the text and VAE actors (so the check below can fail), and none is alive now.
+    assert summary.cached == 8
+    states = _encoder_actors(ray_dashboard)
+    assert states["VaeEncoder"] and states["TextEncoder"], "the state API never saw the encoder actors"
+    assert "ALIVE" not in states["VaeEncoder"] | states["TextEncoder"], states
+
+    records = [h for h in summary.history if "encoders_alive" in h]
+    assert records, "no checkpoint record carried memory facts"
+    for r in records:
+        assert r["encoders_alive"] == 0
+        # Loading the text encoders would add at least their weights (256 MiB of T5 alone) to a worker's RSS.
+        assert r["rss_growth_mb"] < t5_bytes_mb, r
+
+
+def test_live_encoders_sees_a_loaded_text_encoder():
+    """The check above can fail: in a process that holds a text encoder, it is counted."""
+    from transformers import T5Config, T5EncoderModel
+
+    before = memory.live_encoders().get("T5EncoderModel", 0)
+    model = T5EncoderModel(T5Config(vocab_size=10, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2))
+    assert memory.live_encoders()["T5EncoderModel"] == before + 1
+    del model
+    assert memory.live_encoders()["T5EncoderModel"] == before
+
+
+def test_rss_and_peak_are_plausible():
+    import numpy as np
+
+    start = memory.rss_mb()
+    block = np.ones(64 * 2**20, dtype=np.uint8)  # 64 MiB, touched
+    grown = memory.rss_mb() - start
+    assert grown > 48
+    assert memory.peak_rss_mb() >= memory.rss_mb() - 1
+    del block

@@ -1,0 +1,184 @@
+"""Per-epoch cache refresh as coordinated stages, and a resumable stage ledger (real local Ray)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from rayflux import config, job, refresh
+from rayflux.cache import generations
+from rayflux.train.batching import GenerationNotReadable, check_readable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_segments_cover_every_epoch_once():
+    assert refresh.segments(3, 0) == [refresh.Segment(0, 0, 0, 3)]
+    assert [(s.generation, s.first_epoch, s.end_epoch) for s in refresh.segments(3, 1)] == [(0, 0, 1), (1, 1, 2), (2, 2, 3)]
+    assert [(s.generation, s.first_epoch, s.end_epoch) for s in refresh.segments(5, 2)] == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]
+    assert refresh.segments(2, 5) == [refresh.Segment(0, 0, 0, 2)]
+
+
+def test_generation_seeds_differ_and_are_stable():
+    seeds = [refresh.generation_seed(7, g) for g in range(4)]
+    assert seeds[0] == 7 and len(set(seeds)) == 4
+    assert seeds == [refresh.generation_seed(7, g) for g in range(4)]
+
+
+def _cfg(tiny_model, demo_images, out, *extra):
+    return config.load(
+        None,
+        [
+            f"model.path={tiny_model}",
+            f"data.images_dir={demo_images}",
+            f"run.output_dir={out}",
+            "data.resolution=64",
+            # Square targets from non-square images leave room for the random crop to move.
+            "data.max_aspect=1.0",
+            "data.crop=random",
+            "train.num_workers=2",
+            "cache.refresh=every_epoch",
+            *extra,
+        ],
+    )
+
+
+def _stages(ledger_path) -> dict:
+    return {s["name"]: s for s in json.loads(Path(ledger_path).read_text())["stages"]}
+
+
+def _assert_refresh_protocol(summary, epochs: int, images: int):
+    stages = _stages(summary.ledger)
+    for g in range(epochs):
+        cache, train = stages[f"cache:g{g}"], stages[f"train:seg{g}"]
+        assert cache["status"] == train["status"] == "done"
+        # committed before the segment that reads it started
+        assert cache["end"] <= train["start"]
+        if g < epochs - 1:
+            retire = stages[f"retire:g{g}"]
+            # retired only after the segment that read it returned (every worker done)
+            assert retire["status"] == "done" and retire["start"] >= train["end"]
+            assert generations.is_retired(cache["dir"])
+            assert not list(Path(cache["dir"]).glob("samples/*.parquet"))
+    last = stages[f"cache:g{epochs - 1}"]["dir"]
+    assert f"retire:g{epochs - 1}" not in stages and generations.load_manifest(last) is not None
+
+    # Each epoch read exactly its own generation, and every sample exactly once (8 images, 2 ranks: no remainder).
+    per_epoch: dict[int, dict] = {}
+    for h in summary.history:
+        e = per_epoch.setdefault(h["epoch"], {"samples": 0, "generations": set()})
+        e["samples"] += h["samples"]
+        e["generations"].add(h["generation"])
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, e in per_epoch.items():
+        assert e["generations"] == {epoch}
+        assert e["samples"] == images
+    # The step counter runs on across trainer runs (each segment resumed from the last checkpoint).
+    assert [h["step"] for h in summary.history] == list(range(1, len(summary.history) + 1))
+
+
+def test_refresh_every_epoch_builds_commits_and_retires(ray_session, tiny_model, demo_images, tmp_path):
+    summary = job.run(_cfg(tiny_model, demo_images, tmp_path / "run", "train.epochs=3"))
+    _assert_refresh_protocol(summary, epochs=3, images=8)
+    assert summary.steps == 3 * 8 // 2
+
+
+def test_refresh_with_one_slow_worker(ray_session, tiny_model, demo_images, tmp_path):
+    summary = job.run(_cfg(tiny_model, demo_images, tmp_path / "run", "train.epochs=2", "run.debug_slow_rank=1:0.4"))
+    _assert_refresh_protocol(summary, epochs=2, images=8)
+
+
+def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_path):
+    cfg = _cfg(tiny_model, demo_images, tmp_path / "run")
+    images, cache_root, out = job.resolve_dirs(cfg)
+    cfg.data.images_dir = images
+    from rayflux import models
+    from rayflux.ledger import Ledger
+
+    stages = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    crops = []
+    for g in (0, 1):
+        m = stages.generation(g)
+        t = pq.ParquetDataset(generations.sample_files(m)).read().sort_by("rel_path")
+        crops.append(list(zip(t["rel_path"].to_pylist(), t["crop_left"].to_pylist(), t["crop_top"].to_pylist())))
+    assert [c[0] for c in crops[0]] == [c[0] for c in crops[1]]
+    assert crops[0] != crops[1]
+    # a generation built again with the same seed is reused, not rebuilt
+    before = generations.load_manifest(stages.dirs[1])["committed_at"]
+    assert stages.generation(1)["committed_at"] == before
+
+
+def test_readers_refuse_uncommitted_and_retired_generations(tmp_path):
+    gen = tmp_path / "key" / "g00000-abc"
+    (gen / "samples").mkdir(parents=True)
+    shard = gen / "samples" / "samples-1.parquet"
+    shard.write_bytes(b"")
+    with pytest.raises(GenerationNotReadable, match="not committed"):
+        check_readable(str(shard))
+    generations.commit(str(gen), {"files": []}, [])
+    check_readable(str(shard))
+    generations.retire(str(gen))
+    with pytest.raises(GenerationNotReadable):
+        check_readable(str(shard))
+
+
+def test_changed_config_is_refused(ray_session, tiny_model, demo_images, tmp_path):
+    from rayflux.ledger import ConfigChanged
+
+    out = tmp_path / "run"
+    job.run(_cfg(tiny_model, demo_images, out, "train.epochs=1", "cache.refresh=never"), only="cache")
+    with pytest.raises(ConfigChanged, match="different training config"):
+        job.run(_cfg(tiny_model, demo_images, out, "train.epochs=1", "train.learning_rate=0.5"), only="cache")
+
+
+def test_driver_killed_mid_training_resumes(ray_session, tiny_model, demo_images, tmp_path):
+    """SIGKILL the driver once its first segment is done; the same command then resumes without re-caching."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "jobs" / "train_flux.py")]
+    for item in (f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
+                 "data.resolution=64", "data.max_aspect=1.0", "data.crop=random", "train.num_workers=2",
+                 "cache.refresh=every_epoch", "train.epochs=2", "run.debug_slow_rank=0:0.5"):  # fmt: skip
+        cmd += ["--set", item]
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    ledger = out / "ledger.json"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if ledger.exists() and _stages(ledger).get("train:seg1", {}).get("status") == "running":
+                break
+            assert proc.poll() is None, "the job ended before it could be interrupted"
+            time.sleep(0.5)
+        else:
+            pytest.fail("segment 1 never started")
+        time.sleep(3)  # let segment 1 get going
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    killed_at = time.time()
+    before = _stages(ledger)
+    assert before["train:seg0"]["status"] == "done" and before["train:seg1"]["status"] == "running"
+
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    after = _stages(ledger)
+    # nothing cached again: every cache stage in the ledger started before the kill
+    for name, stage in after.items():
+        if name.startswith("cache:"):
+            assert stage["start"] < killed_at, f"{name} was rebuilt"
+    assert after["train:seg0"]["start"] == before["train:seg0"]["start"]  # not redone
+    assert after["train:seg1"]["status"] == "done"
+    assert after["retire:g0"]["status"] == "done"
+    # the step counter continued: the final checkpoint's history runs 1..N once, over both epochs
+    metrics = json.loads((Path(after["train:seg1"]["outputs"]["checkpoint"]) / "metrics.json").read_text())
+    assert [h["step"] for h in metrics["history"]] == list(range(1, 9))
+    assert {h["epoch"] for h in metrics["history"]} == {0, 1}

@@ -1,0 +1,82 @@
+"""The batch plan: bucket-pure batches and the same whole number of optimizer steps on every rank."""
+
+import json
+import random
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayflux.train import batching, step
+
+
+def _refs(bucket_sizes: list[int]) -> list[batching.SampleRef]:
+    return [
+        batching.SampleRef(f"{b}-{i:03d}", f"{64 + 16 * b}x64", f"shard-{i % 3}.parquet", i)
+        for b, n in enumerate(bucket_sizes)
+        for i in range(n)
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bucket_sizes=st.lists(st.integers(1, 13), min_size=1, max_size=5),
+    batch_size=st.integers(1, 4),
+    world=st.integers(1, 4),
+    accumulation=st.integers(1, 3),
+    epoch=st.integers(0, 3),
+)
+def test_plan_is_bucket_pure_and_equal_per_rank(bucket_sizes, batch_size, world, accumulation, epoch):
+    refs = _refs(bucket_sizes)
+    bucket_of = {r.sample_id: r.bucket for r in refs}
+    plan, dropped = batching.plan_epoch(refs, batch_size, 5, epoch, world, accumulation)
+
+    assert len(plan) % (world * accumulation) == 0
+    per_rank = [plan[r::world] for r in range(world)]
+    assert len({len(p) for p in per_rank}) == 1  # every rank the same number of batches...
+    assert len(per_rank[0]) % accumulation == 0  # ...forming whole optimizer steps
+    ids = []
+    for b in plan:
+        members = [sid for _, _, sid in json.loads(b["refs"])]
+        assert {bucket_of[s] for s in members} == {b["bucket"]}  # one bucket per batch
+        assert 1 <= len(members) == b["size"] <= batch_size
+        ids.extend(members)
+    assert len(ids) == len(set(ids))  # no sample twice in an epoch
+    assert len(ids) + dropped == len(refs)
+    all_batches = sum(-(-n // batch_size) for n in bucket_sizes)
+    assert all_batches - len(plan) < world * accumulation  # only the remainder is dropped
+
+
+def test_plan_ignores_listing_order_and_seeds_noise_per_batch():
+    refs = _refs([7, 5, 1, 1])
+    shuffled = refs[:]
+    random.Random(3).shuffle(shuffled)
+    a, _ = batching.plan_epoch(refs, 2, 11, 1, 2, 2)
+    b, _ = batching.plan_epoch(shuffled, 2, 11, 1, 2, 2)
+    assert a == b
+    assert len({x["seed"] for x in a}) == len(a)
+    other_epoch, _ = batching.plan_epoch(refs, 2, 11, 2, 2, 2)
+    assert [x["refs"] for x in other_epoch] != [x["refs"] for x in a]
+
+
+def test_uneven_buckets_example():
+    """The Ray test's layout: buckets of 7, 5, 1 and 1 samples, batches of 2, 2 workers, 2 batches per step."""
+    plan, dropped = batching.plan_epoch(_refs([7, 5, 1, 1]), 2, 0, 0, 2, 2)
+    # 4 + 3 + 1 + 1 = 9 batches; 8 kept (2 optimizer steps of 2 batches on each of 2 ranks); 1 batch dropped.
+    assert len(plan) == 8
+    assert dropped in (1, 2)
+
+
+def test_stacked_row_round_trips_to_tensors():
+    lat = [np.full((4, 6, 10), i, np.float32) for i in range(2)]
+    t5 = [np.full((7, 3), 10 + i, np.float32) for i in range(2)]
+    clip = [np.full((3,), 20 + i, np.float32) for i in range(2)]
+    plan = {"epoch": 1, "index": 4, "seed": 99, "step": 3, "total_steps": 8, "bucket": "80x48"}
+    row = batching.stack_batch(plan, 2, ["a", "b"], lat, t5, clip)
+    batch = step.from_item(row)
+    assert batch.seed == 99 and row["size"] == 2 and json.loads(row["sample_ids"]) == ["a", "b"]
+    assert (row["step"], row["total_steps"], row["generation"]) == (3, 8, 2)
+    assert batch.latents.shape == (2, 4, 6, 10) and torch.equal(batch.latents[1], torch.ones(4, 6, 10))
+    assert batch.t5.shape == (2, 7, 3) and float(batch.t5[1, 0, 0]) == 11
+    assert batch.clip.shape == (2, 3) and float(batch.clip[0, 0]) == 20

@@ -1,0 +1,157 @@
+"""Training on a real local Ray with 2 workers: uneven buckets, checkpoints, exact resume, images and metrics.
+
+Three short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 images:
+
+- ``full``: 4 optimizer steps straight, with validation images, kohya output and a checkpoint every step;
+- ``resumed``: the same training stopped after step 1 (``max_steps=1``), then rerun under the same Ray Train run
+  name, which restores the latest checkpoint and continues to step 4.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rayflux import config, job, models
+from rayflux.cache import generations
+from rayflux.testing.images import write_images
+from rayflux.train import batching, checkpoint, kohya, lora, stage
+
+# 64x64, 80x48, 48x80 and 96x48 buckets at data.resolution=64.
+SIZES = [(512, 512)] * 7 + [(640, 384)] * 5 + [(384, 640)] + [(768, 256)]
+PROMPTS = ["a red circle", "a blue square", "a green ring"]
+COMMON = [
+    "data.resolution=64",
+    "train.num_workers=2",
+    "train.epochs=2",
+    "train.batch_size=2",
+    "train.gradient_accumulation=2",
+    "train.warmup_steps=3",  # the resume lands inside warmup: the scheduler state must come back too
+    "train.learning_rate=0.01",
+    "train.lora_dropout=0.1",  # draws from the global RNG: the saved RNG states must come back too
+    "train.caption_dropout=0.3",
+    "train.guidance_max=4.0",
+    "train.sigma_sampling=flux_shift",
+    "train.loss_weighting=cosmap",
+    "train.checkpoint_every=1",
+    "train.checkpoints_to_keep=2",
+]
+
+
+def _cfg(base: list[str], *overrides: str) -> config.JobConfig:
+    return config.load(None, [*base, *COMMON, *overrides])
+
+
+@pytest.fixture(scope="module")
+def cache(ray_session, tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-ray")
+    write_images(root / "images", sizes=SIZES)
+    base = [f"model.path={tiny_model}", f"data.images_dir={root / 'images'}", f"cache.dir={root / 'cache'}"]
+    summary = job.run(_cfg(base, f"run.output_dir={root / 'cache-run'}"), only="cache")
+    manifest = generations.load_manifest(summary.cache_dir)
+    assert sorted(b["rows"] for b in manifest["buckets"].values()) == [1, 1, 5, 7]
+    return root, base, manifest, models.model_facts(_cfg(base).model)
+
+
+@pytest.fixture(scope="module")
+def full(cache):
+    root, base, manifest, facts = cache
+    out = root / "full"
+    cfg = _cfg(
+        base,
+        "run.name=full",
+        "train.validation_every=2",
+        "train.validation_inference_steps=2",
+        f"train.validation_prompts={json.dumps(PROMPTS)}",
+        "train.output_format=kohya",
+    )
+    return stage.train(cfg, manifest, facts, str(out), False), out
+
+
+@pytest.fixture(scope="module")
+def resumed(cache):
+    root, base, manifest, facts = cache
+    out = root / "resumed"
+    first = stage.train(_cfg(base, "run.name=resumed", "train.max_steps=1"), manifest, facts, str(out), False)
+    second = stage.train(_cfg(base, "run.name=resumed"), manifest, facts, str(out), False)
+    return first, second
+
+
+def test_uneven_buckets_give_both_ranks_the_same_steps_and_pure_batches(cache, full):
+    _, _, manifest, _ = cache
+    result, _ = full
+    bucket_of = {r.sample_id: r.bucket for r in batching.index_samples(generations.sample_files(manifest))}
+    logs = checkpoint.read_batches(result.checkpoint_dir)
+    assert sorted(logs) == [0, 1]
+    # 9 batches per epoch, cut to 8 by the remainder rule: 2 steps of 2 batches per rank per epoch, 2 epochs.
+    for rank, batches in logs.items():
+        assert [b["step"] for b in batches] == [1, 1, 2, 2, 3, 3, 4, 4], rank
+        for b in batches:
+            assert {bucket_of[s] for s in b["samples"]} == {b["bucket"]}
+    sizes = {len(b["samples"]) for batches in logs.values() for b in batches}
+    assert sizes == {1, 2}  # uneven buckets: some batches are a bucket's short remainder
+    for epoch in (0, 1):
+        trained = [s for batches in logs.values() for b in batches if b["epoch"] == epoch for s in b["samples"]]
+        assert len(trained) == len(set(trained)) == result.epoch_counts[epoch]["samples"]
+        assert result.epoch_counts[epoch]["batches"] == 8 and result.epoch_counts[epoch]["dropped"] > 0
+
+
+def test_metrics_are_reported_and_checkpoints_rotated(full):
+    result, out = full
+    assert result.steps == 4 and len(result.losses) == 4
+    for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time"):
+        assert isinstance(result.metrics[key], float), key
+    assert result.metrics["step"] == 4
+    kept = [p for p in (out / "checkpoints" / "full").glob("checkpoint_*") if p.is_dir()]
+    assert len(kept) == 2  # checkpoint_every=1 wrote 4, checkpoints_to_keep=2 kept the newest
+    state = torch.load(Path(result.checkpoint_dir) / checkpoint.STATE_FILE, weights_only=True)
+    assert state["step"] == 4 and state["batches_done"] == 8 and state["world_size"] == 2
+    assert {"optimizer", "scheduler"} <= state.keys()
+    assert all(k.startswith("lora_unet_") for k in load_file(Path(result.checkpoint_dir) / kohya.KOHYA_NAME))
+
+
+def test_validation_grids_are_written_and_decode(full):
+    from PIL import Image
+
+    result, out = full
+    history = json.loads((Path(result.checkpoint_dir) / checkpoint.METRICS_FILE).read_text())["history"]
+    written = {h["step"]: h["validation_image"] for h in history if "validation_image" in h}
+    assert sorted(written) == [2, 4]  # every 2 steps, and the last
+    for step, path in written.items():
+        assert Path(path) == out / "validation" / f"step-{step:06d}.png"
+        with Image.open(path) as img:
+            img.load()
+            assert img.size == (128, 128)  # 3 prompts at 64 px in a 2x2 grid
+            assert len(set(img.crop((0, 0, 128, 64)).getdata())) > 1  # rendered content, not a blank canvas
+
+
+def test_tensorboard_events_hold_the_reported_metrics(full):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result, out = full
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4]
+    assert [e.value for e in loss] == pytest.approx(result.losses, rel=1e-6)
+    for key in ("lr", "grad_norm", "samples_per_s", "step_time"):
+        assert len(events.Scalars(f"train/{key}")) == 4, key
+    assert [e.step for e in events.Images("validation")] == [2, 4]
+
+
+def test_resumed_run_matches_the_straight_run(full, resumed):
+    straight, _ = full
+    first, second = resumed
+    assert (first.steps, second.steps) == (1, 4)
+    metrics = json.loads((Path(second.checkpoint_dir) / checkpoint.METRICS_FILE).read_text())
+    assert metrics["resumed_at"] == [1]  # the second run restored step 1 instead of starting over
+    assert checkpoint.read_batches(second.checkpoint_dir) == checkpoint.read_batches(straight.checkpoint_dir)
+    a = load_file(Path(straight.checkpoint_dir) / lora.WEIGHT_NAME)
+    b = load_file(Path(second.checkpoint_dir) / lora.WEIGHT_NAME)
+    assert a.keys() == b.keys()
+    assert max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k) > 1e-3  # it trained: B left zero
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    assert second.losses == pytest.approx(straight.losses, rel=1e-5)

@@ -1,0 +1,133 @@
+"""The trainer in-process (no Ray): the step's options, gradient checkpointing, precision and exact resume."""
+
+import dataclasses
+
+import pyarrow as pa
+import pytest
+import torch
+
+import train_data
+from rayflux.cache import shards, tensors
+from rayflux.sources import caption_id
+from rayflux.train import captions, checkpoint, lora, step
+from rayflux.train.trainer import LoraTrainer
+
+FULL = (
+    "train.gradient_accumulation=2",
+    "train.lr_scheduler=cosine",
+    "train.warmup_steps=1",
+    "train.learning_rate=0.01",
+    "train.lora_dropout=0.2",
+    "train.caption_dropout=0.5",
+    "train.guidance_max=4.0",
+    "train.sigma_sampling=flux_shift",
+    "train.loss_weighting=cosmap",
+)
+
+
+def _weights(trainer) -> dict:
+    return {k: v.detach().clone() for k, v in lora.lora_state_dict(trainer.transformer).items()}
+
+
+def _run(trainer, groups) -> list[float]:
+    return [trainer.train_step(g).loss for g in groups]
+
+
+def test_gradient_checkpointing_changes_memory_not_maths(tiny_model):
+    groups = train_data.groups(train_data.items(4), 2)
+    runs = []
+    for flag in ("false", "true"):
+        # One after the other: each trainer seeds the process-wide RNG that LoRA dropout draws from.
+        cfg = train_data.job(tiny_model, *FULL, f"train.gradient_checkpointing={flag}")
+        trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
+        assert trainer.transformer.is_gradient_checkpointing == (flag == "true")
+        runs.append((_run(trainer, groups), _weights(trainer)))
+    (plain_losses, plain), (ckpt_losses, ckpt) = runs
+    assert ckpt_losses == pytest.approx(plain_losses, rel=1e-6)
+    for k, v in plain.items():
+        torch.testing.assert_close(ckpt[k], v, rtol=1e-5, atol=1e-7)
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tiny_model, tmp_path):
+    """4 steps straight == 2 steps, checkpoint, a fresh trainer restored from it, 2 more steps."""
+    cfg = train_data.job(tiny_model, *FULL)
+    groups = train_data.groups(train_data.items(8), 2)
+
+    def fresh():
+        return LoraTrainer(cfg, "cpu", total_steps=4, empty=train_data.empty_caption())
+
+    straight = fresh()
+    _run(straight, groups)
+
+    first = fresh()
+    _run(first, groups[:2])
+    progress = checkpoint.Progress(step=2, batches_done=4, world_size=1)
+    checkpoint.save(str(tmp_path), first, 0, progress, output_format="diffusers")
+    del first
+    torch.manual_seed(12345)  # whatever the process did in between must not matter
+
+    resumed = fresh()
+    restored = checkpoint.restore(str(tmp_path), resumed, 0, world_size=1)
+    assert (restored.step, restored.batches_done, restored.resumed_at) == (2, 4, [2])
+    _run(resumed, groups[2:])
+    for k, v in _weights(straight).items():
+        torch.testing.assert_close(_weights(resumed)[k], v, rtol=0, atol=1e-7)
+
+    # Control: the same restore without the saved RNG state (LoRA dropout draws from it) ends elsewhere.
+    unseeded = fresh()
+    checkpoint.restore(str(tmp_path), unseeded, 0, world_size=1)
+    torch.manual_seed(0)
+    _run(unseeded, groups[2:])
+    assert any(not torch.allclose(_weights(unseeded)[k], v) for k, v in _weights(straight).items())
+
+
+def test_dropped_captions_train_on_the_empty_embedding(tiny_model):
+    empty = train_data.empty_caption()
+    batch = train_data.groups(train_data.items(1), 1)[0][0]
+    trainer = LoraTrainer(train_data.job(tiny_model), "cpu", total_steps=1)
+    t = trainer.cfg.train
+    # p = 0.999 with this batch's seed drops both samples (seeded, so not a matter of luck).
+    dropped_cfg = dataclasses.replace(t, caption_dropout=0.999)
+    with torch.no_grad():
+        dropped = step.flow_loss(trainer.model, batch, dropped_cfg, True, empty, "cpu", torch.float32)
+        by_hand = step.Batch(batch.latents, empty.t5.expand_as(batch.t5), empty.clip.expand_as(batch.clip), batch.seed)
+        expected = step.flow_loss(trainer.model, by_hand, t, True, None, "cpu", torch.float32)
+        kept = step.flow_loss(trainer.model, batch, t, True, None, "cpu", torch.float32)
+    assert float(dropped) == pytest.approx(float(expected), rel=1e-6)
+    assert float(dropped) != pytest.approx(float(kept), rel=1e-3)
+
+
+def test_bf16_autocast_runs_close_to_fp32(tiny_model):
+    groups = train_data.groups(train_data.items(2), 2)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        trainer = LoraTrainer(train_data.job(tiny_model, f"train.mixed_precision={precision}"), "cpu", total_steps=1)
+        assert trainer.autocast is (torch.bfloat16 if precision == "bf16" else None)
+        losses[precision] = _run(trainer, groups)
+    assert losses["bf16"] != losses["fp32"]  # autocast really ran in bf16
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.05)
+
+
+def test_empty_caption_is_read_from_the_text_table(tmp_path):
+    def row(caption, value):
+        t5, clip = torch.full((3, 2), value), torch.full((2,), value + 1)
+        return {"caption_id": caption_id(caption), "caption": caption, "t5_len": 3, "t5_dim": 2, "clip_dim": 2,
+                "text_dtype": "float16", "t5": tensors.to_bytes(t5, "float16"),
+                "clip_pooled": tensors.to_bytes(clip, "float16")}  # fmt: skip
+
+    path = str(tmp_path / "text.parquet")
+    shards.write_table(pa.Table.from_pylist([row("a cat", 1.0), row("", 5.0)], schema=shards.TEXT_SCHEMA), path)
+    empty = captions.load_empty([path])
+    assert torch.equal(empty.t5, torch.full((3, 2), 5.0)) and torch.equal(empty.clip, torch.full((2,), 6.0))
+    with pytest.raises(ValueError, match="empty-caption"):
+        captions.load_empty([])
+
+
+def test_models_without_guidance_embedding_train_without_guidance(tmp_path):
+    """A schnell-like model gets no guidance input (its time embedding would reject one)."""
+    from rayflux.testing.tiny import TinySpec, ensure_tiny_model
+
+    schnell = ensure_tiny_model(tmp_path / "tiny-schnell", TinySpec(guidance_embeds=False))
+    trainer = LoraTrainer(train_data.job(schnell, "train.guidance_max=4.0"), "cpu", total_steps=1)
+    assert not trainer.guidance_embeds
+    assert torch.isfinite(torch.tensor(_run(trainer, train_data.groups(train_data.items(2), 2)))).all()

@@ -1,0 +1,42 @@
+"""Seeded stand-ins for cached batches, shaped like the tiny model's cache at 64 px, for in-process trainer tests.
+
+They go through the same row format as the Ray feed (``batching.stack_batch`` -> ``step.from_item``), so the
+trainer sees exactly what a worker sees; only the tensor values are drawn here instead of read from a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayflux import config
+from rayflux.train import batching, step
+
+LATENT = (4, 8, 8)  # tiny VAE latents of a 64x64 image
+T5 = (512, 32)  # the tiny model is guidance-distilled, so 512 T5 tokens
+CLIP = 32
+
+
+def items(n: int, batch_size: int = 2, seed: int = 0) -> list[dict]:
+    """``n`` planned-batch rows with seeded tensors and per-batch noise seeds."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        lat = [torch.randn(LATENT, generator=g).numpy() for _ in range(batch_size)]
+        t5 = [torch.randn(T5, generator=g).numpy() for _ in range(batch_size)]
+        clip = [torch.randn(CLIP, generator=g).numpy() for _ in range(batch_size)]
+        plan = {"epoch": 0, "index": i, "seed": 1000 + i, "step": i + 1, "total_steps": n, "bucket": "64x64"}
+        out.append(batching.stack_batch(plan, 0, [f"sample-{i}-{j}" for j in range(batch_size)], lat, t5, clip))
+    return out
+
+
+def empty_caption(seed: int = 99) -> step.EmptyCaption:
+    g = torch.Generator().manual_seed(seed)
+    return step.EmptyCaption(torch.randn(T5, generator=g), torch.randn(CLIP, generator=g))
+
+
+def job(tiny_model, *overrides: str) -> config.JobConfig:
+    return config.load(None, [f"model.path={tiny_model}", *overrides])
+
+
+def groups(rows: list[dict], size: int) -> list[list[step.Batch]]:
+    return [[step.from_item(r) for r in rows[i : i + size]] for i in range(0, len(rows), size)]
