@@ -22,6 +22,17 @@ def noise_seed(sample_id: str) -> int:
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def match_threads_to_reservation() -> None:
+    """Run torch on as many threads as CPUs this actor reserved: an actor on 1 CPU that spins up a thread per core
+    fights its neighbours, and two such actors run no faster than one."""
+    import ray
+    import torch
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+    if cpus >= 1:
+        torch.set_num_threads(int(cpus))
+
+
 class VaeEncoder:
     """Encode prepared pixels to FLUX latents, ``(z - shift_factor) * scaling_factor``, one row per sample.
 
@@ -32,6 +43,7 @@ class VaeEncoder:
     """
 
     def __init__(self, model: ModelConfig, store_dtype: str, encode_id: str):
+        match_threads_to_reservation()
         self.model = model
         self.store_dtype = store_dtype
         self.encode_id = encode_id
@@ -95,6 +107,7 @@ class TextEncoder:
 
         from rayflux import models
 
+        match_threads_to_reservation()
         self.device = models.default_device()
         dtype = models.torch_dtype(model.dtype, self.device)
         self.clip_tok, self.clip, self.t5_tok, self.t5 = models.load_text_encoders(model, self.device, dtype)
