@@ -28,6 +28,8 @@ def match_threads_to_reservation() -> None:
     import ray
     import torch
 
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return  # used directly in a driver (tests, benchmarks): leave torch's threads alone
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
     if cpus >= 1:
         torch.set_num_threads(int(cpus))
