@@ -41,7 +41,7 @@ def main() -> int:
     from rayflux.testing.tiny import TinySpec, write_tiny_model
     from rayflux.train import batching, lora
     from rayflux.train import step as train_step
-    from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
+    from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset, planned_rows
 
     work = Path(tempfile.mkdtemp(prefix="bench-feed-"))
     # A transformer wide enough that a step costs what a small real one would on CPU, not microseconds.
@@ -81,7 +81,7 @@ def main() -> int:
             loss.backward()
             opt.step()
 
-        in_memory = list(iterator().iter_rows())
+        in_memory = list(planned_rows(iterator(), args.prefetch))
         step(in_memory[0])  # warm-up: first-call allocations are not what either side measures
         t0 = time.perf_counter()
         for item in in_memory:
@@ -91,11 +91,10 @@ def main() -> int:
         t0 = time.perf_counter()
         first_wait = None
         n = 0
-        batches = iterator().iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=args.prefetch)
-        for batch in batches:
+        for item in planned_rows(iterator(), args.prefetch):  # the training loop's own iteration
             if first_wait is None:
                 first_wait = time.perf_counter() - t0  # pipeline start-up, paid once per trainer run
-            step({k: v[0] for k, v in batch.items()})
+            step(item)
             n += 1
         t_feed = time.perf_counter() - t0
     finally:

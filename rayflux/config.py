@@ -171,6 +171,9 @@ class TrainConfig:
     """Samples per batch on each worker. A batch always holds one bucket."""
     gradient_accumulation: int = 1
     """Batches per optimizer step on each worker."""
+    prefetch_batches: int = 2
+    """Planned batches each worker's feed reads ahead of the step it is training (0: none). Reading ahead lets the
+    Parquet reads and stacking of the next batches overlap the current step; each costs one batch of host memory."""
     learning_rate: float = 1e-4
     """AdamW learning rate (the peak, after warmup)."""
     weight_decay: float = 0.0
@@ -455,7 +458,8 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
     if cfg.data.alignment < 0:
         raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
-    for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm"):
+    for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm",
+                "prefetch_batches"):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0")
     for key in ("lora_dropout", "caption_dropout"):

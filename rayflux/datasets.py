@@ -50,6 +50,11 @@ def _check(ds: DatasetConfig, label) -> None:
         raise ConfigError(f"{label('name')} {ds.name!r} may only hold letters, digits, '.', '_' and '-'")
 
 
+def images_key(data: DataConfig, index: int) -> str:
+    """The config key that set the ``images_dir`` of dataset ``index`` of :func:`datasets_of`, for messages."""
+    return f"data.datasets[{index}].images_dir" if data.datasets else "data.images_dir"
+
+
 def datasets_of(data: DataConfig) -> list[DatasetConfig]:
     """The job's datasets, each complete and checked. Raises ConfigError naming the offending key."""
     shared = {name: getattr(data, name) for name in _DATASET_FIELDS}

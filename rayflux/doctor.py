@@ -57,11 +57,11 @@ def _model_geometry(cfg: config.JobConfig, report: Report):
         return SimpleNamespace(vae_scale_factor=v, latent_channels=c, alignment=2 * v)
 
 
-def _check_paths(cfg: config.JobConfig, ds: config.DatasetConfig, report: Report) -> None:
+def _check_paths(cfg: config.JobConfig, ds: config.DatasetConfig, images_key: str, report: Report) -> None:
     output = cfg.run.output_dir if storage.is_uri(cfg.run.output_dir) else os.path.abspath(cfg.run.output_dir)
     cache = cfg.cache.dir or storage.join(output, "cache")
     try:
-        paths.check_disjoint(ds.images_dir, **{"cache.dir": cache, "run.output_dir": output})
+        paths.check_disjoint(ds.images_dir, images_key, **{"cache.dir": cache, "run.output_dir": output})
     except paths.PathOverlapError as exc:
         report.problems.append(f"dataset {datasets.label(ds)}: {exc}")
 
@@ -77,9 +77,9 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
     vae_scale, channels = facts.vae_scale_factor, facts.latent_channels
     prefix = datasets.prefixes_paths(cfg.data)
     pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1))  # decoding releases the GIL
-    for ds in datasets.datasets_of(cfg.data):
+    for i, ds in enumerate(datasets.datasets_of(cfg.data)):
         name = datasets.label(ds)
-        _check_paths(cfg, ds, report)
+        _check_paths(cfg, ds, datasets.images_key(cfg.data, i), report)
         try:
             found = discover_dataset(ds, cfg.cache.seed, key=datasets.key(cfg.data, ds), prefix=prefix)
         except (FileNotFoundError, CaptionError, OSError) as exc:

@@ -126,12 +126,12 @@ def run_identity(cfg: JobConfig) -> str:
     import json
 
     d = cfg.to_dict()
-    # Resources, run length, and what is written beside the weights (checkpoint cadence, validation, file format)
+    # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation, file format)
     # may change between reruns without changing what is being trained.
     for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
                 "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
                 "validation_inference_steps", "validation_guidance",
-                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds"):  # fmt: skip
+                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "prefetch_batches"):  # fmt: skip
         d["train"].pop(key, None)
     ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
     ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
@@ -219,8 +219,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
     # Refuse overlapping directories before any Ray work or any write.
-    for ds in datasets.datasets_of(cfg.data):
-        paths.check_disjoint(ds.images_dir, **{"cache.dir": cache_root, "run.output_dir": output})
+    for i, ds in enumerate(datasets.datasets_of(cfg.data)):
+        key = datasets.images_key(cfg.data, i)
+        paths.check_disjoint(ds.images_dir, key, **{"cache.dir": cache_root, "run.output_dir": output})
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
     ledger = Ledger(output, run_identity(cfg))

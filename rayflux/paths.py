@@ -54,11 +54,11 @@ def overlap(a: str, b: str) -> str:
 _HOW = {"same": "is the same directory as", "inside": "lies inside", "contains": "contains"}
 
 
-def check_disjoint(images_dir: str, **others: str) -> None:
+def check_disjoint(images_dir: str, images_key: str = "data.images_dir", **others: str) -> None:
     """Raise PathOverlapError if any of ``others`` equals, lies inside, or contains ``images_dir``.
 
-    ``others`` maps a config key (``cache.dir``) to its path. Empty paths are ignored. The message names both
-    paths as given and as resolved.
+    ``others`` maps a config key (``cache.dir``) to its path, and ``images_key`` is the key ``images_dir`` came from.
+    Empty paths are ignored. The message names both keys and both paths, as given and as resolved.
     """
     img = canonical(images_dir)
     for label, other in others.items():
@@ -68,6 +68,6 @@ def check_disjoint(images_dir: str, **others: str) -> None:
         how = overlap(resolved, img)
         if how:
             raise PathOverlapError(
-                f"{label} {other!r} {_HOW[how]} data.images_dir {images_dir!r} (resolved: {resolved} vs {img}); "
+                f"{label} {other!r} {_HOW[how]} {images_key} {images_dir!r} (resolved: {resolved} vs {img}); "
                 "choose a separate directory so that cache or run files can never touch training images"
             )

@@ -42,6 +42,29 @@ def demo_images() -> Path:
 
 _DASHBOARD: dict = {}
 
+# Modules that start Ray clusters of their own (``ray start`` heads, ``ray.cluster_utils.Cluster``, the autoscaler's
+# fake provider). They run after every other test, with the session Ray already stopped: a driver connected to one
+# local Ray while other Rays start and stop on the same machine has been seen to lose its GCS and exit the whole
+# test process, and these tests never need the session Ray.
+_OWN_CLUSTER_PREFIX = "test_cluster_"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the own-cluster modules last (stable: collection order is kept within each group)."""
+    items.sort(key=lambda item: Path(str(item.fspath)).name.startswith(_OWN_CLUSTER_PREFIX))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_session_ray_beside_own_clusters(request):
+    """Stop the session Ray (if this process started it) before a module that runs clusters of its own. Module
+    scope and autouse: it runs before the module's own fixtures start any cluster."""
+    if Path(request.module.__file__).name.startswith(_OWN_CLUSTER_PREFIX):
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    yield
+
 
 @pytest.fixture(scope="session")
 def ray_dashboard(ray_session) -> str:

@@ -105,3 +105,18 @@ def test_the_job_refuses_before_any_ray_work(tmp_path, tiny_model):
     assert f"cache.dir '{images}/cache' lies inside data.images_dir '{images}/'" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images"]  # no cache dir, no run dir
     assert list(images.iterdir()) == []
+
+
+def test_a_listed_dataset_is_named_by_its_own_key(tmp_path, tiny_model):
+    """With ``data.datasets``, the refusal names the entry whose folder overlaps, not ``data.images_dir``."""
+    from rayflux import config, job
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    cfg = config.load(None, [f"model.path={tiny_model}", f"run.output_dir={tmp_path / 'run'}",
+                             f"cache.dir={second / 'cache'}",
+                             f"data.datasets=[{{images_dir: {first}}}, {{images_dir: {second}}}]"])  # fmt: skip
+    with pytest.raises(PathOverlapError, match=r"lies inside data\.datasets\[1\]\.images_dir"):
+        job.run(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -84,3 +84,14 @@ def index_dataset(refs: list[batching.SampleRef]):
     import ray.data
 
     return ray.data.from_items([dataclasses.asdict(r) for r in refs])
+
+
+def planned_rows(shard, prefetch_batches: int):
+    """Iterate a rank's shard one planned batch (one row) at a time, reading ``prefetch_batches`` blocks ahead.
+
+    ``iter_rows`` always reads one block ahead; ``iter_batches(batch_size=None)`` yields whole blocks (each holds the
+    rows of one or more planned batches, in plan order) and takes the read-ahead depth, so the Parquet reads of the
+    next batches overlap the current step.
+    """
+    for block in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch_batches):
+        yield from block.to_pylist()

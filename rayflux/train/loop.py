@@ -22,7 +22,7 @@ from rayflux import config as config_mod
 from rayflux import memory
 from rayflux.train import captions, checkpoint, elastic, metrics, optim, step, validation
 from rayflux.train.checkpoint import METRICS_FILE, Progress
-from rayflux.train.feed import DATASET
+from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
 
-    rows = iter(ray.train.get_dataset_shard(DATASET).iter_rows())
+    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_batches))
     first = next(rows)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
     empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
 
