@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the training step")
+    ap.add_argument("--batches-per-read", type=int, default=4, help="planned batches per Ray Data read task")
     args = ap.parse_args()
 
     import ray
@@ -60,7 +61,7 @@ def main() -> int:
         facts = models.model_facts(cfg.model)
         manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, False)
         refs = batching.index_samples(generations.sample_files(manifest))
-        feed = PlannedDataConfig(1, 0, (0, 1), 1)
+        feed = PlannedDataConfig(1, 0, (0, 1), 1, batches_per_read=args.batches_per_read)
 
         def iterator():
             return feed.configure({DATASET: index_dataset(refs)}, 1, None, None)[0][DATASET]
@@ -105,6 +106,7 @@ def main() -> int:
         "resolution": args.resolution,
         "prefetch_batches": args.prefetch,
         "torch_threads": args.threads,
+        "batches_per_read": args.batches_per_read,
         "in_memory_steps_per_s": round(n / t_mem, 3),
         "ray_data_steps_per_s": round(n / t_feed, 3),
         "efficiency_feed_over_memory": round(t_mem / t_feed, 3),

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
+
+from pipeline_support import render
 
 from rayflux import job
 from rayflux.cache import generations
@@ -83,16 +84,6 @@ def test_lora_loads_into_diffusers_and_changes_output(finished_run, tiny_model):
     summary, _ = finished_run
     lora = Path(summary.lora_path)
     assert lora.name == "pytorch_lora_weights.safetensors" and lora.is_file()
-
-    def render(pipe):
-        return pipe(
-            "a red circle on a blue background",
-            height=64,
-            width=64,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(0),
-            output_type="np",
-        ).images[0]
 
     pipe = FluxPipeline.from_pretrained(tiny_model)
     base = render(pipe)

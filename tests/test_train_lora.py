@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline_support import render
+
 from rayflux.train import kohya, lora
 
 # Everything kohya can name, except a single block's q/k/v/mlp: diffusers 0.42 splits a kohya ``linear1`` with
@@ -29,17 +31,6 @@ def _randomise(transformer, seed: int) -> None:
         for name, p in transformer.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-
-def _render(pipe):
-    return pipe(
-        "a red circle on a blue background",
-        height=64,
-        width=64,
-        num_inference_steps=2,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-    ).images[0]
 
 
 def test_presets_stay_inside_the_blocks(tiny_model):
@@ -74,10 +65,10 @@ def test_diffusers_and_kohya_files_give_the_same_images(tiny_model, tmp_path):
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(tiny_model)
-    base = _render(pipe)
+    base = render(pipe)
     lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE)  # alpha != rank: the scale must travel
     _randomise(pipe.transformer, 1)
-    trained = _render(pipe)
+    trained = render(pipe)
     assert np.abs(trained - base).max() > 0.05
     lora.save_diffusers(pipe.transformer, tmp_path)
     kohya.save(pipe.transformer, tmp_path, lora.scale(pipe.transformer))
@@ -93,7 +84,7 @@ def test_diffusers_and_kohya_files_give_the_same_images(tiny_model, tmp_path):
     for name in (lora.WEIGHT_NAME, kohya.KOHYA_NAME):
         fresh = FluxPipeline.from_pretrained(tiny_model)
         fresh.load_lora_weights(str(tmp_path), weight_name=name)
-        images[name] = _render(fresh)
+        images[name] = render(fresh)
     np.testing.assert_allclose(images[lora.WEIGHT_NAME], images[kohya.KOHYA_NAME], atol=1e-5)
     np.testing.assert_allclose(images[lora.WEIGHT_NAME], trained, atol=1e-5)
 

@@ -38,6 +38,7 @@ class PlannedDataConfig(DataConfig):
         total_epochs: int,
         accumulation: int = 1,
         read_cpus: float = 0.25,
+        batches_per_read: int = 4,
     ):
         super().__init__(datasets_to_split=[])
         self.batch_size = batch_size
@@ -46,6 +47,7 @@ class PlannedDataConfig(DataConfig):
         self.total_epochs = total_epochs
         self.accumulation = accumulation
         self.read_cpus = read_cpus
+        self.batches_per_read = batches_per_read
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         import ray.data
@@ -67,14 +69,24 @@ class PlannedDataConfig(DataConfig):
                 )
         output = []
         for mine in per_rank:
-            ds = ray.data.from_items(mine, override_num_blocks=max(1, min(len(mine), 1000)))
-            ds = ds.map(batching.load_batch, num_cpus=self.read_cpus)
+            # One read task per `batches_per_read` consecutive planned batches: fewer, larger tasks cost the
+            # consuming worker less scheduling per step (its executor runs beside the training step).
+            reads = max(1, min(-(-len(mine) // self.batches_per_read), 1000))
+            ds = ray.data.from_items(mine, override_num_blocks=reads)
+            ds = ds.map_batches(_load_batches, batch_size=None, batch_format="pyarrow", num_cpus=self.read_cpus)
             options = copy.deepcopy(ds.context.execution_options)
             options.preserve_order = True  # a rank's batches arrive in plan order
             ds.context.execution_options = options
             ds.context.enable_progress_bars = False  # the training bar (rayflux.progress) is the stage's one line
             output.append({DATASET: ds.iterator()})
         return output
+
+
+def _load_batches(block):
+    """Ray Data ``map_batches`` over a block of planned batches: one stacked training row per planned batch."""
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([batching.load_batch(item) for item in block.to_pylist()])
 
 
 def index_dataset(refs: list[batching.SampleRef]):
