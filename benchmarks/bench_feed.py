@@ -1,6 +1,6 @@
 """Data-feed efficiency: training steps/s fed by Ray Data from cached shards ÷ the same steps from memory.
 
-    python benchmarks/bench_feed.py [--steps 24] [--resolution 512]
+    python benchmarks/bench_feed.py [--steps 64] [--resolution 512] [--batches-per-read 1,8] [--rounds 3]
 
 Both sides run the same LoRA step function on the same planned batches in the same order, in one process, one
 after the other; the only difference is where each batch comes from. The Ray Data side uses the exact feed the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import sys
 import tempfile
@@ -23,11 +24,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--resolution", type=int, default=512)
-    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=2, help="reads kept ahead (train.prefetch_reads)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the training step")
-    ap.add_argument("--batches-per-read", type=int, default=4, help="planned batches per Ray Data read task")
+    ap.add_argument("--batches-per-read", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8],
+                    help="planned batches per read (train.batches_per_read); a comma list compares several")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides; medians reported")
     args = ap.parse_args()
 
     import ray
@@ -61,9 +64,8 @@ def main() -> int:
         facts = models.model_facts(cfg.model)
         manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, False)
         refs = batching.index_samples(generations.sample_files(manifest))
-        feed = PlannedDataConfig(1, 0, (0, 1), 1, batches_per_read=args.batches_per_read)
-
-        def iterator():
+        def iterator(per_read: int):
+            feed = PlannedDataConfig(1, 0, (0, 1), 1, batches_per_read=per_read)
             return feed.configure({DATASET: index_dataset(refs)}, 1, None, None)[0][DATASET]
 
         # A Ray Train worker on 0.5-1 CPU runs torch with one thread; so does this loop, leaving the other core to
@@ -82,37 +84,59 @@ def main() -> int:
             loss.backward()
             opt.step()
 
-        in_memory = list(planned_rows(iterator(), args.prefetch))
+        in_memory = list(planned_rows(iterator(1), args.prefetch))
         step(in_memory[0])  # warm-up: first-call allocations are not what either side measures
-        t0 = time.perf_counter()
-        for item in in_memory:
-            step(item)
-        t_mem = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        first_wait = None
-        n = 0
-        for item in planned_rows(iterator(), args.prefetch):  # the training loop's own iteration
-            if first_wait is None:
-                first_wait = time.perf_counter() - t0  # pipeline start-up, paid once per trainer run
-            step(item)
-            n += 1
-        t_feed = time.perf_counter() - t0
+        def memory_pass() -> float:
+            t0 = time.perf_counter()
+            for item in in_memory:
+                step(item)
+            return time.perf_counter() - t0
+
+        def feed_pass(per_read: int) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            first_wait, n = None, 0
+            for item in planned_rows(iterator(per_read), args.prefetch):  # the training loop's own iteration
+                if first_wait is None:
+                    first_wait = time.perf_counter() - t0  # pipeline start-up, paid once per trainer run
+                step(item)
+                n += 1
+            assert n == len(in_memory)
+            return time.perf_counter() - t0, first_wait
+
+        # Rounds alternate the two sides, so a slow minute of a shared machine hits both; medians are reported.
+        rounds: list[dict] = []
+        for _ in range(args.rounds):
+            t_mem = memory_pass()
+            row = {"in_memory_steps_per_s": len(in_memory) / t_mem}
+            for per_read in args.batches_per_read:
+                t_feed, first_wait = feed_pass(per_read)
+                row[per_read] = (t_mem / t_feed, t_mem / (t_feed - first_wait), first_wait)
+            rounds.append(row)
     finally:
         ray.shutdown()
-    assert n == len(in_memory)
+
+    def median(values):
+        return round(statistics.median(values), 3)
+
     result = {
-        "steps": n,
+        "steps": len(in_memory),
         "resolution": args.resolution,
-        "prefetch_batches": args.prefetch,
+        "prefetch_reads": args.prefetch,
         "torch_threads": args.threads,
-        "batches_per_read": args.batches_per_read,
-        "in_memory_steps_per_s": round(n / t_mem, 3),
-        "ray_data_steps_per_s": round(n / t_feed, 3),
-        "efficiency_feed_over_memory": round(t_mem / t_feed, 3),
-        "first_batch_wait_s": round(first_wait, 3),
-        "steady_state_efficiency": round(t_mem / (t_feed - first_wait), 3),
-    }
+        "rounds": args.rounds,
+        "in_memory_steps_per_s": median([r["in_memory_steps_per_s"] for r in rounds]),
+        "by_batches_per_read": {
+            per_read: {
+                "efficiency_feed_over_memory": median([r[per_read][0] for r in rounds]),
+                "efficiency_range": [round(min(r[per_read][0] for r in rounds), 3),
+                                     round(max(r[per_read][0] for r in rounds), 3)],
+                "steady_state_efficiency": median([r[per_read][1] for r in rounds]),
+                "first_batch_wait_s": median([r[per_read][2] for r in rounds]),
+            }
+            for per_read in args.batches_per_read
+        },
+    }  # fmt: skip
     print(json.dumps(result, indent=1))
     return 0
 

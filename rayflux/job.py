@@ -131,7 +131,8 @@ def run_identity(cfg: JobConfig) -> str:
     for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
                 "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
                 "validation_inference_steps", "validation_guidance",
-                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "prefetch_batches"):  # fmt: skip
+                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
+                "prefetch_reads"):  # fmt: skip
         d["train"].pop(key, None)
     ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
     ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}

@@ -31,8 +31,9 @@ def match_threads_to_reservation() -> None:
     if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
         return  # used directly in a driver (tests, benchmarks): leave torch's threads alone
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
-    if cpus >= 1:
-        torch.set_num_threads(int(cpus))
+    if cpus > 0:
+        # A fractional reservation (0.75 CPU leaves room beside two actors on a 2-core node) still gets one thread.
+        torch.set_num_threads(max(1, round(cpus)))
 
 
 class VaeEncoder:

@@ -133,7 +133,6 @@ def _collect(ds, strict: bool) -> list[dict]:
 def _build_text(b: _Build, captions: list[str]) -> list[dict]:
     """Encode captions no earlier generation holds; copy the rest. Returns the text shards' metadata rows."""
     import ray.data
-    from ray.data import ActorPoolStrategy
 
     c = b.cfg.cache
     out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text")}
@@ -152,7 +151,7 @@ def _build_text(b: _Build, captions: list[str]) -> list[dict]:
                 "encode_id": b.encode_id,
             },
             batch_size=c.text_batch_size,
-            compute=ActorPoolStrategy(min_size=1, max_size=c.text_actors),
+            compute=_pool(c.text_actors),
             **b.resources,
         )
         ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=0.25)
@@ -168,7 +167,6 @@ def _build_text(b: _Build, captions: list[str]) -> list[dict]:
 def _build_samples(b: _Build, discovery: Discovery, text_files: tuple[str, ...]) -> list[dict]:
     """Prepare, encode (or copy) and write every discovered image. Returns the sample shards' metadata rows."""
     import ray.data
-    from ray.data import ActorPoolStrategy
 
     c = b.cfg.cache
     items = [{**dataclasses.asdict(s), "caption_id": caption_id(s.caption)} for s in discovery.sources]
@@ -189,7 +187,7 @@ def _build_samples(b: _Build, discovery: Discovery, text_files: tuple[str, ...])
         VaeEncoder,
         fn_constructor_kwargs={"model": b.cfg.model, "store_dtype": c.dtype, "encode_id": b.encode_id},
         batch_size=c.batch_size,
-        compute=ActorPoolStrategy(min_size=1, max_size=c.vae_actors),
+        compute=_pool(c.vae_actors),
         **b.resources,
     )
     ds = ds.map_batches(
@@ -206,6 +204,15 @@ def _build_samples(b: _Build, discovery: Discovery, text_files: tuple[str, ...])
     )
     ds.set_name(f"cache-images-g{b.generation}")  # what the stage's progress bar is called
     return _collect(ds, strict=c.strict)
+
+
+def _pool(size: int):
+    """An encoder pool that asks for all ``size`` actors at once and may shrink to one when idle. Ray Data's default
+    start of one actor grows the pool only once a backlog builds, which on a short stage never happens, so a
+    second actor would sit unused."""
+    from ray.data import ActorPoolStrategy
+
+    return ActorPoolStrategy(min_size=1, max_size=size, initial_size=size)
 
 
 def _prepare_in_dataset(row: dict, specs: dict, **kwargs) -> dict:

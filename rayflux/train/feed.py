@@ -38,7 +38,7 @@ class PlannedDataConfig(DataConfig):
         total_epochs: int,
         accumulation: int = 1,
         read_cpus: float = 0.25,
-        batches_per_read: int = 4,
+        batches_per_read: int = 8,
     ):
         super().__init__(datasets_to_split=[])
         self.batch_size = batch_size
@@ -98,12 +98,12 @@ def index_dataset(refs: list[batching.SampleRef]):
     return ray.data.from_items([dataclasses.asdict(r) for r in refs])
 
 
-def planned_rows(shard, prefetch_batches: int):
-    """Iterate a rank's shard one planned batch (one row) at a time, reading ``prefetch_batches`` blocks ahead.
+def planned_rows(shard, prefetch_reads: int):
+    """Iterate a rank's shard one planned batch (one row) at a time, keeping ``prefetch_reads`` reads ahead.
 
-    ``iter_rows`` always reads one block ahead; ``iter_batches(batch_size=None)`` yields whole blocks (each holds the
-    rows of one or more planned batches, in plan order) and takes the read-ahead depth, so the Parquet reads of the
+    ``iter_rows`` always reads one block ahead; ``iter_batches(batch_size=None)`` yields whole blocks (each the rows
+    of one read task's planned batches, in plan order) and takes the read-ahead depth, so the Parquet reads of the
     next batches overlap the current step.
     """
-    for block in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch_batches):
+    for block in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch_reads):
         yield from block.to_pylist()

@@ -99,7 +99,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
 
-    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_batches))
+    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_reads))
     first = next(rows)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
     empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
 

@@ -122,6 +122,7 @@ def train(
             epochs or (0, cfg.train.epochs),
             cfg.train.epochs,
             cfg.train.gradient_accumulation,
+            batches_per_read=cfg.train.batches_per_read,
         ),
     )
     result = trainer.fit()
