@@ -57,8 +57,9 @@ def bare_loop(model_dir: str, image_paths: list[Path], resolution: int, threads:
     return time.perf_counter() - t0
 
 
-def cache_stage(model_dir: str, images_dir: str, out: str, resolution: int, vae_actors: int, actor_cpus: float,
-                ) -> float:  # fmt: skip
+def cache_stage(
+    model_dir: str, images_dir: str, out: str, resolution: int, vae_actors: int, actor_cpus: float
+) -> float:
     """Seconds for the rayflux cache stage (discover, prepare, encode, write, commit)."""
     from rayflux import config, models
     from rayflux.cache.stage import build_generation

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +64,7 @@ def main() -> int:
         facts = models.model_facts(cfg.model)
         manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, False)
         refs = batching.index_samples(generations.sample_files(manifest))
+
         def iterator(per_read: int):
             feed = PlannedDataConfig(1, 0, (0, 1), 1, batches_per_read=per_read)
             return feed.configure({DATASET: index_dataset(refs)}, 1, None, None)[0][DATASET]

@@ -126,8 +126,8 @@ def run_identity(cfg: JobConfig) -> str:
     import json
 
     d = cfg.to_dict()
-    # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation, file format)
-    # may change between reruns without changing what is being trained.
+    # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation,
+    # file format) may change between reruns without changing what is being trained.
     for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
                 "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
                 "validation_inference_steps", "validation_guidance",

@@ -16,6 +16,8 @@ from rayflux import config
         ("train.alpha=0", "train.alpha must be positive"),
         ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
         ("train.checkpoint_every=-2", "train.checkpoint_every must be >= 0"),
+        ("train.batches_per_read=0", "train.batches_per_read must be positive"),
+        ("train.prefetch_reads=-1", "train.prefetch_reads must be >= 0"),
         ("train.caption_dropout=1", r"train.caption_dropout must be in \[0, 1\)"),
         ("train.lora_dropout=-0.1", r"train.lora_dropout must be in \[0, 1\)"),
         ("train.guidance_max=0.5", "train.guidance_max must be 0"),
