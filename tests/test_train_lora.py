@@ -89,6 +89,41 @@ def test_diffusers_and_kohya_files_give_the_same_images(tiny_model, tmp_path):
     np.testing.assert_allclose(images[lora.WEIGHT_NAME], trained, atol=1e-5)
 
 
+def _strip_metadata(path) -> None:
+    """Rewrite a safetensors file with no metadata at all, as some tools and hubs pass LoRAs around."""
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(str(path)), str(path))
+
+
+def test_diffusers_file_keeps_its_strength_without_metadata(tiny_model, tmp_path):
+    """alpha != rank: a loader that finds no adapter metadata (strength 1) still renders the trained model."""
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_model)
+    lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE)
+    _randomise(pipe.transformer, 4)
+    trained = render(pipe)
+    path = lora.save_diffusers(pipe.transformer, tmp_path)
+    _strip_metadata(path)
+    fresh = FluxPipeline.from_pretrained(tiny_model)
+    fresh.load_lora_weights(str(tmp_path), weight_name=lora.WEIGHT_NAME)
+    np.testing.assert_allclose(render(fresh), trained, atol=1e-5)
+
+
+def test_resume_restores_the_trained_update_from_a_baked_file(tiny_model, tmp_path):
+    source = _transformer(tiny_model)
+    lora.add_lora(source, rank=4, alpha=2.0, targets="attention")
+    _randomise(source, 5)
+    path = lora.save_diffusers(source, tmp_path)
+    target = _transformer(tiny_model)
+    lora.add_lora(target, rank=4, alpha=2.0, targets="attention")
+    lora.load_into(target, path)
+    want, got = lora.delta_weights(source), lora.delta_weights(target)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
 def test_fused_kohya_layers_hold_each_parts_update(tiny_model):
     """``up @ down`` of a fused kohya layer equals its diffusers parts' ``scale * B @ A`` stacked in order."""
     t = _transformer(tiny_model)

@@ -7,6 +7,7 @@ An explicit list keeps peft's rule (a name matches itself or any module ending i
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -23,6 +24,8 @@ PRESETS = {
 BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 ADAPTER = "default"
+METADATA_KEY = "lora_adapter_metadata"
+"""Where diffusers keeps the peft config in a LoRA file's safetensors metadata."""
 
 
 def _matches(name: str, suffix: str) -> bool:
@@ -84,17 +87,31 @@ def scale(transformer) -> float:
 def save_diffusers(transformer, directory: str | Path) -> Path:
     """Write ``pytorch_lora_weights.safetensors`` with ``transformer.*`` keys via ``FluxPipeline.save_lora_weights``.
 
-    The peft config travels in the file's metadata: without it, loaders assume ``alpha == rank`` and a LoRA trained
-    with any other alpha would load at the wrong strength.
+    ``alpha / rank`` is baked into every ``lora_B`` and the metadata says ``lora_alpha == r``: a loader that reads the
+    peft metadata, one that finds none (stripped, or a ComfyUI-style loader that defaults to strength 1) and one
+    that assumes ``alpha == rank`` all load the trained strength. (diffusers refuses a file with both ``.alpha``
+    tensors and adapter metadata, so per-module alpha tensors are no option.) :func:`load_into` undoes the baking.
     """
     from diffusers import FluxPipeline
 
     config = transformer.peft_config[ADAPTER].to_dict()
     config["target_modules"] = sorted(config["target_modules"])  # a set in peft; metadata must be JSON
-    FluxPipeline.save_lora_weights(
-        str(directory), transformer_lora_layers=lora_state_dict(transformer), transformer_lora_adapter_metadata=config
-    )
+    config["lora_alpha"] = config["r"]
+    factor = scale(transformer)
+    state = {k: (v * factor if ".lora_B." in k else v) for k, v in lora_state_dict(transformer).items()}
+    FluxPipeline.save_lora_weights(str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=config)
     return Path(directory) / WEIGHT_NAME
+
+
+def file_scale(path: str | Path) -> float:
+    """The strength a diffusers-format file's tensors are meant at: metadata ``lora_alpha / r``, else 1."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    adapter = json.loads(meta.get(METADATA_KEY, "{}"))  # diffusers prefixes every field with "transformer."
+    alpha, r = adapter.get("transformer.lora_alpha"), adapter.get("transformer.r")
+    return alpha / r if alpha and r else 1.0
 
 
 def _set(transformer, state: dict, source: str) -> None:
@@ -110,10 +127,16 @@ def _set(transformer, state: dict, source: str) -> None:
 
 
 def load_into(transformer, path: str | Path) -> None:
-    """Restore a file written by :func:`save_diffusers` into the same adapter (checkpoint resume)."""
+    """Restore a file written by :func:`save_diffusers` into the same adapter (checkpoint resume).
+
+    The file's strength (baked, or a pre-baking file's own alpha/rank) is rescaled to this adapter's ``alpha / rank``.
+    """
     from safetensors.torch import load_file
 
-    state = {k.removeprefix("transformer."): v for k, v in load_file(str(path)).items()}
+    factor = file_scale(path) / scale(transformer)
+    state = {
+        k.removeprefix("transformer."): (v * factor if ".lora_B." in k else v) for k, v in load_file(str(path)).items()
+    }
     _set(transformer, state, str(path))
 
 
