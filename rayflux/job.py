@@ -11,7 +11,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -214,7 +213,8 @@ class _Stages:
 
 def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
-    from rayflux.train.checkpoint import lora_file
+    from rayflux.cache import generations
+    from rayflux.train import lora_files
     from rayflux.train.stage import train
 
     images, cache_root, output = resolve_dirs(cfg)
@@ -271,8 +271,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
                 # fit() returned: every worker has finished every epoch that read this generation.
                 stages.retire(seg.generation)
 
-    lora_name = lora_file(cfg.train.output_format)
-    lora_dest = storage.join(output, "lora", lora_name)
+    lora_dest = storage.join(output, lora_files.LORA_DIR, lora_files.final_name(cfg))
     # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
     summary.validation_dir = storage.join(output, "validation") if cfg.train.validation_prompts else ""
     summary.tensorboard_dir = storage.join(output, "tensorboard")
@@ -280,7 +279,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
         summary.checkpoint = result.checkpoint_path
         entry = ledger.start("export", result.checkpoint_path)
-        summary.lora_path = export_lora(result.checkpoint_dir, storage.join(output, "lora"), lora_name)
+        summary.lora_path = lora_files.export_final(
+            result.checkpoint_dir, cfg, output, generations.text_files(manifest)
+        )
         ledger.finish(entry, lora=summary.lora_path)
     else:
         summary.lora_path = lora_dest
@@ -325,19 +326,3 @@ def _ray_logs_dir() -> str:
         return ray._private.worker.global_worker.node.get_logs_dir_path()
     except Exception:  # noqa: BLE001
         return ""
-
-
-def export_lora(checkpoint_dir: str, lora_dir: str, weight_name: str = "") -> str:
-    """Copy the final checkpoint's LoRA file (diffusers format unless named) into ``<output_dir>/lora``."""
-    from rayflux.train.lora import WEIGHT_NAME
-
-    dest = storage.join(lora_dir, weight_name or WEIGHT_NAME)
-    src = os.path.join(checkpoint_dir, weight_name or WEIGHT_NAME)
-    if storage.is_uri(dest):
-        with open(src, "rb") as f:
-            storage.write_bytes_atomic(dest, f.read())
-    else:
-        os.makedirs(lora_dir, exist_ok=True)
-        shutil.copyfile(src, dest + ".tmp")
-        os.replace(dest + ".tmp", dest)
-    return dest

@@ -6,7 +6,8 @@ import torch
 
 from pipeline_support import render
 
-from rayflux.train import kohya, lora
+from rayflux import config
+from rayflux.train import kohya, lora, lora_files
 
 # Everything kohya can name, except a single block's q/k/v/mlp: diffusers 0.42 splits a kohya ``linear1`` with
 # FLUX.1's real widths (3072, 12288) hard-coded, which the tiny model does not have. test_fused_kohya_layers_*
@@ -176,3 +177,41 @@ def test_init_refuses_a_lora_of_another_rank(tiny_model, tmp_path):
     lora.add_lora(target, rank=4, alpha=4.0, targets="attention")
     with pytest.raises(ValueError, match="train.rank"):
         lora.init_from_file(target, str(path))
+
+
+def test_kohya_step_file_is_named_and_carries_training_metadata(tiny_model, tmp_path):
+    """The exported kohya file keeps its tensors (strength included, alpha != rank) and gains sd-scripts' keys."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from diffusers import FluxPipeline
+    from safetensors import safe_open
+
+    pipe = FluxPipeline.from_pretrained(tiny_model)
+    lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE)
+    _randomise(pipe.transformer, 6)
+    trained = render(pipe)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    kohya.save(pipe.transformer, ckpt, lora.scale(pipe.transformer))
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"caption": ["ohwx, a dog, grass", "ohwx, a cat", None]}), text)
+    cfg = config.load(None, [f"model.path={tiny_model}", "train.output_format=kohya", "train.rank=4",
+                             "train.alpha=8", "train.output_name=my-lora", "train.epochs=3"])  # fmt: skip
+    path = lora_files.keep_step(str(ckpt), cfg, str(tmp_path / "run"), {"step": 500, "epoch": 1}, [str(text)])
+    assert path == str(tmp_path / "run" / "lora" / "my-lora-step00000500.safetensors")
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "8.0")
+    assert (meta["ss_steps"], meta["ss_epoch"], meta["ss_num_epochs"]) == ("500", "2", "3")
+    assert meta["ss_resolution"] == "(512, 512)" and meta["modelspec.resolution"] == "512x512"
+    assert json.loads(meta["ss_tag_frequency"]) == {"my-lora": {"ohwx": 2, "a dog": 1, "grass": 1, "a cat": 1}}
+    fresh = FluxPipeline.from_pretrained(tiny_model)
+    fresh.load_lora_weights(str(tmp_path / "run" / "lora"), weight_name="my-lora-step00000500.safetensors")
+    np.testing.assert_allclose(render(fresh), trained, atol=1e-5)
+
+
+def test_output_name_must_be_a_file_name():
+    with pytest.raises(config.ConfigError, match="output_name"):
+        config.load(None, ["train.output_name=a/b"])

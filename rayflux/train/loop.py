@@ -20,7 +20,7 @@ import torch
 
 from rayflux import config as config_mod
 from rayflux import memory
-from rayflux.train import captions, checkpoint, elastic, metrics, optim, step, validation
+from rayflux.train import captions, checkpoint, elastic, lora_files, metrics, optim, step, validation
 from rayflux.train.checkpoint import METRICS_FILE, Progress
 from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
@@ -128,6 +128,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             record.update(_worst_rank(memory.snapshot(start_rss), device, world))
             directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
             checkpoint.save(directory, trainer, rank, progress, t.output_format)
+            if rank == 0:
+                lora_files.keep_step(directory, cfg, run_dir, record, loop_config["text_files"])
             if board:
                 board.flush()
         ray.train.report(

@@ -1,0 +1,160 @@
+"""The LoRA files a run leaves for its users: one per checkpoint, the final one, and their training metadata.
+
+Every checkpoint's LoRA is also written as ``<output_dir>/lora/<name>-step00000500.safetensors`` in the chosen
+format, outside Ray Train's checkpoint directories, so pruning old checkpoints (``train.checkpoints_to_keep``) never
+removes them and users can pick the best step by eye, as with kohya's sd-scripts, SimpleTuner or ai-toolkit.
+
+kohya files carry sd-scripts' ``ss_*`` training metadata and the Stability ``modelspec.*`` keys, which LoRA browsers
+and ComfyUI managers show. The diffusers file keeps diffusers' own metadata (the peft config), which its loader reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from collections import Counter
+from functools import cache
+
+from rayflux import storage
+from rayflux.config import JobConfig
+from rayflux.train import kohya, lora
+
+log = logging.getLogger(__name__)
+
+LORA_DIR = "lora"
+MAX_TAGS = 1000
+"""Most frequent caption tags kept in ``ss_tag_frequency``: the metadata must stay small at a million captions."""
+
+
+def output_name(cfg: JobConfig) -> str:
+    """The stem of every exported LoRA file: ``train.output_name``, else ``run.name``."""
+    return cfg.train.output_name or cfg.run.name
+
+
+def final_name(cfg: JobConfig) -> str:
+    """The final LoRA's file name: ``<name>.safetensors`` for kohya; diffusers' default name, which
+    ``load_lora_weights(<dir>)`` finds without a ``weight_name``, for diffusers."""
+    return f"{output_name(cfg)}.safetensors" if cfg.train.output_format == "kohya" else lora.WEIGHT_NAME
+
+
+def step_name(cfg: JobConfig, step: int) -> str:
+    return f"{output_name(cfg)}-step{step:08d}.safetensors"
+
+
+def _checkpoint_file(cfg: JobConfig) -> str:
+    return kohya.KOHYA_NAME if cfg.train.output_format == "kohya" else lora.WEIGHT_NAME
+
+
+@cache
+def _architecture(model_path: str, revision: str) -> str:
+    """sd-scripts' architecture name: guidance-distilled FLUX.1 is ``dev``, the other ``schnell``."""
+    from rayflux.config import ModelConfig
+    from rayflux.models import model_facts
+
+    guided = model_facts(ModelConfig(path=model_path, revision=revision)).guidance_embeds
+    return "flux-1-dev" if guided else "flux-1-schnell"
+
+
+def caption_tags(caption: str) -> list[str]:
+    """A caption's tags as sd-scripts counts them: comma-separated, stripped, empty ones left out."""
+    return [t.strip() for t in caption.split(",") if t.strip()]
+
+
+@cache
+def tag_frequency(text_files: tuple[str, ...]) -> dict[str, int]:
+    """The ``MAX_TAGS`` most frequent tags over the cached captions (one read of the caption column per file)."""
+    import pyarrow.parquet as pq
+
+    counts: Counter = Counter()
+    for path in text_files:
+        fs, inner = storage.resolve(path)
+        for caption in pq.read_table(inner, columns=["caption"], filesystem=fs).column("caption").to_pylist():
+            counts.update(caption_tags(caption or ""))
+    return dict(counts.most_common(MAX_TAGS))
+
+
+def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) -> dict[str, str]:
+    """sd-scripts' ``ss_*`` keys and ``modelspec.*`` for a FLUX LoRA trained by ``cfg``, saved at ``step``."""
+    from rayflux import datasets
+    from rayflux.models import resolve_path
+
+    t, d = cfg.train, cfg.data
+    base = resolve_path(cfg.model)
+    arch = _architecture(cfg.model.path, cfg.model.revision)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    dirs = {datasets.label(ds): {"n_repeats": ds.repeats} for ds in datasets.datasets_of(d)}
+    res = f"{d.resolution}x{d.resolution}"
+    meta = {
+        "ss_output_name": output_name(cfg),
+        "ss_base_model_version": "flux1",
+        "ss_sd_model_name": os.path.basename(base.rstrip("/")) or base,
+        "ss_network_module": "networks.lora_flux",
+        "ss_network_dim": t.rank,
+        # The training alpha; the file's own alpha tensors equal their rank because alpha/rank is baked into up.
+        "ss_network_alpha": t.alpha,
+        "ss_network_dropout": t.lora_dropout,
+        "ss_training_comment": "alpha/rank is baked into lora_up; alpha tensors equal their rank (strength 1)",
+        "ss_resolution": f"({d.resolution}, {d.resolution})",
+        "ss_enable_bucket": True,
+        "ss_learning_rate": t.learning_rate,
+        "ss_unet_lr": t.learning_rate,
+        "ss_lr_scheduler": t.lr_scheduler,
+        "ss_lr_warmup_steps": t.warmup_steps,
+        "ss_optimizer": "torch.optim.AdamW",
+        "ss_max_grad_norm": t.max_grad_norm,
+        "ss_seed": t.seed,
+        "ss_gradient_accumulation_steps": t.gradient_accumulation,
+        "ss_gradient_checkpointing": t.gradient_checkpointing,
+        "ss_mixed_precision": t.mixed_precision,
+        "ss_caption_dropout_rate": t.caption_dropout,
+        "ss_cache_latents": True,
+        "ss_timestep_sampling": t.sigma_sampling,
+        "ss_guidance_scale": t.guidance,
+        "ss_num_epochs": t.epochs,
+        "ss_max_train_steps": t.max_steps,
+        "ss_steps": step,
+        "ss_epoch": epoch + 1,
+        "ss_dataset_dirs": json.dumps(dirs),
+        "ss_tag_frequency": json.dumps({output_name(cfg): tags}),
+        "ss_training_finished_at": now.timestamp(),
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": f"{arch}/lora",
+        "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+        "modelspec.title": f"{output_name(cfg)} (step {step})",
+        "modelspec.resolution": res,
+        "modelspec.date": now.date().isoformat(),
+    }
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+def _file_bytes(checkpoint_dir: str, cfg: JobConfig, step: int, epoch: int, text_files: tuple[str, ...]) -> bytes:
+    src = os.path.join(checkpoint_dir, _checkpoint_file(cfg))
+    if cfg.train.output_format != "kohya":
+        with open(src, "rb") as f:
+            return f.read()
+    from safetensors.torch import load_file, save
+
+    return save(load_file(src), metadata=kohya_metadata(cfg, step, epoch, tag_frequency(text_files)))
+
+
+def keep_step(checkpoint_dir: str, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
+    """Write the checkpoint's LoRA as ``<run_dir>/lora/<name>-step<step>.safetensors`` (rank 0, after a checkpoint
+    is written). Returns its path."""
+    step = int(record["step"])
+    dest = storage.join(run_dir, LORA_DIR, step_name(cfg, step))
+    data = _file_bytes(checkpoint_dir, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
+    storage.write_bytes_atomic(dest, data)
+    return dest
+
+
+def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, text_files=()) -> str:
+    """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``. Returns its path."""
+    with open(os.path.join(checkpoint_dir, "metrics.json")) as f:
+        saved = json.load(f)
+    last = saved["history"][-1] if saved["history"] else {}
+    dest = storage.join(output_dir, LORA_DIR, final_name(cfg))
+    data = _file_bytes(checkpoint_dir, cfg, int(saved["step"]), int(last.get("epoch", 0)), tuple(text_files))
+    storage.write_bytes_atomic(dest, data)
+    return dest
