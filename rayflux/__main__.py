@@ -1,33 +1,39 @@
-"""``python -m rayflux <command>``: tools around the job.
-
-- ``cache verify <cache_dir>``: check a cache generation's shards against its manifest and buckets.
-- ``data check <config.yaml>``: the dataset doctor; discovery, captions, buckets and path safety, no encoding.
-- ``cluster runtime-env <file>``: a runtime_env YAML as JSON for ``ray job submit``, with secrets from the environment.
-- ``cluster spot-guard``: on a worker node, drain it for Ray Train as soon as EC2 announces a spot reclaim.
-"""
+"""``rayflux <command>`` (the console script) or ``python -m rayflux <command>``: the job and the tools around it."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-# command words -> module with a ``main(argv) -> int``; imported lazily so one tool never pays for another's imports.
+# command words -> (module with a ``main(argv) -> int``, what it does); modules are imported lazily so that one tool
+# never pays for another's imports.
 COMMANDS = {
-    ("cache", "verify"): "rayflux.cache.verify",
-    ("data", "check"): "rayflux.doctor",
-    ("cluster", "runtime-env"): "rayflux.cluster.runtime_env",
-    ("cluster", "spot-guard"): "rayflux.cluster.spot_guard",
+    ("train",): ("rayflux.cli", "the training job, the same as python jobs/train_flux.py [--config FILE] [--set K=V]"),
+    ("cache", "verify"): ("rayflux.cache.verify", "check a cache generation's shards against its manifest and buckets"),
+    ("data", "check"): ("rayflux.doctor", "the dataset doctor: discovery, captions, buckets and path safety"),
+    ("cluster", "runtime-env"): ("rayflux.cluster.runtime_env", "a runtime_env YAML as JSON for ray job submit"),
+    ("cluster", "spot-guard"): ("rayflux.cluster.spot_guard", "on a worker node, drain it when EC2 reclaims a spot"),
 }
+
+
+def usage() -> str:
+    width = max(len(" ".join(k)) for k in COMMANDS)
+    lines = ["usage: rayflux <command> [args ...]   (or python -m rayflux <command> ...)", "", "commands:"]
+    lines += [f"  {' '.join(k):<{width}}  {text}" for k, (_, text) in COMMANDS.items()]
+    lines += ["", "Each command takes --help."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    key = tuple(argv[:2])
-    if key not in COMMANDS:
-        names = ", ".join(" ".join(k) for k in COMMANDS)
-        print(f"usage: python -m rayflux <command> ...; commands: {names}", file=sys.stderr)
-        return 2
-    return importlib.import_module(COMMANDS[key]).main(argv[2:])
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(usage())
+        return 0
+    for key, (module, _) in COMMANDS.items():
+        if tuple(argv[: len(key)]) == key:
+            return importlib.import_module(module).main(argv[len(key) :])
+    print(usage(), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

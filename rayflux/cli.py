@@ -1,4 +1,4 @@
-"""Command-line entry points: the training job and ``python -m rayflux ...`` tools."""
+"""Command-line entry point of the training job (``python jobs/train_flux.py``, ``rayflux train``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 from rayflux import config
 
 
-def _train_parser() -> argparse.ArgumentParser:
+def _train_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="train_flux.py",
+        prog=prog,
         description="Cache latents with Ray Data, then train a FLUX LoRA with Ray Train.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=config.help_text(),
@@ -29,9 +29,14 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def main_train(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``rayflux train ...``: the same job as ``python jobs/train_flux.py ...``."""
+    return main_train(argv, prog="rayflux train")
+
+
+def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> int:
     _quiet_libraries()
-    args = _train_parser().parse_args(argv)
+    args = _train_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
     try:
         cfg = config.load(args.config, args.set)
@@ -45,12 +50,35 @@ def main_train(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rayflux: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - one clear line for the user; the traceback goes to the log
-        logging.getLogger("rayflux").debug("job failed", exc_info=True)
-        print(f"rayflux: failed: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - one clear line for the user; the traceback goes to a file it names
+        where = write_traceback(cfg.run.output_dir)
+        print(f"rayflux: failed: {type(exc).__name__}: {_one_line(exc)} (traceback: {where})", file=sys.stderr)
         return 1
     print("\n".join("[rayflux] " + line for line in summary.lines()))
     return 0
+
+
+def write_traceback(output_dir: str) -> str:
+    """Write the exception being handled to ``<output_dir>/logs/error-<UTC time>.txt`` (local or URI) and return
+    its path; a temporary file when the run directory cannot be written (its failure may be why we are here)."""
+    import datetime
+    import tempfile
+    import traceback
+
+    from rayflux import storage
+
+    text = traceback.format_exc().encode()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = output_dir if storage.is_uri(output_dir) else os.path.abspath(output_dir)
+    path = storage.join(base, "logs", f"error-{stamp}.txt")
+    try:
+        storage.write_bytes_atomic(path, text)
+        return path
+    except Exception:  # noqa: BLE001 - the traceback must land somewhere
+        fd, path = tempfile.mkstemp(prefix=f"rayflux-error-{stamp}-", suffix=".txt")
+        with os.fdopen(fd, "wb") as f:
+            f.write(text)
+        return path
 
 
 def _one_line(exc: BaseException) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import resource
 import sys
 
 # Model classes that must live only in the cache stage's actors (and, briefly, in rank 0's validation render).
@@ -14,15 +13,27 @@ ENCODER_CLASSES = {
 
 
 def rss_mb() -> float:
-    """Resident set size of this process now, in MiB."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
+    """Resident set size of this process now, in MiB (psutil: Linux, macOS and Windows alike)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process so far, in MiB.
+
+    psutil reports a peak only on Windows (``peak_wset``); elsewhere ``getrusage`` has it, in KiB on Linux and in
+    bytes on macOS.
+    """
+    import psutil
+
+    info = psutil.Process().memory_info()
+    if hasattr(info, "peak_wset"):
+        return info.peak_wset / 2**20
+    import resource
+
+    unit = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
 
 
 def live_encoders() -> dict[str, int]:

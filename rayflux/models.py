@@ -83,8 +83,31 @@ def _weights_signature(path: str, subfolders: list[str]) -> list:
     return sig
 
 
+FAMILIES = {"FluxPipeline": "FLUX.1 [dev] / [schnell]"}
+"""``model_index.json`` classes the job can train, with what users call them."""
+PARTS = ("transformer/config.json", "vae/config.json", "text_encoder/config.json", "text_encoder_2/config.json",
+         "tokenizer", "tokenizer_2", "scheduler/scheduler_config.json")  # fmt: skip
+
+
+def check_family(path: str) -> None:
+    """Refuse a local model directory of another family, or one missing a part, in one line that names the class
+    in its ``model_index.json``, the supported families and the missing part. (Hub ids are checked by the hub.)"""
+    root = Path(path)
+    if not root.is_dir():
+        return
+    index = root / "model_index.json"
+    found = json.loads(index.read_text()).get("_class_name", "?") if index.is_file() else "no model_index.json"
+    missing = [p for p in PARTS if not (root / p).exists()]
+    if found in FAMILIES and not missing:
+        return
+    supported = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
+    gap = f"; missing {', '.join(missing)}" if missing else ""
+    raise ValueError(f"model.path {path} holds {found}, not a supported family: {supported}{gap}")
+
+
 def model_facts(cfg: ModelConfig) -> ModelFacts:
     path = resolve_path(cfg)
+    check_family(path)
     vae = _load_config(path, cfg, "vae")
     transformer = _load_config(path, cfg, "transformer")
     clip = _load_config(path, cfg, "text_encoder")
@@ -114,6 +137,17 @@ def model_facts(cfg: ModelConfig) -> ModelFacts:
         t5_max_length=t5_len,
         identity=hashlib.sha256(blob.encode()).hexdigest()[:16],
     )
+
+
+def shift_config(cfg: ModelConfig) -> dict:
+    """The model's own ``flux_shift`` constants from its ``scheduler/scheduler_config.json`` (the fields of
+    :data:`rayflux.train.flow.SHIFT_KEYS` that it sets)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from rayflux.train.flow import SHIFT_KEYS
+
+    config = FlowMatchEulerDiscreteScheduler.load_config(resolve_path(cfg), **_kwargs(cfg, "scheduler"))
+    return {k: config[k] for k in SHIFT_KEYS if k in config}
 
 
 def load_vae(cfg: ModelConfig, device: str, dtype):

@@ -101,12 +101,17 @@ def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
     assert generations.load_manifest(again.cache_dir)["committed_at"] == manifest_before["committed_at"]
 
 
-def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
-    """The README's demo command, joined to the session's Ray through RAY_ADDRESS."""
+@pytest.mark.parametrize("entry", ["jobs/train_flux.py", "rayflux train"])
+def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path, entry):
+    """The README's demo command and the installed ``rayflux train``, joined to the session's Ray (RAY_ADDRESS)."""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     out = tmp_path / "cli-run"
+    command = {
+        "jobs/train_flux.py": [sys.executable, str(ROOT / "jobs" / "train_flux.py")],
+        "rayflux train": [str(Path(sys.executable).parent / "rayflux"), "train"],
+    }[entry]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--set", f"run.output_dir={out}",
+        [*command, "--set", f"run.output_dir={out}",
          "--set", f"model.path={tiny_model}", "--set", "data.resolution=64", "--set", "train.max_steps=2"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip

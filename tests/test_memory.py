@@ -69,3 +69,15 @@ def test_rss_and_peak_are_plausible():
     assert grown > 48
     assert memory.peak_rss_mb() >= memory.rss_mb() - 1
     del block
+
+
+def test_memory_facts_follow_an_allocation():
+    """rss and peak in MiB, from psutil/getrusage (no /proc): a 256 MiB buffer shows in both."""
+    import numpy as np
+
+    before = memory.rss_mb()
+    buf = np.ones(256 * 2**20, dtype=np.uint8)  # touched pages, so resident
+    during = memory.rss_mb()
+    assert 200 < during - before < 400
+    assert memory.peak_rss_mb() >= during - 1
+    del buf
