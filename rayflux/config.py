@@ -182,9 +182,15 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     lr_scheduler: str = "constant"
-    """Learning-rate schedule after warmup: ``constant`` or ``cosine`` (down to 0 at the last step)."""
+    """Learning-rate schedule, by diffusers' names and meanings (``diffusers.optimization.get_scheduler``):
+    ``constant`` (no warmup), ``constant_with_warmup``, ``linear``, ``cosine`` (to 0 at the last step),
+    ``cosine_with_restarts`` or ``polynomial``."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warmup from ``learning_rate / warmup_steps`` up to ``learning_rate``."""
+    """Optimizer steps of linear warmup from 0 up to ``learning_rate`` (every schedule but ``constant``)."""
+    lr_cycles: int = 1
+    """Hard restarts of ``cosine_with_restarts`` (kohya's ``lr_scheduler_num_cycles``)."""
+    lr_power: float = 1.0
+    """Power of the ``polynomial`` decay (kohya's ``lr_scheduler_power``); 1 is linear."""
     max_grad_norm: float = 1.0
     """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
     mixed_precision: str = "auto"
@@ -226,7 +232,11 @@ class TrainConfig:
     checkpoints_to_keep: int = 2
     """How many of the newest checkpoints to keep in storage."""
     output_format: str = "diffusers"
-    """Exported LoRA keys: ``diffusers`` (``transformer.*``) or ``kohya`` (``lora_unet_*``, for ComfyUI)."""
+    """Exported LoRA keys: ``diffusers`` (``transformer.*``, in ``lora/pytorch_lora_weights.safetensors``) or
+    ``kohya`` (``lora_unet_*`` with sd-scripts' ``ss_*`` metadata, for ComfyUI, in ``lora/<output_name>.safetensors``).
+    Every checkpoint also leaves ``lora/<output_name>-step00000500.safetensors`` in this format."""
+    output_name: str = ""
+    """Stem of the exported LoRA file names (kohya's ``output_name``). Empty: ``run.name``."""
     validation_prompts: list[str] = field(default_factory=list)
     """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
     validation_every: int = 0
@@ -426,7 +436,8 @@ _CHOICES = {
     ("cache", "use_gpu"): ("auto", "true", "false"),
     ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
     ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
-    ("train", "lr_scheduler"): ("constant", "cosine"),
+    ("train", "lr_scheduler"): ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+                                "polynomial"),
     ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("train", "output_format"): ("diffusers", "kohya"),
 }
@@ -442,6 +453,8 @@ _POSITIVE = {
     ("train", "rank"),
     ("train", "alpha"),
     ("train", "learning_rate"),
+    ("train", "lr_cycles"),
+    ("train", "lr_power"),
     ("train", "gradient_accumulation"),
     ("train", "batches_per_read"),
     ("train", "log_every"),
@@ -474,6 +487,12 @@ def validate(cfg: JobConfig) -> None:
     prompts = cfg.train.validation_prompts
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
+    if cfg.train.lr_scheduler == "constant" and cfg.train.warmup_steps:
+        raise ConfigError("train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
+                          f"{cfg.train.warmup_steps} use constant_with_warmup")  # fmt: skip
+    stem = cfg.train.output_name or cfg.run.name
+    if not stem or any(c in stem for c in '/\\:*?"<>|') or stem.startswith("."):
+        raise ConfigError(f"train.output_name (else run.name) must be a plain file-name stem; got {stem!r}")
     if cfg.train.cpus_per_worker <= 0:
         raise ConfigError("train.cpus_per_worker must be positive")
     refresh_interval(cfg.cache.refresh)

@@ -104,6 +104,28 @@ def test_flux_mu_endpoints_and_time_shift():
     assert flow.time_shift(s, 1.15) > s
 
 
+def test_flux_shift_reads_the_models_scheduler_constants(tiny_model, tmp_path):
+    """The mu line's ends come from scheduler_config.json: another model's constants give other sigmas."""
+    import json
+    import shutil
+
+    from rayflux import config, models
+
+    other = tmp_path / "model"
+    shutil.copytree(tiny_model, other)
+    path = other / "scheduler" / "scheduler_config.json"
+    sched = json.loads(path.read_text())
+    sched.update(base_shift=0.2, max_shift=2.0, max_image_seq_len=2048)
+    path.write_text(json.dumps(sched))
+    own = models.shift_config(config.ModelConfig(path=str(tiny_model)))
+    changed = models.shift_config(config.ModelConfig(path=str(other)))
+    assert own == {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+    assert math.isclose(flow.flux_mu(2048, changed), 2.0) and math.isclose(flow.flux_mu(256, changed), 0.2)
+    draw = [flow.sample_sigmas(64, "flux_shift", torch.Generator().manual_seed(1), seq_len=1024, shift_config=c)
+            for c in (own, changed)]  # fmt: skip
+    assert (draw[1] > draw[0]).all()  # a larger mu at 1024 tokens pushes every sigma up
+
+
 def test_noisy_input_and_target():
     x, n = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
     s = torch.tensor([0.0, 0.5, 1.0])

@@ -8,7 +8,9 @@ from rayflux import config
 @pytest.mark.parametrize(
     "item, message",
     [
-        ("train.lr_scheduler=linear", "train.lr_scheduler must be one of constant, cosine"),
+        ("train.lr_scheduler=cosine_annealing", "train.lr_scheduler must be one of constant, constant_with_warmup"),
+        ("train.warmup_steps=10", "lr_scheduler=constant has no warmup.*use constant_with_warmup"),
+        ("train.lr_cycles=0", "train.lr_cycles must be positive"),
         ("train.mixed_precision=fp16", "train.mixed_precision must be one of auto, bf16, fp32"),
         ("train.output_format=comfy", "train.output_format must be one of diffusers, kohya"),
         ("train.gradient_accumulation=0", "train.gradient_accumulation must be positive"),

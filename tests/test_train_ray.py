@@ -28,6 +28,7 @@ COMMON = [
     "train.epochs=2",
     "train.batch_size=2",
     "train.gradient_accumulation=2",
+    "train.lr_scheduler=constant_with_warmup",
     "train.warmup_steps=3",  # the resume lands inside warmup: the scheduler state must come back too
     "train.learning_rate=0.01",
     "train.lora_dropout=0.1",  # draws from the global RNG: the saved RNG states must come back too
@@ -155,3 +156,35 @@ def test_resumed_run_matches_the_straight_run(full, resumed):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
     assert second.losses == pytest.approx(straight.losses, rel=1e-5)
+
+
+def test_every_checkpoint_leaves_a_named_kohya_lora(full):
+    from safetensors import safe_open
+
+    _, out = full
+    names = sorted(p.name for p in (out / "lora").glob("full-step*.safetensors"))
+    assert names == [f"full-step{s:08d}.safetensors" for s in (1, 2, 3, 4)]
+    with safe_open(str(out / "lora" / names[-1]), "pt") as f:
+        meta = f.metadata()
+        assert all(k.startswith("lora_unet_") for k in f.keys())
+    assert (meta["ss_steps"], meta["ss_epoch"], meta["ss_num_epochs"]) == ("4", "2", "2")
+    assert meta["ss_network_dim"] == "4" and meta["modelspec.architecture"] == "flux-1-dev/lora"
+    tags = json.loads(meta["ss_tag_frequency"])["full"]
+    assert tags and all(count > 0 for count in tags.values())
+
+
+def test_step_loras_outlive_pruned_checkpoints(cache, tiny_model):
+    """checkpoints_to_keep=1 and three saves: Ray keeps one checkpoint, the run keeps all three LoRAs, loadable."""
+    from diffusers import FluxPipeline
+
+    root, base, manifest, facts = cache
+    out = root / "pruned"
+    cfg = _cfg(base, "run.name=pruned", "train.max_steps=3", "train.checkpoints_to_keep=1")
+    stage.train(cfg, manifest, facts, str(out), False)
+    assert len([p for p in (out / "checkpoints" / "pruned").glob("checkpoint_*") if p.is_dir()]) == 1
+    names = sorted(p.name for p in (out / "lora").iterdir())
+    assert names == [f"pruned-step{s:08d}.safetensors" for s in (1, 2, 3)]
+    files = [load_file(out / "lora" / n) for n in names]
+    assert any(not torch.equal(files[0][k], files[2][k]) for k in files[0])  # each is its own step's weights
+    pipe = FluxPipeline.from_pretrained(tiny_model)
+    pipe.load_lora_weights(str(out / "lora"), weight_name=names[1])

@@ -50,10 +50,18 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def flux_mu(seq_len: int, base_len: int = 256, max_len: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15):
-    """FLUX's resolution-dependent shift exponent: linear in the token count from (256, 0.5) to (4096, 1.15)."""
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return base_shift + slope * (seq_len - base_len)
+SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+"""The ``scheduler_config.json`` fields of FLUX's resolution-dependent shift (``rayflux.models.shift_config``)."""
+
+
+def flux_mu(seq_len: int, shift_config: dict | None = None) -> float:
+    """FLUX's resolution-dependent shift exponent, linear in the token count (diffusers' ``calculate_shift``), with
+    the line's ends from the model's ``scheduler_config.json`` (diffusers' own defaults when not given)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    c = shift_config or {}
+    ends = {"base_image_seq_len": "base_seq_len", "max_image_seq_len": "max_seq_len"}
+    return calculate_shift(seq_len, **{ends.get(k, k): c[k] for k in SHIFT_KEYS if k in c})
 
 
 def time_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
@@ -70,18 +78,23 @@ def sample_sigmas(
     logit_std: float = 1.0,
     shift: float = 3.0,
     seq_len: int = 256,
+    shift_config: dict | None = None,
 ) -> torch.Tensor:
-    """Draw ``n`` noise levels σ in (0, 1) by one of the published schemes."""
+    """Draw ``n`` noise levels σ in (0, 1) by one of the published schemes (densities from diffusers'
+    ``compute_density_for_timestep_sampling``)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling as density
+
     if method == "uniform":
-        s = torch.rand(n, generator=generator)
+        s = density("uniform", n, generator=generator)
     elif method == "logit_normal":
-        s = torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
+        s = density("logit_normal", n, logit_mean=logit_mean, logit_std=logit_std, generator=generator)
     elif method == "sigmoid":
-        s = torch.sigmoid(torch.randn(n, generator=generator) * logit_std)
+        s = density("logit_normal", n, logit_mean=0.0, logit_std=logit_std, generator=generator)
     elif method == "shift":
-        s = shift_sigmas(torch.sigmoid(torch.randn(n, generator=generator)), shift)
+        s = shift_sigmas(density("logit_normal", n, logit_mean=0.0, logit_std=1.0, generator=generator), shift)
     elif method == "flux_shift":
-        s = time_shift(torch.sigmoid(torch.randn(n, generator=generator)), flux_mu(seq_len))
+        u = density("logit_normal", n, logit_mean=0.0, logit_std=1.0, generator=generator)
+        s = time_shift(u, flux_mu(seq_len, shift_config))
     else:
         raise ValueError(f"unknown sigma sampling {method!r}")
     # Keep σ strictly inside (0, 1): σ = 0 has no noise to learn and σ = 1 breaks the 1/σ shift above.
@@ -100,14 +113,13 @@ def flow_target(latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Per-sample loss weights: ``none`` (1), ``sigma_sqrt`` (σ⁻²) or ``cosmap`` (2 / (π(1 - 2σ + 2σ²)))."""
-    if scheme == "none":
-        return torch.ones_like(sigmas)
-    if scheme == "sigma_sqrt":
-        return sigmas.float() ** -2.0
-    if scheme == "cosmap":
-        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
-    raise ValueError(f"unknown loss weighting {scheme!r}")
+    """Per-sample loss weights: ``none`` (1), ``sigma_sqrt`` (σ⁻²) or ``cosmap`` (2 / (π(1 - 2σ + 2σ²))), as
+    diffusers' ``compute_loss_weighting_for_sd3`` computes them."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    if scheme not in ("none", "sigma_sqrt", "cosmap"):
+        raise ValueError(f"unknown loss weighting {scheme!r}")
+    return compute_loss_weighting_for_sd3(scheme, sigmas)
 
 
 def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

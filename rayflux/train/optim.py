@@ -1,37 +1,33 @@
-"""AdamW with a warmup + constant/cosine learning-rate schedule, and the mixed-precision choice."""
+"""AdamW with one of diffusers' learning-rate schedules (the names every diffusers-based trainer accepts), and the
+mixed-precision choice."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from rayflux.config import TrainConfig
 
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).
-
-    Warmup is linear from ``1/warmup_steps`` (never 0: a zero first step would waste a batch) up to 1. After it,
-    ``constant`` stays at 1 and ``cosine`` falls from 1 to 0 at ``total_steps`` and stays there.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    if schedule == "cosine":
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown lr_scheduler {schedule!r}")
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+"""``train.lr_scheduler`` values: diffusers' ``get_scheduler`` names, with diffusers' meanings (``constant`` has no
+warmup; warmups rise linearly from 0)."""
 
 
 def build(params: list, t: TrainConfig, total_steps: int):
-    """AdamW over the LoRA parameters and its LambdaLR schedule spanning ``total_steps`` optimizer steps."""
+    """AdamW over the LoRA parameters and diffusers' ``get_scheduler(t.lr_scheduler)`` over ``total_steps`` steps.
+
+    diffusers' schedules are ``LambdaLR`` over plain functions, so their ``state_dict`` holds only the step count:
+    it goes through ``torch.load(weights_only=True)`` on resume.
+    """
+    from diffusers.optimization import get_scheduler
+
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    # A closure, not a lambda object with state: LambdaLR then saves only its step count, which is all it needs.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.lr_scheduler)
+    scheduler = get_scheduler(
+        t.lr_scheduler,
+        optimizer,
+        num_warmup_steps=t.warmup_steps,
+        num_training_steps=total_steps,
+        num_cycles=t.lr_cycles,
+        power=t.lr_power,
     )
     return optimizer, scheduler
 

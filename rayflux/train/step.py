@@ -49,8 +49,12 @@ def from_item(item: dict) -> Batch:
     return Batch(lat, t5, clip, int(item["seed"]), weights)
 
 
-def flow_loss(model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty: EmptyCaption | None, device, dtype):
-    """Noise the latents, predict ``ε - x`` and return the weighted loss (float32 scalar)."""
+def flow_loss(
+    model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty: EmptyCaption | None, device, dtype,
+    shift_config: dict | None = None,
+):  # fmt: skip
+    """Noise the latents, predict ``ε - x`` and return the weighted loss (float32 scalar). ``shift_config``: the
+    model's ``flux_shift`` constants (:func:`rayflux.models.shift_config`)."""
     generator = torch.Generator().manual_seed(batch.seed)
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
@@ -64,6 +68,7 @@ def flow_loss(model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty:
         logit_std=t.logit_std,
         shift=t.shift,
         seq_len=(h // 2) * (w // 2),
+        shift_config=shift_config,
     ).to(device)
     kwargs = {}
     if guidance_embeds:

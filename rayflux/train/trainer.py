@@ -64,6 +64,7 @@ class LoraTrainer:
         if t.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        self.shift_config = models.shift_config(cfg.model)
         self.optimizer, self.scheduler = optim.build(self.params, t, total_steps)
         self.model = wrap(self.transformer) if wrap else self.transformer
         self.model.train()
@@ -82,7 +83,7 @@ class LoraTrainer:
             autocast = torch.autocast(self.device.type, self.autocast or torch.float32, enabled=bool(self.autocast))
             with sync:
                 with autocast:  # the forward only; backward runs in the dtypes the forward chose
-                    loss = step.flow_loss(self.model, batch, *step_args)
+                    loss = step.flow_loss(self.model, batch, *step_args, shift_config=self.shift_config)
                 (loss / len(batches)).backward()
             losses.append(float(loss.detach()))
         # With clipping off, an infinite limit still returns the norm and leaves the gradients alone.
