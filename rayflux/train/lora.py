@@ -158,7 +158,10 @@ def init_from_file(transformer, path: str) -> int:
         if storage.is_uri(path):
             local = str(Path(tmp) / Path(path).name)
             Path(local).write_bytes(storage.read_bytes(path))
-        state, _, metadata = FluxPipeline.lora_state_dict(local, return_alphas=True, return_lora_metadata=True)
+        # Folder and file name apart: older diffusers insist on a weight_name for a local file when offline.
+        state, _, metadata = FluxPipeline.lora_state_dict(
+            str(Path(local).parent), weight_name=Path(local).name, return_alphas=True, return_lora_metadata=True
+        )
     meta = metadata or {}  # diffusers flattens it to "transformer.<LoraConfig field>"
     alpha, r = meta.get("transformer.lora_alpha"), meta.get("transformer.r")
     if meta.get("transformer.alpha_pattern") or meta.get("transformer.rank_pattern"):
