@@ -92,8 +92,27 @@ def _round_to(value: float, multiple: int) -> int:
     return max(multiple, int(round(value / multiple)) * multiple)
 
 
+def effective_step(bucket_step: int, resolution: int, alignment: int) -> int:
+    """Bucket sides' granularity: ``data.bucket_step`` (kohya's ``bucket_reso_steps``), rounded down to the model's
+    ``alignment`` and at most ``resolution / 8``, so a small resolution still gets buckets of several shapes."""
+    cap = max(alignment, (resolution // 8) // alignment * alignment)
+    return max(alignment, min(bucket_step, cap) // alignment * alignment)
+
+
+def _within_aspect(w: int, h: int, step: int, max_aspect: float) -> tuple[int, int]:
+    """Shorten the longer side by whole steps until the rounded bucket keeps ``max_aspect``: rounding both sides
+    can overshoot it (1200x200 at 2.5 once gave 208x80, 2.6)."""
+    while max(w, h) > max_aspect * min(w, h) and max(w, h) > step:
+        if w >= h:
+            w -= step
+        else:
+            h -= step
+    return w, h
+
+
 def target_size(width: int, height: int, spec: BucketSpec) -> tuple[int, int]:
-    """Aligned (width, height) for an image of this aspect ratio, with the aspect clamped to ``max_aspect``."""
+    """Aligned (width, height) for an image of this aspect ratio, with the aspect (after rounding) kept within
+    ``max_aspect``."""
     aspect = min(max(width / height, 1.0 / spec.max_aspect), spec.max_aspect)
     if spec.resolution_type == "area":
         area = float(spec.resolution) ** 2
@@ -105,7 +124,7 @@ def target_size(width: int, height: int, spec: BucketSpec) -> tuple[int, int]:
             w, h = float(spec.resolution), spec.resolution / aspect
     else:
         raise ValueError(f"unknown resolution_type {spec.resolution_type!r}")
-    return _round_to(w, spec.alignment), _round_to(h, spec.alignment)
+    return _within_aspect(_round_to(w, spec.alignment), _round_to(h, spec.alignment), spec.alignment, spec.max_aspect)
 
 
 def _offset(slack: int, crop: str, seed: int, salt: str) -> int:

@@ -53,9 +53,14 @@ class DatasetConfig:
     resolution: int = 512
     """Target size in pixels: the shorter edge, or the square root of the area (see ``resolution_type``)."""
     resolution_type: str = "area"
-    """``area`` keeps about resolution² pixels per image; ``shorter_edge`` fixes the shorter side."""
+    """``area`` keeps about resolution² pixels per image (SimpleTuner's ``pixel_area``, not its megapixel ``area``);
+    ``shorter_edge`` fixes the shorter side."""
+    bucket_step: int = 64
+    """Bucket sides are multiples of this many pixels (kohya's ``bucket_reso_steps``): fewer, fuller buckets than the
+    model's 16. Rounded down to the model's alignment and capped at ``resolution / 8``."""
     alignment: int = 0
-    """Target sides are multiples of this many pixels. 0: the model's own, 2 x its VAE downscale (16 for FLUX)."""
+    """Exact bucket granularity in pixels, overriding ``bucket_step``; a multiple of the model's own alignment, 2 x its
+    VAE downscale (16 for FLUX). 0: use ``bucket_step``."""
     crop: str = "center"
     """How an image is cut to its bucket's aspect ratio: ``center`` or ``random`` (seeded per generation)."""
     max_aspect: float = 2.5

@@ -19,7 +19,10 @@ _CHOICES = {
     "resolution_type": ("area", "shorter_edge"),
     "crop": ("center", "random"),
 }
-_POSITIVE = ("resolution", "min_image_size", "repeats")
+_POSITIVE = ("resolution", "min_image_size", "repeats", "bucket_step")
+MIN_RESOLUTION = 16
+"""Smaller ``data.resolution`` values are refused: less than one bucket step, they are another tool's units
+(SimpleTuner's megapixels), not a target size."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -36,6 +39,8 @@ def _check(ds: DatasetConfig, label) -> None:
     for key in _POSITIVE:
         if getattr(ds, key) <= 0:
             raise ConfigError(f"{label(key)} must be positive, got {getattr(ds, key)}")
+    if 0 < ds.resolution < MIN_RESOLUTION:
+        raise ConfigError(_resolution_hint(ds, label("resolution")))
     if ds.max_samples < 0:
         raise ConfigError(f"{label('max_samples')} must be >= 0 (0: all images), got {ds.max_samples}")
     if ds.max_aspect < 1:
@@ -48,6 +53,16 @@ def _check(ds: DatasetConfig, label) -> None:
         )
     if ds.name and not _NAME.match(ds.name):
         raise ConfigError(f"{label('name')} {ds.name!r} may only hold letters, digits, '.', '_' and '-'")
+
+
+def _resolution_hint(ds: DatasetConfig, key: str) -> str:
+    """What a too-small resolution probably meant: SimpleTuner's ``area`` counts megapixels (1.0 = 1024²)."""
+    said = f"{key}={ds.resolution} with resolution_type={ds.resolution_type} means {ds.resolution} px"
+    if ds.resolution_type == "area":
+        meant = round((ds.resolution * 1e6) ** 0.5 / 64) * 64
+        return (f"{said}; SimpleTuner's resolution_type=area counts megapixels: for {ds.resolution} MP write "
+                f"resolution: {meant} (about {meant}x{meant} pixels) with resolution_type: area")  # fmt: skip
+    return f"{said}; the shorter edge is in pixels (at least {MIN_RESOLUTION}), e.g. resolution: 512"
 
 
 def images_key(data: DataConfig, index: int) -> str:

@@ -46,6 +46,8 @@ class Summary:
     validation_dir: str = ""
     tensorboard_dir: str = ""
     logs: str = ""
+    dropped: dict = field(default_factory=dict)
+    """Epoch -> samples the remainder rule left out of its bucket-pure batches."""
 
     def lines(self) -> list[str]:
         unsampled = sum(d["unsampled"] for d in self.datasets)
@@ -68,6 +70,9 @@ class Summary:
         out.append(f"cache:      {self.cache_dir}")
         if self.steps:
             out.append(f"training:   {self.steps} steps per worker, last loss {self.losses[-1]:.4f}")
+            if any(self.dropped.values()):
+                per_epoch = ", ".join(str(n) for _, n in sorted(self.dropped.items()))
+                out.append(f"remainder:  samples left out of full batches per epoch: {per_epoch} (data.bucket_step)")
             out.append(f"LoRA:       {self.lora_path}")
             if self.validation_dir:
                 out.append(f"validation: {self.validation_dir}")
@@ -277,6 +282,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     summary.tensorboard_dir = storage.join(output, "tensorboard")
     if result is not None:
         summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
+        summary.dropped = {epoch: c["dropped"] for epoch, c in result.epoch_counts.items()}
         summary.checkpoint = result.checkpoint_path
         entry = ledger.start("export", result.checkpoint_path)
         summary.lora_path = lora_files.export_final(

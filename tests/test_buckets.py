@@ -29,6 +29,7 @@ def test_plans_are_aligned_inside_the_image_and_agree_with_their_key(spec, width
     p = buckets.plan(width, height, spec, seed=seed, salt=salt)
     tw, th = p.target_width, p.target_height
     assert tw % spec.alignment == 0 and th % spec.alignment == 0 and tw > 0 and th > 0
+    assert max(tw, th) <= spec.max_aspect * min(tw, th) + 1e-9  # the rounded bucket keeps the aspect limit too
     assert 0 <= p.crop_left and p.crop_left + p.crop_width <= width
     assert 0 <= p.crop_top and p.crop_top + p.crop_height <= height
     assert p.crop_width >= 1 and p.crop_height >= 1
@@ -45,7 +46,8 @@ def test_plans_are_aligned_inside_the_image_and_agree_with_their_key(spec, width
 @settings(max_examples=300, deadline=None)
 @given(spec=specs, width=sides, height=sides)
 def test_resolution_knobs_mean_what_they_say(spec, width, height):
-    """Each target side is the ideal side for the knobs, rounded to the nearest multiple of the alignment."""
+    """Each target side is the ideal side for the knobs, rounded to the nearest multiple of the alignment; only the
+    longer side may be a whole step shorter still, where rounding both would break ``max_aspect``."""
     p = buckets.plan(width, height, spec)
     aspect = min(max(width / height, 1 / spec.max_aspect), spec.max_aspect)
     r = spec.resolution
@@ -53,8 +55,10 @@ def test_resolution_knobs_mean_what_they_say(spec, width, height):
         ideal_w, ideal_h = (r * aspect, r) if aspect >= 1 else (r, r / aspect)
     else:
         ideal_w, ideal_h = (r * r * aspect) ** 0.5, (r * r / aspect) ** 0.5
-    for side, ideal in ((p.target_width, ideal_w), (p.target_height, ideal_h)):
-        assert abs(side - ideal) <= spec.alignment / 2 + 1e-9 or side == spec.alignment  # never below one step
+    for side, ideal, other in ((p.target_width, ideal_w, p.target_height), (p.target_height, ideal_h, p.target_width)):
+        near = abs(side - ideal) <= spec.alignment / 2 + 1e-9 or side == spec.alignment  # never below one step
+        shortened = side < ideal and side + spec.alignment > spec.max_aspect * other  # one step more breaks the limit
+        assert near or shortened
 
 
 def test_small_images_and_impossible_knobs_are_refused():
@@ -68,11 +72,35 @@ def test_small_images_and_impossible_knobs_are_refused():
         buckets.parse_key("512-384")
 
 
-def test_alignment_comes_from_the_model_unless_set(tiny_model):
+def test_max_aspect_holds_after_rounding():
+    """1200x200 at max_aspect 2.5 once got a 208x80 bucket (2.6): rounding both sides overshot the limit."""
+    spec = buckets.BucketSpec(resolution=128, alignment=16, max_aspect=2.5, min_image_size=1)
+    for size in ((1200, 200), (200, 1200)):
+        p = buckets.plan(*size, spec)
+        assert max(p.target_width, p.target_height) / min(p.target_width, p.target_height) <= 2.5, p.key
+        assert p.key in ("192x80", "80x192")
+
+
+def test_bucket_step_makes_fewer_buckets():
+    """kohya's 64-px step against the model's 16 px: 2,000 random aspects at 1024 px fall into far fewer buckets."""
+    import random
+
+    rng = random.Random(0)
+    sizes = [(rng.randint(400, 4000), rng.randint(400, 4000)) for _ in range(2000)]
+    count = {}
+    for step in (16, 64):
+        spec = buckets.BucketSpec(resolution=1024, alignment=buckets.effective_step(step, 1024, 16), min_image_size=1)
+        count[step] = len({buckets.plan(w, h, spec).key for w, h in sizes})
+    assert count[64] * 3 < count[16]
+
+
+def test_alignment_comes_from_bucket_step_and_the_model_unless_set(tiny_model):
     facts = models.model_facts(config.ModelConfig(path=str(tiny_model)))
     assert facts.vae_scale_factor == 8 and facts.alignment == 16
-    assert bucket_spec(config.load(None, []), facts).alignment == 16
-    assert bucket_spec(config.load(None, ["data.alignment=64"]), facts).alignment == 64
+    assert bucket_spec(config.load(None, []), facts).alignment == 64  # data.bucket_step's default at 512 px
+    assert bucket_spec(config.load(None, ["data.resolution=64"]), facts).alignment == 16  # capped at resolution / 8
+    assert bucket_spec(config.load(None, ["data.bucket_step=40"]), facts).alignment == 32  # the model's multiple
+    assert bucket_spec(config.load(None, ["data.alignment=128"]), facts).alignment == 128
     with pytest.raises(config.ConfigError, match="data.alignment"):
         bucket_spec(config.load(None, ["data.alignment=24"]), facts)
 

@@ -95,3 +95,17 @@ def test_string_keys_keep_their_text():
     assert cfg.run.debug_slow_rank == "1:0.4"
     assert cfg.data.instance_prompt == "off"
     assert config.refresh_interval(cfg.cache.refresh) == 2
+
+
+@pytest.mark.parametrize(
+    "items, hint",
+    [
+        (["data.resolution=1.0"], "for 1 MP write resolution: 1024"),
+        (["data.resolution=4"], "for 4 MP write resolution: 1984"),
+        (["data.resolution=8", "data.resolution_type=shorter_edge"], "shorter edge is in pixels"),
+    ],
+)
+def test_a_resolution_in_another_tools_units_is_refused_with_a_hint(items, hint):
+    """SimpleTuner's resolution_type=area counts megapixels: 1.0 once trained 16x16 buckets here, silently."""
+    with pytest.raises(config.ConfigError, match=hint):
+        config.load(None, items)

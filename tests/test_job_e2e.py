@@ -118,3 +118,12 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path, en
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert "LoRA:" in proc.stdout and str(out) in proc.stdout
+
+
+def test_summary_reports_what_the_remainder_rule_dropped(finished_run):
+    import dataclasses
+
+    summary, _ = finished_run
+    assert sorted(summary.dropped) == [0, 1]  # one count per epoch, from the training plan
+    line = [x for x in dataclasses.replace(summary, dropped={0: 3, 1: 0}).lines() if x.startswith("remainder:")]
+    assert len(line) == 1 and line[0].endswith("per epoch: 3, 0 (data.bucket_step)")

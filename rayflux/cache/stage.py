@@ -44,7 +44,7 @@ def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets
     spec = buckets.BucketSpec(
         resolution=d.resolution,
         resolution_type=d.resolution_type,
-        alignment=d.alignment or facts.alignment,
+        alignment=d.alignment or buckets.effective_step(d.bucket_step, d.resolution, facts.alignment),
         crop=d.crop,
         max_aspect=d.max_aspect,
         min_image_size=d.min_image_size,
