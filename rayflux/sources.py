@@ -74,6 +74,18 @@ def _limit(found: Discovery, ds: DatasetConfig, name: str) -> None:
     found.sources = [s for s in found.sources if s.rel_path in keep]
 
 
+def _by_lower_case(files: dict, base: str, ds: DatasetConfig) -> dict[str, str]:
+    """Lower-cased path -> path. Two files that differ only by case are refused: case-insensitive sidecar matching
+    could not tell their captions apart, and copied to a case-insensitive disk they would overwrite each other."""
+    out: dict[str, str] = {}
+    for path in sorted(files):
+        other = out.setdefault(path.lower(), path)
+        if other != path:
+            names = f"{other[len(base) :]} and {path[len(base) :]}"
+            raise captions.CaptionError(f"dataset {datasets.label(ds)}: {names} differ only by case; rename one")
+    return out
+
+
 def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
     """List every image under ``ds.images_dir`` (recursively, sorted) and resolve its caption.
 
@@ -89,19 +101,21 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     name = datasets.label(ds)
     found = Discovery(problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
     base = root.rstrip("/") + "/"
+    by_lower = _by_lower_case(files, base, ds)
     images, uncaptioned = set(), []
     for path in sorted(files):
         rel = path[len(base) :] if path.startswith(base) else path
         file_name = rel.rsplit("/", 1)[-1]
         if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS):
             continue
-        images.add(path[: path.rfind(".")])
+        images.add(path[: path.rfind(".")].lower())
         uri = storage.join(ds.images_dir, rel)
         sample_path = f"{key}/{rel}" if prefix else rel
         options: list[str] = []
         if ds.caption_strategy == "sidecar":
-            sidecar = path[: path.rfind(".")] + ds.caption_ext
-            if sidecar in files:
+            # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
+            sidecar = by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower())
+            if sidecar is not None:
                 try:
                     options = captions.read_sidecar(fs, sidecar)
                 except UnicodeDecodeError as exc:
@@ -133,7 +147,8 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
             )
         )
     if ds.caption_strategy == "sidecar":
-        orphans = [p for p in sorted(files) if p.endswith(ds.caption_ext) and p[: -len(ds.caption_ext)] not in images]
+        ext = ds.caption_ext.lower()
+        orphans = [p for p in sorted(files) if p.lower().endswith(ext) and p[: -len(ext)].lower() not in images]
         found.problems += [f"dataset {name}: caption file without an image: {p[len(base) :]}" for p in orphans]
     if uncaptioned and ds.missing_caption != "skip":
         found.problems.append(

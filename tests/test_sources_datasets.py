@@ -191,3 +191,28 @@ def test_samples_of_an_unlisted_dataset_are_refused(tmp_path):
     refs = batching.index_samples([_shard(tmp_path, "x.parquet", ["x0"], "gone")])
     with pytest.raises(ValueError, match="dataset 'gone', which the config does not list"):
         datasets.mix(refs, datasets.sample_weights(cfg.data))
+
+
+def test_sidecars_match_extensions_in_any_case(tmp_path):
+    """IMG_0001.PNG takes IMG_0001.TXT (cameras write upper case); a lone .TXT is reported as an orphan."""
+    root = tmp_path / "photos"
+    root.mkdir()
+    Image.new("RGB", (64, 64)).save(root / "IMG_0001.PNG")
+    (root / "IMG_0001.TXT").write_text("a red barn")
+    (root / "IMG_0002.TXT").write_text("no image for this one")
+    found = discover(config.load(None, [f"data.images_dir={root}"]).data)
+    assert [s.caption for s in found.sources] == ["a red barn"]
+    assert [p for p in found.problems if "caption file without an image" in p] == [
+        "dataset photos: caption file without an image: IMG_0002.TXT"
+    ]
+
+
+def test_files_differing_only_by_case_are_refused(tmp_path):
+    from rayflux.captions import CaptionError
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    for name in ("cat.png", "Cat.png"):
+        Image.new("RGB", (64, 64)).save(root / name)
+    with pytest.raises(CaptionError, match="Cat.png and cat.png differ only by case"):
+        discover(config.load(None, [f"data.images_dir={root}"]).data)

@@ -80,3 +80,30 @@ def test_stacked_row_round_trips_to_tensors():
     assert batch.latents.shape == (2, 4, 6, 10) and torch.equal(batch.latents[1], torch.ones(4, 6, 10))
     assert batch.t5.shape == (2, 7, 3) and float(batch.t5[1, 0, 0]) == 11
     assert batch.clip.shape == (2, 3) and float(batch.clip[0, 0]) == 20
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    unique=st.integers(2, 12),
+    repeats=st.integers(2, 4),
+    batch_size=st.integers(2, 4),
+    epoch=st.integers(0, 5),
+)
+def test_repeats_are_spread_so_no_batch_holds_a_sample_twice(unique, repeats, batch_size, epoch):
+    """kohya's and SimpleTuner's repeats mean more variety per epoch, not copies inside one batch."""
+    refs = [r for r in _refs([unique]) for _ in range(repeats)]  # as rayflux.datasets.mix repeats them
+    plan, dropped = batching.plan_epoch(refs, batch_size, 7, epoch, world_size=1)
+    batches = [[sid for _, _, sid in json.loads(b["refs"])] for b in plan]
+    assert sorted(s for b in batches for s in b) == sorted(r.sample_id for r in refs) and dropped == 0
+    if repeats <= len(batches) - 1:  # enough batches to keep the copies apart
+        assert all(len(set(b)) == len(b) for b in batches), batches
+    assert [b["size"] for b in plan].count(batch_size) >= len(plan) - 1  # full batches, one short at most
+
+
+def test_without_repeats_the_batches_are_unchanged_runs_of_the_shuffle():
+    refs = _refs([9])
+    plan, _ = batching.plan_epoch(refs, 4, 3, 0, world_size=1)
+    members = sorted(refs, key=lambda r: r.sample_id)
+    batching._rng(3, 0, refs[0].bucket).shuffle(members)
+    runs = [[r.sample_id for r in members[i : i + 4]] for i in range(0, 9, 4)]
+    assert sorted([sid for _, _, sid in json.loads(b["refs"])] for b in plan) == sorted(runs)

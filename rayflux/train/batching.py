@@ -55,6 +55,28 @@ def index_samples(files: list[str]) -> list[SampleRef]:
     return refs
 
 
+def _fill(members: list[SampleRef], batch_size: int) -> list[list[SampleRef]]:
+    """Cut a bucket's shuffled samples into batches of ``batch_size`` (the last one may be short).
+
+    Repeated samples (``repeats``) are spread so that a batch holds each sample once whenever the bucket has enough
+    batches: the copies of a sample are dealt to consecutive batches, one each, largest groups first, instead of
+    landing wherever the shuffle put them. Without repeats the batches are the shuffled order cut in runs.
+    """
+    n = len(members)
+    if len({r.sample_id for r in members}) == n:
+        return [members[i : i + batch_size] for i in range(0, n, batch_size)]
+    groups: dict[str, list[SampleRef]] = {}
+    for r in members:  # first appearance in the shuffle orders the groups
+        groups.setdefault(r.sample_id, []).append(r)
+    dealt = [r for g in groups.values() for r in g]
+    sizes = [min(batch_size, n - i) for i in range(0, n, batch_size)]
+    slots = [b for k in range(batch_size) for b in range(len(sizes)) if k < sizes[b]]  # slot k of every batch, then k+1
+    batches: list[list[SampleRef]] = [[] for _ in sizes]
+    for r, b in zip(dealt, slots):
+        batches[b].append(r)
+    return batches
+
+
 def plan_epoch(
     refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1
 ) -> tuple[list[dict], int]:
@@ -69,7 +91,7 @@ def plan_epoch(
     for bucket in sorted(by_bucket):
         members = sorted(by_bucket[bucket], key=lambda r: r.sample_id)
         _rng(seed, epoch, bucket).shuffle(members)
-        batches.extend(members[i : i + batch_size] for i in range(0, len(members), batch_size))
+        batches.extend(_fill(members, batch_size))
     _rng(seed, epoch, "order").shuffle(batches)
     keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])
