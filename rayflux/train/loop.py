@@ -118,7 +118,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if not positioned:
         rows = skip_trained(rows, progress)
     preemption = elastic.PreemptionNotice()
-    board = metrics.TensorBoardLog(run_dir) if rank == 0 else None
+    board = metrics.TensorBoardLog(run_dir, purge_step=start + 1 if start else None) if rank == 0 else None
     window = metrics.Throughput()
 
     def report(record: dict, with_checkpoint: bool) -> None:
