@@ -352,6 +352,31 @@ def _coerce(key: str, value: Any, default: Any, annotation: Any) -> Any:
     return value
 
 
+ALIASES = {
+    ("train", "network_dim"): "rank",  # kohya
+    ("train", "lora_rank"): "rank",  # SimpleTuner
+    ("train", "network_alpha"): "alpha",  # kohya
+    ("train", "lora_alpha"): "alpha",  # SimpleTuner
+    ("train", "train_batch_size"): "batch_size",
+    ("train", "gradient_accumulation_steps"): "gradient_accumulation",
+    ("train", "max_train_steps"): "max_steps",
+    ("train", "max_train_epochs"): "epochs",  # kohya
+    ("train", "num_train_epochs"): "epochs",  # SimpleTuner
+    ("train", "lr_warmup_steps"): "warmup_steps",
+    ("train", "lr_scheduler_num_cycles"): "lr_cycles",  # kohya
+    ("train", "lr_num_cycles"): "lr_cycles",  # SimpleTuner
+    ("train", "lr_scheduler_power"): "lr_power",  # kohya
+    ("train", "caption_dropout_rate"): "caption_dropout",  # kohya
+    ("train", "caption_dropout_probability"): "caption_dropout",  # SimpleTuner
+    ("train", "save_every_n_steps"): "checkpoint_every",  # kohya
+    ("train", "checkpointing_steps"): "checkpoint_every",  # SimpleTuner
+    ("train", "checkpoints_total_limit"): "checkpoints_to_keep",  # SimpleTuner
+    ("train", "validation_steps"): "validation_every",  # SimpleTuner
+    ("data", "bucket_reso_steps"): "bucket_step",  # kohya
+}
+"""kohya (sd-scripts) and SimpleTuner names accepted for keys that mean exactly the same thing here."""
+
+
 def apply(cfg: JobConfig, updates: dict, prefix: str = "") -> JobConfig:
     """Apply a nested dict of updates (from YAML or ``--set``) to ``cfg`` in place, checking every key."""
     for name, value in updates.items():
@@ -361,12 +386,25 @@ def apply(cfg: JobConfig, updates: dict, prefix: str = "") -> JobConfig:
             raise ConfigError(f"config section {name!r} must be a mapping")
         section = getattr(cfg, name)
         fields = {f.name: f for f in dataclasses.fields(section)}
+        value = _resolve_aliases(name, value)
         for key, raw in value.items():
             if key not in fields:
                 raise ConfigError(f"unknown config key {name}.{key}; known keys: {', '.join(sorted(fields))}")
             current = getattr(section, key)
             setattr(section, key, _coerce(f"{name}.{key}", raw, current, fields[key].type))
     return cfg
+
+
+def _resolve_aliases(section: str, values: dict) -> dict:
+    """Rename aliased keys to their own names; an alias beside its key (or another alias of it) is an error."""
+    out: dict = {}
+    said: dict = {}
+    for key, raw in values.items():
+        own = ALIASES.get((section, key), key)
+        if own in out:
+            raise ConfigError(f"{section}.{said[own]} and {section}.{key} both set {section}.{own}; keep one")
+        out[own], said[own] = raw, key
+    return out
 
 
 def parse_set(item: str) -> dict:
@@ -378,7 +416,7 @@ def parse_set(item: str) -> dict:
     if len(parts) != 2:
         raise ConfigError(f"--set key must look like section.key, got {key!r}")
     section = _section_class(parts[0]) if parts[0] in _SECTIONS else None
-    default = getattr(section(), parts[1], None) if section else None
+    default = getattr(section(), ALIASES.get((parts[0], parts[1]), parts[1]), None) if section else None
     # String keys take the text as written: YAML would turn "1:0.4" into 60.4 (sexagesimal) or "off" into False.
     if isinstance(default, str):
         return {parts[0]: {parts[1]: raw}}
@@ -542,6 +580,8 @@ def help_text() -> str:
             default = getattr(getattr(defaults, name), f.name)
             lines.append(f"    {name}.{f.name} = {default!r}")
             lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
+    lines.append("\n  Also accepted, with the same meaning (kohya sd-scripts / SimpleTuner names):")
+    lines += [f"    {section}.{alias} -> {section}.{own}" for (section, alias), own in ALIASES.items()]
     return "\n".join(lines)
 
 

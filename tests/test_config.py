@@ -109,3 +109,17 @@ def test_a_resolution_in_another_tools_units_is_refused_with_a_hint(items, hint)
     """SimpleTuner's resolution_type=area counts megapixels: 1.0 once trained 16x16 buckets here, silently."""
     with pytest.raises(config.ConfigError, match=hint):
         config.load(None, items)
+
+
+def test_kohya_and_simpletuner_names_are_aliases(tmp_path):
+    f = tmp_path / "kohya.yaml"
+    f.write_text("train: {network_dim: 16, network_alpha: 8, lr_warmup_steps: 5, lr_scheduler: cosine}\n"
+                 "data: {bucket_reso_steps: 32}\n")  # fmt: skip
+    cfg = config.load(str(f), ["train.checkpointing_steps=50"])
+    assert (cfg.train.rank, cfg.train.alpha, cfg.train.warmup_steps) == (16, 8.0, 5)
+    assert (cfg.data.bucket_step, cfg.train.checkpoint_every) == (32, 50)
+    with pytest.raises(config.ConfigError, match="train.rank and train.lora_rank both set train.rank"):
+        config.apply(config.JobConfig(), {"train": {"rank": 4, "lora_rank": 8}})
+    assert all(own in {f.name for f in dataclasses.fields(config._section_class(section))}
+               for (section, _), own in config.ALIASES.items())  # fmt: skip
+    assert "train.network_dim -> train.rank" in config.help_text()
