@@ -3,36 +3,16 @@
 SimpleTuner once allowed an image directory equal to its cache directory; a cache clear then deleted training
 data. rayflux refuses such a configuration before any Ray work starts.
 
-Paths are compared in a canonical form:
-
-- local paths are made absolute with ``~``, symlinks, ``..`` and trailing slashes resolved (``file://`` URIs are
-  local paths too);
-- object-store URIs (``s3://bucket/prefix``) compare by scheme, bucket and key, with empty, ``.`` and ``..`` segments
-  folded, so ``s3://b/data/`` and ``s3://b//data/x/..`` are the same prefix.
+Paths are compared in :func:`rayflux.storage.canonical` form (the same one cache identities use).
 """
 
 from __future__ import annotations
-
-import posixpath
 
 from rayflux import storage
 
 
 class PathOverlapError(ValueError):
     """Two directories that must be disjoint overlap."""
-
-
-def canonical(path: str) -> str:
-    """The comparable form of a local path or URI (see the module docstring)."""
-    if path.startswith("file://"):
-        return storage.canonical(path[len("file://") :])
-    if not storage.is_uri(path):
-        return storage.canonical(path)
-    scheme, rest = path.split("://", 1)
-    bucket, _, key = rest.partition("/")
-    # normpath folds "a//b", "a/./b" and "a/x/../b"; a ".." above the bucket root stays at the root.
-    folded = posixpath.normpath("/" + key).lstrip("/")
-    return f"{scheme.lower()}://{bucket}" + (f"/{folded}" if folded else "")
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -60,11 +40,11 @@ def check_disjoint(images_dir: str, images_key: str = "data.images_dir", **other
     ``others`` maps a config key (``cache.dir``) to its path, and ``images_key`` is the key ``images_dir`` came from.
     Empty paths are ignored. The message names both keys and both paths, as given and as resolved.
     """
-    img = canonical(images_dir)
+    img = storage.canonical(images_dir)
     for label, other in others.items():
         if not other:
             continue
-        resolved = canonical(other)
+        resolved = storage.canonical(other)
         how = overlap(resolved, img)
         if how:
             raise PathOverlapError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import posixpath
 from pathlib import Path
 
 import pyarrow as pa
@@ -77,12 +78,20 @@ def to_uri(like: str, fs_path: str) -> str:
 
 
 def canonical(path: str) -> str:
-    """A comparable form of a path or URI: absolute, symlinks resolved, no trailing slash."""
-    if is_uri(path):
-        scheme, rest = path.split("://", 1)
-        parts = [p for p in rest.split("/") if p not in ("", ".")]
-        return f"{scheme.lower()}://" + "/".join(parts)
-    return str(Path(path).expanduser().resolve())
+    """The one comparable form of a local path or URI, for overlap checks and cache identities.
+
+    Local paths (and ``file://`` URIs) are made absolute with ``~``, symlinks, ``..`` and trailing slashes resolved.
+    Object-store URIs keep scheme (lower case), bucket and key, with empty, ``.`` and ``..`` segments folded, so
+    ``s3://b/data/`` and ``s3://b//data/x/..`` are the same prefix; a ``..`` above the bucket stays at the bucket.
+    """
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    if not is_uri(path):
+        return str(Path(path).expanduser().resolve())
+    scheme, rest = path.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    folded = posixpath.normpath("/" + key).lstrip("/")  # normpath folds "a//b", "a/./b" and "a/x/../b"
+    return f"{scheme.lower()}://{bucket}" + (f"/{folded}" if folded else "")
 
 
 def join(base: str, *parts: str) -> str:

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from rayflux.paths import PathOverlapError, canonical, check_disjoint
+from rayflux.paths import PathOverlapError, check_disjoint
+from rayflux.storage import canonical
 
 
 def _refusal(images: str, cache: str) -> str:
