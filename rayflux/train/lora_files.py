@@ -57,21 +57,21 @@ def _architecture(model_path: str, revision: str) -> str:
     return "flux-1-dev" if guided else "flux-1-schnell"
 
 
-def caption_tags(caption: str) -> list[str]:
-    """A caption's tags as sd-scripts counts them: comma-separated, stripped, empty ones left out."""
-    return [t.strip() for t in caption.split(",") if t.strip()]
-
-
 @cache
 def tag_frequency(text_files: tuple[str, ...]) -> dict[str, int]:
-    """The ``MAX_TAGS`` most frequent tags over the cached captions (one read of the caption column per file)."""
+    """The ``MAX_TAGS`` most frequent tags over the cached captions: the caption column of each file, split and
+    counted with Arrow compute (no Python loop per caption: a million captions take seconds, once per process)."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     counts: Counter = Counter()
     for path in text_files:
         fs, inner = storage.resolve(path)
-        for caption in pq.read_table(inner, columns=["caption"], filesystem=fs).column("caption").to_pylist():
-            counts.update(caption_tags(caption or ""))
+        column = pq.read_table(inner, columns=["caption"], filesystem=fs).column("caption")
+        tags = pc.utf8_trim_whitespace(pc.list_flatten(pc.split_pattern(column.combine_chunks(), ",")))
+        tags = tags.filter(pc.not_equal(tags, ""))
+        for entry in pc.value_counts(tags).to_pylist():
+            counts[entry["values"]] += entry["counts"]
     return dict(counts.most_common(MAX_TAGS))
 
 
