@@ -4,6 +4,7 @@
 - ``data check <config.yaml>``: the dataset doctor; discovery, captions, buckets and path safety, no encoding.
 - ``cluster runtime-env <file>``: a runtime_env YAML as JSON for ``ray job submit``, with secrets from the environment.
 - ``cluster spot-guard``: on a worker node, drain it for Ray Train as soon as EC2 announces a spot reclaim.
+- ``plan [--config FILE] [--set KEY=VALUE ...]``: trainable parameters per LoRA preset and the GPU memory estimate.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ COMMANDS = {
     ("data", "check"): "rayflux.doctor",
     ("cluster", "runtime-env"): "rayflux.cluster.runtime_env",
     ("cluster", "spot-guard"): "rayflux.cluster.spot_guard",
+    ("plan",): "rayflux.plan",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    key = tuple(argv[:2])
-    if key not in COMMANDS:
+    key = next((k for k in COMMANDS if tuple(argv[: len(k)]) == k), None)
+    if key is None:
         names = ", ".join(" ".join(k) for k in COMMANDS)
         print(f"usage: python -m rayflux <command> ...; commands: {names}", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[key]).main(argv[2:])
+    return importlib.import_module(COMMANDS[key]).main(argv[len(key) :])
 
 
 if __name__ == "__main__":

@@ -101,7 +101,10 @@ class ModelConfig:
     revision: str = ""
     """Hub revision, when ``path`` is a hub id."""
     dtype: str = "auto"
-    """Weight dtype for the frozen parts: ``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16``, ``float16``, ``float32``."""
+    """Weight dtype for the frozen parts: ``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16`` or ``float32``. Not
+    ``float16``: FLUX's transformer and T5 overflow in it."""
+    vae_dtype: str = ""
+    """The VAE's dtype in the cache stage, when it should differ from ``dtype`` (``float16`` is allowed here)."""
 
 
 @dataclass
@@ -198,8 +201,9 @@ class TrainConfig:
     """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
     mixed_precision: str = "auto"
     """``auto`` (bf16 autocast on GPU, fp32 on CPU), ``bf16`` (autocast everywhere) or ``fp32`` (no autocast)."""
-    gradient_checkpointing: bool = False
-    """Recompute transformer block activations in the backward pass: less memory, about 30% more time."""
+    gradient_checkpointing: Any = "auto"
+    """Recompute block activations in the backward pass: ``auto`` (on for GPU runs at 768 px or more, or when the
+    memory estimate printed at start exceeds 90% of the GPU), ``true`` or ``false``."""
     rank: int = 4
     """LoRA rank."""
     alpha: float = 4.0
@@ -430,6 +434,7 @@ def resource_map(key: str, value: Any) -> dict[str, float]:
 
 _CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("model", "vae_dtype"): ("", "auto", "bfloat16", "float16", "float32"),
     ("cache", "dtype"): ("float32", "float16", "bfloat16"),
     ("train", "use_gpu"): ("auto", "true", "false"),
     ("cache", "use_gpu"): ("auto", "true", "false"),
@@ -491,9 +496,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.resize_check_seconds must be >= 0")
     resource_map("train.worker_resources", cfg.train.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
-    from rayflux.cache.fit import check_config  # it builds on this module's types
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
+                          "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
+    from rayflux.cache.fit import check_config  # these build on this module's types
+    from rayflux.plan import checkpointing_setting
 
     check_config(cfg)
+    cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
     from rayflux.datasets import datasets_of  # it builds on this module's types

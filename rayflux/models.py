@@ -10,11 +10,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rayflux import storage
 from rayflux.config import ModelConfig
 
 
-def resolve_path(cfg: ModelConfig) -> str:
-    """The directory or hub id to load. An empty ``model.path`` means the embedded tiny model, built if missing."""
+def resolve_path(cfg: ModelConfig, configs_only: bool = False) -> str:
+    """The directory or hub id to load. An empty ``model.path`` means the embedded tiny model, built if missing; a
+    URI (``s3://...``) is copied to node-local disk once per node (only its config files when ``configs_only``)."""
+    if cfg.path and storage.is_uri(cfg.path):
+        from rayflux import model_sync
+
+        return model_sync.local_dir(cfg.path, configs_only)
     if cfg.path:
         return cfg.path
     from rayflux.testing.tiny import ensure_tiny_model
@@ -90,8 +96,35 @@ def _load_config(path: str, cfg: ModelConfig, subfolder: str) -> dict:
     return dict(AutoencoderKL.load_config(path, **_kwargs(cfg, subfolder)))
 
 
+def _looks_local(path: str) -> bool:
+    """A path, not a hub id (``org/name``) or URI: absolute, relative with ./ or ../, or home-relative."""
+    return path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+
+
+def read_config(cfg: ModelConfig, subfolder: str) -> dict:
+    """One part's ``config.json``, read here (on the driver). A local ``model.path`` must therefore exist on the
+    machine that runs the job's driver as well as on the workers."""
+    path = resolve_path(cfg, configs_only=True)
+    if _looks_local(path) and not Path(path).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"model.path={path}: no such directory on this machine; the job reads the model's configs on the driver "
+            "(the head node), so a local model.path must exist there too (or use a hub id)"
+        )
+    return _load_config(path, cfg, subfolder)
+
+
 def _weights_signature(path: str, subfolders: list[str]) -> list:
-    """Names and sizes of local weight files; cheap, and changes whenever the weights are replaced."""
+    """Names and sizes of weight files (local or in object storage); cheap, and changes whenever they are replaced."""
+    if storage.is_uri(path):
+        import pyarrow.fs as pafs
+
+        fs, inner = storage.resolve(path)
+        return sorted(
+            [sub, i.base_name, i.size]
+            for sub in subfolders
+            for i in fs.get_file_info(pafs.FileSelector(f"{inner}/{sub}", allow_not_found=True))
+            if i.base_name.endswith(".safetensors")
+        )
     root = Path(path)
     if not root.is_dir():
         return []
@@ -103,11 +136,8 @@ def _weights_signature(path: str, subfolders: list[str]) -> list:
 
 
 def model_facts(cfg: ModelConfig) -> ModelFacts:
-    path = resolve_path(cfg)
-    vae = _load_config(path, cfg, "vae")
-    transformer = _load_config(path, cfg, "transformer")
-    clip = _load_config(path, cfg, "text_encoder")
-    t5 = _load_config(path, cfg, "text_encoder_2")
+    path = cfg.path if storage.is_uri(cfg.path) else resolve_path(cfg)
+    vae, transformer, clip, t5 = (read_config(cfg, s) for s in ("vae", "transformer", "text_encoder", "text_encoder_2"))
     # FLUX.1-schnell was distilled with 256 T5 tokens and dev with 512; guidance_embeds tells them apart.
     guidance = bool(transformer.get("guidance_embeds", False))
     t5_len = 512 if guidance else 256

@@ -62,7 +62,8 @@ class VaeEncoder:
         from rayflux import models
 
         self.device = models.default_device()
-        self.vae = models.load_vae(self.model, self.device, models.torch_dtype(self.model.dtype, self.device))
+        dtype = models.torch_dtype(self.model.vae_dtype or self.model.dtype, self.device)
+        self.vae = models.load_vae(self.model, self.device, dtype)
         self.shift = float(self.vae.config.shift_factor or 0.0)
         self.scale = float(self.vae.config.scaling_factor)
 
