@@ -47,18 +47,22 @@ class LoraTrainer:
     """The transformer with its LoRA adapter, AdamW and the LR schedule over ``total_steps`` optimizer steps.
 
     ``wrap`` turns the transformer into the module the forward pass goes through (Ray Train's ``prepare_model``,
-    i.e. DDP with several workers); in-process it is the transformer itself.
+    i.e. DDP with several workers); in-process it is the transformer itself. ``transformer``, when given, is used
+    instead of loading ``model.path`` (already on ``device`` in the weight dtype).
     """
 
     def __init__(self, cfg: JobConfig, device, total_steps: int, rank: int = 0, empty: EmptyCaption | None = None,
-                 wrap=None):  # fmt: skip
+                 wrap=None, transformer=None):  # fmt: skip
         t = cfg.train
         self.cfg, self.device, self.empty = cfg, torch.device(device), empty
         self.dtype = models.torch_dtype(cfg.model.dtype, self.device.type)
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
-        self.transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+        # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
+        if transformer is None:
+            transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+        self.transformer = transformer
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
         if t.output_format == "kohya":
             kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules))
