@@ -2,8 +2,8 @@
 
 The pipeline borrows the training transformer (adapter attached, so the images show the current LoRA). The first
 render loads both text encoders once, encodes the prompts and drops them again: that is the one moment a training
-process holds text encoders, and later renders reuse the embeddings (and the VAE) instead of loading from
-``model.path`` again while the other ranks wait. Rendering runs under a forked RNG, so it never shifts the
+process holds text encoders, and later renders reuse the embeddings instead of loading them from ``model.path``
+again while the other ranks wait. The small VAE is loaded for each render and freed after it. Rendering runs under a forked RNG, so it never shifts the
 random stream training draws from (a run with validation images trains exactly like one without).
 """
 
@@ -41,15 +41,14 @@ def image_size(cfg: JobConfig) -> int:
 
 
 _PREPARED: dict = {}
-"""This process's validation inputs, filled by the first render: the prompts' embeddings, the VAE and the
-scheduler, keyed by everything they depend on."""
+"""This process's validation prompt embeddings, filled by the first render, keyed by everything they depend on."""
 text_encoder_loads = 0
 """How many times this process has loaded the text encoders for validation (once per run)."""
 
 
-def _prepared(cfg: JobConfig, device, dtype) -> tuple[list, dict]:
-    """The validation prompts' (T5, CLIP pooled) embeddings and the VAE and scheduler. The first call loads the
-    text encoders, encodes every prompt and drops them; later renders never touch them again."""
+def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
+    """The validation prompts' (T5, CLIP pooled) embeddings. The first call loads the text encoders, encodes every
+    prompt and drops them; later renders never touch them again."""
     global text_encoder_loads
     from diffusers import FluxPipeline
 
@@ -59,34 +58,37 @@ def _prepared(cfg: JobConfig, device, dtype) -> tuple[list, dict]:
     key = (path, cfg.model.revision, tuple(t.validation_prompts), str(device), str(dtype), length)
     if key not in _PREPARED:
         extra = {"revision": cfg.model.revision} if cfg.model.revision else {}
-        pipe = FluxPipeline.from_pretrained(path, transformer=None, torch_dtype=dtype, **extra).to(device)
+        pipe = FluxPipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **extra).to(device)
         text_encoder_loads += 1
         with torch.inference_mode():
             embeds = [pipe.encode_prompt(p, p, device=device, max_sequence_length=length)[:2]
                       for p in t.validation_prompts]  # fmt: skip
-        parts = {"vae": pipe.vae, "scheduler": pipe.scheduler}
         del pipe
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         _PREPARED.clear()
-        _PREPARED[key] = ([(e.clone(), p.clone()) for e, p in embeds], parts)
+        _PREPARED[key] = [(e.clone(), p.clone()) for e, p in embeds]
     return _PREPARED[key]
 
 
 def render(transformer, cfg: JobConfig, device, dtype) -> list:
     """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
-    from diffusers import FluxPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     t = cfg.train
+    extra = {"subfolder": "scheduler", **({"revision": cfg.model.revision} if cfg.model.revision else {})}
     device = torch.device(device)
     size = image_size(cfg)
     was_training = transformer.training
     forked = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):
-        embeds, parts = _prepared(cfg, device, dtype)
-        pipe = FluxPipeline(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-                            transformer=transformer, **parts)  # fmt: skip
+        embeds = _prompt_embeddings(cfg, device, dtype)
+        # The VAE (small, from local files after the first load) is loaded per render and freed after it, so
+        # training never holds an encoder between renders.
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(models.resolve_path(cfg.model), **extra)
+        pipe = FluxPipeline(scheduler=scheduler, vae=models.load_vae(cfg.model, str(device), dtype), text_encoder=None,
+                            tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)  # fmt: skip
         pipe.set_progress_bar_config(disable=True)
         transformer.eval()
         try:
@@ -105,6 +107,9 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         finally:
             transformer.train(was_training)
             del pipe
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return images
 
 
