@@ -1,13 +1,18 @@
-"""Cache-stage efficiency and actor scaling, measured side by side in one run on CPU.
+"""Cache stage with the job's defaults against the plain PyTorch loop a user would write, as whole processes.
 
-    python benchmarks/bench_cache.py [--images 12] [--resolution 512]
+    python benchmarks/bench_cache.py [--images 32] [--resolution 256] [--rounds 3]
 
-1. Efficiency: images/s of the rayflux cache stage (Ray Data, one VAE actor) divided by images/s of a bare PyTorch
-   loop that decodes, crops and encodes the same images with the same models and the same thread count.
-2. Scaling: images/s with two VAE actors divided by one.
+Each round runs, one after the other and each as a fresh ``python`` process timed from start to exit:
 
-The VAE has FLUX.1's real architecture (16 latent channels, 128-512 wide blocks) with random weights; the text
-encoders are tiny, as the bare loop's are, so both sides do the same work. Both timings include loading the models.
+- **loop**: load the VAE and text encoders, decode, crop and resize every image, encode them in batches of the job's
+  ``cache.batch_size`` with torch's default threads, and encode every unique caption once;
+- **job**: ``python jobs/train_flux.py --only cache`` with its defaults (its own local Ray, the encoder pools sized
+  by ``cache.vae_actors=auto``), on the same model and images.
+
+Rounds alternate the order, so a burst of load from elsewhere on the machine hits both sides. The ratio is loop
+seconds / job seconds (1.0: the job is as fast as the loop); the median and range over rounds are printed. The VAE
+has FLUX.1's real architecture (16 latent channels, 128-512 wide blocks) with random weights; the text encoders are
+the tiny test ones on both sides.
 """
 
 from __future__ import annotations
@@ -15,17 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def bare_loop(model_dir: str, image_paths: list[Path], resolution: int, threads: int) -> float:
-    """Seconds for a plain loop: load models, then decode, crop, resize and encode every image and caption."""
+def plain_loop(model_dir: str, images_dir: str, resolution: int, batch_size: int) -> None:
+    """What a user writes by hand: one process, torch's default threads, the job's batch size."""
     import numpy as np
     import torch
     from PIL import Image
@@ -33,91 +41,80 @@ def bare_loop(model_dir: str, image_paths: list[Path], resolution: int, threads:
     from rayflux import buckets, models
     from rayflux.config import ModelConfig
 
-    torch.set_num_threads(threads)
-    t0 = time.perf_counter()
     cfg = ModelConfig(path=model_dir)
     vae = models.load_vae(cfg, "cpu", torch.float32)
     clip_tok, clip, t5_tok, t5 = models.load_text_encoders(cfg, "cpu", torch.float32)
     spec = buckets.BucketSpec(resolution=resolution, latent_channels=16)
-    captions = set()
-    for path in image_paths:
+    paths = sorted(Path(images_dir).glob("*.png"))
+    groups: dict = {}
+    for path in paths:
         img = Image.open(path).convert("RGB")
         p = buckets.plan(*img.size, spec)
         img = img.resize((p.target_width, p.target_height), Image.Resampling.LANCZOS, box=p.crop_box)
-        x = torch.from_numpy(np.asarray(img)).permute(2, 0, 1)[None].float() / 127.5 - 1
-        with torch.inference_mode():
-            dist = vae.encode(x).latent_dist
-            z = (dist.sample() - vae.config.shift_factor) * vae.config.scaling_factor
-        z.contiguous().numpy().tobytes()
-        captions.add(path.with_suffix(".txt").read_text().strip())
+        groups.setdefault(img.size, []).append(np.asarray(img))
     with torch.inference_mode():
-        for c in sorted(captions | {""}):
-            clip(clip_tok([c], padding="max_length", max_length=77, return_tensors="pt").input_ids)
-            t5(t5_tok([c], padding="max_length", max_length=512, return_tensors="pt").input_ids)
-    return time.perf_counter() - t0
+        for arrays in groups.values():
+            for i in range(0, len(arrays), batch_size):
+                x = torch.from_numpy(np.stack(arrays[i : i + batch_size])).permute(0, 3, 1, 2).float() / 127.5 - 1
+                dist = vae.encode(x).latent_dist
+                z = (dist.sample() - vae.config.shift_factor) * vae.config.scaling_factor
+                [z[j].contiguous().numpy().tobytes() for j in range(z.shape[0])]
+        captions = sorted({p.with_suffix(".txt").read_text().strip() for p in paths} | {""})
+        for c in captions:
+            clip(clip_tok([c], padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids)
+            t5(t5_tok([c], padding="max_length", max_length=512, truncation=True, return_tensors="pt").input_ids)
 
 
-def cache_stage(
-    model_dir: str, images_dir: str, out: str, resolution: int, vae_actors: int, actor_cpus: float
-) -> float:
-    """Seconds for the rayflux cache stage (discover, prepare, encode, write, commit)."""
-    from rayflux import config, models
-    from rayflux.cache.stage import build_generation
-    from rayflux.sources import discover
-
-    cfg = config.load(
-        None,
-        [f"model.path={model_dir}", f"data.images_dir={images_dir}", f"data.resolution={resolution}",
-         f"cache.vae_actors={vae_actors}", f"cache.actor_cpus={actor_cpus}", "cache.batch_size=1"],
-    )  # fmt: skip
+def _timed(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    facts = models.model_facts(cfg.model)
-    discovery = discover(cfg.data)
-    manifest = build_generation(cfg, facts, discovery, out, 0, 0, False)
-    assert manifest["cached"] == discovery.discovered
-    return time.perf_counter() - t0
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return seconds
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=12)
-    ap.add_argument("--resolution", type=int, default=512)
-    ap.add_argument("--actor-cpus", type=float, default=0.75,
-                    help="cache.actor_cpus: two actors of 0.75 CPU leave 0.5 of a 2-CPU Ray for preparing and writing")
+    ap.add_argument("--images", type=int, default=32)
+    ap.add_argument("--resolution", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], help="extra job settings, e.g. cache.vae_actors=2")
+    ap.add_argument("--loop", nargs=2, metavar=("MODEL", "IMAGES"), help=argparse.SUPPRESS)  # one loop process
     args = ap.parse_args()
 
-    import ray
-    from ray.data import DataContext
+    from rayflux.config import CacheConfig
+
+    batch = CacheConfig().batch_size
+    if args.loop:
+        plain_loop(args.loop[0], args.loop[1], args.resolution, batch)
+        return 0
 
     from rayflux.testing.images import write_images
     from rayflux.testing.tiny import TinySpec, write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     model_dir = str(write_tiny_model(work / "model", TinySpec(flux_vae=True)))
-    paths = write_images(work / "images", sizes=[(args.resolution, args.resolution)] * args.images)
+    images = work / "images"
+    write_images(images, sizes=[(args.resolution, args.resolution)] * args.images)
+    loop_cmd = [sys.executable, __file__, "--resolution", str(args.resolution), "--loop", model_dir, str(images)]
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    DataContext.get_current().enable_progress_bars = False
-    try:
-        # Warm the page cache and imports on both sides before timing.
-        cache_stage(model_dir, str(work / "images"), str(work / "warm"), args.resolution, 1, args.actor_cpus)
-        t_bare = bare_loop(model_dir, paths, args.resolution, threads=1)
-        t_one = cache_stage(model_dir, str(work / "images"), str(work / "one"), args.resolution, 1, args.actor_cpus)
-        t_two = cache_stage(model_dir, str(work / "images"), str(work / "two"), args.resolution, 2, args.actor_cpus)
-    finally:
-        ray.shutdown()
-    n = args.images
-    result = {
-        "images": n,
-        "resolution": args.resolution,
-        "actor_cpus": args.actor_cpus,
-        "bare_images_per_s": round(n / t_bare, 3),
-        "stage_1_actor_images_per_s": round(n / t_one, 3),
-        "stage_2_actors_images_per_s": round(n / t_two, 3),
-        "efficiency_stage_over_bare": round(t_bare / t_one, 3),
-        "scaling_2_over_1_actor": round(t_one / t_two, 3),
-    }
-    print(json.dumps(result, indent=1))
+    def job_cmd(r: int) -> list[str]:
+        sets = [f"model.path={model_dir}", f"data.images_dir={images}", f"data.resolution={args.resolution}",
+                f"run.output_dir={work / f'run{r}'}", "run.ray_address=local", *args.set]  # fmt: skip
+        return [sys.executable, "jobs/train_flux.py", "--only", "cache", *(x for s in sets for x in ("--set", s))]
+
+    _timed(loop_cmd)  # warm the page cache and imports once, untimed
+    rounds = []
+    for r in range(args.rounds):
+        sides = [("loop", loop_cmd), ("job", job_cmd(r))]
+        times = dict((name, _timed(cmd)) for name, cmd in (sides if r % 2 == 0 else sides[::-1]))
+        rounds.append({**{k: round(v, 1) for k, v in times.items()}, "ratio": round(times["loop"] / times["job"], 3)})
+        print(json.dumps({"round": r, **rounds[-1]}), flush=True)
+    ratios = [x["ratio"] for x in rounds]
+    print(json.dumps({"images": args.images, "resolution": args.resolution, "batch_size": batch,
+                      "job_settings": args.set, "threads_loop": os.cpu_count(),
+                      "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}))  # fmt: skip
     return 0
 
 

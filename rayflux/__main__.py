@@ -13,6 +13,7 @@ COMMANDS = {
     ("data", "check"): ("rayflux.doctor", "the dataset doctor: discovery, captions, buckets and path safety"),
     ("cluster", "runtime-env"): ("rayflux.cluster.runtime_env", "a runtime_env YAML as JSON for ray job submit"),
     ("cluster", "spot-guard"): ("rayflux.cluster.spot_guard", "on a worker node, drain it when EC2 reclaims a spot"),
+    ("plan",): ("rayflux.plan", "trainable parameters per LoRA preset and the GPU memory estimate"),
 }
 
 

@@ -106,7 +106,10 @@ class ModelConfig:
     revision: str = ""
     """Hub revision, when ``path`` is a hub id."""
     dtype: str = "auto"
-    """Weight dtype for the frozen parts: ``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16``, ``float16``, ``float32``."""
+    """Weight dtype for the frozen parts: ``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16`` or ``float32``. Not
+    ``float16``: FLUX's transformer and T5 overflow in it."""
+    vae_dtype: str = ""
+    """The VAE's dtype in the cache stage, when it should differ from ``dtype`` (``float16`` is allowed here)."""
 
 
 @dataclass
@@ -119,12 +122,21 @@ class CacheConfig:
     """Images per VAE call in an encoder actor."""
     text_batch_size: int = 16
     """Unique captions per text-encoder call."""
-    vae_actors: int = 1
-    """Largest number of VAE encoder actors (the pool scales from 1 up to this)."""
-    text_actors: int = 1
-    """Largest number of text encoder actors. Text work scales with unique captions, not images."""
-    actor_cpus: float = 1.0
-    """CPUs reserved by each encoder actor when there is no GPU."""
+    vae_actors: Any = "auto"
+    """VAE encoder actors: a number, all started at once, or ``auto``: one per ``cache.gpus_per_actor`` share of the
+    cluster's GPUs (scaling up to the autoscaler's maximum), or on a CPU-only cluster the CPUs that preparation and
+    writing leave, in actors of up to 8 CPUs. A request that cannot fit fails before the stage starts."""
+    text_actors: Any = "auto"
+    """Text encoder actors: a number or ``auto`` (as ``vae_actors`` on GPUs; one actor on CPU, as T5-XXL takes about
+    19 GB per copy there). Text work scales with unique captions, not images."""
+    actor_cpus: Any = "auto"
+    """CPUs reserved by each encoder actor: a number, or ``auto``: 1 with GPUs (or a named node type), else the
+    pool's share of the CPUs preparation and writing leave. Torch in the actor runs that many threads (rounded up)."""
+    gpus_per_actor: float = 1.0
+    """GPU share of each GPU encoder actor, e.g. 0.25 to run four VAE actors on one card; above 1, a whole number."""
+    stall_seconds: float = 600.0
+    """Fail a cache pipeline that makes no progress (no task output, no finished task) for this long, naming what
+    Ray Data reports as pending. Loading or downloading an encoder counts as no progress: raise it for slow hubs."""
     rows_per_shard: int = 256
     """Rows per Parquet shard file (a shard never mixes more than one writer's batch)."""
     dtype: str = "float32"
@@ -200,8 +212,9 @@ class TrainConfig:
     """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
     mixed_precision: str = "auto"
     """``auto`` (bf16 autocast on GPU, fp32 on CPU), ``bf16`` (autocast everywhere) or ``fp32`` (no autocast)."""
-    gradient_checkpointing: bool = False
-    """Recompute transformer block activations in the backward pass: less memory, about 30% more time."""
+    gradient_checkpointing: Any = "auto"
+    """Recompute block activations in the backward pass: ``auto`` (on for GPU runs at 768 px or more, or when the
+    memory estimate printed at start exceeds 90% of the GPU), ``true`` or ``false``."""
     rank: int = 4
     """LoRA rank."""
     alpha: float = 4.0
@@ -474,6 +487,7 @@ def resource_map(key: str, value: Any) -> dict[str, float]:
 
 _CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("model", "vae_dtype"): ("", "auto", "bfloat16", "float16", "float32"),
     ("cache", "dtype"): ("float32", "float16", "bfloat16"),
     ("train", "use_gpu"): ("auto", "true", "false"),
     ("cache", "use_gpu"): ("auto", "true", "false"),
@@ -488,8 +502,6 @@ _POSITIVE = {
     ("data", "max_image_pixels"),
     ("cache", "batch_size"),
     ("cache", "text_batch_size"),
-    ("cache", "vae_actors"),
-    ("cache", "text_actors"),
     ("cache", "rows_per_shard"),
     ("train", "epochs"),
     ("train", "batch_size"),
@@ -546,6 +558,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.resize_check_seconds must be >= 0")
     resource_map("train.worker_resources", cfg.train.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
+                          "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
+    from rayflux.cache.fit import check_config  # these build on this module's types
+    from rayflux.plan import checkpointing_setting
+
+    check_config(cfg)
+    cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
     from rayflux.datasets import datasets_of  # it builds on this module's types

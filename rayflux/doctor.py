@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
-from rayflux import buckets, config, datasets, paths, storage
+from rayflux import buckets, cli, config, datasets, paths, storage
 from rayflux.captions import CaptionError
 from rayflux.sources import discover_dataset
 
@@ -167,13 +166,11 @@ def render(report: Report) -> list[str]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m rayflux data check", description=__doc__.split("\n\n")[1])
     p.add_argument("config", nargs="?", help="job YAML file (the one given to train_flux.py --config)")
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override one key (repeatable)")
+    cli.add_set_arg(p)
     p.add_argument("--workers", type=int, default=0, help="decoding threads (default: up to 8)")
     args = p.parse_args(argv)
-    try:
-        cfg = config.load(args.config, args.set)
-    except (config.ConfigError, OSError) as exc:
-        print(f"rayflux: config error: {exc}", file=sys.stderr)
+    cfg = cli.load_config(args.config, args.set)
+    if cfg is None:
         return 2
     if not cfg.data.images_dir and not cfg.data.datasets:
         from rayflux.testing.images import ensure_demo_images

@@ -208,12 +208,14 @@ class _Stages:
         """Can generation g+1 be encoded while training runs? Only if both fit, with a CPU to spare for tasks."""
         import ray
 
+        from rayflux.cache.fit import actor_cpus
+
         total = ray.cluster_resources()
         workers = worker_range(self.cfg.train.num_workers)[1]
         cpu_left = total.get("CPU", 0) - workers * self.cfg.train.cpus_per_worker
         if self.use_gpu:
-            return total.get("GPU", 0) - workers >= 1 and cpu_left >= 2
-        return cpu_left >= self.cfg.cache.actor_cpus + 1
+            return total.get("GPU", 0) - workers >= self.cfg.cache.gpus_per_actor and cpu_left >= 2
+        return cpu_left >= (actor_cpus(self.cfg.cache.actor_cpus) or 1.0) + 1
 
 
 def run(cfg: JobConfig, only: str = "") -> Summary:

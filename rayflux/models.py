@@ -10,11 +10,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rayflux import storage
 from rayflux.config import ModelConfig
 
 
-def resolve_path(cfg: ModelConfig) -> str:
-    """The directory or hub id to load. An empty ``model.path`` means the embedded tiny model, built if missing."""
+def resolve_path(cfg: ModelConfig, configs_only: bool = False) -> str:
+    """The directory or hub id to load. An empty ``model.path`` means the embedded tiny model, built if missing; a
+    URI (``s3://...``) is copied to node-local disk once per node (only its config files when ``configs_only``)."""
+    if cfg.path and storage.is_uri(cfg.path):
+        from rayflux import model_sync
+
+        return model_sync.local_dir(cfg.path, configs_only)
     if cfg.path:
         return cfg.path
     from rayflux.testing.tiny import ensure_tiny_model
@@ -38,10 +44,29 @@ def torch_dtype(name: str, device: str):
     return getattr(torch, name)
 
 
+def choose_device(cuda_available: bool, in_ray_worker: bool, ray_gpu_ids: list) -> str:
+    """cuda only where this process holds a GPU. A Ray worker that reserved no GPU still sees the node's GPUs (Ray
+    2.60 leaves ``CUDA_VISIBLE_DEVICES`` alone for it), so there only Ray's GPU ids count."""
+    if not cuda_available:
+        return "cpu"
+    if in_ray_worker:
+        return "cuda" if ray_gpu_ids else "cpu"
+    return "cuda"
+
+
 def default_device() -> str:
+    """The device for this process: see :func:`choose_device`."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    in_worker, gpu_ids = False, []
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            in_worker, gpu_ids = True, list(ray.get_gpu_ids())
+    except ImportError:
+        pass
+    return choose_device(torch.cuda.is_available(), in_worker, gpu_ids)
 
 
 @dataclass(frozen=True)
@@ -71,8 +96,35 @@ def _load_config(path: str, cfg: ModelConfig, subfolder: str) -> dict:
     return dict(AutoencoderKL.load_config(path, **_kwargs(cfg, subfolder)))
 
 
+def _looks_local(path: str) -> bool:
+    """A path, not a hub id (``org/name``) or URI: absolute, relative with ./ or ../, or home-relative."""
+    return path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+
+
+def read_config(cfg: ModelConfig, subfolder: str) -> dict:
+    """One part's ``config.json``, read here (on the driver). A local ``model.path`` must therefore exist on the
+    machine that runs the job's driver as well as on the workers."""
+    path = resolve_path(cfg, configs_only=True)
+    if _looks_local(path) and not Path(path).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"model.path={path}: no such directory on this machine; the job reads the model's configs on the driver "
+            "(the head node), so a local model.path must exist there too (or use a hub id)"
+        )
+    return _load_config(path, cfg, subfolder)
+
+
 def _weights_signature(path: str, subfolders: list[str]) -> list:
-    """Names and sizes of local weight files; cheap, and changes whenever the weights are replaced."""
+    """Names and sizes of weight files (local or in object storage); cheap, and changes whenever they are replaced."""
+    if storage.is_uri(path):
+        import pyarrow.fs as pafs
+
+        fs, inner = storage.resolve(path)
+        return sorted(
+            [sub, i.base_name, i.size]
+            for sub in subfolders
+            for i in fs.get_file_info(pafs.FileSelector(f"{inner}/{sub}", allow_not_found=True))
+            if i.base_name.endswith(".safetensors")
+        )
     root = Path(path)
     if not root.is_dir():
         return []
@@ -106,12 +158,9 @@ def check_family(path: str) -> None:
 
 
 def model_facts(cfg: ModelConfig) -> ModelFacts:
-    path = resolve_path(cfg)
+    path = cfg.path if storage.is_uri(cfg.path) else resolve_path(cfg)
     check_family(path)
-    vae = _load_config(path, cfg, "vae")
-    transformer = _load_config(path, cfg, "transformer")
-    clip = _load_config(path, cfg, "text_encoder")
-    t5 = _load_config(path, cfg, "text_encoder_2")
+    vae, transformer, clip, t5 = (read_config(cfg, s) for s in ("vae", "transformer", "text_encoder", "text_encoder_2"))
     # FLUX.1-schnell was distilled with 256 T5 tokens and dev with 512; guidance_embeds tells them apart.
     guidance = bool(transformer.get("guidance_embeds", False))
     t5_len = 512 if guidance else 256

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from rayflux import config
-from rayflux.cache.stage import _resources
+from rayflux.cache import fit
 from rayflux.cluster import spot_guard
 from rayflux.train.stage import _use_gpu, run_config, scaling_config
 
@@ -111,12 +111,16 @@ def test_a_rerun_may_change_placement_but_not_training():
 
 
 def test_encoder_actors_can_target_another_node_type():
-    cpu = _resources(config.load(), use_gpu=False)
-    assert cpu == {"num_cpus": 1.0}
-    cheap = _resources(config.load(None, ["cache.accelerator_type=L4"]), use_gpu=False)
-    assert cheap == {"num_gpus": 1, "num_cpus": 1, "accelerator_type": "L4"}
-    custom = _resources(config.load(None, ["cache.actor_resources={encode_node: 1}", "cache.use_gpu=true"]), False)
-    assert custom == {"num_gpus": 1, "num_cpus": 1, "resources": {"encode_node": 1.0}}
+    head = fit.Capacity(now={"CPU": 2.0}, most=None, largest_node_cpus=2.0)
+
+    def resources(*items: str) -> dict:
+        cfg = config.load(None, list(items))
+        return fit.resources(cfg, fit.wants_gpu(cfg, cluster_has_gpus=False), head)
+
+    assert resources() == {"num_cpus": 1.25}
+    assert resources("cache.accelerator_type=L4") == {"num_gpus": 1.0, "num_cpus": 1.0, "accelerator_type": "L4"}
+    custom = resources("cache.actor_resources={encode_node: 1}", "cache.use_gpu=true")
+    assert custom == {"num_gpus": 1.0, "num_cpus": 1.0, "resources": {"encode_node": 1.0}}
 
 
 @pytest.mark.parametrize(

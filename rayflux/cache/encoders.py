@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 
 import numpy as np
 
@@ -22,9 +23,15 @@ def noise_seed(sample_id: str) -> int:
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def threads_for(cpus: float) -> int:
+    """Torch threads for a reservation of ``cpus``: rounded up, so an actor holding what preparation and writing
+    leave (1.25 of 2 CPUs) uses both cores while those short tasks are idle, and 0.75 CPU still gets one thread."""
+    return max(1, math.ceil(cpus - 1e-6))
+
+
 def match_threads_to_reservation() -> None:
-    """Run torch on as many threads as CPUs this actor reserved: an actor on 1 CPU that spins up a thread per core
-    fights its neighbours, and two such actors run no faster than one."""
+    """Run torch on as many threads as CPUs this actor reserved (:func:`threads_for`): an actor on 1 CPU that spins
+    up a thread per core fights its neighbours, and two such actors run no faster than one."""
     import ray
     import torch
 
@@ -32,8 +39,7 @@ def match_threads_to_reservation() -> None:
         return  # used directly in a driver (tests, benchmarks): leave torch's threads alone
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
     if cpus > 0:
-        # A fractional reservation (0.75 CPU leaves room beside two actors on a 2-core node) still gets one thread.
-        torch.set_num_threads(max(1, round(cpus)))
+        torch.set_num_threads(threads_for(cpus))
 
 
 class VaeEncoder:
@@ -56,7 +62,8 @@ class VaeEncoder:
         from rayflux import models
 
         self.device = models.default_device()
-        self.vae = models.load_vae(self.model, self.device, models.torch_dtype(self.model.dtype, self.device))
+        dtype = models.torch_dtype(self.model.vae_dtype or self.model.dtype, self.device)
+        self.vae = models.load_vae(self.model, self.device, dtype)
         self.shift = float(self.vae.config.shift_factor or 0.0)
         self.scale = float(self.vae.config.scaling_factor)
 

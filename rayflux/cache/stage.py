@@ -17,10 +17,10 @@ import uuid
 from dataclasses import dataclass
 
 from rayflux import buckets, datasets, storage
-from rayflux.cache import generations, reuse, shards, writer
+from rayflux.cache import fit, generations, reuse, shards, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
-from rayflux.config import ConfigError, DatasetConfig, JobConfig, resource_map
+from rayflux.config import ConfigError, DatasetConfig, JobConfig
 from rayflux.models import ModelFacts
 from rayflux.sources import Discovery, caption_id
 
@@ -86,18 +86,15 @@ def cache_key(cfg: JobConfig, facts: ModelFacts) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _resources(cfg: JobConfig, use_gpu: bool) -> dict:
-    """Ray options of every encoder actor. ``use_gpu`` says whether the cluster has GPUs right now; an accelerator
-    type or custom resource lets encoding target a cheaper GPU node type than training (see ``cluster.yaml``)."""
-    c = cfg.cache
-    gpu = {"auto": use_gpu or bool(c.accelerator_type), "true": True, "false": False}[c.use_gpu]
-    res: dict = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": c.actor_cpus}
-    if c.accelerator_type:
-        res["accelerator_type"] = c.accelerator_type
-    extra = resource_map("cache.actor_resources", c.actor_resources)
-    if extra:
-        res["resources"] = extra
-    return res
+def _fit_encoders(cfg: JobConfig, use_gpu: bool) -> tuple[JobConfig, dict]:
+    """Pre-flight: size the encoder pools to the cluster and refuse, at once, a request that can never fit. Returns
+    the config with ``cache.vae_actors``/``text_actors`` resolved to pool sizes, and each actor's Ray options."""
+    from ray.data import DataContext
+
+    res, vae, text = fit.plan(cfg, use_gpu)
+    DataContext.get_current().set_config(stall.STALL_CONFIG, cfg.cache.stall_seconds)
+    cache = dataclasses.replace(cfg.cache, vae_actors=vae, text_actors=text)
+    return dataclasses.replace(cfg, cache=cache), res
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ class _Build:
 def _collect(ds, strict: bool) -> list[dict]:
     """Stream the write tasks' metadata rows; raise on the first validation error (or bad input, when strict)."""
     out = []
-    for meta in ds.iter_rows():
+    for meta in stall.watch(ds.iter_rows()):
         if meta["error"]:
             raise shards.CacheShapeError(meta["error"])
         skipped = json.loads(meta.get("skipped") or "[]")
@@ -206,13 +203,13 @@ def _build_samples(b: _Build, discovery: Discovery, text_files: tuple[str, ...])
     return _collect(ds, strict=c.strict)
 
 
-def _pool(size: int):
-    """An encoder pool that asks for all ``size`` actors at once and may shrink to one when idle. Ray Data's default
-    start of one actor grows the pool only once a backlog builds, which on a short stage never happens, so a
-    second actor would sit unused."""
+def _pool(size: fit.PoolSize):
+    """An encoder pool that starts ``size.initial`` actors at once and scales between ``size.min`` and ``size.max``.
+    Ray Data's default start of one actor grows the pool only once a backlog builds, which on a short stage never
+    happens, so a second actor would sit unused."""
     from ray.data import ActorPoolStrategy
 
-    return ActorPoolStrategy(min_size=1, max_size=size, initial_size=size)
+    return ActorPoolStrategy(min_size=size.min, max_size=size.max, initial_size=size.initial)
 
 
 def _prepare_in_dataset(row: dict, specs: dict, **kwargs) -> dict:
@@ -242,7 +239,8 @@ def build_generation(
     specs = bucket_specs(cfg, facts)
     prev = reuse.load(previous)
     encode_id = uuid.uuid4().hex[:16]
-    b = _Build(cfg, facts, gen_dir, generation, seed, encode_id, _resources(cfg, use_gpu), prev)
+    run_cfg, resources = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
+    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, resources, prev)
 
     # The empty caption is always encoded: training uses it for caption dropout.
     captions = sorted({s.caption for s in discovery.sources} | {""})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import models
+from rayflux import datasets, models, plan
 from rayflux.config import JobConfig
 from rayflux.train import kohya, lora, optim, step
 from rayflux.train.step import EmptyCaption
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,31 +47,63 @@ class LoraTrainer:
     """The transformer with its LoRA adapter, AdamW and the LR schedule over ``total_steps`` optimizer steps.
 
     ``wrap`` turns the transformer into the module the forward pass goes through (Ray Train's ``prepare_model``,
-    i.e. DDP with several workers); in-process it is the transformer itself.
+    i.e. DDP with several workers); in-process it is the transformer itself. ``transformer``, when given, is used
+    instead of loading ``model.path`` (already on ``device`` in the weight dtype).
     """
 
     def __init__(self, cfg: JobConfig, device, total_steps: int, rank: int = 0, empty: EmptyCaption | None = None,
-                 wrap=None):  # fmt: skip
+                 wrap=None, transformer=None):  # fmt: skip
         t = cfg.train
         self.cfg, self.device, self.empty = cfg, torch.device(device), empty
         self.dtype = models.torch_dtype(cfg.model.dtype, self.device.type)
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
-        self.transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+        # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
+        if transformer is None:
+            transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+        self.transformer = transformer
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
         if t.output_format == "kohya":
             kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules))
         if t.init_lora:
             lora.init_from_file(self.transformer, t.init_lora)
-        if t.gradient_checkpointing:
+        self.checkpointing = self._plan_memory(rank)
+        if self.checkpointing:
             self.transformer.enable_gradient_checkpointing()
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.shift_config = models.shift_config(cfg.model)
         self.optimizer, self.scheduler = optim.build(self.params, t, total_steps)
+        if wrap:
+            exclude_frozen_from_ddp(self.transformer)
         self.model = wrap(self.transformer) if wrap else self.transformer
         self.model.train()
         seed_everything(worker_seed(t.seed, rank))
+
+    def _plan_memory(self, rank: int) -> bool:
+        """Decide ``train.gradient_checkpointing`` (``auto``: see :func:`rayflux.plan.gradient_checkpointing`) from
+        this run's memory estimate, and log the estimate once (rank 0)."""
+        t = self.cfg.train
+        on_gpu = self.device.type == "cuda"
+        device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
+        pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
+        trainable = sum(p.numel() for p in self.params)
+        frozen = sum(p.numel() for p in self.transformer.parameters()) - trainable
+        tc = dict(self.transformer.config)
+        sizes = (torch.finfo(self.dtype).bits // 8, torch.finfo(self.autocast or torch.float32).bits // 8)
+        without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes) for c in (False, True))
+        on = plan.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
+        if rank == 0:
+            used = with_ if on else without
+            log.info(
+                "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + AdamW %.2f GiB, activations "
+                "%.1f GiB (%.1f without checkpointing, %.1f with); gradient checkpointing %s (%s)%s",
+                pixels, t.batch_size, used.weights / plan.GIB, used.lora_optimizer / plan.GIB,
+                used.activations / plan.GIB, without.activations / plan.GIB, with_.activations / plan.GIB,
+                "on" if on else "off",
+                t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if on_gpu else "",
+            )  # fmt: skip
+        return on
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
         """Forward and backward every batch (gradients averaged over them), clip, then one optimizer step."""
@@ -101,6 +136,17 @@ class LoraTrainer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def exclude_frozen_from_ddp(module) -> list[str]:
+    """Leave every frozen parameter and every buffer out of DDP: its start-up broadcast (the whole 12B model from
+    rank 0 at each start, restart and resize) and its gradient all-reduce. Every rank loaded the same weights from
+    ``model.path``; only the LoRA trains, and it stays synchronised. Returns the names left out."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [n for n, p in module.named_parameters() if not p.requires_grad] + [n for n, _ in module.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    return names
 
 
 def seed_everything(seed: int) -> None:

@@ -1,8 +1,9 @@
 """Validation images: rank 0 renders the configured prompts with ``FluxPipeline`` and the LoRA being trained.
 
-The pipeline borrows the training transformer (adapter attached, so the images show the current LoRA) and loads
-the VAE and both text encoders only for the render; they are dropped again before training resumes. This is the
-one moment a training process holds text encoders. Rendering runs under a forked RNG, so it never shifts the
+The pipeline borrows the training transformer (adapter attached, so the images show the current LoRA). The first
+render loads both text encoders once, encodes the prompts and drops them again: that is the one moment a training
+process holds text encoders, and later renders reuse the embeddings instead of loading them from ``model.path``
+again while the other ranks wait. The small VAE is loaded for each render and freed after it. Rendering runs under a forked RNG, so it never shifts the
 random stream training draws from (a run with validation images trains exactly like one without).
 """
 
@@ -39,34 +40,69 @@ def image_size(cfg: JobConfig) -> int:
     return max(16, cfg.data.resolution // 16 * 16)
 
 
-def render(transformer, cfg: JobConfig, device, dtype) -> list:
-    """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
+_PREPARED: dict = {}
+"""This process's validation prompt embeddings, filled by the first render, keyed by everything they depend on."""
+text_encoder_loads = 0
+"""How many times this process has loaded the text encoders for validation (once per run)."""
+
+
+def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
+    """The validation prompts' (T5, CLIP pooled) embeddings. The first call loads the text encoders, encodes every
+    prompt and drops them; later renders never touch them again."""
+    global text_encoder_loads
     from diffusers import FluxPipeline
 
     t = cfg.train
+    length = models.model_facts(cfg.model).t5_max_length
+    path = models.resolve_path(cfg.model)
+    key = (path, cfg.model.revision, tuple(t.validation_prompts), str(device), str(dtype), length)
+    if key not in _PREPARED:
+        extra = {"revision": cfg.model.revision} if cfg.model.revision else {}
+        pipe = FluxPipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **extra).to(device)
+        text_encoder_loads += 1
+        with torch.inference_mode():
+            embeds = [pipe.encode_prompt(p, p, device=device, max_sequence_length=length)[:2]
+                      for p in t.validation_prompts]  # fmt: skip
+        del pipe
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _PREPARED.clear()
+        _PREPARED[key] = [(e.clone(), p.clone()) for e, p in embeds]
+    return _PREPARED[key]
+
+
+def render(transformer, cfg: JobConfig, device, dtype) -> list:
+    """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    t = cfg.train
+    extra = {"subfolder": "scheduler", **({"revision": cfg.model.revision} if cfg.model.revision else {})}
     device = torch.device(device)
     size = image_size(cfg)
-    extra = {"revision": cfg.model.revision} if cfg.model.revision else {}
     was_training = transformer.training
     forked = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):
-        pipe = FluxPipeline.from_pretrained(
-            models.resolve_path(cfg.model), transformer=transformer, torch_dtype=dtype, **extra
-        ).to(device)
+        embeds = _prompt_embeddings(cfg, device, dtype)
+        # The VAE (small, from local files after the first load) is loaded per render and freed after it, so
+        # training never holds an encoder between renders.
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(models.resolve_path(cfg.model), **extra)
+        pipe = FluxPipeline(scheduler=scheduler, vae=models.load_vae(cfg.model, str(device), dtype), text_encoder=None,
+                            tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)  # fmt: skip
         pipe.set_progress_bar_config(disable=True)
         transformer.eval()
         try:
             images = [
                 pipe(
-                    prompt,
+                    prompt_embeds=prompt,
+                    pooled_prompt_embeds=pooled,
                     height=size,
                     width=size,
                     num_inference_steps=t.validation_inference_steps,
                     guidance_scale=t.validation_guidance,
-                    max_sequence_length=models.model_facts(cfg.model).t5_max_length,
                     generator=torch.Generator().manual_seed(t.seed + i),
                 ).images[0]
-                for i, prompt in enumerate(t.validation_prompts)
+                for i, (prompt, pooled) in enumerate(embeds)
             ]
         finally:
             transformer.train(was_training)

@@ -1,0 +1,211 @@
+"""GPU throughput at FLUX.1-dev's real configuration, with random weights (nothing is downloaded).
+
+    python benchmarks/bench_gpu.py [--steps 10] [--json results.json]     # on a CUDA device
+    python benchmarks/bench_gpu.py --dry-run                              # CPU, tiny shapes: checks the script runs
+
+1. **LoRA step** (``LoraTrainer.train_step``, the job's own step: flow-matching loss, bf16 autocast, AdamW, clipping)
+   at 512 and 1024 px, batch 1 and 2, gradient checkpointing off and on: steps/s, samples/s, peak memory and MFU.
+   MFU = 6 x (transformer parameters) x (tokens per sample) x samples/s / the device's peak dense bf16 FLOP/s, where
+   tokens = (px/16)^2 image tokens + 512 text tokens: 2 FLOPs per parameter and token forward, 4 backward. It leaves
+   out attention's L^2 term and the recompute that checkpointing adds, so checkpointed runs read lower.
+2. **Job step vs bare step**: the same configuration through a plain hand-written loop (pack, noise, forward, MSE,
+   backward, ``AdamW.step``), as seconds per step of each and their ratio.
+3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16), alone and as ``--vae-procs`` processes
+   sharing the GPU (what ``cache.gpus_per_actor=0.25`` gives four actors); T5-XXL + CLIP-L encoding captions of 512
+   and 77 tokens (captions/s, bf16).
+
+Weights are random: speed and memory do not depend on their values. ``--dry-run`` runs every section on the CPU with
+tiny widths and two steps, so the script cannot rot unnoticed where no GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from rayflux import config, plan  # noqa: E402
+from rayflux.train import step  # noqa: E402
+from rayflux.train.trainer import LoraTrainer  # noqa: E402
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
+"""Dense bf16 peaks (NVIDIA data sheets, SXM parts); ``--peak-tflops`` overrides."""
+TINY = {**plan.FLUX1_DEV, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8],
+        "in_channels": 16}  # fmt: skip
+FLUX_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+            "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+            "layers_per_block": 2, "norm_num_groups": 32, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+            "use_quant_conv": False, "use_post_quant_conv": False}  # fmt: skip
+T5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "d_kv": 64, "vocab_size": 32128,
+          "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}  # fmt: skip
+CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+          "vocab_size": 49408, "max_position_embeddings": 77}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, n: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` over ``n`` calls, after one warm-up call."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> step.Batch:
+    g = torch.Generator().manual_seed(seed)
+    c, side = tc["in_channels"] // 4, px // 8
+    text = plan.text_tokens(tc)
+    return step.Batch(torch.randn(size, c, side, side, generator=g), torch.randn(size, text, tc["joint_attention_dim"],
+                      generator=g), torch.randn(size, tc["pooled_projection_dim"], generator=g), seed)  # fmt: skip
+
+
+def _transformer(tc: dict, device: torch.device, dtype: torch.dtype):
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device(device):
+        return FluxTransformer2DModel(**tc).to(dtype)
+
+
+def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtype: torch.dtype) -> None:
+    """What a user writes by hand: flow-matching loss with uniform sigmas, backward, AdamW."""
+    from rayflux.train import flow
+
+    x = batch.latents.to(device)
+    b, _, h, w = x.shape
+    noise = torch.randn_like(x)
+    sig = torch.rand(b, device=device)
+    noisy = flow.pack((1 - sig[:, None, None, None]) * x + sig[:, None, None, None] * noise).to(dtype)
+    with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+        pred = model(hidden_states=noisy, encoder_hidden_states=batch.t5.to(device, dtype),
+                     pooled_projections=batch.clip.to(device, dtype), timestep=sig.to(dtype),
+                     img_ids=flow.image_ids(h, w, device, dtype), txt_ids=flow.text_ids(batch.t5.shape[1], device, dtype),
+                     guidance=torch.ones(b, device=device, dtype=dtype), return_dict=False)[0]  # fmt: skip
+    loss = torch.nn.functional.mse_loss(pred.float(), flow.pack(noise - x))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def lora_steps(tc: dict, device: torch.device, grid: list, steps: int, peak: float) -> list[dict]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for px, batch, ckpt in grid:
+        cfg = config.load(None, ["train.rank=16", f"train.gradient_checkpointing={str(ckpt).lower()}",
+                                 f"data.resolution={px}", f"train.batch_size={batch}"])  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer = LoraTrainer(cfg, device, total_steps=steps + 2, transformer=_transformer(tc, device, dtype))
+        batches = [_batch(tc, px, batch, device, s) for s in range(2)]
+        seconds = _timed(lambda: trainer.train_step(batches[:1]), steps, device)
+        params = sum(p.numel() for p in trainer.transformer.parameters())
+        tokens = plan.tokens(tc, px)
+        bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
+        bare = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps,
+                      device)  # fmt: skip
+        rows.append({
+            "px": px, "batch": batch, "checkpointing": ckpt, "steps_per_s": round(1 / seconds, 3),
+            "samples_per_s": round(batch / seconds, 3),
+            "peak_gib": round(torch.cuda.max_memory_allocated(device) / plan.GIB, 1) if device.type == "cuda" else None,
+            "mfu": round(6 * params * tokens * batch / seconds / (peak * 1e12), 3) if peak else None,
+            "job_s_per_step": round(seconds, 4), "bare_s_per_step": round(bare, 4), "job_over_bare": round(seconds / bare, 3),
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        del trainer, bare_opt
+    return rows
+
+
+def _vae_worker(vae_cfg: dict, px: int, batch: int, n: int, device: str, out) -> None:
+    from diffusers import AutoencoderKL
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    vae = AutoencoderKL(**vae_cfg).to(dev, dtype).eval()
+    x = torch.randn(batch, 3, px, px, device=dev, dtype=dtype)
+    with torch.inference_mode():
+        out.put(batch / _timed(lambda: vae.encode(x).latent_dist.mean, n, dev))
+
+
+def vae_encode(vae_cfg: dict, device: torch.device, px: int, batch: int, n: int, procs: int) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_vae_worker, args=(vae_cfg, px, batch, n, str(device), out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    rates = [out.get() for _ in workers]
+    for w in workers:
+        w.join()
+    return {"px": px, "batch": batch, "processes": procs, "images_per_s": round(sum(rates), 2)}
+
+
+def text_encode(t5_cfg: dict, clip_cfg: dict, device: torch.device, batch: int, t5_len: int, n: int) -> dict:
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t5 = T5EncoderModel(T5Config(**t5_cfg)).to(device, dtype).eval()
+    clip = CLIPTextModel(CLIPTextConfig(**clip_cfg)).to(device, dtype).eval()
+    t5_ids = torch.randint(0, t5_cfg["vocab_size"], (batch, t5_len), device=device)
+    clip_ids = torch.randint(0, clip_cfg["vocab_size"], (batch, 77), device=device)
+
+    def encode():
+        t5(t5_ids)
+        clip(clip_ids)
+
+    with torch.inference_mode():
+        seconds = _timed(encode, n, device)
+    return {"batch": batch, "t5_tokens": t5_len, "captions_per_s": round(batch / seconds, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, two steps: only checks that it runs")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--vae-procs", type=int, default=4, help="VAE processes sharing the GPU (cache.gpus_per_actor=1/N)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s (default: by device name)")
+    ap.add_argument("--json", metavar="FILE", help="also write the results here")
+    args = ap.parse_args(argv)
+
+    if args.dry_run:
+        device, tc, steps = torch.device("cpu"), TINY, 2
+        grid = [(64, 1, False), (64, 2, True)]
+        vae_cfg = {**FLUX_VAE, "block_out_channels": [32, 32, 32, 32], "latent_channels": 4}
+        t5_cfg = {**T5_XXL, "d_model": 32, "d_ff": 37, "num_layers": 1, "num_heads": 2, "d_kv": 16, "vocab_size": 100}
+        clip_cfg = {**CLIP_L, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1,
+                    "num_attention_heads": 2, "vocab_size": 100}  # fmt: skip
+        vae_px, vae_procs, text_len = 64, 2, 16
+    else:
+        if not torch.cuda.is_available():
+            print("bench_gpu: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
+            return 2
+        device, tc, steps = torch.device("cuda"), plan.FLUX1_DEV, args.steps
+        grid = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
+        vae_cfg, t5_cfg, clip_cfg, vae_px, vae_procs, text_len = FLUX_VAE, T5_XXL, CLIP_L, 1024, args.vae_procs, 512
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
+    results = {"device": name, "peak_tflops": peak, "lora_step": lora_steps(tc, device, grid, steps, peak)}
+    results["vae"] = [vae_encode(vae_cfg, device, vae_px, 8, steps, p) for p in (1, vae_procs)]
+    results["text"] = text_encode(t5_cfg, clip_cfg, device, 16, text_len, steps)
+    print(json.dumps({k: results[k] for k in ("device", "vae", "text")}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

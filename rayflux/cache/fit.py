@@ -1,0 +1,243 @@
+"""Size the encoder actor pools to the cluster, and refuse a request that can never be scheduled.
+
+Ray Data waits forever for an actor whose reservation no node can satisfy, and a pool that holds every CPU leaves
+the preparation tasks that feed it nothing to run on. So before a cache build starts, the requested actors, their
+reservations and one preparation plus one writer task are added up against what the cluster has (or what its
+autoscaler may add), and a request that cannot fit fails at once with the numbers.
+
+``cache.vae_actors`` / ``cache.text_actors`` ``auto`` size the pools to the cluster: one actor per
+``cache.gpus_per_actor`` share of the GPUs when encoders run on GPUs (growing up to the autoscaler's maximum), and on a
+CPU-only cluster the CPUs that preparation and writing leave, in actors of up to ``CPU_THREADS_PER_ACTOR`` CPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from rayflux.config import ConfigError, JobConfig, resource_map
+
+log = logging.getLogger(__name__)
+
+PREPARE_CPUS = 0.5
+"""CPUs of one preparation (decode, crop, resize) task."""
+WRITE_CPUS = 0.25
+"""CPUs of one shard-writer task."""
+CPU_THREADS_PER_ACTOR = 8
+"""Most CPUs an ``auto`` CPU encoder actor takes: a conv net's intra-op speed-up flattens out around 8 threads, so a
+big node runs several such actors rather than one on every core."""
+_EPS = 1e-9
+
+
+class FitError(ConfigError):
+    """The encoder request can never be scheduled on this cluster (or its autoscaler's largest size)."""
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """An encoder pool's size: Ray Data starts ``initial`` actors and may scale between ``min`` and ``max``."""
+
+    min: int
+    initial: int
+    max: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the cluster has now, and the most its autoscaler may grow it to (``None``: no autoscaler config)."""
+
+    now: dict
+    most: dict | None
+    largest_node_cpus: float
+
+    @staticmethod
+    def of_cluster() -> "Capacity":
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        largest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)
+        return Capacity(dict(ray.cluster_resources()), _autoscaler_max(), largest)
+
+    def budget(self, now: bool = True) -> dict:
+        """Each resource's total now (or at the autoscaler's maximum, never below now)."""
+        if now or self.most is None:
+            return dict(self.now)
+        return {k: max(self.now.get(k, 0.0), float(self.most.get(k, 0.0))) for k in {*self.now, *self.most}}
+
+
+def _autoscaler_max() -> dict | None:
+    """The autoscaler's largest cluster per resource, as Ray Data's own autoscaling reads it; None when unknown."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config() or None
+    except Exception as exc:  # a private API: without it the check uses the cluster as it is now
+        log.debug("autoscaler maximum unavailable: %s", exc)
+        return None
+
+
+def actor_count(key: str, value) -> int | None:
+    """``auto`` -> None; otherwise a positive integer (from YAML or the text of ``--set``)."""
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+        if isinstance(value, bool) or float(value) != n:
+            raise ValueError(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be auto or a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ConfigError(f"{key} must be auto or a positive integer, got {value!r}")
+    return n
+
+
+def actor_cpus(value) -> float | None:
+    """``cache.actor_cpus``: ``auto`` -> None, otherwise a positive number."""
+    if value == "auto":
+        return None
+    try:
+        cpus = float(value)
+        if isinstance(value, bool) or not cpus > 0:
+            raise ValueError(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"cache.actor_cpus must be auto or a positive number, got {value!r}") from None
+    return cpus
+
+
+def check_config(cfg: JobConfig) -> None:
+    """The cache pool keys' own values, before any cluster is known."""
+    actor_count("cache.vae_actors", cfg.cache.vae_actors)
+    actor_count("cache.text_actors", cfg.cache.text_actors)
+    actor_cpus(cfg.cache.actor_cpus)
+    if not cfg.cache.gpus_per_actor > 0:
+        raise ConfigError(f"cache.gpus_per_actor must be positive, got {cfg.cache.gpus_per_actor}")
+    if cfg.cache.gpus_per_actor > 1 and not float(cfg.cache.gpus_per_actor).is_integer():
+        raise ConfigError(f"cache.gpus_per_actor above 1 must be a whole number, got {cfg.cache.gpus_per_actor}")
+    if not cfg.cache.stall_seconds > 0:
+        raise ConfigError(f"cache.stall_seconds must be positive, got {cfg.cache.stall_seconds}")
+
+
+def wants_gpu(cfg: JobConfig, cluster_has_gpus: bool) -> bool:
+    """Encoders on GPUs: ``cache.use_gpu``, where ``auto`` means the cluster has GPUs or a GPU type is named."""
+    c = cfg.cache
+    return {"auto": cluster_has_gpus or bool(c.accelerator_type), "true": True, "false": False}[c.use_gpu]
+
+
+def _targets_other_nodes(cfg: JobConfig) -> bool:
+    return bool(cfg.cache.accelerator_type or cfg.cache.actor_resources)
+
+
+def _spare_cpus(cap: Capacity) -> float:
+    return cap.now.get("CPU", 0.0) - PREPARE_CPUS - WRITE_CPUS
+
+
+def resources(cfg: JobConfig, gpu: bool, cap: Capacity) -> dict:
+    """Ray options of one encoder actor (both pools: they run one after the other, never side by side)."""
+    c = cfg.cache
+    cpus = actor_cpus(c.actor_cpus)
+    if cpus is None:
+        if gpu or _targets_other_nodes(cfg):
+            cpus = 1.0  # the actor runs on a node type of its own, whose CPUs this cluster may not show yet
+        else:
+            spare = _spare_cpus(cap)
+            if spare <= _EPS:
+                raise FitError(
+                    f"cache: the cluster's {cap.now.get('CPU', 0.0):g} CPUs leave none for encoders after "
+                    f"{PREPARE_CPUS} CPU for preparation + {WRITE_CPUS} for writing"
+                )
+            n = actor_count("cache.vae_actors", c.vae_actors)
+            share = spare / n if n else min(CPU_THREADS_PER_ACTOR, spare)
+            cpus = round(min(share, cap.largest_node_cpus or share), 4)
+    res: dict = {"num_cpus": cpus}
+    if gpu:
+        res["num_gpus"] = c.gpus_per_actor
+    if c.accelerator_type:
+        res["accelerator_type"] = c.accelerator_type
+    extra = resource_map("cache.actor_resources", c.actor_resources)
+    if extra:
+        res["resources"] = extra
+    return res
+
+
+def _needs(res: dict) -> dict[str, float]:
+    """One actor's reservation as Ray resource names."""
+    need = {"CPU": float(res.get("num_cpus", 0.0))}
+    if res.get("num_gpus"):
+        need["GPU"] = float(res["num_gpus"])
+    if res.get("accelerator_type"):
+        need[f"accelerator_type:{res['accelerator_type']}"] = 0.001  # what Ray adds for an accelerator type
+    need.update(res.get("resources", {}))
+    return {k: v for k, v in need.items() if v > 0}
+
+
+def _fitting(need: dict[str, float], budget: dict, complete: bool) -> int | None:
+    """How many actors fit beside one preparation and one writer task. A resource missing from the budget counts as
+    none when the budget is ``complete`` (the autoscaler's maximum), else as unknown (None)."""
+    counts = []
+    for name, amount in need.items():
+        if name not in budget:
+            if complete:
+                return 0
+            return None
+        have = budget[name] - (PREPARE_CPUS + WRITE_CPUS if name == "CPU" else 0.0)
+        counts.append(math.floor(have / amount + _EPS))
+    return max(0, min(counts, default=0))
+
+
+def pool_size(key: str, value, res: dict, cap: Capacity) -> PoolSize:
+    """The pool for ``key`` (``cache.vae_actors`` or ``cache.text_actors``); raise FitError when it cannot fit."""
+    need = _needs(res)
+    now = _fitting(need, cap.budget(now=True), complete=True)
+    if cap.most is not None:
+        most = _fitting(need, cap.budget(now=False), complete=True)
+    else:
+        most = _fitting(need, cap.budget(now=True), complete=False)
+    requested = actor_count(key, value)
+    if requested is None:
+        if most == 0:
+            raise FitError(_overflow(key, 1, res, need, cap))
+        start = max(1, now)
+        return PoolSize(1, start, max(start, most or 0))
+    if most is None:
+        # A resource the cluster does not have yet and no readable autoscaler maximum: an autoscaler may still
+        # add it, so the request is accepted and cache.stall_seconds bounds the wait.
+        log.info("%s=%d: %s not in the cluster yet; waiting for the autoscaler to add it", key, requested,
+                 ", ".join(sorted(n for n in need if n not in cap.budget(now=False))))  # fmt: skip
+        return PoolSize(1, requested, requested)
+    if requested > most:
+        raise FitError(_overflow(key, requested, res, need, cap))
+    if need["CPU"] > max(cap.largest_node_cpus, 0.0) + _EPS and cap.most is None:
+        raise FitError(f"cache.actor_cpus={need['CPU']:g} > the largest node's {cap.largest_node_cpus:g} CPUs")
+    return PoolSize(1, requested, requested)
+
+
+def _overflow(key: str, n: int, res: dict, need: dict, cap: Capacity) -> str:
+    """One line naming the keys and numbers of the first resource that does not fit."""
+    budget = cap.budget(now=False)
+    where = "at the autoscaler's maximum" if cap.most is not None else "in the cluster"
+    if res.get("accelerator_type") and f"accelerator_type:{res['accelerator_type']}" not in budget:
+        return f"cache.accelerator_type={res['accelerator_type']}: no such GPU {where}"
+    for name, amount in need.items():
+        have = budget.get(name, 0.0)
+        if name == "CPU":
+            if n * amount + PREPARE_CPUS + WRITE_CPUS > have + _EPS:
+                return (f"{key}={n} x cache.actor_cpus={amount:g} + {PREPARE_CPUS} CPU for preparation + "
+                        f"{WRITE_CPUS} for writing > {have:g} CPUs {where}")  # fmt: skip
+        elif n * amount > have + _EPS:
+            label = {"GPU": "cache.gpus_per_actor"}.get(name, f"cache.actor_resources.{name}")
+            return f"{key}={n} x {label}={amount:g} > {have:g} {name} {where}"
+    return f"{key}={n} does not fit {where}: {need} per actor, {budget} in all"
+
+
+def plan(cfg: JobConfig, cluster_has_gpus: bool, cap: Capacity | None = None) -> tuple[dict, PoolSize, PoolSize]:
+    """Per-actor Ray options and the VAE and text pool sizes for this cluster; FitError when they cannot fit."""
+    cap = cap or Capacity.of_cluster()
+    res = resources(cfg, wants_gpu(cfg, cluster_has_gpus), cap)
+    vae = pool_size("cache.vae_actors", cfg.cache.vae_actors, res, cap)
+    text = pool_size("cache.text_actors", cfg.cache.text_actors, res, cap)
+    if actor_count("cache.text_actors", cfg.cache.text_actors) is None and "num_gpus" not in res:
+        # On CPU, T5-XXL alone holds about 19 GB in fp32: more than one copy per node would not fit in memory.
+        text = PoolSize(1, 1, 1)
+    log.info("cache encoders: %s per actor; VAE pool %s, text pool %s", res, vae, text)
+    return res, vae, text

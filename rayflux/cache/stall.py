@@ -1,0 +1,108 @@
+"""Fail a cache pipeline that stops making progress, with what Ray Data says is pending, instead of waiting forever.
+
+Ray Data waits without end for work it cannot schedule (an actor no node can hold, a task left no CPU). The driver's
+iteration over the write tasks' results is wrapped by :func:`watch`: a monitor thread follows the running streaming
+executors' counters (task outputs, finished tasks, rows handed on) and, when none moves for ``seconds``, raises
+:class:`CacheStallError` in the iterating thread. Ray Data's own iterator then shuts its executor down, so the
+stage's actors and tasks are released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+STALL_CONFIG = "rayflux.cache.stall_seconds"
+"""``DataContext`` config key that carries ``cache.stall_seconds`` to :func:`watch`."""
+DEFAULT_SECONDS = 600.0
+
+
+class CacheStallError(RuntimeError):
+    """A cache pipeline made no progress for ``cache.stall_seconds``."""
+
+
+def _executors() -> list:
+    """Ray Data's running streaming executors (each is a thread of this process)."""
+    try:
+        from ray.data._internal.execution.streaming_executor import StreamingExecutor
+    except ImportError:  # a Ray without it: progress is then the rows the driver receives
+        return []
+    return [t for t in threading.enumerate() if isinstance(t, StreamingExecutor)]
+
+
+def _progress(rows: int) -> tuple:
+    marks = [rows]
+    for ex in _executors():
+        for op in (getattr(ex, "_topology", None) or {}):
+            m = op.metrics
+            marks += [getattr(m, name, 0) for name in ("num_task_outputs_generated", "num_tasks_finished",
+                                                       "num_outputs_taken", "num_inputs_received")]  # fmt: skip
+    return tuple(marks)
+
+
+def pending_report() -> str:
+    """Each running operator's state as Ray Data formats it, and the cluster's free resources."""
+    parts = []
+    for ex in _executors():
+        try:
+            from ray.data._internal.execution.streaming_executor_state import format_op_state_summary
+
+            for op, state in (ex._topology or {}).items():
+                parts.append(f"{op.name}: {format_op_state_summary(state, ex._resource_manager)}")
+        except Exception as exc:  # private structures: say what could not be read rather than fail the report
+            parts.append(f"(operator states unavailable: {exc})")
+    try:
+        import ray
+
+        free = {k: round(v, 3) for k, v in sorted(ray.available_resources().items()) if "memory" not in k}
+        total = {k: round(v, 3) for k, v in sorted(ray.cluster_resources().items()) if "memory" not in k}
+        parts.append(f"free {free} of {total}")
+    except Exception as exc:
+        parts.append(f"(cluster resources unavailable: {exc})")
+    return " | ".join(parts)
+
+
+def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+def watch(rows: Iterable, seconds: float | None = None, name: str = "cache") -> Iterator:
+    """Yield from ``rows``; raise CacheStallError when nothing progresses for ``seconds`` (default: the value the
+    cache stage put in ``DataContext`` under :data:`STALL_CONFIG`)."""
+    if seconds is None:
+        from ray.data import DataContext
+
+        seconds = float(DataContext.get_current().get_config(STALL_CONFIG, DEFAULT_SECONDS))
+    consumer = threading.get_ident()
+    done = threading.Event()
+    state = {"rows": 0, "message": ""}
+
+    class Stalled(CacheStallError):
+        """Raised asynchronously (as a class, so it carries its message itself) in the iterating thread."""
+
+        def __init__(self):
+            super().__init__(state["message"])
+
+    def monitor() -> None:
+        mark, since = _progress(0), time.monotonic()
+        while not done.wait(min(1.0, seconds / 4)):
+            now = _progress(state["rows"])
+            if now != mark:
+                mark, since = now, time.monotonic()
+            elif time.monotonic() - since >= seconds:
+                state["message"] = (f"{name}: no progress for {seconds:g} s (cache.stall_seconds); "
+                                    f"pending: {pending_report()}")  # fmt: skip
+                _raise_in(consumer, Stalled)
+                return
+
+    thread = threading.Thread(target=monitor, name="rayflux-stall-watch", daemon=True)
+    thread.start()
+    try:
+        for row in rows:
+            state["rows"] += 1
+            yield row
+    finally:
+        done.set()
+        thread.join()

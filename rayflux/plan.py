@@ -1,0 +1,182 @@
+"""The memory plan of a training run: parameter counts on the meta device, and what weights, the LoRA with AdamW,
+and activations (with and without gradient checkpointing) take on a GPU.
+
+``python -m rayflux plan [--config FILE] [--set KEY=VALUE ...]`` prints it for the job's settings, reading only the
+transformer's ``config.json`` from ``model.path`` (FLUX.1-dev's own configuration when ``model.path`` is empty), so
+it needs no weights and no GPU.
+
+The activation estimate counts, per token and per block, the tensors autograd keeps for the backward pass, in the
+autocast dtype (bf16 on GPU), with ``h`` the hidden width (heads x head dim) and ``m`` the MLP width (ratio x h):
+
+- a double-stream block keeps, for each token in its own stream: the modulated norm output (h), q/k/v (3h), q and k
+  after RMS norm and RoPE and the joint concatenation (3h), the attention output (h), the output projection (h), the
+  second norm output (h), the MLP's first projection and GELU output (2m) and its second projection (h): 11h + 2m;
+- a single-stream block keeps: the norm output (h), q/k/v (3h), q/k after norm and RoPE (2h), the attention output
+  (h), the MLP projection and GELU output (2m), their concatenation (h + m) and the output projection (h): 9h + 3m;
+- with checkpointing each block keeps only its input (h per token) and one block at a time is recomputed, so the
+  peak is (double + single blocks) x h plus the larger block's full set.
+
+Attention itself runs through SDPA's fused kernels, which keep no L x L matrix. Weights are counted in the frozen
+dtype (bf16 by default on GPU), the LoRA in fp32 with its gradient and AdamW's two moments (16 bytes a parameter).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from rayflux import cli, config
+from rayflux.train import lora
+
+FLUX1_DEV = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": None,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": [16, 56, 56],
+}
+"""FLUX.1-dev's transformer ``config.json`` (black-forest-labs/FLUX.1-dev, subfolder ``transformer``)."""
+MLP_RATIO = 4
+PIXELS_PER_TOKEN = 16
+"""VAE downscale (8) times the 2x2 latent packing: one image token per 16x16 pixels."""
+GIB = 2**30
+LORA_BYTES_PER_PARAM = 16
+"""fp32 weight, fp32 gradient and AdamW's two fp32 moments."""
+
+
+def text_tokens(transformer_config: dict) -> int:
+    """T5 tokens per sample: 512 for guidance-distilled models (dev), 256 otherwise (schnell)."""
+    return 512 if transformer_config.get("guidance_embeds") else 256
+
+
+def tokens(transformer_config: dict, pixels: int) -> int:
+    """Sequence length of a square ``pixels`` image: image tokens plus text tokens."""
+    return (pixels // PIXELS_PER_TOKEN) ** 2 + text_tokens(transformer_config)
+
+
+def _widths(tc: dict) -> tuple[int, int]:
+    h = tc["num_attention_heads"] * tc["attention_head_dim"]
+    return h, MLP_RATIO * h
+
+
+def per_token_elements(tc: dict, checkpointing: bool) -> int:
+    """Activation elements kept per token for one sample, summed over all blocks (see the module docstring)."""
+    h, m = _widths(tc)
+    double, single = 11 * h + 2 * m, 9 * h + 3 * m
+    if checkpointing:
+        return (tc["num_layers"] + tc["num_single_layers"]) * h + max(double, single)
+    return tc["num_layers"] * double + tc["num_single_layers"] * single
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes of one training process's GPU memory."""
+
+    weights: int
+    lora_optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.lora_optimizer + self.activations
+
+
+def estimate(tc: dict, total_params: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
+             weight_bytes: int = 2, activation_bytes: int = 2) -> Estimate:  # fmt: skip
+    acts = batch * tokens(tc, pixels) * per_token_elements(tc, checkpointing) * activation_bytes
+    return Estimate(total_params * weight_bytes, trainable * LORA_BYTES_PER_PARAM, acts)
+
+
+def count_parameters(tc: dict, targets: str, rank: int) -> tuple[int, int]:
+    """(all transformer parameters, trainable LoRA parameters) of ``targets`` at ``rank``, built on the meta device:
+    no memory, no weights."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**{k: v for k, v in tc.items() if not k.startswith("_")})
+        base = sum(p.numel() for p in model.parameters())
+        lora.add_lora(model, rank, rank, targets)
+    return base, sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def transformer_config(cfg: config.JobConfig) -> tuple[dict, str]:
+    """The transformer's config (from ``model.path``'s config.json alone) and a name for it."""
+    if not cfg.model.path:
+        return dict(FLUX1_DEV), "FLUX.1-dev (built-in config)"
+    from rayflux.models import read_config
+
+    return read_config(cfg.model, "transformer"), cfg.model.path
+
+
+def gradient_checkpointing(setting, on_gpu: bool, pixels: int, need_without: int, device_bytes: int) -> bool:
+    """``train.gradient_checkpointing``: True/False as set; ``auto`` turns it on for GPU runs at 768 px or more, or
+    when the estimate without it exceeds 90% of the device's memory."""
+    if setting != "auto":
+        return bool(setting)
+    return on_gpu and (pixels >= 768 or (device_bytes > 0 and need_without > 0.9 * device_bytes))
+
+
+def checkpointing_setting(value):
+    """Normalise ``train.gradient_checkpointing`` (``auto``, a bool, or its text from ``--set``)."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise config.ConfigError(f"train.gradient_checkpointing must be auto, true or false; got {value!r}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def report(cfg: config.JobConfig) -> list[str]:
+    """The plan's lines: parameters per preset, then memory at 512 and 1024 px, batch 1-4."""
+    tc, name = transformer_config(cfg)
+    t = cfg.train
+    weight_bytes = 4 if cfg.model.dtype == "float32" else 2
+    lines = [f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
+             f"width {_widths(tc)[0]}, {text_tokens(tc)} text tokens; LoRA rank {t.rank}"]  # fmt: skip
+    counts = {}
+    for preset in lora.PRESETS:
+        counts[preset] = count_parameters(tc, preset, t.rank)
+        total, trainable = counts[preset]
+        lines.append(f"  targets={preset}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.3f}%)")
+    job_targets = t.targets if t.targets in counts else None
+    total, trainable = counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank)
+    lines.append(f"memory per GPU process (GiB) for targets={t.targets}: weights {_gib(total * weight_bytes)}, "
+                 f"LoRA + AdamW {_gib(trainable * LORA_BYTES_PER_PARAM)}")  # fmt: skip
+    lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
+    for px in (512, 1024):
+        for batch in (1, 2, 3, 4):
+            off, on = (estimate(tc, total, trainable, px, batch, c, weight_bytes) for c in (False, True))
+            lines.append(f"  {px:<5} {batch:<6} {_gib(off.activations):>8} / {_gib(on.activations):<8}"
+                         f"             {_gib(off.total):>8} / {_gib(on.total)}")  # fmt: skip
+    job = estimate(tc, total, trainable, cfg.data.resolution, t.batch_size, False, weight_bytes)
+    ckpt = gradient_checkpointing(checkpointing_setting(t.gradient_checkpointing), True, cfg.data.resolution,
+                                  job.total, 80 * 10**9)  # fmt: skip
+    lines.append(f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "
+                 f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing})")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m rayflux plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="the job's YAML file")
+    cli.add_set_arg(p)
+    args = p.parse_args(argv)
+    cfg = cli.load_config(args.config, args.set)
+    if cfg is None:
+        return 2
+    print("\n".join(report(cfg)))
+    return 0

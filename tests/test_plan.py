@@ -1,0 +1,91 @@
+"""The memory plan at FLUX.1-dev's real configuration (meta device), checked against figures worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayflux import config, plan
+
+H, CTX, POOLED, IN, MLP, HEAD = 3072, 4096, 768, 64, 4 * 3072, 128
+DOUBLE, SINGLE = 19, 38
+
+
+def _linear(i: int, o: int) -> int:
+    return i * o + o
+
+
+def _flux1_dev_parameters() -> int:
+    """FLUX.1-dev's transformer, layer by layer (diffusers' FluxTransformer2DModel)."""
+    embed = _linear(IN, H) + _linear(CTX, H)
+    embed += 2 * (_linear(256, H) + _linear(H, H))  # timestep and guidance embedders
+    embed += _linear(POOLED, H) + _linear(H, H)  # pooled text projection
+    attn_double = 8 * _linear(H, H) + 4 * HEAD  # q k v out, added q k v out; four RMS norms over a head
+    double = 2 * _linear(H, 6 * H) + attn_double + 2 * (_linear(H, MLP) + _linear(MLP, H))
+    single = _linear(H, 3 * H) + _linear(H, MLP) + _linear(H + MLP, H) + 3 * _linear(H, H) + 2 * HEAD
+    out = _linear(H, 2 * H) + _linear(H, IN)
+    return embed + DOUBLE * double + SINGLE * single + out
+
+
+def _lora(i: int, o: int, rank: int) -> int:
+    return rank * (i + o)
+
+
+def _trainable(preset: str, r: int) -> int:
+    attention = DOUBLE * 8 * _lora(H, H, r) + SINGLE * 3 * _lora(H, H, r)
+    ffs = DOUBLE * 2 * (_lora(H, MLP, r) + _lora(MLP, H, r)) + SINGLE * (_lora(H, MLP, r) + _lora(H + MLP, H, r))
+    norms = DOUBLE * 2 * _lora(H, 6 * H, r) + SINGLE * _lora(H, 3 * H, r)
+    return {"attention": attention, "attention+ffs": attention + ffs, "all": attention + ffs + norms}[preset]
+
+
+def test_flux1_dev_parameter_counts_match_the_hand_count():
+    total = _flux1_dev_parameters()
+    assert total == 11_901_408_320  # FLUX.1-dev's published transformer size
+    for preset in plan.lora.PRESETS:
+        base, trainable = plan.count_parameters(plan.FLUX1_DEV, preset, 16)
+        assert base == total
+        assert trainable == _trainable(preset, 16), preset
+    assert _trainable("attention", 16) == 26_148_864
+
+
+def test_memory_estimate_matches_the_hand_count():
+    tokens = (1024 // 16) ** 2 + 512
+    per_token = DOUBLE * (11 * H + 2 * MLP) + SINGLE * (9 * H + 3 * MLP)
+    total, lora = 11_901_408_320, _trainable("attention", 16)
+    est = plan.estimate(plan.FLUX1_DEV, total, lora, 1024, 2, checkpointing=False)
+    assert est.weights == total * 2 and est.lora_optimizer == lora * 16
+    assert est.activations == 2 * tokens * per_token * 2
+    ckpt = plan.estimate(plan.FLUX1_DEV, total, lora, 1024, 2, checkpointing=True)
+    assert ckpt.activations == 2 * tokens * ((DOUBLE + SINGLE) * H + 9 * H + 3 * MLP) * 2
+    # Without checkpointing, one 1024 px sample's activations exceed the weights; with it, they are a few GiB.
+    assert 30 < plan.estimate(plan.FLUX1_DEV, total, lora, 1024, 1, False).activations / plan.GIB < 45
+    assert ckpt.activations / plan.GIB < 5
+
+
+def test_the_plan_command_prints_the_jobs_figures(capsys):
+    assert plan.main(["--set", "train.rank=16", "--set", "data.resolution=1024"]) == 0
+    out = capsys.readouterr().out
+    assert "targets=attention: 26,148,864 trainable of 11,901,408,320" in out
+    assert f"targets=all: {_trainable('all', 16):,} trainable" in out
+    assert "1024 px, batch 1, gradient checkpointing on (auto)" in out
+    assert len([line for line in out.splitlines() if line.startswith(("  512 ", "  1024 "))]) == 8
+
+
+@pytest.mark.parametrize(
+    "setting, on_gpu, pixels, need_gb, expected",
+    [("auto", True, 1024, 20, True), ("auto", True, 768, 20, True), ("auto", True, 512, 30, False),
+     ("auto", True, 512, 75, True), ("auto", False, 1024, 200, False), (False, True, 1024, 200, False),
+     (True, False, 256, 1, True)],
+)  # fmt: skip
+def test_auto_gradient_checkpointing(setting, on_gpu, pixels, need_gb, expected):
+    device = 80 * 10**9 if on_gpu else 0
+    assert plan.gradient_checkpointing(setting, on_gpu, pixels, need_gb * 10**9, device) is expected
+
+
+def test_checkpointing_and_dtype_keys():
+    assert config.load().train.gradient_checkpointing == "auto"
+    assert config.load(None, ["train.gradient_checkpointing=off"]).train.gradient_checkpointing is False
+    with pytest.raises(config.ConfigError, match="train.gradient_checkpointing must be auto, true or false"):
+        config.load(None, ["train.gradient_checkpointing=sometimes"])
+    with pytest.raises(config.ConfigError, match="model.dtype=float16: FLUX's transformer and T5 overflow in fp16"):
+        config.load(None, ["model.dtype=float16"])
+    assert config.load(None, ["model.vae_dtype=float16"]).model.vae_dtype == "float16"
