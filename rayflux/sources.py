@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from rayflux import captions, datasets, storage
 from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+_SIDECAR_READERS = 32  # concurrent caption-file reads: hides object-store latency, not the request count
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,23 @@ def _limit(found: Discovery, ds: DatasetConfig, name: str) -> None:
     found.sources = [s for s in found.sources if s.rel_path in keep]
 
 
+def _read_sidecars(fs: pafs.FileSystem, files: dict, ds: DatasetConfig) -> dict:
+    """Every caption file beside an image, read concurrently: on an object store each read is a round trip, and
+    one after the other they would cost the driver hours at a million images. Path -> options, or the
+    UnicodeDecodeError of a file that is not UTF-8."""
+    stems = {p[: p.rfind(".")] for p in files if p.rsplit("/", 1)[-1].lower().endswith(IMAGE_EXTENSIONS)}
+    wanted = sorted(p for p in files if p.endswith(ds.caption_ext) and p[: -len(ds.caption_ext)] in stems)
+
+    def read(path: str):
+        try:
+            return captions.read_sidecar(fs, path)
+        except UnicodeDecodeError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
+        return dict(zip(wanted, pool.map(read, wanted)))
+
+
 def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
     """List every image under ``ds.images_dir`` (recursively, sorted) and resolve its caption.
 
@@ -89,6 +108,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     name = datasets.label(ds)
     found = Discovery(problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
     base = root.rstrip("/") + "/"
+    sidecars = _read_sidecars(fs, files, ds) if ds.caption_strategy == "sidecar" else {}
     images, uncaptioned = set(), []
     for path in sorted(files):
         rel = path[len(base) :] if path.startswith(base) else path
@@ -100,15 +120,13 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
         sample_path = f"{key}/{rel}" if prefix else rel
         options: list[str] = []
         if ds.caption_strategy == "sidecar":
-            sidecar = path[: path.rfind(".")] + ds.caption_ext
-            if sidecar in files:
-                try:
-                    options = captions.read_sidecar(fs, sidecar)
-                except UnicodeDecodeError as exc:
-                    found.skipped.append(
-                        {"source_uri": uri, "dataset": key, "reason": f"caption file is not UTF-8 ({exc.reason})"}
-                    )
-                    continue
+            sidecar = sidecars.get(path[: path.rfind(".")] + ds.caption_ext, [])
+            if isinstance(sidecar, UnicodeDecodeError):
+                found.skipped.append(
+                    {"source_uri": uri, "dataset": key, "reason": f"caption file is not UTF-8 ({sidecar.reason})"}
+                )
+                continue
+            options = sidecar
         elif ds.caption_strategy == "metadata":
             options = list(metadata.captions.get(rel, []))
         elif ds.caption_strategy == "filename":
