@@ -12,7 +12,7 @@ from rayflux import captions, datasets, storage
 from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-_SIDECAR_READERS = 32  # concurrent caption-file reads: hides object-store latency, not the request count
+_SIDECAR_READERS = 32  # concurrent listings and caption-file reads: hides object-store latency, not the request count
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,19 @@ def _limit(found: Discovery, ds: DatasetConfig, name: str) -> None:
     found.sources = [s for s in found.sources if s.rel_path in keep]
 
 
+def _list(fs: pafs.FileSystem, root: str) -> list[pafs.FileInfo]:
+    """Every entry under ``root``: its top level, then each subfolder listed recursively, concurrently. An object
+    store lists one page of keys per request, so one folder per thread spreads the pages of a large dataset."""
+    top = fs.get_file_info(pafs.FileSelector(root))
+    subdirs = [e.path for e in top if e.type == pafs.FileType.Directory]
+
+    def below(path: str) -> list[pafs.FileInfo]:
+        return fs.get_file_info(pafs.FileSelector(path, recursive=True))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
+        return [*top, *(e for part in pool.map(below, subdirs) for e in part)]
+
+
 def _read_sidecars(fs: pafs.FileSystem, files: dict, ds: DatasetConfig) -> dict:
     """Every caption file beside an image, read concurrently: on an object store each read is a round trip, and
     one after the other they would cost the driver hours at a million images. Path -> options, or the
@@ -102,8 +115,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     fs, root = storage.resolve(ds.images_dir)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise FileNotFoundError(f"images_dir {ds.images_dir!r} is not a directory (dataset {datasets.label(ds)})")
-    entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-    files = {e.path: e for e in entries if e.type == pafs.FileType.File}
+    files = {e.path: e for e in _list(fs, root) if e.type == pafs.FileType.File}
     metadata = captions.load_metadata(fs, root, set(files), ds) if ds.caption_strategy == "metadata" else None
     name = datasets.label(ds)
     found = Discovery(problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
