@@ -3,8 +3,9 @@
 Runs the real cache stage (Ray Data, the real encoder classes) on generated images with repeated captions, then
 measures the written shards with pyarrow alone:
 
-- **row tensor ratio**: per row, the Parquet column chunks of ``latent``, ``t5`` and ``clip_pooled`` ÷ the raw
-  tensor bytes ``(C·h·w + t5_len·t5_dim + clip_dim) · itemsize`` (target ≤ 1.02; the worst row counts);
+- **row tensor ratio**: per row, the Parquet column chunks of its tensors ÷ their raw bytes: ``latent`` ÷
+  ``C·h·w · itemsize`` for a sample row, ``t5`` and ``clip_pooled`` ÷ ``(t5_len·t5_dim + clip_dim) · itemsize`` for a
+  caption's text row (stored once per caption); target ≤ 1.02, the worst row counts;
 - **file ratio**: whole shard files (footers and id columns included) ÷ raw tensor bytes;
 - **text passes ratio**: text rows stamped by this build's text encoder ÷ unique captions the generation needs
   (the images' distinct captions plus the empty caption kept for caption dropout); target 1.0.
@@ -60,22 +61,30 @@ def measure(manifest: dict) -> dict:
 
     from rayflux.cache import generations
 
+    def chunks(pf, i: int) -> dict:
+        rg = pf.metadata.row_group(i)
+        return {rg.column(j).path_in_schema: rg.column(j).total_compressed_size for j in range(rg.num_columns)}
+
     worst_row, worst_latent, raw_total, file_total, rows = 0.0, 0.0, 0, 0, 0
     for path in generations.sample_files(manifest):
         pf = pq.ParquetFile(path)
-        cols = ["latent_c", "latent_h", "latent_w", "latent_dtype", "t5_len", "t5_dim", "clip_dim", "text_dtype"]
-        shapes = pf.read(columns=cols).to_pylist()
+        shapes = pf.read(columns=["latent_c", "latent_h", "latent_w", "latent_dtype"]).to_pylist()
         for i, s in enumerate(shapes):
-            rg = pf.metadata.row_group(i)
-            chunk = {rg.column(j).path_in_schema: rg.column(j).total_compressed_size for j in range(rg.num_columns)}
             latent_raw = s["latent_c"] * s["latent_h"] * s["latent_w"] * np.dtype(_np_dtype(s["latent_dtype"])).itemsize
-            text_raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * np.dtype(_np_dtype(s["text_dtype"])).itemsize
-            stored = chunk["latent"] + chunk["t5"] + chunk["clip_pooled"]
-            worst_row = max(worst_row, stored / (latent_raw + text_raw))
-            worst_latent = max(worst_latent, chunk["latent"] / latent_raw)
-            raw_total += latent_raw + text_raw
+            worst_latent = max(worst_latent, chunks(pf, i)["latent"] / latent_raw)
+            raw_total += latent_raw
             rows += 1
         file_total += os.path.getsize(path)
+    # Text embeddings are stored once per caption, in the text shards (schema 4).
+    for path in generations.text_files(manifest):
+        pf = pq.ParquetFile(path)
+        for i, s in enumerate(pf.read(columns=["t5_len", "t5_dim", "clip_dim", "text_dtype"]).to_pylist()):
+            text_raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * np.dtype(_np_dtype(s["text_dtype"])).itemsize
+            c = chunks(pf, i)
+            worst_row = max(worst_row, (c["t5"] + c["clip_pooled"]) / text_raw)
+            raw_total += text_raw
+        file_total += os.path.getsize(path)
+    worst_row = max(worst_row, worst_latent)
     text = pq.ParquetDataset(generations.text_files(manifest)).read(columns=["caption_id", "encode_id"])
     passes = sum(1 for e in text["encode_id"].to_pylist() if e == manifest["encode_id"])
     return {

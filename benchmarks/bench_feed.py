@@ -63,7 +63,7 @@ def main() -> int:
     try:
         facts = models.model_facts(cfg.model)
         manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, False)
-        refs = batching.index_samples(generations.sample_files(manifest))
+        refs = batching.index_samples(manifest)
 
         def iterator(per_read: int):
             feed = PlannedDataConfig(1, 0, (0, 1), 1, batches_per_read=per_read)

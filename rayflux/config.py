@@ -139,8 +139,9 @@ class CacheConfig:
     Ray Data reports as pending. Loading or downloading an encoder counts as no progress: raise it for slow hubs."""
     rows_per_shard: int = 256
     """Rows per Parquet shard file (a shard never mixes more than one writer's batch)."""
-    dtype: str = "float32"
-    """Stored tensor dtype: ``float32``, ``float16`` or ``bfloat16``."""
+    dtype: str = "auto"
+    """Stored tensor dtype: ``auto`` (``bfloat16`` when the encoders run on GPUs, else ``float32``), ``float32``,
+    ``float16`` or ``bfloat16``."""
     refresh: str = "never"
     """Build a new cache generation ``never``, ``every_epoch``, or every N epochs (an integer)."""
     strict: bool = False
@@ -488,7 +489,7 @@ def resource_map(key: str, value: Any) -> dict[str, float]:
 _CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("model", "vae_dtype"): ("", "auto", "bfloat16", "float16", "float32"),
-    ("cache", "dtype"): ("float32", "float16", "bfloat16"),
+    ("cache", "dtype"): ("auto", "float32", "float16", "bfloat16"),
     ("train", "use_gpu"): ("auto", "true", "false"),
     ("cache", "use_gpu"): ("auto", "true", "false"),
     ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),

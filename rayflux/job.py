@@ -151,12 +151,21 @@ class _Stages:
 
         self.cfg, self.facts, self.ledger, self.use_gpu, self.summary = cfg, facts, ledger, use_gpu, summary
         self.cache_root = cache_root
-        self.key = cache_key(cfg, facts)
+        self.key = cache_key(cfg, facts, use_gpu)
         self.dirs: dict[int, str] = {}
         self.discoveries: dict = {}
+        self.manifests: dict[int, dict] = {}
 
     def generation(self, g: int) -> dict:
-        """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest."""
+        """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest.
+
+        Once per generation and job: discovery lists and reads the whole dataset, so a second ask is answered from
+        the first."""
+        if g not in self.manifests:
+            self.manifests[g] = self._generation(g)
+        return self.manifests[g]
+
+    def _generation(self, g: int) -> dict:
         from rayflux.cache import generations
         from rayflux.cache.stage import build_generation, inputs_signature
         from rayflux.sources import discover

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from rayflux import captions, datasets, storage
 from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+_SIDECAR_READERS = 32  # concurrent listings and caption-file reads: hides object-store latency, not the request count
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,38 @@ def _by_lower_case(files: dict, base: str, ds: DatasetConfig) -> dict[str, str]:
     return out
 
 
+def _list(fs: pafs.FileSystem, root: str) -> list[pafs.FileInfo]:
+    """Every entry under ``root``: its top level, then each subfolder listed recursively, concurrently. An object
+    store lists one page of keys per request, so one folder per thread spreads the pages of a large dataset."""
+    top = fs.get_file_info(pafs.FileSelector(root))
+    subdirs = [e.path for e in top if e.type == pafs.FileType.Directory]
+
+    def below(path: str) -> list[pafs.FileInfo]:
+        return fs.get_file_info(pafs.FileSelector(path, recursive=True))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
+        return [*top, *(e for part in pool.map(below, subdirs) for e in part)]
+
+
+def _read_sidecars(fs: pafs.FileSystem, files: dict, ds: DatasetConfig) -> dict:
+    """Every caption file beside an image, read concurrently: on an object store each read is a round trip, and
+    one after the other they would cost the driver hours at a million images. Path -> options, or the
+    UnicodeDecodeError of a file that is not UTF-8."""
+    # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
+    stems = {p[: p.rfind(".")].lower() for p in files if p.rsplit("/", 1)[-1].lower().endswith(IMAGE_EXTENSIONS)}
+    ext = ds.caption_ext.lower()
+    wanted = sorted(p for p in files if p.lower().endswith(ext) and p[: -len(ext)].lower() in stems)
+
+    def read(path: str):
+        try:
+            return captions.read_sidecar(fs, path)
+        except UnicodeDecodeError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
+        return dict(zip(wanted, pool.map(read, wanted)))
+
+
 def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
     """List every image under ``ds.images_dir`` (recursively, sorted) and resolve its caption.
 
@@ -95,13 +129,13 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     fs, root = storage.resolve(ds.images_dir)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise FileNotFoundError(f"images_dir {ds.images_dir!r} is not a directory (dataset {datasets.label(ds)})")
-    entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-    files = {e.path: e for e in entries if e.type == pafs.FileType.File}
+    files = {e.path: e for e in _list(fs, root) if e.type == pafs.FileType.File}
     metadata = captions.load_metadata(fs, root, set(files), ds) if ds.caption_strategy == "metadata" else None
     name = datasets.label(ds)
     found = Discovery(problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
     base = root.rstrip("/") + "/"
     by_lower = _by_lower_case(files, base, ds)
+    sidecars = _read_sidecars(fs, files, ds) if ds.caption_strategy == "sidecar" else {}
     images, uncaptioned = set(), []
     for path in sorted(files):
         rel = path[len(base) :] if path.startswith(base) else path
@@ -114,15 +148,13 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
         options: list[str] = []
         if ds.caption_strategy == "sidecar":
             # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
-            sidecar = by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower())
-            if sidecar is not None:
-                try:
-                    options = captions.read_sidecar(fs, sidecar)
-                except UnicodeDecodeError as exc:
-                    found.skipped.append(
-                        {"source_uri": uri, "dataset": key, "reason": f"caption file is not UTF-8 ({exc.reason})"}
-                    )
-                    continue
+            sidecar = sidecars.get(by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower(), ""), [])
+            if isinstance(sidecar, UnicodeDecodeError):
+                found.skipped.append(
+                    {"source_uri": uri, "dataset": key, "reason": f"caption file is not UTF-8 ({sidecar.reason})"}
+                )
+                continue
+            options = sidecar
         elif ds.caption_strategy == "metadata":
             options = list(metadata.captions.get(rel, []))
         elif ds.caption_strategy == "filename":

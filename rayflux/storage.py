@@ -106,10 +106,11 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
+def write_bytes_atomic(path: str, data: bytes, before_rename=None) -> None:
     """Write via a temporary name and a rename, so readers see the old file or the new one, never half of one.
 
-    On object stores a single PUT is already atomic, so the object is written directly.
+    On object stores a single PUT is already atomic, so the object is written directly. ``before_rename`` is called
+    between writing the temporary file and renaming it (a fault test's kill point).
     """
     fs, inner = resolve(path)
     parent = inner.rsplit("/", 1)[0]
@@ -118,6 +119,8 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
         tmp = f"{parent}/.tmp-{os.getpid()}-{os.urandom(4).hex()}-{inner.rsplit('/', 1)[-1]}"
         with fs.open_output_stream(tmp) as f:
             f.write(data)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, inner)
     else:
         with fs.open_output_stream(inner) as f:
@@ -127,3 +130,17 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
 def exists(path: str) -> bool:
     fs, inner = resolve(path)
     return fs.get_file_info(inner).type != pafs.FileType.NotFound
+
+
+def upload_atomic(local_path: str, path: str) -> None:
+    """Copy a local file to ``path`` (local or URI) in chunks, atomically like :func:`write_bytes_atomic`."""
+    fs, inner = resolve(path)
+    parent = inner.rsplit("/", 1)[0]
+    fs.create_dir(parent, recursive=True)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    target = f"{parent}/.tmp-{os.getpid()}-{os.urandom(4).hex()}-{inner.rsplit('/', 1)[-1]}" if local else inner
+    with open(local_path, "rb") as src, fs.open_output_stream(target) as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+    if local:
+        os.replace(target, inner)

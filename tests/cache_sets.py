@@ -197,3 +197,33 @@ def first_shard(gen_dir: Path) -> Path:
 
     manifest = json.loads((gen_dir / "manifest.json").read_text())
     return gen_dir / manifest["files"][0]["path"]
+
+
+def generation_rows(manifest: dict) -> list[dict]:
+    """Every sample of a committed generation as its shard row, overlaid with its index row (which caption this
+    generation gives it, and where its latent lives), plus that caption's text and embeddings, read with plain pyarrow
+    the way the README shows."""
+    import pyarrow.parquet as pq
+
+    from rayflux.cache import index
+
+    text = {t["caption_id"]: t for t in generation_text(manifest)}
+    out = []
+    for e in index.read(manifest, "samples").to_pylist():
+        row = pq.ParquetFile(index.resolve(manifest, e["file"])).read_row_group(e["row"]).to_pylist()[0]
+        t = text[e["caption_id"]]
+        out.append({**row, **e, "caption": t["caption"], "t5": t["t5"], "clip_pooled": t["clip_pooled"]})
+    return out
+
+
+def generation_text(manifest: dict) -> list[dict]:
+    """Every caption of a committed generation as its text-shard row, wherever the index says it lives."""
+    import pyarrow.parquet as pq
+
+    from rayflux.cache import index
+
+    out = []
+    for c in index.read(manifest, "captions").to_pylist():
+        row = pq.ParquetFile(index.resolve(manifest, c["file"])).read_row_group(c["row"]).to_pylist()[0]
+        out.append({**row, **c})
+    return out

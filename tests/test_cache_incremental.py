@@ -24,13 +24,11 @@ def _write(images: Path, name: str, seed: int, caption: str) -> None:
 
 
 def _rows(manifest: dict) -> dict[str, dict]:
-    table = pq.ParquetDataset(generations.sample_files(manifest)).read()
-    return {r["rel_path"]: r for r in table.to_pylist()}
+    return {r["rel_path"]: r for r in cache_sets.generation_rows(manifest)}
 
 
 def _text(manifest: dict) -> dict[str, dict]:
-    table = pq.ParquetDataset(generations.text_files(manifest)).read()
-    return {r["caption"]: r for r in table.to_pylist()}
+    return {r["caption"]: r for r in cache_sets.generation_text(manifest)}
 
 
 def _mtimes(gen_dir: str) -> dict[str, int]:
@@ -95,7 +93,7 @@ def test_a_rerun_with_the_same_inputs_encodes_nothing(runs):
     assert runs["dirs_after_same"] == sorted([runs["first_dir"].name, "g00009-0123456789abcdef"])  # no new one
 
 
-def test_touched_files_are_recognised_by_content_and_copied_not_encoded(runs):
+def test_touched_files_are_recognised_by_content_and_referenced_not_encoded(runs):
     old = runs["first_manifest"]
     new = generations.load_manifest(runs["touched"].cache_dir)
     assert runs["touched"].cache_dir not in (runs["first"].cache_dir, runs["grown"].cache_dir)
@@ -106,6 +104,10 @@ def test_touched_files_are_recognised_by_content_and_copied_not_encoded(runs):
         assert row["encode_id"] == old["encode_id"]  # stamped by the first build's encoder, not this one's
         assert row["latent"] == old_rows[rel]["latent"]
     assert {r["encode_id"] for r in _text(new).values()} == {old["encode_id"]}
+    # Referenced where the first build wrote them, not copied: the new generation wrote no shard at all.
+    assert new["files"] == [] and new["text_files"] == []
+    first = generations.generation_name(runs["first"].cache_dir)
+    assert new["borrowed"] and all(f.startswith(first + "/") for f in new["borrowed"])
 
 
 def test_only_new_images_and_changed_captions_are_encoded(runs):

@@ -1,6 +1,8 @@
 """Messy inputs: every Pillow mode becomes the RGB a viewer shows, EXIF orientation is applied, broken files and
 captions become recorded skips, and ``cache.strict`` turns the first one into a clear error."""
 
+import json
+
 import cache_sets
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from PIL import Image
 from rayflux import buckets, config
 from rayflux.cache import generations
 from rayflux.cache.decode import BadImage, decode
-from rayflux.cache.prepare import prepare_row, reuse_key
+from rayflux.cache.prepare import prepare_row
 from rayflux.sources import discover
 
 LIMIT = 10_000_000
@@ -125,14 +127,24 @@ def test_prepare_crops_and_resizes_per_the_plan_and_skips_small_images(tmp_path)
 def test_prepare_reuses_a_known_sample_without_decoding(tmp_path):
     path = tmp_path / "img.png"
     path.write_bytes(_png(cache_sets.picture(120, 80, 4)))
-    fresh = prepare_row({"uri": str(path), "rel_path": "d/img.png"}, _spec(), 0, LIMIT)
-    known = {reuse_key("d/img.png", fresh["source_sha256"]): (120, 80, fresh["sample_id"])}
-    again = prepare_row({"uri": str(path), "rel_path": "d/img.png"}, _spec(), 0, LIMIT, known=known)
-    assert again["reuse"] and again["pixels"] == b""
+    st = path.stat()
+    src = {"uri": str(path), "rel_path": "d/img.png", "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    fresh = prepare_row(src, _spec(), 0, LIMIT)
+    # The previous generation's index row for the same relative path, as the driver attaches it.
+    prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 120, "orig_h": 80,
+            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns - 1}  # fmt: skip
+    again = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
+    assert again["reuse"] and again["pixels"] == b""  # known by its content hash: read, not decoded
     assert {k: again[k] for k in ("sample_id", "bucket", "crop_left", "target_w")} == {
         k: fresh[k] for k in ("sample_id", "bucket", "crop_left", "target_w")
     }
-    elsewhere = prepare_row({"uri": str(path), "rel_path": "e/img.png"}, _spec(), 0, LIMIT, known=known)
+    # Same size and mtime: not even read (the file is gone, and the row is still reused, hash and all).
+    path.unlink()
+    unread = prepare_row({**src, "prev": json.dumps({**prev, "source_mtime_ns": st.st_mtime_ns})}, _spec(), 0, LIMIT)
+    assert unread["reuse"] and unread["source_sha256"] == fresh["source_sha256"]
+    other = tmp_path / "other.png"
+    other.write_bytes(_png(cache_sets.picture(120, 80, 4)))
+    elsewhere = prepare_row({**src, "uri": str(other), "rel_path": "e/img.png"}, _spec(), 0, LIMIT)
     assert not elsewhere["reuse"] and elsewhere["sample_id"] != fresh["sample_id"]  # same bytes, other folder
 
 

@@ -60,13 +60,41 @@ def test_each_row_stores_only_its_own_latent(built):
     assert checked == built.manifest["cached"] > built.cfg.cache.batch_size
 
 
-def test_each_row_stores_only_its_own_text_embedding(built):
+def test_text_embeddings_are_stored_once_per_caption_not_per_sample(built):
     for path in generations.sample_files(built.manifest):
+        assert not {"t5", "clip_pooled"} & set(pq.read_schema(path).names)
+    for path in generations.text_files(built.manifest):
         shapes = pq.read_table(path, columns=["t5_len", "t5_dim", "clip_dim", "text_dtype"]).to_pylist()
         for s, t5, clip in zip(shapes, _chunk_sizes(path, "t5"), _chunk_sizes(path, "clip_pooled")):
             item = np.dtype(s["text_dtype"]).itemsize
             raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * item
             assert raw <= t5 + clip <= 1.02 * raw
+
+
+def test_the_index_locates_every_tensor_byte_for_byte(built, rows):
+    """Each index row's offset/length is exactly its tensor's bytes inside the shard, as training reads them."""
+    from rayflux.cache import index
+
+    samples = {r["sample_id"]: r for r in index.read(built.manifest, "samples").to_pylist()}
+    assert sorted(samples) == sorted(r["sample_id"] for r in rows)
+    for r in rows:
+        e = samples[r["sample_id"]]
+        path = index.resolve(built.manifest, e["file"])
+        assert Path(path).stat().st_size == e["file_bytes"]
+        with open(path, "rb") as f:
+            f.seek(e["offset"])
+            assert f.read(e["length"]) == r["latent"]
+        assert (e["bucket"], e["caption_id"], e["rel_path"]) == (r["bucket"], r["caption_id"], r["rel_path"])
+    text = {t["caption_id"]: t for t in pq.ParquetDataset(generations.text_files(built.manifest)).read().to_pylist()}
+    captions = index.read(built.manifest, "captions").to_pylist()
+    assert sorted(c["caption_id"] for c in captions) == sorted(text)
+    for c in captions:
+        with open(index.resolve(built.manifest, c["file"]), "rb") as f:
+            f.seek(c["t5_offset"])
+            assert f.read(c["t5_length"]) == text[c["caption_id"]]["t5"]
+            f.seek(c["clip_offset"])
+            assert f.read(c["clip_length"]) == text[c["caption_id"]]["clip_pooled"]
+    assert built.manifest["empty_caption"]["caption"] == "" and text[built.manifest["empty_caption"]["caption_id"]]
 
 
 def test_decoded_rows_equal_the_encoders_own_output(built, rows):
@@ -98,18 +126,22 @@ def test_plain_pyarrow_rebuilds_every_tensor_as_the_readme_shows(built, rows):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("### Cache shards", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    path = generations.sample_files(built.manifest)[0]
-    code = snippet.replace('"samples-....parquet"', repr(path)) + (
+    code = snippet.replace('"<cache.dir>/<cache key>/g00000-..."', repr(str(built.gen_dir))) + (
         "import sys, json\n"
         "print(json.dumps({'shapes': [latent.shape, t5.shape, clip.shape], 'sum': float(latent.sum()),"
         " 'heavy': sorted(m for m in ('ray', 'torch') if m in sys.modules)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    first = pq.read_table(path).to_pylist()[0]
+    from rayflux.cache import index
+
+    entry = index.read(built.manifest, "samples").to_pylist()[0]
+    first = [r for r in rows if r["sample_id"] == entry["sample_id"]][0]
     latent = np.frombuffer(first["latent"], np.float32).reshape(first["latent_c"], first["latent_h"], first["latent_w"])
+    text = pq.ParquetDataset(generations.text_files(built.manifest)).read().to_pylist()
+    (caption,) = [t for t in text if t["caption_id"] == first["caption_id"]]
     assert got["heavy"] == []
-    assert got["shapes"] == [list(latent.shape), [first["t5_len"], first["t5_dim"]], [first["clip_dim"]]]
+    assert got["shapes"] == [list(latent.shape), [caption["t5_len"], caption["t5_dim"]], [caption["clip_dim"]]]
     assert got["sum"] == pytest.approx(float(latent.sum()), rel=1e-6)
 
 
@@ -142,7 +174,7 @@ def test_text_embeddings_are_encoded_once_per_unique_caption(built, rows):
     assert m["encoded"]["captions"] == len(captions) + 1 == m["unique_captions"]
     by_id = {r["caption_id"]: r for r in text.to_pylist()}
     for r in rows:
-        assert r["t5"] == by_id[r["caption_id"]]["t5"] and r["caption"] == by_id[r["caption_id"]]["caption"]
+        assert r["caption"] == by_id[r["caption_id"]]["caption"]
 
 
 def test_every_input_is_cached_or_skipped_with_its_reason(built, rows):

@@ -6,11 +6,13 @@ import json
 
 import cache_sets
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rayflux.cache import generations, shards, writer
+from rayflux.cache import generations, index, writer
 from rayflux.cache.shards import CacheShapeError
+from rayflux.train import batching
 from rayflux.train.batching import load_batch
 
 
@@ -19,15 +21,32 @@ def built(ray_session, tmp_path_factory, tiny_model):
     return cache_sets.shared_cache(tmp_path_factory, tiny_model)
 
 
-def _batch_item(shard, rows, bucket) -> dict:
-    refs = [[str(shard), i, r["sample_id"]] for i, r in rows]
-    return {"refs": json.dumps(refs), "bucket": bucket, "epoch": 0, "index": 0, "seed": 1, "step": 0, "total_steps": 1}
+def _refs(gen_dir, bucket: str, n: int) -> list[batching.SampleRef]:
+    refs = [r for r in batching.index_samples(generations.load_manifest(str(gen_dir))) if r.bucket == bucket]
+    assert len(refs) >= n
+    return sorted(refs, key=lambda r: r.sample_id)[:n]
 
 
-def _pick(shard, bucket: str, n: int) -> list[tuple[int, dict]]:
-    rows = [(i, r) for i, r in enumerate(pq.read_table(shard).to_pylist()) if r["bucket"] == bucket]
-    assert len(rows) >= n
-    return rows[:n]
+def _batch_item(refs: list[batching.SampleRef]) -> dict:
+    """One planned batch of exactly ``refs`` (one bucket), as the feed hands it to a read task."""
+    (item,), _ = batching.plan_epoch(refs, len(refs), seed=1, epoch=0, world_size=1)
+    return {**item, "step": 0, "total_steps": 1}
+
+
+def _rows(gen_dir) -> dict[str, dict]:
+    m = generations.load_manifest(str(gen_dir))
+    return {r["sample_id"]: r for r in pq.ParquetDataset(generations.sample_files(m)).read().to_pylist()}
+
+
+def _edit_index(gen_dir, sample_id: str, **change) -> None:
+    """Rewrite the generation's sample index with plain pyarrow, one sample's entry changed (to make a bad cache)."""
+    path = gen_dir / index.SAMPLES
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    for r in rows:
+        if r["sample_id"] == sample_id:
+            r.update(change)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
 
 
 def _expect_named(exc: pytest.ExceptionInfo, row: dict, *parts: str) -> None:
@@ -38,52 +57,57 @@ def _expect_named(exc: pytest.ExceptionInfo, row: dict, *parts: str) -> None:
 
 
 def test_a_good_batch_loads_with_the_stored_values(built):
-    shard = generations.sample_files(built.manifest)[0]
-    rows = _pick(shard, "128x128", 3)
-    out = load_batch(_batch_item(shard, rows, "128x128"))
+    refs = _refs(built.gen_dir, "128x128", 3)
+    item = _batch_item(refs)
+    out = load_batch(item)
     assert json.loads(out["latent_shape"]) == [3, 4, 16, 16]
     stacked = np.frombuffer(out["latent"], np.float32).reshape(3, 4, 16, 16)
-    for k, (_, r) in enumerate(rows):
-        assert stacked[k].tobytes() == r["latent"]
+    rows = _rows(built.gen_dir)
+    for k, sid in enumerate(json.loads(out["sample_ids"])):
+        assert stacked[k].tobytes() == rows[sid]["latent"]
+    assert sorted(json.loads(out["sample_ids"])) == sorted(r.sample_id for r in refs)
 
 
 def test_a_row_with_the_wrong_latent_shape_is_named_at_train_time(built, tmp_path):
-    shard = cache_sets.first_shard(cache_sets.copy_generation(built, tmp_path))
-    rows = _pick(shard, "128x128", 3)
-    target = rows[1][0]
-
-    def grow(all_rows):
-        all_rows[target]["latent_h"] = 17
-        all_rows[target]["latent"] += b"\0" * (4 * 16 * 4)  # bytes consistent with the wrong shape
-
-    bad = cache_sets.rewrite_rows(shard, grow)[target]
+    gen = cache_sets.copy_generation(built, tmp_path)
+    refs = _refs(gen, "128x128", 3)
+    bad = _rows(gen)[refs[1].sample_id]
+    _edit_index(gen, bad["sample_id"], latent_h=17)
     with pytest.raises(CacheShapeError) as exc:
-        load_batch(_batch_item(shard, rows, "128x128"))
+        load_batch(_batch_item(_refs(gen, "128x128", 3)))
     _expect_named(exc, bad, "latent shape expected (4, 16, 16)", "got (4, 17, 16)")
 
 
 def test_truncated_tensor_bytes_are_named_at_train_time(built, tmp_path):
-    shard = cache_sets.first_shard(cache_sets.copy_generation(built, tmp_path))
-    rows = _pick(shard, "128x128", 2)
-    target = rows[0][0]
-
-    def cut(all_rows):
-        all_rows[target]["latent"] = all_rows[target]["latent"][:-4]
-
-    bad = cache_sets.rewrite_rows(shard, cut)[target]
+    gen = cache_sets.copy_generation(built, tmp_path)
+    refs = _refs(gen, "128x128", 2)
+    bad = _rows(gen)[refs[0].sample_id]
+    _edit_index(gen, bad["sample_id"], length=refs[0].length - 4)
     with pytest.raises(CacheShapeError) as exc:
-        load_batch(_batch_item(shard, rows, "128x128"))
+        load_batch(_batch_item(_refs(gen, "128x128", 2)))
     _expect_named(exc, bad, "latent bytes", "expected 4096", "got 4092")
 
 
-def test_a_batch_mixing_buckets_is_refused(built):
-    shard = generations.sample_files(built.manifest)[0]
-    table = pq.read_table(shard).to_pylist()
-    square = next((i, r) for i, r in enumerate(table) if r["bucket"] == "128x128")
-    other = next((i, r) for i, r in enumerate(table) if r["bucket"] != "128x128")
+def test_non_finite_bytes_in_a_shard_are_named_at_train_time(built, tmp_path):
+    gen = cache_sets.copy_generation(built, tmp_path)
+    (ref,) = _refs(gen, "128x128", 1)
+    bad = _rows(gen)[ref.sample_id]
+    with open(ref.file, "r+b") as f:
+        f.seek(ref.offset)
+        f.write(np.full(4, np.nan, np.float32).tobytes())
     with pytest.raises(CacheShapeError) as exc:
-        load_batch(_batch_item(shard, [square, other], "128x128"))
-    _expect_named(exc, {**other[1], "bucket": "128x128"}, f"got {other[1]['bucket']}")
+        load_batch(_batch_item(_refs(gen, "128x128", 1)))
+    _expect_named(exc, bad, "latent values expected all finite")
+
+
+def test_a_batch_mixing_buckets_is_refused(built):
+    square = _refs(built.gen_dir, "128x128", 1)
+    other = next(r for r in batching.index_samples(built.manifest) if r.bucket != "128x128")
+    item = _batch_item(square + [dataclasses.replace(other, bucket="128x128")])
+    shape = other.latent_shape.replace(",", ", ")
+    with pytest.raises(CacheShapeError) as exc:
+        load_batch(item)
+    _expect_named(exc, {**_rows(built.gen_dir)[other.sample_id], "bucket": "128x128"}, f"got ({shape})")
 
 
 def test_write_time_rows_with_non_finite_values_are_refused(built, tmp_path):
@@ -100,8 +124,7 @@ def test_write_time_rows_with_non_finite_values_are_refused(built, tmp_path):
         reuse=np.array([False]),
         latent=np.array([latent.tobytes()], dtype=object),
     )
-    text_files = tuple(generations.text_files(built.manifest))
-    meta = writer.write_samples(batch, str(tmp_path), layout(built.cfg, built.facts), text_files, {}, 0)
+    meta = writer.write_samples(batch, str(tmp_path), layout(built.cfg, built.facts), 0)
     assert meta["rows"] == [0] and meta["path"] == [""]
     for part in (f"bucket {row['bucket']}", row["sample_id"], row["source_uri"], "latent values"):
         assert part in meta["error"][0]
@@ -125,13 +148,3 @@ def test_the_stage_fails_with_a_plain_shape_error_and_commits_nothing(ray_sessio
     assert "bucket 64x64: sample " in msg and str(images) in msg
     assert "latent shape expected (5, 8, 8), got (4, 8, 8)" in msg
     assert not list((tmp_path / "cache").rglob(generations.MANIFEST))
-
-
-def test_shard_without_layout_metadata_is_refused(built, tmp_path):
-    shard = cache_sets.first_shard(cache_sets.copy_generation(built, tmp_path))
-    table = pq.read_table(shard)
-    pq.write_table(table.replace_schema_metadata(None), shard, row_group_size=1)
-    rows = _pick(shard, "128x128", 1)
-    with pytest.raises(CacheShapeError, match="no rayflux layout metadata"):
-        load_batch(_batch_item(shard, rows, "128x128"))
-    assert shards.layout_of(pq.read_schema(shard)) is None

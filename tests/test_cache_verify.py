@@ -33,7 +33,7 @@ def test_a_good_generation_passes_and_prints_every_bucket(built):
         assert int(fields[1]) == e["rows"]
         assert fields[2] == "x".join(str(s) for s in e["latent_shape"])
         assert int(fields[4]) == e["latent_bytes"] == e["rows"] * math.prod(e["latent_shape"]) * 4
-        assert int(fields[5]) > int(fields[4])  # stored bytes include the text embeddings copied into each row
+        assert int(fields[5]) > int(fields[4])  # written bytes include each row's page headers and small columns
     assert text.rstrip().endswith("OK")
 
 
@@ -54,9 +54,8 @@ def _nan_latent(rows):
     rows[0]["latent"] = np.full(n, np.nan, np.float32).tobytes()
 
 
-def _other_caption_text(rows):
-    other = next(r for r in rows if r["caption_id"] != rows[0]["caption_id"])
-    rows[0]["t5"] = other["t5"]
+def _swap_rows(rows):
+    rows[0], rows[1] = rows[1], rows[0]
 
 
 def _truncate_file(path):
@@ -67,7 +66,7 @@ def _truncate_file(path):
 DAMAGE = {
     "latent shape column": (lambda p: cache_sets.rewrite_rows(p, _flip_latent_height), "latent shape expected"),
     "NaN latent": (lambda p: cache_sets.rewrite_rows(p, _nan_latent), "latent values expected all finite"),
-    "text of another caption": (lambda p: cache_sets.rewrite_rows(p, _other_caption_text), "text embedding differs"),
+    "rows the index does not expect": (lambda p: cache_sets.rewrite_rows(p, _swap_rows), "holds sample_id"),
     "truncated shard": (_truncate_file, "unreadable Parquet"),
     "missing shard": (lambda p: p.unlink(), "listed in the manifest but missing"),
 }
@@ -104,12 +103,17 @@ def test_manifest_and_report_disagreements_fail(built, tmp_path):
     assert "per-bucket totals" in text and "skipped.jsonl lists" in text
 
 
-def test_unlisted_files_are_noted_and_uncommitted_generations_fail(built, tmp_path):
+def test_unlisted_files_fail_and_so_do_uncommitted_generations(built, tmp_path):
     gen = cache_sets.copy_generation(built, tmp_path)
+    assert _verify(gen)[0] == 0
     stray = gen / "samples" / "samples-leftover.parquet"
     shutil.copy(cache_sets.first_shard(gen), stray)
+    (gen / "text" / ".tmp-123-abcd-text-x.parquet").write_bytes(b"")
     code, text = _verify(gen)
-    assert code == 0 and "samples/samples-leftover.parquet is not listed" in text
+    assert code == 1 and "samples/samples-leftover.parquet: inside a committed generation but not listed" in text
+    assert "text/.tmp-123-abcd-text-x.parquet: inside a committed generation" in text
+    stray.unlink()
+    (gen / "text" / ".tmp-123-abcd-text-x.parquet").unlink()
     (gen / "manifest.json").unlink()
     code, text = _verify(gen)
     assert code == 1 and "uncommitted" in text

@@ -46,6 +46,7 @@ def test_one_row_per_input_image(finished_run, demo_images):
     images = sorted(p.name for p in Path(demo_images).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
     table = pq.ParquetDataset(generations.sample_files(manifest)).read()
     assert table.num_rows == len(images) == manifest["cached"] == summary.cached
+    assert not {"t5", "clip_pooled"} & set(table.column_names)  # text lives once per caption, in the text shards
     assert sorted(table["rel_path"].to_pylist()) == images
     assert len(set(table["sample_id"].to_pylist())) == len(images)
     assert manifest["skipped"] == 0 and summary.discovered == len(images)
@@ -61,10 +62,12 @@ def test_shape_columns_match_stored_bytes(finished_run):
             assert len(row["latent"]) == c * h * w * 4
             assert (h * 8, w * 8) == (row["target_h"], row["target_w"])
             assert f"{row['target_w']}x{row['target_h']}" == row["bucket"]
-            assert len(row["t5"]) == row["t5_len"] * row["t5_dim"] * 4
-            assert len(row["clip_pooled"]) == row["clip_dim"] * 4
             lat = np.frombuffer(row["latent"], np.float32).reshape(c, h, w)
             assert np.isfinite(lat).all() and lat.std() > 0
+    for path in generations.text_files(manifest):
+        for row in pq.read_table(path).to_pylist():
+            assert len(row["t5"]) == row["t5_len"] * row["t5_dim"] * 4
+            assert len(row["clip_pooled"]) == row["clip_dim"] * 4
 
 
 def test_losses_are_finite_and_recorded(finished_run):

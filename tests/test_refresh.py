@@ -1,5 +1,6 @@
 """Per-epoch cache refresh as coordinated stages, and a resumable stage ledger (real local Ray)."""
 
+import io
 import json
 import os
 import signal
@@ -8,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
+import cache_sets
+import numpy as np
 import pytest
 
 from rayflux import config, job, refresh
 from rayflux.cache import generations
+from rayflux.train import batching
 from rayflux.train.batching import GenerationNotReadable, check_readable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +56,11 @@ def _stages(ledger_path) -> dict:
     return {s["name"]: s for s in json.loads(Path(ledger_path).read_text())["stages"]}
 
 
+def _live_dirs(gen_dir: str) -> list[str]:
+    key = str(Path(gen_dir).parent)
+    return [d for d in generations.generation_dirs(key) if not generations.is_retired(d) and generations.load_manifest(d)]
+
+
 def _assert_refresh_protocol(summary, epochs: int, images: int):
     stages = _stages(summary.ledger)
     for g in range(epochs):
@@ -65,7 +73,11 @@ def _assert_refresh_protocol(summary, epochs: int, images: int):
             # retired only after the segment that read it returned (every worker done)
             assert retire["status"] == "done" and retire["start"] >= train["end"]
             assert generations.is_retired(cache["dir"])
-            assert not list(Path(cache["dir"]).glob("samples/*.parquet"))
+            # What a retired generation keeps is exactly what a live generation's index still points into.
+            live = {f for d in _live_dirs(cache["dir"]) for f in generations.load_manifest(d)["borrowed"]}
+            name = generations.generation_name(cache["dir"])
+            kept = [f for f in generations.files_in(cache["dir"]) if f != generations.RETIRED]
+            assert all(f"{name}/{f}" in live for f in kept), kept
     last = stages[f"cache:g{epochs - 1}"]["dir"]
     assert f"retire:g{epochs - 1}" not in stages and generations.load_manifest(last) is not None
 
@@ -104,14 +116,14 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
     stages = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
     crops = []
     for g in (0, 1):
-        m = stages.generation(g)
-        t = pq.ParquetDataset(generations.sample_files(m)).read().sort_by("rel_path")
-        crops.append(list(zip(t["rel_path"].to_pylist(), t["crop_left"].to_pylist(), t["crop_top"].to_pylist())))
+        rows = sorted(cache_sets.generation_rows(stages.generation(g)), key=lambda r: r["rel_path"])
+        crops.append([(r["rel_path"], r["crop_left"], r["crop_top"]) for r in rows])
     assert [c[0] for c in crops[0]] == [c[0] for c in crops[1]]
     assert crops[0] != crops[1]
-    # a generation built again with the same seed is reused, not rebuilt
+    # a generation built again with the same seed (by a later job: one job asks once) is reused, not rebuilt
     before = generations.load_manifest(stages.dirs[1])["committed_at"]
-    assert stages.generation(1)["committed_at"] == before
+    again = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    assert again.generation(1)["committed_at"] == before
 
 
 def test_readers_refuse_uncommitted_and_retired_generations(tmp_path):
@@ -120,12 +132,42 @@ def test_readers_refuse_uncommitted_and_retired_generations(tmp_path):
     shard = gen / "samples" / "samples-1.parquet"
     shard.write_bytes(b"")
     with pytest.raises(GenerationNotReadable, match="not committed"):
-        check_readable(str(shard))
-    generations.commit(str(gen), {"files": []}, [])
-    check_readable(str(shard))
+        check_readable(str(gen))
+    generations.commit(str(gen), {"files": [], "text_files": []}, [])
+    assert not shard.exists()  # not listed by the manifest: commit removed it
+    check_readable(str(gen))
     generations.retire(str(gen))
     with pytest.raises(GenerationNotReadable):
-        check_readable(str(shard))
+        check_readable(str(gen))
+
+
+def test_a_centre_crop_refresh_references_the_previous_generation(ray_session, tiny_model, demo_images, tmp_path):
+    """Nothing changed but the generation's seed: the new generation writes no shard; retiring the old one keeps
+    exactly the files the new one reads, and retiring the new one then frees them."""
+    from rayflux import models
+    from rayflux.cache import verify
+    from rayflux.ledger import Ledger
+
+    cfg = _cfg(tiny_model, demo_images, tmp_path / "run", "data.crop=center")
+    images, cache_root, out = job.resolve_dirs(cfg)
+    cfg.data.images_dir = images
+    stages = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    m0, m1 = stages.generation(0), stages.generation(1)
+    assert m1["encoded"]["samples"] == 0 and m1["reused"]["samples"] == m0["cached"] == 8
+    assert sum(f["bytes"] for f in m1["files"]) == 0 < sum(f["bytes"] for f in m0["files"])
+    assert set(m1["borrowed"]) >= {f"{generations.generation_name(m0['dir'])}/{f['path']}" for f in m0["files"]}
+    before = {r["sample_id"]: r["latent"] for r in cache_sets.generation_rows(m0)}
+    stages.retire(0)
+    assert generations.is_retired(m0["dir"]) and generations.files_in(m0["dir"])
+    assert verify.main([m1["dir"]], out=io.StringIO()) == 0
+    refs = batching.index_samples(m1)
+    planned, _ = batching.plan_epoch(refs, 2, seed=0, epoch=0, world_size=1)
+    for item in batching.load_batches([{**p, "step": 1, "total_steps": 1} for p in planned]):
+        lat = np.frombuffer(item["latent"], np.float32).reshape(json.loads(item["latent_shape"]))
+        for sid, x in zip(json.loads(item["sample_ids"]), lat):
+            assert x.tobytes() == before[sid]
+    generations.retire(m1["dir"])
+    assert generations.files_in(m0["dir"]) == [generations.RETIRED]
 
 
 def test_changed_config_is_refused(ray_session, tiny_model, demo_images, tmp_path):

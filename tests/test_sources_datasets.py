@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 from PIL import Image
 
@@ -141,24 +140,41 @@ def test_fsspec_filesystems_work_for_discovery():
     mem.rm("/rayflux-test", recursive=True)
 
 
-def _shard(gen_dir, name, ids, dataset, fill=0.0):
-    """One real shard in a committed generation (the trainer reads only committed generations)."""
+def _generation(gen_dir, parts) -> dict:
+    """A committed generation written by the cache stage's own write tasks (no Ray needed to call them), holding
+    ``parts``: (sample ids, dataset, latent fill value) each. Latent 1 x 2 x 2 for bucket 16x16 means a VAE downscale
+    of 8; t5 rows of length 1."""
+    import dataclasses
+
+    from rayflux.cache import index, writer
+    from rayflux.sources import caption_id
+
     zeros = lambda n: np.zeros(n, np.float32).tobytes()  # noqa: E731
-    rows = [
-        {"sample_id": sid, "source_uri": f"/src/{sid}", "rel_path": sid, "dataset": dataset, "bucket": "16x16",
-         "latent_c": 1, "latent_h": 2, "latent_w": 2, "latent_dtype": "float32",
-         "latent": np.full(4, fill, np.float32).tobytes(),
-         "t5_len": 1, "t5_dim": 2, "clip_dim": 2, "text_dtype": "float32", "t5": zeros(2), "clip_pooled": zeros(2),
-         "generation": 0}
-        for sid in ids
-    ]  # fmt: skip
-    table = pa.Table.from_pylist(rows, schema=shards.SAMPLE_SCHEMA)
-    path = str(gen_dir / "samples" / name)
-    # latent 1 x 2 x 2 for bucket 16x16 means a VAE downscale of 8; t5 rows of length 1
     layout = shards.ShardLayout("samples", "float32", latent_channels=1, vae_scale_factor=8, t5_len=1)
-    shards.write_table(table, path, layout)
-    generations.commit(str(gen_dir), {"files": []}, [])
-    return path
+    cid = caption_id("")
+    text = {"caption_id": [cid], "caption": [""], "t5_len": [1], "t5_dim": [2], "clip_dim": [2],
+            "text_dtype": ["float32"], "t5": [zeros(2)], "clip_pooled": [zeros(2)], "encode_id": ["e"]}  # fmt: skip
+    tmeta = writer.write_text(text, str(gen_dir), dataclasses.replace(layout, kind="text"), 0)
+    samples, captions = index.Sink("samples"), index.Sink("captions")
+    captions.add(index.from_ipc(tmeta["index"][0]))
+    files = []
+    for ids, dataset, fill in parts:
+        n = len(ids)
+        batch = {"sample_id": ids, "uri": [f"/src/{s}" for s in ids], "rel_path": ids, "dataset": [dataset] * n,
+                 "bucket": ["16x16"] * n, "caption": [""] * n, "caption_id": [cid] * n, "source_sha256": ["0"] * n,
+                 "size": [1] * n, "mtime_ns": [1] * n, "orig_w": [16] * n, "orig_h": [16] * n, "latent_c": [1] * n,
+                 "latent_h": [2] * n, "latent_w": [2] * n, "latent_dtype": ["float32"] * n,
+                 "latent": [np.full(4, fill, np.float32).tobytes()] * n, "encode_id": ["e"] * n,
+                 "skip_reason": [""] * n, "reuse": [False] * n}  # fmt: skip
+        meta = writer.write_samples(batch, str(gen_dir), layout, 0)
+        assert not meta["error"][0], meta["error"]
+        samples.add(index.from_ipc(meta["index"][0]))
+        files.append({"path": meta["path"][0], "rows": n, "bytes": meta["bytes"][0]})
+    manifest = {"files": files, "text_files": [{"path": tmeta["path"][0], "rows": 1, "bytes": tmeta["bytes"][0]}],
+                "layout": dataclasses.asdict(layout), "empty_caption": captions.empty}  # fmt: skip
+    manifest["index"] = {"samples": samples.commit(str(gen_dir)), "captions": captions.commit(str(gen_dir))}
+    generations.commit(str(gen_dir), manifest, [])
+    return generations.load_manifest(str(gen_dir))
 
 
 def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
@@ -168,16 +184,13 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
          "data.datasets=[{name: main, images_dir: /m, repeats: 3}, {name: reg, images_dir: /r, regularisation: true}]"],
     )  # fmt: skip
     # The latent's value tells the datasets apart inside a stacked batch: main rows hold 1.0, the reg row 5.0.
-    files = [
-        _shard(tmp_path, "m.parquet", ["m0", "m1"], "main", fill=1.0),
-        _shard(tmp_path, "r.parquet", ["r0"], "reg", fill=5.0),
-    ]
-    refs = datasets.mix(batching.index_samples(files), datasets.sample_weights(cfg.data))
+    gen = _generation(tmp_path / "key" / "g00000-abc", [(["m0", "m1"], "main", 1.0), (["r0"], "reg", 5.0)])
+    refs = datasets.mix(batching.index_samples(gen), datasets.sample_weights(cfg.data))
     assert sorted((r.sample_id, r.weight) for r in refs) == [("m0", 1.0)] * 3 + [("m1", 1.0)] * 3 + [("r0", 0.25)]
     planned, dropped = batching.plan_epoch(refs, batch_size=7, seed=1, epoch=0, world_size=1)
     assert dropped == 0 and len(planned) == 1
-    # Seed 1 puts the reg sample mid-batch, so reading rows file by file reorders them: weights must follow.
-    assert [sid for _, _, sid in json.loads(planned[0]["refs"])].index("r0") < 6
+    # Seed 1 puts the reg sample mid-batch, in another file than its neighbours: weights must follow it.
+    assert [r[2] for r in json.loads(planned[0]["refs"])].index("r0") < 6
     batch = batching.load_batch({**planned[0], "step": 1, "total_steps": 1})
     latents = np.frombuffer(batch["latent"], np.float32).reshape(json.loads(batch["latent_shape"]))
     weights = json.loads(batch["weights"])
@@ -188,7 +201,7 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
 
 def test_samples_of_an_unlisted_dataset_are_refused(tmp_path):
     cfg = config.load(None, ["data.datasets=[{name: main, images_dir: /m}]"])
-    refs = batching.index_samples([_shard(tmp_path, "x.parquet", ["x0"], "gone")])
+    refs = batching.index_samples(_generation(tmp_path / "key" / "g00000-abc", [(["x0"], "gone", 0.0)]))
     with pytest.raises(ValueError, match="dataset 'gone', which the config does not list"):
         datasets.mix(refs, datasets.sample_weights(cfg.data))
 

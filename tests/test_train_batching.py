@@ -38,7 +38,7 @@ def test_plan_is_bucket_pure_and_equal_per_rank(bucket_sizes, batch_size, world,
     assert len(per_rank[0]) % accumulation == 0  # ...forming whole optimizer steps
     ids = []
     for b in plan:
-        members = [sid for _, _, sid in json.loads(b["refs"])]
+        members = [ref[2] for ref in json.loads(b["refs"])]  # [file, row, sample_id, ...where its bytes are]
         assert {bucket_of[s] for s in members} == {b["bucket"]}  # one bucket per batch
         assert 1 <= len(members) == b["size"] <= batch_size
         ids.extend(members)

@@ -83,7 +83,7 @@ def resumed(cache):
 def test_uneven_buckets_give_both_ranks_the_same_steps_and_pure_batches(cache, full):
     _, _, manifest, _ = cache
     result, _ = full
-    bucket_of = {r.sample_id: r.bucket for r in batching.index_samples(generations.sample_files(manifest))}
+    bucket_of = {r.sample_id: r.bucket for r in batching.index_samples(manifest)}
     logs = checkpoint.read_batches(result.checkpoint_dir)
     assert sorted(logs) == [0, 1]
     # 9 batches per epoch, cut to 8 by the remainder rule: 2 steps of 2 batches per rank per epoch, 2 epochs.

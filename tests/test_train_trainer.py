@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import pyarrow as pa
 import pytest
 import torch
 
@@ -108,16 +107,20 @@ def test_bf16_autocast_runs_close_to_fp32(tiny_model):
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.05)
 
 
-def test_empty_caption_is_read_from_the_text_table(tmp_path):
+def test_empty_caption_is_read_from_where_the_index_says(tmp_path):
+    from rayflux.cache import index, writer
+
     def row(caption, value):
         t5, clip = torch.full((3, 2), value), torch.full((2,), value + 1)
         return {"caption_id": caption_id(caption), "caption": caption, "t5_len": 3, "t5_dim": 2, "clip_dim": 2,
                 "text_dtype": "float16", "t5": tensors.to_bytes(t5, "float16"),
-                "clip_pooled": tensors.to_bytes(clip, "float16")}  # fmt: skip
+                "clip_pooled": tensors.to_bytes(clip, "float16"), "encode_id": "e"}  # fmt: skip
 
-    path = str(tmp_path / "text.parquet")
-    shards.write_table(pa.Table.from_pylist([row("a cat", 1.0), row("", 5.0)], schema=shards.TEXT_SCHEMA), path)
-    empty = captions.load_empty([path])
+    rows = [row("a cat", 1.0), row("", 5.0)]
+    layout = shards.ShardLayout("text", "float16", latent_channels=16, vae_scale_factor=8, t5_len=3)
+    meta = writer.write_text({k: [r[k] for r in rows] for k in rows[0]}, str(tmp_path / "g00000-x"), layout, 0)
+    (entry,) = [e for e in index.from_ipc(meta["index"][0]).to_pylist() if e["caption"] == ""]
+    empty = captions.load_empty({**entry, "file": str(tmp_path / entry["file"]), "text_dtype": "float16"})
     assert torch.equal(empty.t5, torch.full((3, 2), 5.0)) and torch.equal(empty.clip, torch.full((2,), 6.0))
     with pytest.raises(ValueError, match="empty-caption"):
         captions.load_empty([])

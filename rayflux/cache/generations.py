@@ -1,9 +1,11 @@
 """Cache generations: a directory of shards that becomes visible only when its ``manifest.json`` is written.
 
-Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet``, then ``skipped.jsonl``, then
-``manifest.json`` last. Readers trust a generation only through its committed manifest; files not listed there do not
-exist to them, and a directory without a manifest (a build that crashed or is still running) or with a ``RETIRED``
-mark is never read or reused.
+Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet``, then ``skipped.jsonl`` and the
+generation index (``index/*.parquet``), then ``manifest.json`` last. Readers trust a generation only through its
+committed manifest, and a directory without one (a build that crashed or is still running) or with a ``RETIRED`` mark
+is never read or reused. Commit removes every file the manifest does not list (shards of a write task that was
+killed after writing and ran again, a killed write's temporary file), so a committed generation holds exactly
+what its manifest lists.
 """
 
 from __future__ import annotations
@@ -33,11 +35,40 @@ def generation_number(gen_dir: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def generation_name(gen_dir: str) -> str:
+    """``g00003-<inputs hash>``: the directory's own name, how the generation index refers to it."""
+    return gen_dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+def listed(manifest: dict) -> set[str]:
+    """Every file a committed generation's directory holds, relative to it: what its manifest lists."""
+    files = {f["path"] for f in manifest.get("files", []) + manifest.get("text_files", [])}
+    files |= {e["path"] for e in manifest.get("index", {}).values()}
+    return files | {SKIPPED, MANIFEST}
+
+
+def files_in(gen_dir: str) -> list[str]:
+    """Every file under ``gen_dir``, relative to it (one recursive listing)."""
+    fs, inner = storage.resolve(gen_dir)
+    infos = fs.get_file_info(pafs.FileSelector(inner, recursive=True, allow_not_found=True))
+    return sorted(i.path[len(inner) + 1 :] for i in infos if i.type == pafs.FileType.File)
+
+
 def commit(gen_dir: str, manifest: dict, skipped: list[dict]) -> dict:
-    """Write the skipped report, then the manifest (the commit point). Returns the manifest as written."""
+    """Write the skipped report, remove every file the manifest does not list, then write the manifest (the commit
+    point). Returns the manifest as written.
+
+    Every write task has finished when this runs, so a file nobody listed is an attempt whose result never arrived
+    (its task was retried) or a temporary file a killed write left.
+    """
     storage.write_bytes_atomic(
         storage.join(gen_dir, SKIPPED), "".join(json.dumps(s, sort_keys=True) + "\n" for s in skipped).encode()
     )
+    keep = listed(manifest)
+    fs, inner = storage.resolve(gen_dir)
+    for rel in files_in(gen_dir):
+        if rel not in keep:
+            fs.delete_file(f"{inner}/{rel}")
     manifest = {**manifest, "committed_at": time.time()}
     storage.write_bytes_atomic(storage.join(gen_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
     return manifest
@@ -115,16 +146,32 @@ def remove_tree(gen_dir: str) -> None:
 
 
 def retire(gen_dir: str) -> None:
-    """Retire a committed generation: mark it (so a straggling reader fails loudly), then delete it.
+    """Retire a committed generation: mark it (so a straggling reader fails loudly), then delete every file of a
+    retired generation of its cache key that no live generation's index points into.
 
-    Runs only as the job's ``retire`` stage, after the train stage has returned, i.e. after every worker finished
-    every epoch that read this generation.
+    A refresh generation's index references the rows of earlier generations it did not change (listed in its
+    manifest's ``borrowed``), so a retired directory keeps exactly those files until the last generation that
+    references them is retired too. Runs only as the job's ``retire`` stage, after the train stage has returned,
+    i.e. after every worker finished every epoch that read this generation, and after the next generation
+    committed (so every reference to these files is in a committed manifest).
     """
     storage.write_bytes_atomic(storage.join(gen_dir, RETIRED), b"retired\n")
-    fs, inner = storage.resolve(gen_dir)
-    for info in fs.get_file_info(pafs.FileSelector(inner)):
-        if info.base_name != RETIRED:
-            if info.type == pafs.FileType.Directory:
-                fs.delete_dir(info.path)
-            else:
-                fs.delete_file(info.path)
+    key = gen_dir.rstrip("/").rsplit("/", 1)[0]
+    live, retired = [], []
+    for d in generation_dirs(key):
+        if is_retired(d):
+            retired.append(d)
+        else:
+            m = load_manifest(d)
+            if m is not None:
+                live.append(m)
+    referenced = {f for m in live for f in m.get("borrowed", [])}
+    for d in retired:
+        fs, inner = storage.resolve(d)
+        name = generation_name(d)
+        for rel in files_in(d):
+            if rel != RETIRED and f"{name}/{rel}" not in referenced:
+                fs.delete_file(f"{inner}/{rel}")
+        for sub in list_dirs(d):
+            if not files_in(sub):
+                fs.delete_dir(storage.resolve(sub)[1])

@@ -2,12 +2,14 @@
 
 A bad input never raises: the row comes back with ``skip_reason`` set, and the writer records it. A row whose
 sample a previous generation already encoded comes back with ``reuse`` set and no pixels, so nothing downstream
-decodes or encodes it again.
+decodes or encodes it again. Its ``prev`` column (the previous generation's index row for the same relative path,
+attached by the driver) also spares the read and the hash when the file's size and mtime are unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 
@@ -30,11 +32,6 @@ def sample_id(rel_path: str, sha256: str, plan: buckets.BucketPlan) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def reuse_key(rel_path: str, sha256: str) -> str:
-    """What identifies the same input file across generations: its whole relative path and its content."""
-    return f"{rel_path}\n{sha256}"
-
-
 def _geometry(p: buckets.BucketPlan, width: int, height: int) -> dict:
     return dict(
         bucket=p.key, orig_w=width, orig_h=height, crop_left=p.crop_left, crop_top=p.crop_top,
@@ -54,30 +51,45 @@ def _skip(row: dict, reason: str) -> dict:
     return row
 
 
-def prepare_row(
-    row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int, known: dict | None = None
-) -> dict:
+def _read(row: dict) -> bytes | str:
+    """The file's bytes, or a skip reason."""
+    try:
+        return storage.read_bytes(row["uri"])
+    except Exception as exc:  # noqa: BLE001 - any read failure is a recorded skip, not a crash
+        return f"unreadable: {type(exc).__name__}: {exc}"
+
+
+def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int) -> dict:
     """Ray Data ``map`` function: one discovered source row in, one prepared (or skipped, or reused) row out.
 
-    ``known`` maps :func:`reuse_key` to ``(orig_w, orig_h, sample_id)`` of samples a previous generation holds.
-    Equal bytes decode to the same upright size, so the plan and sample id can be checked without decoding.
+    ``row["prev"]`` is the previous generation's index row for the same relative path (JSON), or empty. The same
+    content (the same hash, or the same size and mtime) decodes to the same upright size, so the plan and sample id
+    are checked without decoding; the file is not even read when its size and mtime are unchanged.
     """
     from PIL import Image
 
     row = {**PREPARED_DEFAULTS, **row}
-    try:
-        data = storage.read_bytes(row["uri"])
-    except Exception as exc:  # noqa: BLE001 - any read failure is a recorded skip, not a crash
-        return _skip(row, f"unreadable: {type(exc).__name__}: {exc}")
-    sha = hashlib.sha256(data).hexdigest()
+    prev = json.loads(row["prev"]) if row.get("prev") else None
+    data: bytes | None = None
+    if prev and (prev["source_size"], prev["source_mtime_ns"]) == (row["size"], row["mtime_ns"]) and row["mtime_ns"]:
+        sha = prev["source_sha256"]
+    else:
+        got = _read(row)
+        if isinstance(got, str):
+            return _skip(row, got)
+        data, sha = got, hashlib.sha256(got).hexdigest()
     row["source_sha256"] = sha
-    previous = (known or {}).get(reuse_key(row["rel_path"], sha))
-    if previous is not None:
-        w, h, old_id = previous
+    if prev and prev["source_sha256"] == sha:
+        w, h = prev["orig_w"], prev["orig_h"]
         p = _plan_or_none(w, h, spec, seed, row["rel_path"])
-        if p is not None and sample_id(row["rel_path"], sha, p) == old_id:
-            row.update(_geometry(p, w, h), sample_id=old_id, reuse=True)
+        if p is not None and sample_id(row["rel_path"], sha, p) == prev["sample_id"]:
+            row.update(_geometry(p, w, h), sample_id=prev["sample_id"], reuse=True)
             return row
+    if data is None:
+        got = _read(row)
+        if isinstance(got, str):
+            return _skip(row, got)
+        data = got
     try:
         img = decode(data, max_pixels)
     except BadImage as exc:
@@ -92,5 +104,6 @@ def prepare_row(
         _geometry(p, w, h),
         sample_id=sample_id(row["rel_path"], sha, p),
         pixels=np.asarray(resized, dtype=np.uint8).tobytes(),
+        prev="",  # not reused: the writer needs nothing of the previous row
     )
     return row

@@ -1,49 +1,48 @@
-"""Incremental builds: what a new generation can copy from the previous committed generation of its cache key.
+"""Incremental builds: what a new generation can take from the previous committed generation of its cache key.
 
 Every generation of one cache key was made by the same encoders and the same bucket knobs (the key says so), so a
-sample whose relative path, content hash and crop are unchanged has the same latent, and a caption the same text
-embedding. Those are copied into the new generation instead of being encoded again; only new or changed inputs
-reach an encoder. The new generation owns its copies, so retiring the old one afterwards never breaks it; while the
-build runs it reads the old generation's shards, so that generation must stay until the new one is committed.
+sample whose relative path, content and crop are unchanged has the same latent, and a caption the same text
+embedding. A new generation does not copy those: its index points at the rows where an earlier generation wrote
+them, and only new or changed inputs reach an encoder and a writer. Retiring a generation therefore deletes only
+the files no live generation's index points into (see :func:`rayflux.cache.generations.retire`).
 
-Only the small id and size columns of the previous shards are read here; tensors are copied later by the writer
-tasks, row by row.
+Everything here comes from the previous generation's index (two Parquet files), never from its shards.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
-from rayflux.cache import generations, shards
-from rayflux.cache.prepare import reuse_key
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rayflux.cache import index
 
 
 @dataclass
 class Previous:
-    """Indexes of one committed generation, as a new build needs them."""
+    """One committed generation's index, as a new build needs it."""
 
     dir: str = ""
     """The previous generation's directory; empty when there is none."""
-    known: dict[str, tuple[int, int, str]] = field(default_factory=dict)
-    """:func:`~rayflux.cache.prepare.reuse_key` -> (upright width, height, sample_id) of each cached sample."""
-    rows: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """sample_id -> (shard path, row) holding that sample's tensors."""
-    text: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """caption_id -> (text shard path, row) holding that caption's embeddings."""
+    samples: dict[str, str] = field(default_factory=dict)
+    """rel_path -> that sample's index row as JSON: what a preparation task needs to reuse it (see ``prepare_row``)."""
+    captions: pa.Table = field(default_factory=lambda: index.CAPTION_INDEX.empty_table())
+    """The previous caption index: known captions are referenced, not encoded again."""
+
+    def known_captions(self, ids: list[str]) -> pa.Table:
+        """The index rows of those of ``ids`` the previous generation holds."""
+        return self.captions.filter(pc.is_in(self.captions["caption_id"], pa.array(ids, pa.string())))
 
 
 def load(manifest: dict | None) -> Previous:
-    """Index a committed generation's manifest; an empty :class:`Previous` for None."""
+    """Read a committed generation's index; an empty :class:`Previous` for None."""
     if manifest is None:
         return Previous()
-    prev = Previous(dir=manifest["dir"])
-    columns = ["sample_id", "rel_path", "source_sha256", "orig_w", "orig_h"]
-    for path in generations.sample_files(manifest):
-        t = shards.read_column(path, columns).to_pydict()
-        for i, (sid, rel, sha, w, h) in enumerate(zip(*(t[c] for c in columns))):
-            prev.known[reuse_key(rel, sha)] = (w, h, sid)
-            prev.rows[sid] = (path, i)
-    for path in generations.text_files(manifest):
-        for i, cid in enumerate(shards.read_column(path, ["caption_id"])["caption_id"].to_pylist()):
-            prev.text[cid] = (path, i)
-    return prev
+    samples = index.read(manifest, "samples").to_pylist()
+    return Previous(
+        dir=manifest["dir"],
+        samples={r["rel_path"]: json.dumps(r) for r in samples},
+        captions=index.read(manifest, "captions"),
+    )

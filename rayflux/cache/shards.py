@@ -1,11 +1,15 @@
 """Parquet shards: one sample per row, explicit shape columns, validated per bucket as they are written and read.
 
 Any pyarrow reader can rebuild every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to
-``(latent_c, latent_h, latent_w)``; likewise ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to ``(clip_dim,)``
-(``bfloat16`` is stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Each row is its
-own Parquet row group, so one sample can be read without reading its neighbours. Each file also carries its
-:class:`ShardLayout` in the Parquet key-value metadata (key ``rayflux``), so a shard alone says what its buckets'
-latent shapes must be.
+``(latent_c, latent_h, latent_w)``; a text row's ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to
+``(clip_dim,)`` (``bfloat16`` is stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`).
+Text embeddings live once per caption in the text shards; a sample row names its caption by ``caption_id``.
+
+Each row is its own Parquet row group, written uncompressed, without dictionaries, as one version-1 data page per
+tensor column, so a tensor's bytes are one contiguous range of the file. :func:`value_ranges` finds those ranges when
+a shard is written (and checks them byte for byte); the generation index records them, and training reads each
+tensor with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet key-value
+metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pyarrow.parquet as pq
 from rayflux import buckets, storage
 from rayflux.cache import tensors
 
-SCHEMA_VERSION = 3  # 2: layout metadata and non-nullable tensors; 3: the dataset column
+SCHEMA_VERSION = 4  # 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards
 _META_KEY = b"rayflux"
 
 
@@ -67,7 +71,6 @@ SAMPLE_SCHEMA = pa.schema(
         ("latent_w", pa.int32()),
         ("latent_dtype", pa.string()),
         _tensor("latent"),
-        *_TEXT_FIELDS,
         ("generation", pa.int32()),
         ("encode_id", pa.string()),
     ]
@@ -78,7 +81,8 @@ TEXT_SCHEMA = pa.schema(
 )
 
 # The only columns worth a dictionary or statistics; on tensor columns both would store each tensor again.
-_STRING_COLUMNS = [f.name for f in SAMPLE_SCHEMA if f.type == pa.string()]
+_STRING_COLUMNS = sorted({f.name for s in (SAMPLE_SCHEMA, TEXT_SCHEMA) for f in s if f.type == pa.string()})
+TENSOR_COLUMNS = {"samples": ["latent"], "text": ["t5", "clip_pooled"]}
 _STATS_COLUMNS = ["sample_id", "caption_id"]
 
 
@@ -159,15 +163,10 @@ def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values:
     if row["latent_dtype"] != layout.dtype:
         raise error("latent dtype", layout.dtype, row["latent_dtype"])
     _check_tensor(row, "latent", want, layout.dtype, error, values)
-    check_text(row, layout, error, values)
 
 
-def write_table(table: pa.Table, path: str, layout: ShardLayout | None = None) -> int:
-    """Write ``table`` as Parquet, one row per row group, atomically (temp name, then rename). Returns bytes.
-
-    The cache stage always passes the shard's ``layout``, which goes into the file's metadata; without one the file
-    has no layout, and training refuses to read sample rows from it.
-    """
+def encode_table(table: pa.Table, layout: ShardLayout | None = None) -> bytes:
+    """``table`` as Parquet bytes, one row per row group, each tensor value one contiguous range (see the module)."""
     buf = io.BytesIO()
     if layout is not None:
         table = table.cast(layout.schema())
@@ -179,10 +178,46 @@ def write_table(table: pa.Table, path: str, layout: ShardLayout | None = None) -
         compression="none",
         use_dictionary=[c for c in _STRING_COLUMNS if c in table.column_names],
         write_statistics=[c for c in _STATS_COLUMNS if c in table.column_names],
+        data_page_version="1.0",
+        write_page_index=False,
     )
-    data = buf.getvalue()
+    return buf.getvalue()
+
+
+def write_table(table: pa.Table, path: str, layout: ShardLayout | None = None) -> int:
+    """Write ``table`` as Parquet, one row per row group, atomically (temp name, then rename). Returns bytes.
+
+    The cache stage always passes the shard's ``layout``, which goes into the file's metadata; without one the file
+    has no layout, and training refuses to read sample rows from it.
+    """
+    data = encode_table(table, layout)
     storage.write_bytes_atomic(path, data)
     return len(data)
+
+
+def value_ranges(data: bytes, columns: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """Per tensor column, the ``(offset, length)`` of each row's value inside the Parquet file ``data``.
+
+    A required, uncompressed, dictionary-free column chunk of one value is one page: its header, the value's 4-byte
+    length, then the value, so the value ends where the chunk ends. Each range is checked against the value itself,
+    so a writer that lays pages out differently fails here, at write time, instead of feeding garbage to training.
+    """
+    md = pq.read_metadata(pa.BufferReader(data))
+    table = pq.read_table(pa.BufferReader(data), columns=columns)
+    names = md.schema.names
+    out: dict[str, list[tuple[int, int]]] = {c: [] for c in columns}
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        for c in columns:
+            chunk = rg.column(names.index(c))
+            start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+            end = start + chunk.total_compressed_size
+            value = table[c][i].as_py()
+            offset = end - len(value)
+            if rg.num_rows != 1 or data[offset:end] != value:
+                raise RuntimeError(f"parquet layout: column {c} of row group {i} is not one contiguous value")
+            out[c].append((offset, len(value)))
+    return out
 
 
 def new_shard_name(prefix: str) -> str:
@@ -206,30 +241,6 @@ def read_rows(path: str, row_groups: list[int], columns: list[str] | None = None
 def read_column(path: str, columns: list[str]) -> pa.Table:
     with open_shard(path) as f:
         return f.read(columns=columns)
-
-
-def read_batch(rows_by_file: dict[str, list[int]], bucket: str, columns: list[str]) -> list[dict]:
-    """Read one training batch and check every row against ``bucket`` by its shard's layout.
-
-    Raises CacheShapeError (naming bucket, sample, source, expected and actual) on any mismatch, so a bad cache
-    never reaches ``np.stack`` or ``torch.stack``.
-    """
-    rows: list[dict] = []
-    for path, groups in rows_by_file.items():
-        with open_shard(path) as f:
-            layout = layout_of(f.schema_arrow)
-            part = f.read_row_groups(groups, columns=columns).to_pylist()
-        if layout is None:
-            raise CacheShapeError(f"bucket {bucket}: shard {path} carries no rayflux layout metadata")
-        for row in part:
-            check_row(row, layout, bucket=bucket)
-        rows.extend(part)
-    first = rows[0]
-    for row in rows[1:]:
-        for col in ("t5_dim", "clip_dim"):
-            if row[col] != first[col]:
-                raise shape_error(bucket, row["sample_id"], row["source_uri"], col, first[col], row[col])
-    return rows
 
 
 def bucket_summary(table: pa.Table) -> dict:

@@ -1,10 +1,11 @@
 """Build one cache generation with Ray Data: prepare on CPU, encode in actor pools, write validated shards.
 
 Text first, one encoder pass per unique caption; then samples. With a previous committed generation of the same
-cache key, unchanged samples and known captions are copied from it and only new ones are encoded (see
-:mod:`rayflux.cache.reuse`). The driver reads the write tasks' metadata as it streams in, so a validation error or,
-with ``cache.strict``, the first bad input stops the build at once with a plain error, and the generation is never
-committed.
+cache key, unchanged samples and known captions are referenced where it holds them, and only new ones are encoded
+and written (see :mod:`rayflux.cache.reuse`). The driver reads the write tasks' metadata as it streams in, so a
+validation error or, with ``cache.strict``, the first bad input stops the build at once with a plain error, and the
+generation is never committed. The index rows the writers return stream into the generation index
+(:mod:`rayflux.cache.index`), written beside the manifest just before it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from rayflux import buckets, datasets, storage
-from rayflux.cache import fit, generations, reuse, shards, stall, writer
+from rayflux.cache import fit, generations, index, reuse, shards, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -58,8 +59,22 @@ def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets
     return spec
 
 
-def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples") -> shards.ShardLayout:
-    return shards.ShardLayout(kind, cfg.cache.dtype, facts.latent_channels, facts.vae_scale_factor, facts.t5_max_length)
+def encoders_on_gpu(cfg: JobConfig, use_gpu: bool) -> bool:
+    """Do the encoder actors ask for GPUs? ``use_gpu`` says whether the cluster has GPUs right now."""
+    return fit.wants_gpu(cfg, use_gpu)
+
+
+def store_dtype(cfg: JobConfig, use_gpu: bool = False) -> str:
+    """``cache.dtype`` with ``auto`` resolved: bfloat16 when the encoders run on GPUs (where FLUX trains in bf16
+    anyway), float32 on CPU."""
+    if cfg.cache.dtype != "auto":
+        return cfg.cache.dtype
+    return "bfloat16" if encoders_on_gpu(cfg, use_gpu) else "float32"
+
+
+def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", use_gpu: bool = False) -> shards.ShardLayout:
+    dtype = store_dtype(cfg, use_gpu)
+    return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.t5_max_length)
 
 
 def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketSpec]:
@@ -67,7 +82,7 @@ def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketS
     return {datasets.key(cfg.data, ds): bucket_spec(ds, facts) for ds in datasets.datasets_of(cfg.data)}
 
 
-def cache_key(cfg: JobConfig, facts: ModelFacts) -> str:
+def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
     """A cache's identity: encoders, preprocessing and shard schema. Anything else never invalidates it."""
     identities = []
     for ds in datasets.datasets_of(cfg.data):
@@ -79,7 +94,7 @@ def cache_key(cfg: JobConfig, facts: ModelFacts) -> str:
             "model": facts.identity,
             "datasets": identities,
             "max_image_pixels": cfg.data.max_image_pixels,
-            "dtype": cfg.cache.dtype,
+            "dtype": store_dtype(cfg, use_gpu),
         },
         sort_keys=True,
     )
@@ -110,12 +125,20 @@ class _Build:
     """Stamped by the encoders on every row they produce in this build."""
     resources: dict
     """Ray resources of one encoder actor."""
+    use_gpu: bool
+    """Whether the cluster has GPUs (decides ``cache.dtype: auto``)."""
     previous: reuse.Previous
     """What an earlier generation of the same cache key can lend."""
 
 
-def _collect(ds, strict: bool) -> list[dict]:
-    """Stream the write tasks' metadata rows; raise on the first validation error (or bad input, when strict)."""
+# Images per preparation task: hundreds, so the tasks spread over every CPU of a large cluster and each one's
+# per-task overhead is small; a million images are about 4,000 tasks.
+_IMAGES_PER_TASK = 256
+
+
+def _collect(ds, strict: bool, sink: index.Sink) -> list[dict]:
+    """Stream the write tasks' metadata rows, their index rows into ``sink``; raise on the first validation error
+    (or bad input, when strict)."""
     out = []
     for meta in stall.watch(ds.iter_rows()):
         if meta["error"]:
@@ -123,66 +146,64 @@ def _collect(ds, strict: bool) -> list[dict]:
         skipped = json.loads(meta.get("skipped") or "[]")
         if strict and skipped:
             raise BadInputError(f"cache.strict: {skipped[0]['source_uri']}: {skipped[0]['reason']}")
+        sink.add(index.from_ipc(meta.pop("index")))
         out.append(meta)
     return out
 
 
-def _build_text(b: _Build, captions: list[str]) -> list[dict]:
-    """Encode captions no earlier generation holds; copy the rest. Returns the text shards' metadata rows."""
+def _build_text(b: _Build, captions: list[str], sink: index.Sink) -> list[dict]:
+    """Encode captions no earlier generation holds; reference the rest. Returns the text shards' metadata rows."""
     import ray.data
 
     c = b.cfg.cache
-    out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text")}
-    known = b.previous.text
     ids = [caption_id(t) for t in captions]
-    fresh = [{"caption_id": i, "caption": t} for i, t in zip(ids, captions) if i not in known]
-    copied = [{"caption_id": i, "file": known[i][0], "row": known[i][1]} for i in ids if i in known]
-    metas: list[dict] = []
-    if fresh:
-        ds = ray.data.from_items(fresh).map_batches(
-            TextEncoder,
-            fn_constructor_kwargs={
-                "model": b.cfg.model,
-                "store_dtype": c.dtype,
-                "t5_max_length": b.facts.t5_max_length,
-                "encode_id": b.encode_id,
-            },
-            batch_size=c.text_batch_size,
-            compute=_pool(c.text_actors),
-            **b.resources,
-        )
-        ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=0.25)
-        ds.set_name(f"cache-text-g{b.generation}")
-        metas += _collect(ds, strict=False)
-    if copied:
-        ds = ray.data.from_items(copied)
-        ds = ds.map_batches(writer.copy_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=0.25)
-        metas += _collect(ds, strict=False)
-    return metas
+    known = b.previous.known_captions(ids)
+    sink.add(known)
+    have = set(known["caption_id"].to_pylist())
+    fresh = [{"caption_id": i, "caption": t} for i, t in zip(ids, captions) if i not in have]
+    if not fresh:
+        return []
+    ds = ray.data.from_items(fresh).map_batches(
+        TextEncoder,
+        fn_constructor_kwargs={
+            "model": b.cfg.model,
+            "store_dtype": store_dtype(b.cfg, b.use_gpu),
+            "t5_max_length": b.facts.t5_max_length,
+            "encode_id": b.encode_id,
+        },
+        batch_size=c.text_batch_size,
+        compute=_pool(c.text_actors),
+        **b.resources,
+    )
+    out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text", b.use_gpu), "generation": b.generation}
+    ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=0.25)
+    ds.set_name(f"cache-text-g{b.generation}")
+    return _collect(ds, strict=False, sink=sink)
 
 
-def _build_samples(b: _Build, discovery: Discovery, text_files: tuple[str, ...]) -> list[dict]:
-    """Prepare, encode (or copy) and write every discovered image. Returns the sample shards' metadata rows."""
+def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink) -> list[dict]:
+    """Prepare, encode (or reference) and write every discovered image. Returns the sample shards' metadata rows."""
     import ray.data
 
     c = b.cfg.cache
-    items = [{**dataclasses.asdict(s), "caption_id": caption_id(s.caption)} for s in discovery.sources]
+    prev = b.previous.samples
+    items = [
+        {**dataclasses.asdict(s), "caption_id": caption_id(s.caption), "prev": prev.get(s.rel_path, "")}
+        for s in discovery.sources
+    ]
     if not items:
         return []
-    ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items) // c.batch_size, 64)))
+    ds = ray.data.from_items(items, override_num_blocks=-(-len(items) // _IMAGES_PER_TASK))
     ds = ds.map(
         _prepare_in_dataset,
-        fn_kwargs={
-            "specs": bucket_specs(b.cfg, b.facts),
-            "seed": b.seed,
-            "max_pixels": b.cfg.data.max_image_pixels,
-            "known": b.previous.known,
-        },
+        fn_kwargs={"specs": bucket_specs(b.cfg, b.facts), "seed": b.seed, "max_pixels": b.cfg.data.max_image_pixels},
         num_cpus=0.5,
     )
     ds = ds.map_batches(
         VaeEncoder,
-        fn_constructor_kwargs={"model": b.cfg.model, "store_dtype": c.dtype, "encode_id": b.encode_id},
+        fn_constructor_kwargs={
+            "model": b.cfg.model, "store_dtype": store_dtype(b.cfg, b.use_gpu), "encode_id": b.encode_id
+        },
         batch_size=c.batch_size,
         compute=_pool(c.vae_actors),
         **b.resources,
@@ -190,17 +211,13 @@ def _build_samples(b: _Build, discovery: Discovery, text_files: tuple[str, ...])
     ds = ds.map_batches(
         writer.write_samples,
         fn_kwargs={
-            "out_dir": b.gen_dir,
-            "layout": layout(b.cfg, b.facts),
-            "text_files": text_files,
-            "previous_rows": b.previous.rows,
-            "generation": b.generation,
+            "out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu), "generation": b.generation
         },
         batch_size=c.rows_per_shard,
         num_cpus=0.25,
     )
     ds.set_name(f"cache-images-g{b.generation}")  # what the stage's progress bar is called
-    return _collect(ds, strict=c.strict)
+    return _collect(ds, strict=c.strict, sink=sink)
 
 
 def _pool(size: fit.PoolSize):
@@ -230,7 +247,7 @@ def build_generation(
     """Run the Ray Data pipelines for one generation and commit its manifest. Returns the manifest.
 
     ``previous`` is the committed manifest of an earlier generation of the same cache key: whatever it already
-    holds is copied instead of encoded.
+    holds is referenced instead of encoded and written again.
     """
     if cfg.cache.strict and discovery.skipped:
         first = discovery.skipped[0]
@@ -240,60 +257,74 @@ def build_generation(
     prev = reuse.load(previous)
     encode_id = uuid.uuid4().hex[:16]
     run_cfg, resources = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
-    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, resources, prev)
+    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, resources, use_gpu, prev)
 
-    # The empty caption is always encoded: training uses it for caption dropout.
-    captions = sorted({s.caption for s in discovery.sources} | {""})
-    text_meta = _build_text(b, captions)
-    text_files = tuple(storage.join(gen_dir, m["path"]) for m in text_meta)
-    sample_meta = _build_samples(b, discovery, text_files)
+    sample_index, caption_index = index.Sink("samples"), index.Sink("captions")
+    try:
+        # The empty caption is always encoded: training uses it for caption dropout.
+        captions = sorted({s.caption for s in discovery.sources} | {""})
+        text_meta = _build_text(b, captions, caption_index)
+        sample_meta = _build_samples(b, discovery, sample_index)
+        manifest = _manifest(b, discovery, spec, specs, text_meta, sample_meta, sample_index, caption_index)
+        manifest["unique_captions"] = len(captions)
+        manifest["reused"]["captions"] = len(captions) - manifest["encoded"]["captions"]
+        manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
+    finally:
+        sample_index.discard()
+        caption_index.discard()
+    log.info(
+        "cache %s: %d discovered = %d cached + %d skipped; encoded %d samples and %d captions, reused %d and %d",
+        gen_dir, discovery.discovered, manifest["cached"], manifest["skipped"], manifest["encoded"]["samples"],
+        manifest["encoded"]["captions"], manifest["reused"]["samples"], manifest["reused"]["captions"],
+    )  # fmt: skip
+    return generations.commit(gen_dir, manifest, manifest["skipped_inputs"])
 
+
+def _manifest(b: _Build, discovery, spec, specs, text_meta, sample_meta, samples: index.Sink, captions: index.Sink):
+    """The manifest of a finished build (without its index entries), after checking its accounting."""
+    cfg, facts, gen_dir = b.cfg, b.facts, b.gen_dir
     skipped = sorted(
         [*discovery.skipped, *(x for m in sample_meta for x in json.loads(m["skipped"]))], key=lambda x: x["source_uri"]
     )
-    files = sorted((_file_entry(m) for m in sample_meta if m["rows"]), key=lambda f: f["path"])
-    cached = sum(f["rows"] for f in files)
+    cached = samples.rows
     if cached + len(skipped) != discovery.discovered:
         raise RuntimeError(
             f"cache accounting broke: cached {cached} + skipped {len(skipped)} != discovered {discovery.discovered}"
         )
-    text_encoded = sum(int(m["encoded"]) for m in text_meta)
-    manifest = {
+    if captions.empty is None:
+        raise RuntimeError("the cache's text pass produced no empty-caption row")
+    own = generations.generation_name(gen_dir) + "/"
+    dtype = store_dtype(cfg, b.use_gpu)
+    return {
         "schema_version": shards.SCHEMA_VERSION,
-        "generation": generation,
+        "generation": b.generation,
         "dir": gen_dir,
-        "seed": seed,
-        "encode_id": encode_id,
+        "seed": b.seed,
+        "encode_id": b.encode_id,
         "config_hash": cfg.fingerprint("data", "model", "cache"),
         "model_identity": facts.identity,
-        "layout": dataclasses.asdict(layout(cfg, facts)),
+        "layout": dataclasses.asdict(layout(cfg, facts, use_gpu=b.use_gpu)),
         "bucket_spec": dataclasses.asdict(spec),
         "bucket_specs": {k: dataclasses.asdict(v) for k, v in specs.items()},
         "latent_channels": facts.latent_channels,
         "vae_scale_factor": facts.vae_scale_factor,
-        "dtype": cfg.cache.dtype,
-        "files": files,
+        "dtype": dtype,
+        "files": sorted((_file_entry(m) for m in sample_meta if m["rows"]), key=lambda f: f["path"]),
         "text_files": sorted((_file_entry(m, with_buckets=False) for m in text_meta), key=lambda f: f["path"]),
-        "unique_captions": len(captions),
-        "buckets": shards.merge_summaries([f["buckets"] for f in files]),
+        "borrowed": sorted(f for f in samples.files | captions.files if not f.startswith(own)),
+        "empty_caption": captions.empty,
+        "buckets": {k: {**v, "dtype": dtype} for k, v in sorted(samples.buckets.items())},
         "discovered": discovery.discovered,
         "cached": cached,
         "skipped": len(skipped),
         "skipped_inputs": skipped,
-        "encoded": {"samples": sum(int(m["encoded"]) for m in sample_meta), "captions": text_encoded},
-        "reused": {
-            "samples": sum(int(m["reused"]) for m in sample_meta),
-            "captions": len(captions) - text_encoded,
-            "from": prev.dir,
+        "encoded": {
+            "samples": sum(int(m["encoded"]) for m in sample_meta),
+            "captions": sum(int(m["encoded"]) for m in text_meta),
         },
+        "reused": {"samples": sum(int(m["reused"]) for m in sample_meta), "from": b.previous.dir},
         "inputs": inputs_signature(discovery),
     }
-    log.info(
-        "cache %s: %d discovered = %d cached + %d skipped; encoded %d samples and %d captions, reused %d and %d",
-        gen_dir, discovery.discovered, cached, len(skipped), manifest["encoded"]["samples"], text_encoded,
-        manifest["reused"]["samples"], manifest["reused"]["captions"],
-    )  # fmt: skip
-    return generations.commit(gen_dir, manifest, skipped)
 
 
 def _file_entry(meta: dict, with_buckets: bool = True) -> dict:

@@ -8,15 +8,17 @@ generation that was never committed), 2 for usage errors. Directories without a 
 listed: readers ignore them, and so does the exit status.
 
 Checks: every listed file exists with its recorded size, schema, layout and row count; every row has its bucket's
-latent shape and dtype, byte lengths that match its shape columns, finite values, the crop and sample id that
-:func:`rayflux.buckets.plan` gives for it, and its caption's text embedding; sample ids are unique; per-file and
-per-bucket counts match the manifest; ``cached + skipped == discovered`` and ``skipped.jsonl`` agrees.
+latent shape and dtype, byte lengths that match its shape columns, finite values, and the crop and sample id that
+:func:`rayflux.buckets.plan` gives for it; the generation index has one row per sample (ids unique) and per caption,
+each pointing into a file the generation owns or lists as borrowed, at exactly its tensor's bytes (checked against
+the file's own Parquet metadata and rows), and every own row is indexed; every sample's caption is indexed, the empty
+one included; per-file and per-bucket counts match the manifest; ``cached + skipped == discovered`` and
+``skipped.jsonl`` agrees; and the directory holds no file the manifest does not list.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from collections.abc import Iterator
 
@@ -24,7 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayflux import buckets, storage
-from rayflux.cache import generations, shards
+from rayflux.cache import generations, index, shards, tensors
 from rayflux.cache.prepare import sample_id
 
 
@@ -36,10 +38,6 @@ def find_generations(path: str) -> list[str]:
     if direct:
         return direct
     return [g for key_dir in generations.list_dirs(path) for g in generations.generation_dirs(key_dir)]
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 def _plain_error(what: str, expected, actual) -> shards.CacheShapeError:
@@ -63,10 +61,15 @@ class _Checker:
         self.spec = buckets.BucketSpec(**manifest["bucket_spec"])
         # Each dataset of a multi-dataset cache has its own resolution and crop.
         self.specs = {k: buckets.BucketSpec(**v) for k, v in manifest.get("bucket_specs", {}).items()}
-        self.text: dict[str, bytes] = {}
+        self.own_rows: set[tuple[str, int]] = set()
+        """(index-style file, row) of every row in the generation's own shards."""
+        self.name = generations.generation_name(gen_dir)
 
     def problem(self, text: str) -> None:
         self.problems.append(text)
+
+    def _own(self, entry: dict, i: int) -> None:
+        self.own_rows.add((f"{self.name}/{entry['path']}", i))
 
     def _row_groups(self, entry: dict, kind: str) -> Iterator[tuple[int, pa.Table, int]]:
         """(index, one-row table, stored bytes) of each row of a listed file, after the file-level checks.
@@ -92,6 +95,7 @@ class _Checker:
                 if f.metadata.num_rows != entry["rows"]:
                     self.problem(f"{entry['path']}: {f.metadata.num_rows} rows, manifest says {entry['rows']}")
                 for i in range(f.num_row_groups):
+                    self._own(entry, i)
                     yield i, f.read_row_group(i), f.metadata.row_group(i).total_byte_size
         except Exception as exc:  # noqa: BLE001 - any unreadable shard is a finding, not a crash
             self.problem(f"{entry['path']}: unreadable Parquet: {type(exc).__name__}: {exc}")
@@ -99,15 +103,12 @@ class _Checker:
     def check_text(self) -> None:
         for entry in self.m["text_files"]:
             for _, table, _ in self._row_groups(entry, "text"):
-                for row in table.to_pylist():
+                for i, row in enumerate(table.to_pylist()):
                     where = f"{entry['path']}: caption {row['caption_id']}"
-                    if row["caption_id"] in self.text:
-                        self.problem(f"{where}: appears twice")
                     try:
                         shards.check_text(row, self.layout, _plain_error)
                     except shards.CacheShapeError as exc:
                         self.problem(f"{where}: {exc}")
-                    self.text[row["caption_id"]] = _digest(row["t5"])
 
     def check_samples(self) -> None:
         seen: set[str] = set()
@@ -130,6 +131,93 @@ class _Checker:
                 continue
             if parts and file_buckets != entry.get("buckets", file_buckets):
                 self.problem(f"{entry['path']}: per-bucket counts {file_buckets} differ from the manifest's")
+
+    def check_index(self) -> None:
+        """The index against the manifest, the layout and the very bytes of the files it points into."""
+        try:
+            samples = index.read(self.m, "samples").to_pylist()
+            captions = index.read(self.m, "captions").to_pylist()
+        except Exception as exc:  # noqa: BLE001 - a missing or unreadable index is a finding
+            self.problem(f"generation index unreadable: {type(exc).__name__}: {exc}")
+            return
+        allowed = {f"{self.name}/{f['path']}" for f in self.m["files"] + self.m["text_files"]}
+        allowed |= set(self.m.get("borrowed", []))
+        caption_ids = [c["caption_id"] for c in captions]
+        if len(set(caption_ids)) != len(caption_ids):
+            self.problem("caption index: a caption appears twice")
+        empty = self.m.get("empty_caption") or {}
+        if empty.get("caption") != "" or empty.get("caption_id") not in caption_ids:
+            self.problem("caption index: no empty caption where the manifest says it is")
+        known = set(caption_ids)
+        seen: set[str] = set()
+        by_file: dict[str, list[dict]] = {}
+        for e in samples:
+            where = f"index: sample {e['sample_id']} ({e['source_uri']})"
+            if e["sample_id"] in seen:
+                self.problem(f"{where}: appears twice")
+            seen.add(e["sample_id"])
+            if e["caption_id"] not in known:
+                self.problem(f"{where}: caption {e['caption_id']} is not in the caption index")
+            want = self.layout.latent_shape(e["bucket"])
+            got = (e["latent_c"], e["latent_h"], e["latent_w"])
+            if got != want or e["length"] != tensors.nbytes(want, self.layout.dtype):
+                self.problem(f"{where}: bucket {e['bucket']}: latent {got} of {e['length']} bytes, expected {want}")
+            by_file.setdefault(e["file"], []).append(e)
+        for c in captions:
+            by_file.setdefault(c["file"], []).append(c)
+        for file, entries in sorted(by_file.items()):
+            if file not in allowed:
+                self.problem(f"index: {file} is neither this generation's file nor listed as borrowed")
+                continue
+            self._check_locations(file, entries)
+        indexed = {(e["file"], e["row"]) for e in samples + captions}
+        for file, row in sorted(self.own_rows - indexed):
+            self.problem(f"{file} row {row}: written by this generation but not in its index")
+        self.index_buckets = {}
+        for e in samples:
+            b = self.index_buckets.setdefault(
+                e["bucket"], {"rows": 0, "latent_shape": [e["latent_c"], e["latent_h"], e["latent_w"]],
+                              "dtype": self.layout.dtype, "latent_bytes": 0}  # fmt: skip
+            )
+            b["rows"] += 1
+            b["latent_bytes"] += e["length"]
+
+    def _check_locations(self, file: str, entries: list[dict]) -> None:
+        """Each entry's row of ``file`` holds what the entry says, and its tensors are at the entry's byte ranges."""
+        path = index.resolve(self.m, file)
+        size = _size(path)
+        if size is None:
+            self.problem(f"index: {file} is missing")
+            return
+        if any(e["file_bytes"] != size for e in entries):
+            self.problem(f"index: {file}: {size} bytes on disk, index says {entries[0]['file_bytes']}")
+        try:
+            with shards.open_shard(path) as f:
+                md, names = f.metadata, f.schema_arrow.names
+                for e in entries:
+                    row = f.read_row_group(e["row"]).to_pylist()[0]
+                    text = "t5_offset" in e
+                    key = "caption_id" if text else "sample_id"
+                    where = f"index: {file} row {e['row']}"
+                    if row[key] != e[key]:
+                        self.problem(f"{where}: holds {key} {row[key]}, index says {e[key]}")
+                        continue
+                    rg = md.row_group(e["row"])
+                    cols = {"t5_": "t5", "clip_": "clip_pooled"} if text else {"": "latent"}
+                    for prefix, col in cols.items():
+                        chunk = rg.column(names.index(col))
+                        end = chunk.data_page_offset + chunk.total_compressed_size
+                        off, n = e[f"{prefix}offset"], e[f"{prefix}length"]
+                        at = (end - len(row[col]), len(row[col]))
+                        if (off, n) != at:
+                            self.problem(f"{where}: {col} is at {at[0]}+{at[1]}, index says {off}+{n}")
+                    if not text and not file.startswith(self.name + "/"):  # borrowed rows: own ones were checked above
+                        try:
+                            shards.check_row(row, self.layout)
+                        except shards.CacheShapeError as exc:
+                            self.problem(f"{where}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any unreadable shard is a finding, not a crash
+            self.problem(f"index: {file}: unreadable Parquet: {type(exc).__name__}: {exc}")
 
     def _check_row(self, where: str, row: dict, seen: set[str]) -> None:
         sid = row["sample_id"]
@@ -154,17 +242,15 @@ class _Checker:
             self.problem(f"{where}: sample id {sid} does not match its path, content hash and crop")
         if row["generation"] != self.m["generation"]:
             self.problem(f"{where}: sample {sid}: generation {row['generation']}, manifest says {self.m['generation']}")
-        if self.text.get(row["caption_id"]) != _digest(row["t5"]):
-            self.problem(f"{where}: sample {sid}: text embedding differs from caption {row['caption_id']}'s text row")
 
     def check_totals(self) -> None:
         m = self.m
-        got = {b: {k: e[k] for k in ("rows", "latent_shape", "dtype", "latent_bytes")} for b, e in self.buckets.items()}
-        if got != m["buckets"]:
+        got = getattr(self, "index_buckets", None)
+        if got is not None and got != m["buckets"]:
             self.problem(f"per-bucket totals {got} differ from the manifest's {m['buckets']}")
-        rows = sum(e["rows"] for e in self.buckets.values())
-        if rows != m["cached"]:
-            self.problem(f"{rows} rows in shards, manifest says cached={m['cached']}")
+        rows = sum(e["rows"] for e in (got or {}).values())
+        if got is not None and rows != m["cached"]:
+            self.problem(f"{rows} samples in the index, manifest says cached={m['cached']}")
         if m["cached"] + m["skipped"] != m["discovered"]:
             self.problem(f"cached {m['cached']} + skipped {m['skipped']} != discovered {m['discovered']}")
         try:
@@ -176,13 +262,13 @@ class _Checker:
             self.problem(f"{generations.SKIPPED} lists {len(skipped)} inputs, manifest says {m['skipped']}")
 
     def unlisted(self) -> list[str]:
-        """Parquet files in the generation that the manifest does not list (ignored by readers)."""
-        listed = {f["path"] for f in self.m["files"] + self.m["text_files"]}
-        fs, inner = storage.resolve(self.dir)
-        infos = fs.get_file_info(pafs.FileSelector(inner, recursive=True, allow_not_found=True))
-        files = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
-        found = {f[len(inner) + 1 :] for f in files}
-        return sorted(found - listed)
+        """Files in the generation's directory that its manifest does not list: commit removes them, so any one
+        is damage (or a write that did not go through the cache stage)."""
+        keep = generations.listed(self.m)
+        found = [f for f in generations.files_in(self.dir) if f not in keep]
+        for f in found:
+            self.problem(f"{f}: inside a committed generation but not listed in its manifest")
+        return found
 
 
 def verify_generation(gen_dir: str, manifest: dict) -> tuple[list[str], dict, list[str]]:
@@ -192,8 +278,12 @@ def verify_generation(gen_dir: str, manifest: dict) -> tuple[list[str], dict, li
     c = _Checker(gen_dir, manifest)
     c.check_text()
     c.check_samples()
+    c.check_index()
     c.check_totals()
-    return c.problems, c.buckets, c.unlisted()
+    unlisted = c.unlisted()
+    per_bucket = {b: {**e, "stored_bytes": c.buckets.get(b, {}).get("stored_bytes", 0)}
+                  for b, e in getattr(c, "index_buckets", {}).items()}  # fmt: skip
+    return c.problems, per_bucket, unlisted
 
 
 _ROW = "  {:>10} {:>6}  {:<14} {:<9} {:>13} {:>13}"
@@ -207,12 +297,10 @@ def _report(gen_dir: str, manifest: dict, out) -> bool:
         f" + {m['skipped']} skipped; {len(m['text_files'])} text and {len(m['files'])} sample shards",
         file=out,
     )
-    print(_ROW.format("bucket", "rows", "latent shape", "dtype", "latent bytes", "stored bytes"), file=out)
+    print(_ROW.format("bucket", "rows", "latent shape", "dtype", "latent bytes", "written bytes"), file=out)
     for b, e in sorted(per_bucket.items()):
         shape = "x".join(str(s) for s in e["latent_shape"])
         print(_ROW.format(b, e["rows"], shape, e["dtype"], e["latent_bytes"], e["stored_bytes"]), file=out)
-    for f in unlisted:
-        print(f"  note: {f} is not listed in the manifest; readers ignore it", file=out)
     for p in problems:
         print(f"  PROBLEM: {p}", file=out)
     print(f"  {'OK' if not problems else f'FAILED: {len(problems)} problem(s)'}", file=out)

@@ -1,23 +1,23 @@
 """The cache stage's write tasks (Ray Data ``map_batches`` functions): validate rows, write one shard per batch.
 
-Each returns one metadata row per shard for the driver. A row that fails validation is never raised inside the
-task, where Ray would bury it in a task traceback: the task writes nothing and returns the error text, and the driver
-raises it as a :class:`~rayflux.cache.shards.CacheShapeError` that names bucket, sample, source and shapes.
+Each returns one metadata row per shard for the driver, carrying the shard's generation-index rows (Arrow IPC), so
+the index is made from what the writers wrote, never by reading shards back. A row that fails validation is never
+raised inside the task, where Ray would bury it in a task traceback: the task writes nothing and returns the error
+text, and the driver raises it as a :class:`~rayflux.cache.shards.CacheShapeError` that names bucket, sample, source
+and shapes.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 
 import numpy as np
 import pyarrow as pa
 
 from rayflux import storage
-from rayflux.cache import shards
+from rayflux.cache import index, shards, tensors
+from rayflux.testing.faults import kill_point
 
-_TEXT_COLUMNS = ["t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]
-_LATENT_COLUMNS = ["sample_id", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype", "encode_id"]
 
 
 def _plain(v):
@@ -30,24 +30,17 @@ def _meta(path: str = "", rows: int = 0, nbytes: int = 0, error: str = "", **ext
     return out
 
 
-def _write(rows: list[dict], out_dir: str, layout: shards.ShardLayout) -> tuple[str, int, pa.Table]:
-    """Write ``rows`` as a new shard under ``out_dir``; (path relative to it, bytes, table)."""
+def _write(rows: list[dict], out_dir: str, layout: shards.ShardLayout) -> tuple[str, int, pa.Table, dict]:
+    """Write ``rows`` as a new shard under ``out_dir``: (path relative to it, bytes, table, tensor value ranges)."""
     table = pa.Table.from_pylist(rows, schema=layout.schema())
     rel = f"{layout.kind}/{shards.new_shard_name(layout.kind)}"
-    return rel, shards.write_table(table, storage.join(out_dir, rel), layout), table
-
-
-def _read_rows(refs: dict[str, tuple[str, int]], keys: set[str], columns: list[str]) -> dict[str, dict]:
-    """Rows of other shards by key (sample or caption id), one read per shard."""
-    by_file: dict[str, list[tuple[int, str]]] = {}
-    for key in sorted(keys):
-        path, row = refs[key]
-        by_file.setdefault(path, []).append((row, key))
-    found: dict[str, dict] = {}
-    for path, wanted in by_file.items():
-        table = shards.read_rows(path, [row for row, _ in wanted], columns=columns)
-        found.update({key: row for (_, key), row in zip(wanted, table.to_pylist())})
-    return found
+    data = shards.encode_table(table, layout)
+    ranges = shards.value_ranges(data, shards.TENSOR_COLUMNS[layout.kind])
+    # Kill points: a write task's worker killed mid-write or right after its rename leaves a file no result lists,
+    # which commit removes (see rayflux.cache.generations.commit).
+    storage.write_bytes_atomic(storage.join(out_dir, rel), data, lambda: kill_point(f"{layout.kind}-before-rename"))
+    kill_point(f"{layout.kind}-renamed")
+    return rel, len(data), table, ranges
 
 
 def _checked(rows: list[dict], layout: shards.ShardLayout) -> str:
@@ -71,47 +64,65 @@ def _text_error(row: dict):
     return error
 
 
-def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout) -> dict:
-    """Write a batch of freshly encoded captions (the text encoder's output rows) as one text shard."""
+def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int) -> dict:
+    """Write a batch of freshly encoded captions (the text encoder's output rows) as one text shard; return its
+    metadata and the captions' index rows."""
     rows = [{k: _plain(batch[k][i]) for k in shards.TEXT_SCHEMA.names} for i in range(len(batch["caption_id"]))]
     error = _checked(rows, layout)
     if error:
-        return _meta(error=error, encoded=0)
-    path, nbytes, _ = _write(rows, out_dir, layout)
-    return _meta(path, len(rows), nbytes, encoded=len(rows))
+        return _meta(error=error, encoded=0, index=b"")
+    path, nbytes, _, ranges = _write(rows, out_dir, layout)
+    file = index.relative(out_dir, path)
+    entries = [
+        {
+            **{k: r[k] for k in ("caption_id", "caption", "t5_len", "t5_dim", "clip_dim", "encode_id")},
+            "file": file, "file_bytes": nbytes, "row": i, "generation": generation,
+            "t5_offset": ranges["t5"][i][0], "t5_length": ranges["t5"][i][1],
+            "clip_offset": ranges["clip_pooled"][i][0], "clip_length": ranges["clip_pooled"][i][1],
+        }  # fmt: skip
+        for i, r in enumerate(rows)
+    ]
+    table = pa.Table.from_pylist(entries, schema=index.CAPTION_INDEX)
+    return _meta(path, len(rows), nbytes, encoded=len(rows), index=index.to_ipc(table))
 
 
-def copy_text(batch: dict, out_dir: str, layout: shards.ShardLayout) -> dict:
-    """Copy captions' embeddings from a previous generation's text shards into one new text shard."""
-    refs = {str(c): (str(f), int(r)) for c, f, r in zip(batch["caption_id"], batch["file"], batch["row"])}
-    found = _read_rows(refs, set(refs), shards.TEXT_SCHEMA.names)
-    rows = [found[c] for c in sorted(found)]
-    error = _checked(rows, layout)
-    if error:
-        return _meta(error=error, encoded=0)
-    path, nbytes, _ = _write(rows, out_dir, layout)
-    return _meta(path, len(rows), nbytes, encoded=0)
+def _index_row(batch: dict, i: int) -> dict:
+    """The index fields of input ``i`` that describe this generation's use of it (not where its latent is)."""
+    return {
+        "sample_id": str(batch["sample_id"][i]),
+        "dataset": str(batch["dataset"][i]),
+        "bucket": str(batch["bucket"][i]),
+        "caption_id": str(batch["caption_id"][i]),
+        "source_uri": str(batch["uri"][i]),
+        "rel_path": str(batch["rel_path"][i]),
+        "source_sha256": str(batch["source_sha256"][i]),
+        "source_size": int(batch["size"][i]),
+        "source_mtime_ns": int(batch["mtime_ns"][i]),
+        "orig_w": int(batch["orig_w"][i]),
+        "orig_h": int(batch["orig_h"][i]),
+    }
 
 
-@functools.lru_cache(maxsize=4)
-def _text_index(files: tuple[str, ...]) -> dict[str, tuple[str, int]]:
-    index = {}
-    for f in files:
-        for i, cid in enumerate(shards.read_column(f, ["caption_id"])["caption_id"].to_pylist()):
-            index[cid] = (f, i)
-    return index
+_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "generation",
+             "encode_id")  # fmt: skip
 
 
-def write_samples(
-    batch: dict,
-    out_dir: str,
-    layout: shards.ShardLayout,
-    text_files: tuple[str, ...],
-    previous_rows: dict[str, tuple[str, int]],
-    generation: int,
-) -> dict:
-    """Validate each prepared, encoded (or reused) row against its bucket, attach its caption's embeddings, and
-    write one samples shard. Skipped inputs are passed on to the driver with their reasons."""
+def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
+    """A reused row is checked by its index entry: its bucket's latent shape, and a byte length to match."""
+    want = layout.latent_shape(entry["bucket"])
+    got = (entry["latent_c"], entry["latent_h"], entry["latent_w"])
+    nbytes = tensors.nbytes(want, layout.dtype)
+    if got != want or entry["length"] != nbytes:
+        err = shards.shape_error(entry["bucket"], entry["sample_id"], entry["source_uri"], "reused latent shape",
+                                 (want, nbytes), (got, entry["length"]))  # fmt: skip
+        return str(err)
+    return ""
+
+
+def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int) -> dict:
+    """Validate each prepared, encoded row against its bucket and write one samples shard; rows reused from an
+    earlier generation are not written again, their index rows point at where they already are. Skipped inputs are
+    passed on to the driver with their reasons."""
     n = len(batch["sample_id"])
     kept = [i for i in range(n) if not batch["skip_reason"][i]]
     skipped = [
@@ -119,24 +130,37 @@ def write_samples(
         for i in range(n)
         if batch["skip_reason"][i]
     ]
+    fresh = [i for i in kept if not batch["reuse"][i]]
     rows = []
-    for i in kept:
+    for i in fresh:
         row = {k: _plain(batch[k][i]) for k in shards.SAMPLE_SCHEMA.names if k in batch}
         row.update(source_uri=str(batch["uri"][i]), generation=generation)
         rows.append(row)
-    reused = [row for i, row in zip(kept, rows) if batch["reuse"][i]]
-    old = _read_rows(previous_rows, {r["sample_id"] for r in reused}, _LATENT_COLUMNS)
-    for row in reused:
-        row.update(old[row["sample_id"]])  # the sample id names path, content and crop: the same latent
-    text = _read_rows(_text_index(text_files), {r["caption_id"] for r in rows}, _TEXT_COLUMNS)
-    for row in rows:
-        row.update(text[row["caption_id"]])
+    entries = []
+    for i in kept:
+        if batch["reuse"][i]:
+            prev = json.loads(batch["prev"][i])
+            entries.append({**_index_row(batch, i), **{k: prev[k] for k in _BORROWED}})
     # Counted from the encoder's own stamp on the batch, not from the reuse decision.
     encoded = sum(1 for i in kept if batch["encode_id"][i])
-    extra = {"skipped": json.dumps(skipped), "buckets": "{}", "encoded": encoded, "reused": len(reused)}
-    error = _checked(rows, layout)
-    if error or not rows:
-        return _meta(error=error, **extra)
-    path, nbytes, table = _write(rows, out_dir, layout)
-    extra["buckets"] = json.dumps(shards.bucket_summary(table))
-    return _meta(path, len(rows), nbytes, **extra)
+    extra = {"skipped": json.dumps(skipped), "buckets": "{}", "encoded": encoded, "reused": len(entries)}
+    error = _checked(rows, layout) or next((e for e in map(lambda x: _check_borrowed(x, layout), entries) if e), "")
+    if error:
+        return _meta(error=error, index=b"", **extra)
+    path, nbytes = "", 0
+    if rows:
+        path, nbytes, table, ranges = _write(rows, out_dir, layout)
+        extra["buckets"] = json.dumps(shards.bucket_summary(table))
+        file = index.relative(out_dir, path)
+        for j, (i, row) in enumerate(zip(fresh, rows)):
+            offset, length = ranges["latent"][j]
+            entries.append(
+                {
+                    **_index_row(batch, i),
+                    **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "encode_id")},
+                    "file": file, "file_bytes": nbytes, "row": j, "offset": offset, "length": length,
+                    "generation": generation,
+                }  # fmt: skip
+            )
+    table = pa.Table.from_pylist(entries, schema=index.SAMPLE_INDEX)
+    return _meta(path, len(rows), nbytes, index=index.to_ipc(table), **extra)

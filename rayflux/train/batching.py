@@ -22,37 +22,74 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayflux import storage
-from rayflux.cache import shards, tensors
 
 
 @dataclass(frozen=True)
 class SampleRef:
-    """Where one cached sample lives: its shard and row (row group) number."""
+    """Where one cached sample's bytes are, from the generation index: enough to read and check it without a footer."""
 
     sample_id: str
     bucket: str
     file: str
+    """Full path of the shard holding its latent (an earlier generation's, for a reused row)."""
     row: int
     dataset: str = ""
-    """The shards' ``dataset`` column; decides repeats and loss weight (see :func:`rayflux.datasets.mix`)."""
+    """The index's ``dataset`` column; decides repeats and loss weight (see :func:`rayflux.datasets.mix`)."""
     weight: float = 1.0
     """Loss weight of this sample (regularisation datasets use ``data.reg_loss_weight``)."""
+    offset: int = 0
+    """Byte offset of the latent's value in ``file``."""
+    length: int = 0
+    """Byte length of the latent's value."""
+    file_bytes: int = 0
+    """Size of ``file``: a reader that knows it need not ask the object store."""
+    latent_shape: str = ""
+    """``"c,h,w"`` as the index records it; checked against the bucket's shape on every read."""
+    source: str = ""
+    """The source image, for error messages."""
+    text: str = ""
+    """Where its caption's embeddings are: JSON ``[file, file_bytes, t5_offset, t5_length, clip_offset, clip_length,
+    t5_len, t5_dim, clip_dim, caption_id]``; the same string object for every sample of one caption."""
+    gen_dir: str = ""
+    """The generation being read: a read task checks once that it is committed and not retired."""
+    layout: str = ""
+    """The generation's :class:`~rayflux.cache.shards.ShardLayout` as JSON: what every row must look like."""
+
+
+def index_samples(manifest: dict) -> list[SampleRef]:
+    """Every sample of a committed generation, from its index (two Parquet reads, whatever the sample count)."""
+    from rayflux.cache import index
+
+    layout = json.dumps(manifest["layout"], sort_keys=True)
+    gen_dir = manifest["dir"]
+    files: dict[str, str] = {}  # one string object per file, shared by its refs
+
+    def full(f: str) -> str:
+        return files.setdefault(f, index.resolve(manifest, f))
+
+    text = {}
+    for c in index.read(manifest, "captions").to_pylist():
+        loc = [full(c["file"]), c["file_bytes"], c["t5_offset"], c["t5_length"], c["clip_offset"], c["clip_length"],
+               c["t5_len"], c["t5_dim"], c["clip_dim"], c["caption_id"]]  # fmt: skip
+        text[c["caption_id"]] = json.dumps(loc)
+    cols = ["sample_id", "bucket", "file", "row", "dataset", "offset", "length", "file_bytes", "latent_c", "latent_h",
+            "latent_w", "source_uri", "caption_id"]  # fmt: skip
+    refs = []
+    for r in index.read(manifest, "samples", cols).to_pylist():
+        refs.append(
+            SampleRef(
+                r["sample_id"], r["bucket"], full(r["file"]), r["row"], r["dataset"],
+                offset=r["offset"], length=r["length"], file_bytes=r["file_bytes"],
+                latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}", source=r["source_uri"],
+                text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout,
+            )  # fmt: skip
+        )
+    return refs
 
 
 def _rng(*parts) -> random.Random:
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "little"))
-
-
-def index_samples(files: list[str]) -> list[SampleRef]:
-    """Every sample of a generation's shards, read from the id and bucket columns only."""
-    refs = []
-    for f in files:
-        t = shards.read_column(f, ["sample_id", "bucket", "dataset"])
-        columns = zip(t["sample_id"].to_pylist(), t["bucket"].to_pylist(), t["dataset"].to_pylist())
-        for i, (sid, b, d) in enumerate(columns):
-            refs.append(SampleRef(sid, b, f, i, d))
-    return refs
 
 
 def _fill(members: list[SampleRef], batch_size: int) -> list[list[SampleRef]]:
@@ -102,8 +139,11 @@ def plan_epoch(
             "seed": _rng(seed, epoch, "batch", i).getrandbits(62),
             "bucket": b[0].bucket,
             "size": len(b),
-            "refs": json.dumps([[r.file, r.row, r.sample_id] for r in b]),
+            "refs": json.dumps([[r.file, r.row, r.sample_id, r.offset, r.length, r.file_bytes, r.latent_shape,
+                                 r.source, r.text] for r in b]),  # fmt: skip
             "weights": json.dumps([r.weight for r in b]),
+            "generation_dir": b[0].gen_dir,
+            "layout": b[0].layout,
         }
         for i, b in enumerate(batches[:keep])
     ]
@@ -114,38 +154,27 @@ class GenerationNotReadable(RuntimeError):
     """A reader reached a generation that is not committed, or already retired: a stage-ordering bug, never data."""
 
 
-def check_readable(shard_path: str) -> None:
-    """Refuse to read a shard whose generation has no committed manifest or has been retired."""
+def check_readable(gen_dir: str) -> None:
+    """Refuse to read a generation that has no committed manifest or has been retired (two existence checks)."""
     from rayflux.cache import generations
 
-    gen_dir = shard_path.rsplit("/", 2)[0]  # <gen_dir>/samples/<file>
     if generations.is_retired(gen_dir) or not storage.exists(storage.join(gen_dir, generations.MANIFEST)):
-        raise GenerationNotReadable(f"{shard_path}: generation {gen_dir} is not committed or has been retired")
+        raise GenerationNotReadable(f"generation {gen_dir} is not committed or has been retired")
 
 
 def load_batch(item: dict) -> dict:
     """Ray Data ``map``: read one planned batch's rows and stack them; a shape mismatch is a CacheShapeError."""
-    refs = json.loads(item["refs"])
-    by_file: dict[str, list[int]] = {}
-    for f, row, _ in refs:
-        by_file.setdefault(f, []).append(row)
-    for f in by_file:
-        check_readable(f)
-    # Rows are read file by file (a repeated sample once per ask): order the refs' loss weights the same way.
-    ref_weights = json.loads(item["weights"]) if "weights" in item else [1.0] * len(refs)
-    weights = [w for f in by_file for (ref_f, _, _), w in zip(refs, ref_weights) if ref_f == f]
-    cols = ["sample_id", "source_uri", "bucket", "generation", "latent", "latent_c", "latent_h", "latent_w", "latent_dtype",
-            "t5", "t5_len", "t5_dim", "clip_pooled", "clip_dim", "text_dtype"]  # fmt: skip
-    rows = shards.read_batch(by_file, item["bucket"], cols)  # every row checked against the bucket's shape
-    first = rows[0]
-    lat_shape = (first["latent_c"], first["latent_h"], first["latent_w"])
-    t5_shape = (first["t5_len"], first["t5_dim"])
-    lat, t5, clip = [], [], []
-    for r in rows:
-        lat.append(tensors.from_bytes_numpy(r["latent"], r["latent_dtype"], lat_shape))
-        t5.append(tensors.from_bytes_numpy(r["t5"], r["text_dtype"], t5_shape))
-        clip.append(tensors.from_bytes_numpy(r["clip_pooled"], r["text_dtype"], (r["clip_dim"],)))
-    return stack_batch(item, int(first["generation"]), [r["sample_id"] for r in rows], lat, t5, clip, weights)
+    return load_batches([item])[0]
+
+
+def load_batches(items: list[dict]) -> list[dict]:
+    """Read and stack the planned batches of one read task: the generation is checked once, each file's ranges are
+    read together (see :mod:`rayflux.cache.reads`), and every row is checked against its batch's bucket."""
+    from rayflux.cache import reads
+
+    for gen_dir in sorted({item["generation_dir"] for item in items}):
+        check_readable(gen_dir)
+    return reads.stack_all(items, stack_batch)
 
 
 def stack_batch(

@@ -86,7 +86,7 @@ def _load_batches(block):
     """Ray Data ``map_batches`` over a block of planned batches: one stacked training row per planned batch."""
     import pyarrow as pa
 
-    return pa.Table.from_pylist([batching.load_batch(item) for item in block.to_pylist()])
+    return pa.Table.from_pylist(batching.load_batches(block.to_pylist()))
 
 
 def index_dataset(refs: list[batching.SampleRef]):

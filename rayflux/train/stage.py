@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from rayflux import datasets, progress, storage
-from rayflux.cache import generations
+from rayflux.cache import index
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.models import ModelFacts
 from rayflux.train import batching
@@ -97,7 +97,7 @@ def train(
     from ray.train.torch import TorchTrainer
 
     _, hi = worker_range(cfg.train.num_workers)
-    refs = datasets.mix(batching.index_samples(generations.sample_files(manifest)), datasets.sample_weights(cfg.data))
+    refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
         raise RuntimeError(
@@ -111,7 +111,8 @@ def train(
         train_loop_config={
             "job": cfg.to_dict(),
             "run_dir": output_dir,  # validation images and TensorBoard events
-            "text_files": generations.text_files(manifest),  # the empty caption, for caption dropout
+            # Where the empty caption is, for caption dropout (one ranged read; see rayflux.train.captions).
+            "text_files": index.empty_caption(manifest),
         },
         scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
         run_config=run_config(cfg, output_dir, [progress.TrainProgress(counts, hi, cfg.train.max_steps)]),

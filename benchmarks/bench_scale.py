@@ -1,0 +1,200 @@
+"""Scale benchmark: S3 requests per image, by phase, on a local S3 server, and the driver's peak RSS.
+
+Puts N small generated images in a moto S3 server that this script starts on loopback (its request log is the
+count), with sidecar captions or, in the ``metadata`` variant, one ``metadata.jsonl``; then runs, each phase counted
+from the server's own log:
+
+- ``discover``: discovery alone (listing, sidecar reads), on the driver;
+- ``cache``: the job's cache stage (``--only cache``): discovery, preparation, encoding, writing, index, commit;
+- ``rerun``: the same command again with nothing changed (everything before training starts);
+- ``train``: one epoch of training (batch 1, one worker) on the committed generation, counting the requests on the
+  cache's keys (the read path) and all requests;
+- ``refresh``: one more generation with a new seed (centre crops, one caption per image, so nothing changes): what
+  it writes against what generation 0 wrote.
+
+The driver's peak RSS (``ru_maxrss``) is recorded after each phase. Results go to stdout as JSON lines.
+
+    python benchmarks/bench_scale.py --images 500 --variant sidecar
+    python benchmarks/bench_scale.py --images 500 --variant metadata
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+_REQUEST = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (/[^ ?]*)(\?[^ ]*)? HTTP')
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class Server:
+    """moto's standalone S3 server on a free loopback port; every request is one line of its log."""
+
+    def __init__(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = tempfile.mktemp(prefix="bench-moto-", suffix=".log")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        os.environ.update(AWS_ENDPOINT_URL=self.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                          AWS_REGION="us-east-1")  # fmt: skip
+        os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+
+    def requests(self) -> list[tuple[str, str]]:
+        time.sleep(0.5)  # the server flushes its log line after answering
+        with open(self.log_path, "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+        found = [m for m in (_REQUEST.search(_ANSI.sub("", line)) for line in lines) if m]
+        # A GET with a list query is a LIST; everything else is named by its method.
+        return [("LIST" if "list-type" in (m.group(3) or "") else m.group(1), m.group(2)) for m in found]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        os.unlink(self.log_path)
+
+
+def _put_images(bucket: str, n: int, variant: str) -> None:
+    """N small PNGs (4 sizes, so several buckets), each with its own caption, written straight to the bucket."""
+    import io
+
+    from PIL import Image
+
+    from rayflux import storage
+
+    fs, _ = storage.resolve(bucket)
+    fs.create_dir(bucket[5:])
+    sizes = [(64, 64), (96, 64), (64, 96), (80, 80)]
+    rows = []
+    for k in range(n):
+        img = Image.new("RGB", sizes[k % 4], ((k * 53) % 256, (k * 97) % 256, (k * 29) % 256))
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        name = f"{k // 1000:03d}/img{k:06d}.png"
+        caption = f"photo {k} of a square, shade {k % 256}"
+        with fs.open_output_stream(f"{bucket[5:]}/images/{name}") as f:
+            f.write(buf.getvalue())
+        if variant == "sidecar":
+            with fs.open_output_stream(f"{bucket[5:]}/images/{name[:-4]}.txt") as f:
+                f.write(caption.encode())
+        else:
+            rows.append(json.dumps({"file_name": name, "text": caption}))
+    if variant == "metadata":
+        with fs.open_output_stream(f"{bucket[5:]}/images/metadata.jsonl") as f:
+            f.write(("\n".join(rows) + "\n").encode())
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
+    reqs = server.requests()[since:]
+    mine = [(m, p) for m, p in reqs if p.startswith(prefix)]
+    by = {}
+    for m, p in mine:
+        where = "images" if "/images/" in p else ("cache" if "/cache/" in p else "run")
+        by[f"{m} {where}"] = by.get(f"{m} {where}", 0) + 1
+    return len(mine), dict(sorted(by.items()))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=500)
+    parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
+    parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
+    args = parser.parse_args(argv)
+    server = Server()
+    try:
+        _run(server, args)
+    finally:
+        import ray
+
+        ray.shutdown()
+        server.stop()
+
+
+def _run(server: Server, args) -> None:
+    import ray
+
+    from rayflux import config, job, progress
+    from rayflux.ledger import Ledger
+    from rayflux.sources import discover
+    from rayflux.testing.tiny import ensure_tiny_model
+
+    n, bucket = args.images, f"s3://bench-{args.variant}-{os.getpid()}"
+    t0 = time.perf_counter()
+    _put_images(bucket, n, args.variant)
+    setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1), "requests": len(server.requests())}
+    print(json.dumps(setup), flush=True)
+    sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", f"run.output_dir={bucket}/run",
+            "data.resolution=64", "data.crop=center", "train.epochs=1", "train.batch_size=1", "train.num_workers=1",
+            "cache.refresh=never"]  # fmt: skip
+    if args.variant == "metadata":
+        sets.append("data.caption_strategy=metadata")
+    cfg = config.load(None, sets)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    progress.quiet_operator_bars()
+
+    def phase(name: str, fn, prefix: str = f"/{bucket[5:]}"):
+        since = len(server.requests())
+        t = time.perf_counter()
+        out = fn()
+        total, by = _count(server, since, prefix)
+        rec = {"phase": name, "images": n, "seconds": round(time.perf_counter() - t, 2), "requests": total,
+               "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1)}  # fmt: skip
+        print(json.dumps(rec), flush=True)
+        return out, rec
+
+    phase("discover", lambda: discover(cfg.data, seed=cfg.cache.seed))
+    first, _ = phase("cache", lambda: job.run(cfg, only="cache"))
+    phase("rerun", lambda: job.run(cfg, only="cache"))
+    if not args.skip_train:
+        since = len(server.requests())
+        summary, rec = phase("train", lambda: job.run(cfg))
+        reads = [r for r in server.requests()[since:] if "/cache/" in r[1]]
+        trained = summary.steps * cfg.train.batch_size
+        print(json.dumps({"phase": "train-reads", "trained_samples": trained, "cache_requests": len(reads),
+                          "per_trained_sample": round(len(reads) / max(trained, 1), 3)}), flush=True)  # fmt: skip
+
+    # Refresh: generation 1 of the same cache key with its own seed, nothing else changed.
+    from rayflux import models
+
+    images, cache_root, out = job.resolve_dirs(cfg)
+    facts = models.model_facts(cfg.model)
+    stages = job._Stages(cfg, facts, Ledger(out, job.run_identity(cfg)), cache_root, False, job.Summary())
+    g0 = stages.generation(0)
+    g1, _ = phase("refresh", lambda: stages.generation(1))
+    written = lambda m: sum(f["bytes"] for f in m["files"] + m["text_files"])  # noqa: E731
+    indexed = lambda m: sum(e["bytes"] for e in m["index"].values())  # noqa: E731
+    print(json.dumps({"phase": "refresh-bytes", "g0_shard_bytes": written(g0), "g1_shard_bytes": written(g1),
+                      "g1_index_bytes": indexed(g1),
+                      "ratio": round((written(g1) + indexed(g1)) / max(written(g0), 1), 4)}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The generation index: one Parquet row per sample and one per caption, saying where every tensor's bytes are.
+
+Written once, at commit, from the write tasks' own results (never by scanning shards), as two ordinary Parquet
+files beside the manifest, which names them: ``index/samples.parquet`` and ``index/captions.parquet``. Everything
+that needs to know what a generation holds reads these two files instead of the shards: training's sample list and
+batch reads, the next generation's reuse, caption dropout's empty caption, ``cache verify``.
+
+``file`` is relative to the cache key's directory (``g00001-<hash>/samples/samples-....parquet``), so a generation
+can reference rows another generation of the same key wrote, and a cache that is moved or synced elsewhere still
+finds its own files. ``offset``/``length`` locate one tensor value inside that file (see
+:func:`rayflux.cache.shards.value_ranges`); ``file_bytes`` is the file's size, checked by ``cache verify``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rayflux import storage
+
+SAMPLES = "index/samples.parquet"
+CAPTIONS = "index/captions.parquet"
+
+_LOCATION = [
+    ("file", pa.string()),
+    ("file_bytes", pa.int64()),
+    ("row", pa.int32()),
+]
+
+SAMPLE_INDEX = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("bucket", pa.string()),
+        ("latent_c", pa.int32()),
+        ("latent_h", pa.int32()),
+        ("latent_w", pa.int32()),
+        ("caption_id", pa.string()),
+        ("source_uri", pa.string()),
+        ("rel_path", pa.string()),
+        ("source_sha256", pa.string()),
+        ("source_size", pa.int64()),
+        ("source_mtime_ns", pa.int64()),
+        ("orig_w", pa.int32()),
+        ("orig_h", pa.int32()),
+        *_LOCATION,
+        ("offset", pa.int64()),
+        ("length", pa.int64()),
+        ("generation", pa.int32()),
+        ("encode_id", pa.string()),
+    ]
+)
+"""One row per sample of the generation. ``generation`` and ``encode_id`` are those of the build that wrote the
+latent, which is an earlier generation's for a reused row."""
+
+CAPTION_INDEX = pa.schema(
+    [
+        ("caption_id", pa.string()),
+        ("caption", pa.string()),
+        ("t5_len", pa.int32()),
+        ("t5_dim", pa.int32()),
+        ("clip_dim", pa.int32()),
+        *_LOCATION,
+        ("t5_offset", pa.int64()),
+        ("t5_length", pa.int64()),
+        ("clip_offset", pa.int64()),
+        ("clip_length", pa.int64()),
+        ("generation", pa.int32()),
+        ("encode_id", pa.string()),
+    ]
+)
+"""One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it)."""
+
+SCHEMAS = {"samples": SAMPLE_INDEX, "captions": CAPTION_INDEX}
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    """A write task's index rows as Arrow IPC bytes: how they travel to the driver inside a metadata row."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+
+
+def key_dir(gen_dir: str) -> str:
+    """The cache key's directory: the parent of a generation directory."""
+    return gen_dir.rstrip("/").rsplit("/", 1)[0]
+
+
+def relative(gen_dir: str, path: str) -> str:
+    """A path inside generation ``gen_dir`` as the index writes it: relative to the cache key's directory."""
+    return f"{gen_dir.rstrip('/').rsplit('/', 1)[-1]}/{path}"
+
+
+def resolve(manifest: dict, file: str) -> str:
+    """An index ``file`` as a full path or URI, from the manifest's own location."""
+    return storage.join(key_dir(manifest["dir"]), file)
+
+
+class Sink:
+    """Streams index parts into one local Parquet file as they arrive, so the driver never holds the whole index."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.schema = SCHEMAS[kind]
+        fd, self.path = tempfile.mkstemp(prefix=f"rayflux-index-{kind}-", suffix=".parquet")
+        os.close(fd)
+        self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        self.rows = 0
+        self.files: set[str] = set()
+        """Every ``file`` the index rows point to (the generation's own and earlier generations')."""
+        self.buckets: dict[str, dict] = {}
+        """Samples: rows, latent shape and latent bytes per bucket, as the manifest records them."""
+        self.empty: dict | None = None
+        """Captions: the empty caption's index row, once it has arrived."""
+
+    def add(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        table = table.select(self.schema.names).cast(self.schema)
+        self.files.update(table["file"].unique().to_pylist())
+        self.writer.write_table(table, row_group_size=65536)
+        self.rows += table.num_rows
+        if self.kind == "captions":
+            empty = table.filter(pc.equal(table["caption"], "")).to_pylist()
+            self.empty = empty[0] if empty else self.empty
+            return
+        keys = ["bucket", "latent_c", "latent_h", "latent_w"]
+        for r in table.group_by(keys).aggregate([("length", "sum"), ("length", "count")]).to_pylist():
+            shape = [r[k] for k in keys[1:]]
+            e = self.buckets.setdefault(r["bucket"], {"rows": 0, "latent_shape": shape, "latent_bytes": 0})
+            e["rows"] += r["length_count"]
+            e["latent_bytes"] += r["length_sum"]
+
+    def commit(self, gen_dir: str) -> dict:
+        """Close, upload beside the manifest, and return the manifest's entry for it."""
+        self.writer.close()
+        rel = SAMPLES if self.kind == "samples" else CAPTIONS
+        try:
+            nbytes = os.path.getsize(self.path)
+            storage.upload_atomic(self.path, storage.join(gen_dir, rel))
+        finally:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+        return {"path": rel, "rows": self.rows, "bytes": nbytes}
+
+    def discard(self) -> None:
+        self.writer.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Table:
+    """One of a committed generation's index tables (``samples`` or ``captions``), whole or some columns."""
+    entry = manifest["index"][kind]
+    fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
+    # One file: a handful of requests however many rows it holds.
+    with fs.open_input_file(inner) as f:
+        return pq.read_table(f, columns=columns)
+
+
+def empty_caption(manifest: dict) -> dict:
+    """Where the empty caption's embeddings are (its caption index row), with the file resolved to a full path and
+    the generation's stored ``text_dtype``: what :func:`rayflux.train.captions.load_empty` reads."""
+    return {**manifest["empty_caption"], "file": resolve(manifest, manifest["empty_caption"]["file"]),
+            "text_dtype": manifest["layout"]["dtype"]}  # fmt: skip

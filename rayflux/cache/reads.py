@@ -1,0 +1,107 @@
+"""Training reads: the tensors of planned batches, by byte range from the generation index, checked per bucket.
+
+A latent is one ranged GET (ranges of one file that lie close together share one); a caption's T5 and CLIP
+embeddings are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
+footer, no HEAD: the index gave the offsets and each file's size. Every row is checked against its batch's bucket
+before anything is stacked, so a bad cache raises a CacheShapeError naming bucket, sample, source and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+
+from rayflux.cache import generations, ranges, shards, tensors
+
+TEXT_CACHE_BYTES = 256 << 20
+_text_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+_text_cache_bytes = 0
+
+
+def _keep_text(caption_id: str, t5: np.ndarray, clip: np.ndarray) -> None:
+    global _text_cache_bytes
+    _text_cache[caption_id] = (t5, clip)
+    _text_cache_bytes += t5.nbytes + clip.nbytes
+    while _text_cache_bytes > TEXT_CACHE_BYTES and len(_text_cache) > 1:
+        _, (a, b) = _text_cache.popitem(last=False)
+        _text_cache_bytes -= a.nbytes + b.nbytes
+
+
+def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, int]) -> dict:
+    """``{file: [(key, offset, length)]}`` -> ``{key: bytes}``, one read per file (close ranges merged)."""
+    out = {}
+    for path, asks in wanted.items():
+        data = ranges.read_ranges(path, sizes[path], [(off, n) for _, off, n in asks])
+        out.update({key: d for (key, _, _), d in zip(asks, data)})
+    return out
+
+
+def _array(data: bytes, dtype: str, shape, error, what: str) -> np.ndarray:
+    want = tensors.nbytes(shape, dtype)
+    if len(data) != want:
+        raise error(f"{what} bytes for shape {tuple(int(s) for s in shape)}", want, len(data))
+    arr = tensors.from_bytes_numpy(data, dtype, shape)
+    if not np.isfinite(arr).all():
+        raise error(f"{what} values", "all finite", "NaN or Inf")
+    return arr
+
+
+def stack_all(items: list[dict], stack) -> list[dict]:
+    """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, latents, t5, clip,
+    weights)`` for each (see :func:`rayflux.train.batching.stack_batch`)."""
+    plans = [(item, json.loads(item["refs"]), shards.ShardLayout(**json.loads(item["layout"]))) for item in items]
+    lat_asks: dict[str, list] = {}
+    text_asks: dict[str, list] = {}
+    sizes: dict[str, int] = {}
+    texts: dict[str, list] = {}
+    local: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
+    for b, (_, refs, _) in enumerate(plans):
+        for j, (file, _, _, offset, length, file_bytes, _, _, text) in enumerate(refs):
+            lat_asks.setdefault(file, []).append(((b, j), offset, length))
+            sizes[file] = file_bytes
+            loc = json.loads(text)
+            cid = loc[9]
+            if cid in _text_cache:
+                _text_cache.move_to_end(cid)
+                local[cid] = _text_cache[cid]
+            elif cid not in texts:
+                texts[cid] = loc
+                asks = text_asks.setdefault(loc[0], [])
+                asks.extend([((cid, "t5"), loc[2], loc[3]), ((cid, "clip"), loc[4], loc[5])])
+                sizes[loc[0]] = loc[1]
+    latents = _fetch(lat_asks, sizes)
+    raw_text = _fetch(text_asks, sizes)
+    out = []
+    for b, (item, refs, layout) in enumerate(plans):
+        bucket = item["bucket"]
+        want = layout.latent_shape(bucket)
+        lat, t5s, clips, sids = [], [], [], []
+        for j, (_, _, sid, _, _, _, shape, source, text) in enumerate(refs):
+
+            def error(what, expected, actual, sid=sid, source=source):
+                return shards.shape_error(bucket, sid, source, what, expected, actual)
+
+            got = tuple(int(x) for x in shape.split(","))
+            if got != want:
+                raise error("latent shape", want, got)
+            lat.append(_array(latents[(b, j)], layout.dtype, want, error, "latent"))
+            loc = json.loads(text)
+            cid, (t5_len, t5_dim, clip_dim) = loc[9], loc[6:9]
+            if cid not in local:
+                if t5_len != layout.t5_len:
+                    raise error("t5 length", layout.t5_len, t5_len)
+                t5 = _array(raw_text[(cid, "t5")], layout.dtype, (t5_len, t5_dim), error, "t5")
+                clip = _array(raw_text[(cid, "clip")], layout.dtype, (clip_dim,), error, "clip_pooled")
+                local[cid] = (t5, clip)
+                _keep_text(cid, t5, clip)
+            t5, clip = local[cid]
+            if t5s and (t5.shape, clip.shape) != (t5s[0].shape, clips[0].shape):
+                raise error("text shape", (t5s[0].shape, clips[0].shape), (t5.shape, clip.shape))
+            t5s.append(t5)
+            clips.append(clip)
+            sids.append(sid)
+        weights = json.loads(item["weights"]) if "weights" in item else None
+        out.append(stack(item, generations.generation_number(item["generation_dir"]), sids, lat, t5s, clips, weights))
+    return out

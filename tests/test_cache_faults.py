@@ -1,0 +1,58 @@
+"""A write task's real Ray worker killed mid-write or right after its rename: Ray runs the task again, and the
+committed generation still holds exactly what its manifest lists (no duplicate shard, no temporary file)."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cache_sets
+import pyarrow.parquet as pq
+import pytest
+
+from rayflux.cache import generations, verify
+from rayflux.testing import faults
+
+# A driver of its own that joins the session's Ray with the kill point in its job's runtime_env (every worker of
+# that job inherits it), builds the cache, and prints where it went.
+_DRIVER = """
+import json, sys, ray
+from rayflux import config, job
+ray.init(address=sys.argv[1], runtime_env={"env_vars": {%r: sys.argv[2]}})
+cfg = config.load(None, json.loads(sys.argv[3]))
+print(json.dumps({"cache_dir": job.run(cfg, only="cache").cache_dir}))
+"""
+
+
+@pytest.mark.parametrize("point", ["samples-renamed", "samples-before-rename", "text-renamed"])
+def test_a_killed_write_task_leaves_nothing_unlisted(ray_session, tiny_model, tmp_path, point):
+    images = tmp_path / "images"
+    images.mkdir()
+    for k in range(10):
+        cache_sets.picture(64, 64, k).save(images / f"img{k}.png")
+        (images / f"img{k}.txt").write_text(f"caption number {k}")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    sets = [f"model.path={tiny_model}", f"data.images_dir={images}", f"run.output_dir={tmp_path / 'run'}",
+            "data.resolution=64", "cache.batch_size=4", "cache.rows_per_shard=4", "cache.text_batch_size=4"]  # fmt: skip
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    done = subprocess.run(
+        [sys.executable, "-c", _DRIVER % faults.ENV, env["RAY_ADDRESS"], f"{point}:{markers}", json.dumps(sets)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (markers / point).exists()  # a worker really died at that point
+    gen_dir = json.loads(done.stdout.strip().splitlines()[-1])["cache_dir"]
+    manifest = generations.load_manifest(gen_dir)
+    # Exactly what the manifest lists: the killed attempt's shard or temporary file is gone.
+    assert set(generations.files_in(gen_dir)) == generations.listed(manifest)
+    assert not [p for p in Path(gen_dir).rglob("*") if p.name.startswith(".tmp-")]
+    out = io.StringIO()
+    assert verify.main([gen_dir], out=out) == 0, out.getvalue()
+    # Plain pyarrow over the directories, as the README invites: every sample and caption once.
+    samples = pq.ParquetDataset(str(Path(gen_dir) / "samples")).read()
+    assert sorted(samples["rel_path"].to_pylist()) == sorted(f"img{k}.png" for k in range(10)) and manifest["cached"] == 10
+    text = pq.ParquetDataset(str(Path(gen_dir) / "text")).read()["caption"].to_pylist()
+    assert sorted(text) == sorted(["", *(f"caption number {k}" for k in range(10))])
