@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from rayflux import config
+from rayflux import config, console
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML file with data/model/cache/train/run sections")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override one key (repeatable)")
     p.add_argument("--only", choices=["cache"], help="run only this stage (prebuild caches on cheaper nodes)")
+    p.add_argument(
+        "--verbose", action="store_true", help="also show Ray's own output (worker logs, dataset plans, reports)"
+    )
     return p
 
 
@@ -32,6 +35,7 @@ def _quiet_libraries() -> None:
 def main_train(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     args = _train_parser().parse_args(argv)
+    console.set_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
     try:
         cfg = config.load(args.config, args.set)

@@ -15,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from rayflux import datasets, models, paths, progress, refresh, storage
+from rayflux import console, datasets, models, paths, progress, refresh, storage
 from rayflux.config import JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
@@ -106,12 +106,12 @@ def connect(address: str = "") -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
-        ray.init(address=address)
+        ray.init(address=address, **console.init_kwargs())
         return
     try:
-        ray.init(address="auto")
+        ray.init(address="auto", **console.init_kwargs())
     except ConnectionError:
-        ray.init()
+        ray.init(**console.init_kwargs())
 
 
 def cluster_has_gpus() -> bool:
@@ -128,8 +128,8 @@ def run_identity(cfg: JobConfig) -> str:
     d = cfg.to_dict()
     # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation,
     # file format) may change between reruns without changing what is being trained.
-    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
-                "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
+    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "report_seconds", "epochs", "max_steps",
+                "checkpoint_every", "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
                 "validation_inference_steps", "validation_guidance",
                 "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
                 "prefetch_reads"):  # fmt: skip
@@ -228,8 +228,10 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     ledger = Ledger(output, run_identity(cfg))
     summary.ledger = ledger.path
 
+    console.quiet_ray()
     connect(cfg.run.ray_address)
     progress.quiet_operator_bars()
+    console.quiet_ray()
     summary.logs = _ray_logs_dir()
     stages = _Stages(cfg, facts, ledger, cache_root, cluster_has_gpus(), summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))

@@ -73,22 +73,28 @@ def resume_rows(
 
 
 class PreemptionNotice:
-    """True at the first step after Ray Train announces that a node of this worker group is being preempted.
+    """Whether Ray Train has told this worker that a node of its group is being preempted.
 
     Ray Train 2.60 announces it when such a node is drained for preemption (``ray drain-node``, SIGTERM to a
-    ``ray start --block`` node, or rayflux's spot guard). ``ray.train.get_preemption_info()`` is a barrier that gives
-    every rank the same answer, so every rank must call this once per step, and they all agree to checkpoint.
+    ``ray start --block`` node, or rayflux's spot guard), by setting it on every worker. ``local()`` reads this
+    worker's copy without a barrier; the loop folds it into the all-reduce it does every step anyway, so every rank
+    agrees at the same step. (``ray.train.get_preemption_info()`` would agree the same way, at the price of a Ray
+    actor round trip per step; it is used only where the worker-side copy cannot be read.)
     """
 
     def __init__(self):
         import ray.train
 
-        # Older Ray releases lack the notice; their runs resume from the last periodic checkpoint.
-        self._get = getattr(ray.train, "get_preemption_info", None)
-        self._seen = False
+        self._public = getattr(ray.train, "get_preemption_info", None)  # older Ray releases have no notice at all
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
 
-    def __call__(self) -> bool:
-        if self._get is None or self._seen:
-            return False
-        self._seen = self._get() is not None
-        return self._seen
+            self._context = get_train_context().preemption_context
+        except (ImportError, AttributeError):
+            self._context = None
+
+    def local(self) -> bool:
+        """This worker's view; the caller must agree on it across ranks (every rank calls this once per step)."""
+        if self._context is not None:
+            return self._context.preemption_info is not None
+        return self._public is not None and self._public() is not None

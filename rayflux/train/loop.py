@@ -1,10 +1,14 @@
 """``train_loop_per_worker``: build the trainer, skip what a restored checkpoint already trained, then step,
-report, render and checkpoint.
+log, render and checkpoint.
 
-Every rank gets the same number of optimizer steps from the plan (see :mod:`rayflux.train.batching`), so every
-``ray.train.report`` (a barrier) is called equally often on every rank. One trainer run may cover only some epochs (a
-cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop never
-touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached shards.
+Every step ends with one all-reduce of a few numbers: the mean loss and total samples, plus two flags that every
+rank must agree on, so that they all call ``ray.train.report`` (a barrier) at the same steps: rank 0's "a metrics
+report is due" (its clock says ``train.report_seconds`` have passed) and "a preemption was announced" (any rank's
+copy of Ray Train's notice). Nothing else waits on other processes per step: the per-step log and TensorBoard are
+rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
+epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
+never touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached
+shards.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 import torch
 
 from rayflux import config as config_mod
-from rayflux import memory
+from rayflux import memory, progress as progress_mod
 from rayflux.train import captions, checkpoint, elastic, metrics, optim, step, validation
 from rayflux.train.checkpoint import METRICS_FILE, Progress
 from rayflux.train.feed import DATASET, planned_rows
@@ -68,13 +72,29 @@ def _debug_delay(cfg, rank: int) -> None:
             time.sleep(float(seconds))
 
 
-def _all_ranks(loss: float, samples: int, device, world: int) -> tuple[float, int]:
-    """Mean loss and total samples over all ranks for one step."""
+def _agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int):
+    """One step's all-rank view: ``(mean loss, total samples, report due, preempted)``, the flags true on every rank
+    when true on any (rank 0 alone decides when a report is due)."""
     if world == 1:
-        return loss, samples
-    t = torch.tensor([loss, float(samples)], dtype=torch.float64, device=device)
+        return loss, samples, report_due, preempted
+    t = torch.tensor([loss, float(samples), float(report_due), float(preempted)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
-    return float(t[0]) / world, int(t[1])
+    return float(t[0]) / world, int(t[1]), bool(t[2] > 0), bool(t[3] > 0)
+
+
+class ReportClock:
+    """Rank 0's clock for metrics reports to Ray: due when ``seconds`` of wall time and ``steps`` steps have passed
+    since the last report (checkpoints report on their own schedule and restart the clock)."""
+
+    def __init__(self, seconds: float, steps: int):
+        self.seconds, self.steps = seconds, max(steps, 1)
+        self.reset(0)
+
+    def due(self, step: int) -> bool:
+        return time.monotonic() - self.last >= self.seconds and step - self.last_step >= self.steps
+
+    def reset(self, step: int) -> None:
+        self.last, self.last_step = time.monotonic(), step
 
 
 def _worst_rank(facts: dict, device, world: int) -> dict:
@@ -119,7 +139,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         rows = skip_trained(rows, progress)
     preemption = elastic.PreemptionNotice()
     board = metrics.TensorBoardLog(run_dir) if rank == 0 else None
-    window = metrics.Throughput()
+    steps_log = metrics.StepLog(run_dir) if rank == 0 else None
+    bar = progress_mod.BoardSender(loop_config.get("progress") if rank == 0 else None)
+    clock, window, preempted_once = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), False
 
     def report(record: dict, with_checkpoint: bool) -> None:
         directory = None
@@ -128,13 +150,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
             record.update(_worst_rank(memory.snapshot(start_rss), device, world))
             directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
             checkpoint.save(directory, trainer, rank, progress, t.output_format)
-            if board:
-                board.flush()
+        if board:
+            board.flush()
+            steps_log.sync()
         ray.train.report(
             record,
             checkpoint=Checkpoint.from_directory(directory) if directory else None,
             delete_local_checkpoint_after_upload=bool(directory),
         )
+        clock.reset(progress.step)
 
     for group, end_of_feed in with_last(grouped(rows, t.gradient_accumulation)):
         if progress.step >= total:
@@ -143,26 +167,24 @@ def train_loop_per_worker(loop_config: dict) -> None:
         stats = trainer.train_step([step.from_item(item) for item in group])
         progress.step = int(group[0]["step"]) + offset
         progress.batches_done += len(group)
-        loss, samples = _all_ranks(stats.loss, stats.samples, device, world)
-        window.add(samples)
+        loss, samples, report_due, preempted = _agree(
+            stats.loss, stats.samples, rank == 0 and clock.due(progress.step), preemption.local(), device, world
+        )
         progress.batches.extend(
             {"step": progress.step, "epoch": int(i["epoch"]), "index": int(i["index"]), "bucket": i["bucket"],
              "samples": json.loads(i["sample_ids"])}
             for i in group
         )  # fmt: skip
         record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "generation": int(group[0]["generation"]),
-                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm}  # fmt: skip
+                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                  **window.take(samples)}  # fmt: skip
         record.update(elastic.step_position(group, rank, world))
         last = progress.step >= total
         every = t.checkpoint_every and progress.step % t.checkpoint_every == 0
-        preempted = preemption()  # a barrier: every rank asks once per step
+        preempted, preempted_once = preempted and not preempted_once, preempted_once or preempted
         if preempted:
             record["preempted"] = True
         due_checkpoint = bool(last or end_of_feed or every or preempted)
-        due_report = due_checkpoint or progress.step % t.log_every == 0
-        if due_report:
-            record.update(window.take())
-        progress.history.append(record)
         if board:
             board.scalars(progress.step, record)
         due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
@@ -170,11 +192,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
             images = validation.render(trainer.transformer, cfg, device, trainer.dtype)
             record["validation_image"] = validation.save_grid(images, run_dir, progress.step)
             board.image(progress.step, "validation", validation.grid(images))
-        if due_report:
+        progress.history.append(record)
+        if due_checkpoint or report_due:
             report(record, due_checkpoint)
-            window = metrics.Throughput()  # rates exclude the time spent rendering and checkpointing
+        if steps_log:
+            steps_log.write(record)
+        bar.send(record, force=last or end_of_feed)
+        if due_checkpoint or due_images:
+            window.restart()  # rates exclude the time spent rendering and checkpointing
     if progress.step == start:
         # Nothing left to train (a rerun of a finished run or segment): still end with this run's own checkpoint.
         report({"step": progress.step}, True)
     if board:
         board.close()
+        steps_log.close()

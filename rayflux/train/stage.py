@@ -94,8 +94,6 @@ def train(
     epochs: tuple[int, int] | None = None,
 ) -> TrainResult:
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
-    from ray.train.torch import TorchTrainer
-
     _, hi = worker_range(cfg.train.num_workers)
     refs = datasets.mix(batching.index_samples(generations.sample_files(manifest)), datasets.sample_weights(cfg.data))
     counts = plan_counts(cfg, refs, hi)
@@ -103,29 +101,13 @@ def train(
         raise RuntimeError(
             f"no full set of batches for {hi} workers: {manifest['cached']} samples, batch_size {cfg.train.batch_size}"
         )
-    for epoch, c in counts.items():
-        log.info("epoch %d: %d samples in %d batches, %d dropped by the remainder rule", epoch, c["samples"], c["batches"], c["dropped"])
-
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "job": cfg.to_dict(),
-            "run_dir": output_dir,  # validation images and TensorBoard events
-            "text_files": generations.text_files(manifest),  # the empty caption, for caption dropout
-        },
-        scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
-        run_config=run_config(cfg, output_dir, [progress.TrainProgress(counts, hi, cfg.train.max_steps)]),
-        datasets={DATASET: index_dataset(refs)},
-        dataset_config=PlannedDataConfig(
-            cfg.train.batch_size,
-            cfg.train.seed,
-            epochs or (0, cfg.train.epochs),
-            cfg.train.epochs,
-            cfg.train.gradient_accumulation,
-            batches_per_read=cfg.train.batches_per_read,
-        ),
-    )
-    result = trainer.fit()
+    first, end = epochs or (0, cfg.train.epochs)
+    dropped = [counts[e]["dropped"] for e in range(first, end)]
+    log.info("train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
+             "per epoch", first + 1, end, hi, sum(counts[e]["batches"] for e in range(first, end)) // hi,
+             dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)))  # fmt: skip
+    with progress.TrainBar(counts, hi, cfg.train.max_steps) as bar:
+        result = _fit(cfg, manifest, output_dir, cluster_gpus, refs, epochs, bar.board)
     if result.checkpoint is None:
         raise RuntimeError(f"training reported no checkpoint: {result.error}")
     local = result.checkpoint.to_directory(tempfile.mkdtemp(prefix="rayflux-final-"))
@@ -140,3 +122,29 @@ def train(
         epoch_counts=counts,
         metrics=dict(result.metrics or {}),
     )
+
+
+def _fit(cfg: JobConfig, manifest: dict, output_dir: str, cluster_gpus: bool, refs, epochs, board):
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "job": cfg.to_dict(),
+            "run_dir": output_dir,  # validation images, TensorBoard events and the step log
+            "text_files": generations.text_files(manifest),  # the empty caption, for caption dropout
+            "progress": board,  # rank 0 tells the driver's bar about each step
+        },
+        scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
+        run_config=run_config(cfg, output_dir, []),
+        datasets={DATASET: index_dataset(refs)},
+        dataset_config=PlannedDataConfig(
+            cfg.train.batch_size,
+            cfg.train.seed,
+            epochs or (0, cfg.train.epochs),
+            cfg.train.epochs,
+            cfg.train.gradient_accumulation,
+            batches_per_read=cfg.train.batches_per_read,
+        ),
+    )
+    return trainer.fit()
