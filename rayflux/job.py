@@ -237,10 +237,20 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 
     def seg_done(seg) -> bool:
-        return ledger.done(f"train:seg{seg.index}", f"epochs {seg.first_epoch}-{seg.end_epoch}") is not None
+        entry = ledger.done(f"train:seg{seg.index}", f"epochs {seg.first_epoch}-{seg.end_epoch}")
+        if entry is None:
+            return False
+        # A segment that train.max_steps stopped early is done only while the limit stays where it was reached.
+        out = entry.get("outputs", {})
+        return out.get("complete", True) or bool(cfg.train.max_steps and out.get("steps", 0) >= cfg.train.max_steps)
 
     # A rerun starts at the first unfinished segment; earlier generations may already be retired.
     pending = [seg for seg in segs if not seg_done(seg)] if only != "cache" else segs[:1]
+    if not pending and only != "cache":
+        done = ledger.find(f"train:seg{segs[-1].index}") or {}
+        log.info("nothing to train: the run already ended at step %s (train.epochs=%d, train.max_steps=%d); raise "
+                 "either to train more", done.get("outputs", {}).get("steps", "?"), cfg.train.epochs,
+                 cfg.train.max_steps)  # fmt: skip
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
     first_g = (pending[0] if pending else segs[-1]).generation
     first = stages.generation(first_g)
@@ -266,7 +276,8 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
             t0 = time.perf_counter()
             result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
             summary.stage_seconds[name] = time.perf_counter() - t0
-            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps)
+            complete = bool(result.position.get("feed_done"))
+            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps, complete=complete)
             if prebuild is not None:
                 prebuild.result()
             if nxt is not None and nxt.generation != seg.generation:

@@ -133,12 +133,15 @@ def read_steps(run_dir: str, last_step: int | None = None) -> list[dict]:
 class TensorBoardLog:
     """Scalars and images for TensorBoard under ``<run_dir>/tensorboard``."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, resumed_step: int = 0):
         from tensorboardX import SummaryWriter
 
         self.remote = storage.join(run_dir, "tensorboard") if storage.is_uri(run_dir) else ""
         self.local = tempfile.mkdtemp(prefix="rayflux-tb-") if self.remote else os.path.join(run_dir, "tensorboard")
-        self.writer = SummaryWriter(self.local, flush_secs=30)
+        # A resumed run retrains the steps after its checkpoint: purge_step makes TensorBoard drop the earlier
+        # attempt's events from there on, so no step shows twice.
+        purge = resumed_step + 1 if resumed_step else None
+        self.writer = SummaryWriter(self.local, flush_secs=30, purge_step=purge)
 
     def scalars(self, step: int, values: dict) -> None:
         for key in REPORTED:
