@@ -130,7 +130,10 @@ class CommitCallback(ray.train.UserCallback):
         self.run_dir = run_dir
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if checkpoint is not None:
+        if checkpoint is None:
+            return
+        marker = f"{checkpoint.path}/{COMMIT_FILE}"
+        if checkpoint.filesystem.get_file_info(marker).type == pafs.FileType.NotFound:  # rank 0 usually was first
             _mark(checkpoint.filesystem, checkpoint.path, "controller")
 
     def after_exception(self, run_context, worker_exceptions) -> None:
