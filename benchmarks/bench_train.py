@@ -75,8 +75,9 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     epochs = -(-args.long // 8) + 1  # the demo's 8 images are 8 steps per epoch on one worker
+    # run.ray_address=local: every job starts its own Ray, never joining another head that runs on this machine.
     common = ["train.num_workers=1", f"data.resolution={args.resolution}", f"train.epochs={epochs}",
-              f"cache.dir={work / 'cache'}"]  # fmt: skip
+              f"cache.dir={work / 'cache'}", "run.ray_address=local"]  # fmt: skip
     # Build the shared cache (not timed), and take its batches for the plain loop.
     subprocess.run([sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--only", "cache",
                     *[x for c in common + [f"run.output_dir={work / 'cache-run'}"] for x in ("--set", c)]],
