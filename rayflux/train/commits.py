@@ -14,8 +14,8 @@ Every worker-group start resumes from the newest committed checkpoint in storage
 offers; the data feed (:mod:`rayflux.train.feed`) plans from that checkpoint's position record and names it in every
 row, so the loop restores exactly the checkpoint the plan was cut for. Failures the controller sees are written under
 ``<run storage>/restarts/`` (:class:`CommitCallback.after_exception`) and become the cause of the next restart's
-record. :func:`prune` deletes every checkpoint directory that Ray does not hold and that is older than the newest one
-it holds, so orphans never outlive ``train.checkpoints_to_keep``.
+record. :func:`prune` deletes every checkpoint directory that Ray never registered and that is older than the newest
+one it holds, so orphans never outlive ``train.checkpoints_to_keep``; registered ones are Ray's to prune.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from rayflux import storage
 log = logging.getLogger(__name__)
 
 COMMIT_FILE = "rayflux-commit.json"
+REGISTERED_FILE = "rayflux-registered.json"
+"""Written by the controller when Ray registers a checkpoint: from then on only Ray deletes that directory."""
 POSITION_FILE = "position.json"
 RESTARTS_DIR = "restarts"
 _RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -93,17 +95,25 @@ def _registered(run_dir: str) -> list[str]:
 
 
 def prune(run_dir: str) -> list[str]:
-    """Delete the checkpoint directories Ray will never register or prune: those it does not hold that are older
-    than the newest it holds (newer ones may still be uploading or waiting for its poll). Returns what was deleted."""
+    """Delete the checkpoint directories Ray will never register or prune: those it never registered that are older
+    than the newest it holds (newer ones may still be uploading or waiting for its poll). Returns what was deleted.
+
+    A directory Ray registered carries ``REGISTERED_FILE`` and is left to Ray, even once its snapshot no longer lists
+    it: Ray writes the snapshot before it deletes what it prunes, and fails on a directory already gone."""
     held = set(_registered(run_dir))
     if not held:
         return []
     newest_held = max(held)
     fs, dirs = _dirs(run_dir)
+    older = [d for d in dirs if d.base_name < newest_held and d.base_name not in held]
+    marks = fs.get_file_info([f"{d.path}/{REGISTERED_FILE}" for d in older]) if older else []
     gone = []
-    for d in dirs:
-        if d.base_name < newest_held and d.base_name not in held:
-            fs.delete_dir(d.path)
+    for d, mark in zip(older, marks):
+        if mark.type == pafs.FileType.NotFound:
+            try:
+                fs.delete_dir(d.path)
+            except FileNotFoundError:
+                continue
             gone.append(d.base_name)
     if gone:
         log.info("removed %d checkpoint(s) Ray Train never registered: %s", len(gone), ", ".join(gone))
@@ -132,9 +142,11 @@ class CommitCallback(ray.train.UserCallback):
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is None:
             return
-        marker = f"{checkpoint.path}/{COMMIT_FILE}"
-        if checkpoint.filesystem.get_file_info(marker).type == pafs.FileType.NotFound:  # rank 0 usually was first
-            _mark(checkpoint.filesystem, checkpoint.path, "controller")
+        fs = checkpoint.filesystem
+        with fs.open_output_stream(f"{checkpoint.path}/{REGISTERED_FILE}") as f:
+            f.write(json.dumps({"time": time.time()}).encode())
+        if fs.get_file_info(f"{checkpoint.path}/{COMMIT_FILE}").type == pafs.FileType.NotFound:  # rank 0 was first
+            _mark(fs, checkpoint.path, "controller")
 
     def after_exception(self, run_context, worker_exceptions) -> None:
         cause = "; ".join(
