@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from rayflux import config
+from rayflux import config, console
 
 
 def _train_parser(prog: str) -> argparse.ArgumentParser:
@@ -20,6 +20,9 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML file with data/model/cache/train/run sections")
     add_set_arg(p)
     p.add_argument("--only", choices=["cache"], help="run only this stage (prebuild caches on cheaper nodes)")
+    p.add_argument(
+        "--verbose", action="store_true", help="also show Ray's own output (worker logs, dataset plans, reports)"
+    )
     return p
 
 
@@ -50,6 +53,7 @@ def load_config(config_file: str | None, overrides: list[str]) -> config.JobConf
 def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> int:
     _quiet_libraries()
     args = _train_parser(prog).parse_args(argv)
+    console.set_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
     cfg = load_config(args.config, args.set)
     if cfg is None:

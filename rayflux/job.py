@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from rayflux import datasets, models, paths, progress, refresh, storage
+from rayflux import console, datasets, models, paths, progress, refresh, storage
 from rayflux.config import JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
@@ -110,12 +110,12 @@ def connect(address: str = "") -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
-        ray.init(address=address)
+        ray.init(address=address, **console.init_kwargs())
         return
     try:
-        ray.init(address="auto")
+        ray.init(address="auto", **console.init_kwargs())
     except ConnectionError:
-        ray.init()
+        ray.init(**console.init_kwargs())
 
 
 def cluster_has_gpus() -> bool:
@@ -132,8 +132,8 @@ def run_identity(cfg: JobConfig) -> str:
     d = cfg.to_dict()
     # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation,
     # file format) may change between reruns without changing what is being trained.
-    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "epochs", "max_steps", "checkpoint_every",
-                "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
+    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "report_seconds", "epochs", "max_steps",
+                "checkpoint_every", "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
                 "validation_inference_steps", "validation_guidance",
                 "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
                 "prefetch_reads"):  # fmt: skip
@@ -229,7 +229,7 @@ class _Stages:
 
 def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
-    from rayflux.cache import generations
+    from rayflux.cache import index
     from rayflux.train import lora_files
     from rayflux.train.stage import train
 
@@ -244,17 +244,29 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     ledger = Ledger(output, run_identity(cfg))
     summary.ledger = ledger.path
 
+    console.quiet_ray()
     connect(cfg.run.ray_address)
     progress.quiet_operator_bars()
+    console.quiet_ray()
     summary.logs = _ray_logs_dir()
     stages = _Stages(cfg, facts, ledger, cache_root, cluster_has_gpus(), summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 
     def seg_done(seg) -> bool:
-        return ledger.done(f"train:seg{seg.index}", f"epochs {seg.first_epoch}-{seg.end_epoch}") is not None
+        entry = ledger.done(f"train:seg{seg.index}", f"epochs {seg.first_epoch}-{seg.end_epoch}")
+        if entry is None:
+            return False
+        # A segment that train.max_steps stopped early is done only while the limit stays where it was reached.
+        out = entry.get("outputs", {})
+        return out.get("complete", True) or bool(cfg.train.max_steps and out.get("steps", 0) >= cfg.train.max_steps)
 
     # A rerun starts at the first unfinished segment; earlier generations may already be retired.
     pending = [seg for seg in segs if not seg_done(seg)] if only != "cache" else segs[:1]
+    if not pending and only != "cache":
+        done = ledger.find(f"train:seg{segs[-1].index}") or {}
+        log.info("nothing to train: the run already ended at step %s (train.epochs=%d, train.max_steps=%d); raise "
+                 "either to train more", done.get("outputs", {}).get("steps", "?"), cfg.train.epochs,
+                 cfg.train.max_steps)  # fmt: skip
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
     first_g = (pending[0] if pending else segs[-1]).generation
     first = stages.generation(first_g)
@@ -280,7 +292,8 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
             t0 = time.perf_counter()
             result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
             summary.stage_seconds[name] = time.perf_counter() - t0
-            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps)
+            complete = bool(result.position.get("feed_done"))
+            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps, complete=complete)
             if prebuild is not None:
                 prebuild.result()
             if nxt is not None and nxt.generation != seg.generation:
@@ -297,7 +310,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         summary.checkpoint = result.checkpoint_path
         entry = ledger.start("export", result.checkpoint_path)
         summary.lora_path = lora_files.export_final(
-            result.checkpoint_dir, cfg, output, generations.text_files(manifest)
+            result.checkpoint_dir, cfg, output, [index.caption_table(manifest)]
         )
         ledger.finish(entry, lora=summary.lora_path)
     else:

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -156,10 +158,10 @@ def registered_checkpoint_dir(storage_dir: Path) -> Path | None:
 
 
 def registered_checkpoint(storage_dir: Path) -> dict | None:
-    """``metrics.json`` of :func:`registered_checkpoint_dir`, or None."""
+    """The position record (``position.json``) of :func:`registered_checkpoint_dir`, or None."""
     d = registered_checkpoint_dir(storage_dir)
     try:
-        return json.loads((d / "metrics.json").read_text()) if d else None
+        return json.loads((d / "position.json").read_text()) if d else None
     except (OSError, ValueError):
         return None
 
@@ -178,3 +180,29 @@ def alive_nodes_or_none(address: str) -> dict[str, dict] | None:
         return alive_nodes(address)
     except Exception:  # noqa: BLE001 - Ray raises several kinds while a GCS starts
         return None
+
+
+def start_cluster():
+    """A ``ray.cluster_utils.Cluster`` with a 2-CPU head; stop it with :func:`stop_cluster`."""
+    from ray.cluster_utils import Cluster
+
+    ensure_auth_token()
+    return Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+
+
+def stop_cluster(c) -> None:
+    # Node by node rather than Cluster.shutdown(), which also resets this process's Ray client state (a session Ray
+    # started by other tests in this process must keep working).
+    address = c.address
+    for node in list(c.worker_nodes):
+        c.remove_node(node, allow_graceful=False)
+    c.remove_node(c.head_node, allow_graceful=False)
+    forget_address(address)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A module's own local cluster (import this fixture into the test module)."""
+    c = start_cluster()
+    yield c
+    stop_cluster(c)

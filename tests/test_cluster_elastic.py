@@ -26,11 +26,9 @@ from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
 from cluster_support import (
     alive_nodes,
-    ensure_auth_token,
-    forget_address,
+    cluster,  # noqa: F401 - the fixture
     gcs,
     ray_env,
     ray_node,
@@ -40,25 +38,11 @@ from cluster_support import (
     wait_for,
 )
 
+from rayflux.train.metrics import read_steps
+
 EPOCHS = 30
 BATCHES_PER_EPOCH = 8  # 8 demo images, batch size 1; divisible by both world sizes, so no remainder drops
 PHASE_S = 420  # a bound for each phase to happen at all, on a busy 2-core machine; never a performance claim
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    ensure_auth_token()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    yield c
-    # Node by node rather than Cluster.shutdown(), which also resets this process's Ray client state (a session Ray
-    # started by other tests in this process must keep working).
-    address = c.address
-    for node in list(c.worker_nodes):
-        c.remove_node(node, allow_graceful=False)
-    c.remove_node(c.head_node, allow_graceful=False)
-    forget_address(address)
 
 
 def _trainer_node(cluster):
@@ -132,9 +116,9 @@ def _dead_node_info(address: str, node_id: str):
     return None
 
 
-def _preempted_steps(metrics: dict) -> list[dict]:
-    """The history records of steps that ended in a checkpoint because a preemption was announced."""
-    return [h for h in metrics["history"] if h.get("preempted")]
+def _preempted_steps(history: list[dict]) -> list[dict]:
+    """The step-log records of steps that ended in a checkpoint because a preemption was announced."""
+    return [h for h in history if h.get("preempted")]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -173,7 +157,7 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
         f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
         "data.resolution=64", f"train.epochs={EPOCHS}", "train.num_workers=[1, 2]",
         "train.worker_resources={trainer: 1}", "train.checkpoint_every=4", "train.resize_check_seconds=2",
-        "train.log_every=1000000",
+        "train.report_seconds=1000000",
     )  # fmt: skip
     with open(tmp_path / "job.log", "wb") as log:
         job = subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT)
@@ -193,9 +177,10 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
             # 3. Spot reclaim: SIGTERM to C's `ray start`. Ray drains the node (reason PREEMPTION) and waits.
             node_c_id = (set(alive_nodes(cluster.address)) - {n.node_id for n in cluster.list_all_nodes()}).pop()
             os.kill(node_c.pid, signal.SIGTERM)
-            # Every checkpoint holds the whole history, so a later one still shows the step saved on the notice.
-            noticed = _wait_checkpoint(storage, job, "the checkpoint saved on the preemption notice", _preempted_steps)
-            [jit] = _preempted_steps(noticed)
+            # The step log marks the step that saved on the notice.
+            noticed = wait_for(lambda: _preempted_steps(read_steps(str(out))), PHASE_S,
+                               "the checkpoint saved on the preemption notice", proc=job)  # fmt: skip
+            [jit] = noticed
             assert node_c_id in gcs(cluster.address).get_draining_nodes()
 
             # 4. The node is gone; training must resume from the latest checkpoint on node A and finish.
@@ -208,7 +193,7 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
     cluster.remove_node(node_a, allow_graceful=False)
 
     final = registered_checkpoint(storage)
-    history, restarts = final["history"], final["resumed_at"]
+    history, restarts = read_steps(str(out), last_step=final["step"]), final["resumed_at"]
     # Steps count on across restarts, and the final checkpoint holds every one of them.
     assert [h["step"] for h in history] == list(range(1, final["step"] + 1))
     # The worker group's size at the start and after each restart: 2, 1 after the crash, 2 after the join, 1 after
@@ -217,7 +202,7 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
     assert worlds == [2, 1, 2, 1], (restarts, worlds)
     assert restarts[0] >= first["step"] > 0 and restarts[1] >= shrunk["step"] and restarts[2] >= grown["step"]
     # SIGTERM ended in a checkpoint on two workers, and the last restart resumed at or after it.
-    assert _preempted_steps(final) == [jit] and jit["world"] == 2 and restarts[2] >= jit["step"]
+    assert _preempted_steps(history) == [jit] and jit["world"] == 2 and restarts[2] >= jit["step"]
     # No batch trained twice, none missed beyond the documented rounding at restarts: every planned step ran.
     trained = [(h["epoch"], h["index"] + k) for h in history for k in range(h["span"])]
     assert len(trained) == len(set(trained)), "a batch was trained twice"

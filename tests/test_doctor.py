@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rayflux import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,13 +100,3 @@ def test_doctor_config_errors_exit_2(tmp_path):
     proc = _check("--set", "data.datasets=[{images_dir: /x, crop: sideways}]")
     assert proc.returncode == 2
     assert "data.datasets[0].crop must be one of" in proc.stderr
-
-
-def test_training_progress_text():
-    counts = {0: {"batches": 6}, 1: {"batches": 4}}
-    per_epoch = progress.steps_per_epoch(counts, world_size=2)
-    assert per_epoch == [3, 2]
-    assert [progress.epoch_of(s, per_epoch) for s in range(1, 6)] == [1, 1, 1, 2, 2]
-    assert progress.describe(4, {"loss": 0.123456}, per_epoch) == "train epoch 2/2 loss 0.1235"
-    assert progress.TrainProgress(counts, 2, max_steps=4).total == 4
-    assert progress.TrainProgress(counts, 2).total == 5

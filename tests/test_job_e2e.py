@@ -106,8 +106,11 @@ def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
 
 @pytest.mark.parametrize("entry", ["jobs/train_flux.py", "rayflux train"])
 def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path, entry):
-    """The README's demo command and the installed ``rayflux train``, joined to the session's Ray (RAY_ADDRESS)."""
+    """The README's demo command and the installed ``rayflux train``, joined to the session's Ray through
+    RAY_ADDRESS, with stdout and stderr one pipe (not a terminal): stage lines, plain progress lines and the summary
+    last; Ray's chatter stays in its logs."""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    env.pop("RAYFLUX_VERBOSE", None)
     out = tmp_path / "cli-run"
     command = {
         "jobs/train_flux.py": [sys.executable, str(ROOT / "jobs" / "train_flux.py")],
@@ -116,11 +119,18 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path, en
     proc = subprocess.run(
         [*command, "--set", f"run.output_dir={out}",
          "--set", f"model.path={tiny_model}", "--set", "data.resolution=64", "--set", "train.max_steps=2"],
-        capture_output=True, text=True, env=env, timeout=600,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert "LoRA:" in proc.stdout and str(out) in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert not [line for line in lines if "TrainingReport(" in line or "Execution plan of" in line], proc.stdout
+    assert len(lines) <= 40, proc.stdout
+    assert lines[-1].startswith("[rayflux] time:"), proc.stdout  # the summary is last
+    assert any(line.startswith("[rayflux] train step 2/2 ") for line in lines), proc.stdout
+    steps = [json.loads(x) for x in (out / "metrics" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
 
 
 def test_summary_reports_what_the_remainder_rule_dropped(finished_run):

@@ -17,6 +17,7 @@ from rayflux import config, job, refresh
 from rayflux.cache import generations
 from rayflux.train import batching
 from rayflux.train.batching import GenerationNotReadable, check_readable
+from rayflux.train.metrics import read_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,7 +221,8 @@ def test_driver_killed_mid_training_resumes(ray_session, tiny_model, demo_images
     assert after["train:seg0"]["start"] == before["train:seg0"]["start"]  # not redone
     assert after["train:seg1"]["status"] == "done"
     assert after["retire:g0"]["status"] == "done"
-    # the step counter continued: the final checkpoint's history runs 1..N once, over both epochs
-    metrics = json.loads((Path(after["train:seg1"]["outputs"]["checkpoint"]) / "metrics.json").read_text())
-    assert [h["step"] for h in metrics["history"]] == list(range(1, 9))
-    assert {h["epoch"] for h in metrics["history"]} == {0, 1}
+    # the step counter continued: the run's step log holds steps 1..N once each, over both epochs
+    position = json.loads((Path(after["train:seg1"]["outputs"]["checkpoint"]) / "position.json").read_text())
+    history = read_steps(str(out), last_step=position["step"])
+    assert [h["step"] for h in history] == list(range(1, 9)) and position["step"] == 8
+    assert {h["epoch"] for h in history} == {0, 1}

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rayflux import config, job, models
 from rayflux.cache import generations
 from rayflux.testing.images import write_images
-from rayflux.train import batching, checkpoint, kohya, lora, stage
+from rayflux.train import batching, checkpoint, commits, kohya, lora, stage
 
 # 64x64, 80x48, 48x80 and 96x48 buckets at data.resolution=64.
 SIZES = [(512, 512)] * 7 + [(640, 384)] * 5 + [(384, 640)] + [(768, 256)]
@@ -83,20 +83,23 @@ def resumed(cache):
 def test_uneven_buckets_give_both_ranks_the_same_steps_and_pure_batches(cache, full):
     _, _, manifest, _ = cache
     result, _ = full
-    bucket_of = {r.sample_id: r.bucket for r in batching.index_samples(manifest)}
-    logs = checkpoint.read_batches(result.checkpoint_dir)
-    assert sorted(logs) == [0, 1]
+    refs = batching.index_samples(manifest)
+    bucket_of = {r.sample_id: r.bucket for r in refs}
     # 9 batches per epoch, cut to 8 by the remainder rule: 2 steps of 2 batches per rank per epoch, 2 epochs.
-    for rank, batches in logs.items():
-        assert [b["step"] for b in batches] == [1, 1, 2, 2, 3, 3, 4, 4], rank
-        for b in batches:
-            assert {bucket_of[s] for s in b["samples"]} == {b["bucket"]}
-    sizes = {len(b["samples"]) for batches in logs.values() for b in batches}
-    assert sizes == {1, 2}  # uneven buckets: some batches are a bucket's short remainder
+    assert [(h["step"], h["epoch"], h["index"], h["span"], h["world"]) for h in result.history] == [
+        (1, 0, 0, 4, 2), (2, 0, 4, 4, 2), (3, 1, 0, 4, 2), (4, 1, 4, 4, 2)
+    ]  # fmt: skip
     for epoch in (0, 1):
-        trained = [s for batches in logs.values() for b in batches if b["epoch"] == epoch for s in b["samples"]]
-        assert len(trained) == len(set(trained)) == result.epoch_counts[epoch]["samples"]
+        planned = batching.plan_epoch(refs, 2, 0, epoch, 2, 2)[0]
+        trained = [planned[h["index"] + k] for h in result.history if h["epoch"] == epoch for k in range(h["span"])]
+        samples = [s[2] for b in trained for s in json.loads(b["refs"])]
+        assert len(samples) == len(set(samples)) == result.epoch_counts[epoch]["samples"]
+        assert sum(h["samples"] for h in result.history if h["epoch"] == epoch) == len(samples)
+        assert all(len({bucket_of[s[2]] for s in json.loads(b["refs"])}) == 1 for b in trained)
+        assert {b["size"] for b in trained} == {1, 2}  # uneven buckets: some batches are a bucket's short remainder
         assert result.epoch_counts[epoch]["batches"] == 8 and result.epoch_counts[epoch]["dropped"] > 0
+    digests = checkpoint.read_digests(result.checkpoint_dir)
+    assert sorted(digests) == [0, 1] and digests[0] != digests[1]
 
 
 def test_metrics_are_reported_and_checkpoints_rotated(full):
@@ -108,8 +111,12 @@ def test_metrics_are_reported_and_checkpoints_rotated(full):
     kept = [p for p in (out / "checkpoints" / "full").glob("checkpoint_*") if p.is_dir()]
     assert len(kept) == 2  # checkpoint_every=1 wrote 4, checkpoints_to_keep=2 kept the newest
     state = torch.load(Path(result.checkpoint_dir) / checkpoint.STATE_FILE, weights_only=True)
-    assert state["step"] == 4 and state["batches_done"] == 8 and state["world_size"] == 2
-    assert {"optimizer", "scheduler"} <= state.keys()
+    assert {"optimizer", "scheduler"} == state.keys()
+    position = json.loads((Path(result.checkpoint_dir) / commits.POSITION_FILE).read_text())
+    assert (position["step"], position["epoch"], position["index"], position["world_size"]) == (4, 1, 8, 2)
+    assert position["feed_done"] and position["resumed_at"] == [] and len(position["digest"]) == 64
+    # Every kept checkpoint is committed: all ranks' files were in storage before the marker.
+    assert all((p / commits.COMMIT_FILE).is_file() for p in kept)
     assert all(k.startswith("lora_unet_") for k in load_file(Path(result.checkpoint_dir) / kohya.KOHYA_NAME))
 
 
@@ -117,8 +124,7 @@ def test_validation_grids_are_written_and_decode(full):
     from PIL import Image
 
     result, out = full
-    history = json.loads((Path(result.checkpoint_dir) / checkpoint.METRICS_FILE).read_text())["history"]
-    written = {h["step"]: h["validation_image"] for h in history if "validation_image" in h}
+    written = {h["step"]: h["validation_image"] for h in result.history if "validation_image" in h}
     assert sorted(written) == [2, 4]  # every 2 steps, and the last
     for step, path in written.items():
         assert Path(path) == out / "validation" / f"step-{step:06d}.png"
@@ -146,9 +152,11 @@ def test_resumed_run_matches_the_straight_run(full, resumed):
     straight, _ = full
     first, second = resumed
     assert (first.steps, second.steps) == (1, 4)
-    metrics = json.loads((Path(second.checkpoint_dir) / checkpoint.METRICS_FILE).read_text())
-    assert metrics["resumed_at"] == [1]  # the second run restored step 1 instead of starting over
-    assert checkpoint.read_batches(second.checkpoint_dir) == checkpoint.read_batches(straight.checkpoint_dir)
+    assert second.position["resumed_at"] == [1]  # the second run restored step 1 instead of starting over
+    assert second.position["restarts"][0]["step"] == 1
+    # Every rank trained the same batches in the same order as in the straight run, and so did the run as a whole.
+    assert checkpoint.read_digests(second.checkpoint_dir) == checkpoint.read_digests(straight.checkpoint_dir)
+    assert second.position["digest"] == straight.position["digest"]
     a = load_file(Path(straight.checkpoint_dir) / lora.WEIGHT_NAME)
     b = load_file(Path(second.checkpoint_dir) / lora.WEIGHT_NAME)
     assert a.keys() == b.keys()

@@ -167,6 +167,11 @@ def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Tabl
         return pq.read_table(f, columns=columns)
 
 
+def caption_table(manifest: dict) -> str:
+    """The full path of a committed generation's caption index (one row per caption, with its text)."""
+    return storage.join(manifest["dir"], manifest["index"]["captions"]["path"])
+
+
 def empty_caption(manifest: dict) -> dict:
     """Where the empty caption's embeddings are (its caption index row), with the file resolved to a full path and
     the generation's stored ``text_dtype``: what :func:`rayflux.train.captions.load_empty` reads."""

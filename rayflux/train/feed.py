@@ -8,8 +8,12 @@ rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``.
 Why not Ray's default ``streaming_split``: it hands blocks to whichever worker asks first, so the batch a rank sees
 at step ``s`` differs from run to run. With a plan, each epoch's optimizer step ``s`` (from 0) always trains its
 planned batches ``sWA .. (s + 1)WA - 1`` (``A`` batches accumulated per rank), a resumed run replays exactly what an
-uninterrupted one would, and per-epoch sample counts are exact. Every row carries its global step, so a restored
-run skips exactly the steps it already trained.
+uninterrupted one would, and per-epoch sample counts are exact.
+
+A (re)started worker group resumes from the newest committed checkpoint in storage (:mod:`rayflux.train.commits`).
+``configure`` reads that checkpoint's small position record and cuts the plan there before anything is read
+(:func:`rayflux.train.elastic.plan_rows`); every row names the checkpoint (``resume_from``), so the loop restores
+the very checkpoint the plan was cut for.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import copy
 
 from ray.train import DataConfig
 
-from rayflux.train import batching
+from rayflux.train import batching, commits, elastic
 
 DATASET = "train"
 
@@ -27,7 +31,8 @@ class PlannedDataConfig(DataConfig):
     """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields.
 
     ``epochs`` is the half-open range this trainer run covers (one refresh segment); ``total_epochs`` is the whole
-    run, so every row knows the global optimizer step it trains at and the run's total step count.
+    run, so every row knows the global optimizer step it trains at and the run's total step count. ``run_dir`` is
+    Ray Train's directory of the run (``commits.run_storage``), where the checkpoints to resume from are.
     """
 
     def __init__(
@@ -39,8 +44,10 @@ class PlannedDataConfig(DataConfig):
         accumulation: int = 1,
         read_cpus: float = 0.25,
         batches_per_read: int = 8,
+        run_dir: str = "",
     ):
         super().__init__(datasets_to_split=[])
+        self.run_dir = run_dir
         self.batch_size = batch_size
         self.seed = seed
         self.epochs = epochs
@@ -53,20 +60,11 @@ class PlannedDataConfig(DataConfig):
         import ray.data
 
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
-        per_rank: list[list[dict]] = [[] for _ in range(world_size)]
-        for epoch in range(*self.epochs):
-            planned = batching.plan_epoch(refs, self.batch_size, self.seed, epoch, world_size, self.accumulation)[0]
-            # The remainder rule makes each epoch's batch count a multiple of world_size * accumulation, so every
-            # rank gets the same whole number of optimizer steps, each of `accumulation` consecutive batches.
-            steps_per_epoch = len(planned) // (world_size * self.accumulation)
-            for i, b in enumerate(planned):
-                per_rank[i % world_size].append(
-                    {
-                        **b,
-                        "step": epoch * steps_per_epoch + (i // world_size) // self.accumulation + 1,
-                        "total_steps": steps_per_epoch * self.total_epochs,
-                    }
-                )
+        resume_from = commits.latest(self.run_dir) if self.run_dir else ""
+        position = commits.read_json(resume_from) if resume_from else None
+        per_rank = elastic.plan_rows(refs, self.batch_size, self.seed, self.epochs, self.total_epochs, world_size,
+                                     self.accumulation, position)  # fmt: skip
+        per_rank = [[{**row, "resume_from": resume_from} for row in mine] for mine in per_rank]
         output = []
         for mine in per_rank:
             # One read task per `batches_per_read` consecutive planned batches: fewer, larger tasks cost the
@@ -86,7 +84,11 @@ def _load_batches(block):
     """Ray Data ``map_batches`` over a block of planned batches: one stacked training row per planned batch."""
     import pyarrow as pa
 
-    return pa.Table.from_pylist(batching.load_batches(block.to_pylist()))
+    # Where the run resumed from rides along with every batch (see PlannedDataConfig.configure).
+    resume = ("resume_step", "resume_from")
+    items = block.to_pylist()
+    rows = batching.load_batches(items)
+    return pa.Table.from_pylist([{**row, **{k: item[k] for k in resume}} for row, item in zip(rows, items)])
 
 
 def index_dataset(refs: list[batching.SampleRef]):

@@ -1,17 +1,20 @@
 """``train_loop_per_worker``: build the trainer, skip what a restored checkpoint already trained, then step,
-report, render and checkpoint.
+log, render and checkpoint.
 
-Every rank gets the same number of optimizer steps from the plan (see :mod:`rayflux.train.batching`), so every
-``ray.train.report`` (a barrier) is called equally often on every rank. One trainer run may cover only some epochs (a
-cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop never
-touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached shards.
+Every step ends with one all-reduce of a few numbers: the mean loss and total samples, plus two flags that every
+rank must agree on, so that they all call ``ray.train.report`` (a barrier) at the same steps: rank 0's "a metrics
+report is due" (its clock says ``train.report_seconds`` have passed) and "a preemption was announced" (any rank's
+copy of Ray Train's notice). Nothing else waits on other processes per step: the per-step log and TensorBoard are
+rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
+epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
+never touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached
+shards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import tempfile
 import time
@@ -19,15 +22,15 @@ import time
 import torch
 
 from rayflux import config as config_mod
-from rayflux import memory
-from rayflux.train import captions, checkpoint, elastic, lora_files, metrics, optim, step, validation
-from rayflux.train.checkpoint import METRICS_FILE, Progress
+from rayflux import memory, progress as progress_mod
+from rayflux.train import captions, checkpoint, commits, elastic, lora_files, metrics, optim, step, validation
+from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train_loop_per_worker", "METRICS_FILE"]
+__all__ = ["train_loop_per_worker"]
 
 
 def grouped(rows, size: int):
@@ -48,18 +51,6 @@ def with_last(items):
         yield prev, True
 
 
-def skip_trained(rows, progress: Progress):
-    """The rows after the restored step. Every row carries its planned global step, so a resumed run skips exactly
-    what it trained; the restored batch log (same world size only) confirms the skipped rows are those batches."""
-    logged = {(b["step"], b["index"]) for b in progress.batches}
-    for row in rows:
-        if int(row["step"]) > progress.step:
-            yield row
-        elif logged and (int(row["step"]), int(row["index"])) not in logged:
-            log.warning("resumed data order differs from the checkpoint's at step %s (plan changed?)", row["step"])
-            logged = set()
-
-
 def _debug_delay(cfg, rank: int) -> None:
     """``run.debug_slow_rank = "RANK:SECONDS"`` sleeps on one rank before each step, to expose ordering races."""
     if cfg.run.debug_slow_rank:
@@ -68,13 +59,50 @@ def _debug_delay(cfg, rank: int) -> None:
             time.sleep(float(seconds))
 
 
-def _all_ranks(loss: float, samples: int, device, world: int) -> tuple[float, int]:
-    """Mean loss and total samples over all ranks for one step."""
+def _agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int):
+    """One step's all-rank view: ``(mean loss, total samples, report due, preempted)``, the flags true on every rank
+    when true on any (rank 0 alone decides when a report is due)."""
     if world == 1:
-        return loss, samples
-    t = torch.tensor([loss, float(samples)], dtype=torch.float64, device=device)
+        return loss, samples, report_due, preempted
+    t = torch.tensor([loss, float(samples), float(report_due), float(preempted)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
-    return float(t[0]) / world, int(t[1])
+    return float(t[0]) / world, int(t[1]), bool(t[2] > 0), bool(t[3] > 0)
+
+
+class ReportClock:
+    """Rank 0's clock for metrics reports to Ray: due when ``seconds`` of wall time and ``steps`` steps have passed
+    since the last report (checkpoints report on their own schedule and restart the clock)."""
+
+    def __init__(self, seconds: float, steps: int):
+        self.seconds, self.steps = seconds, max(steps, 1)
+        self.reset(0)
+
+    def due(self, step: int) -> bool:
+        return time.monotonic() - self.last >= self.seconds and step - self.last_step >= self.steps
+
+    def reset(self, step: int) -> None:
+        self.last, self.last_step = time.monotonic(), step
+
+
+def _barrier(device, world: int) -> None:
+    """Wait for every rank (a tiny all-reduce, on the process group the step already uses)."""
+    if world > 1:
+        torch.distributed.all_reduce(torch.zeros(1, device=device))
+
+
+def _record_start(progress: Progress, run_dir: str, resume_from: str, offered) -> None:
+    """Rank 0: record this worker-group start in ``progress`` when it is a restart (a checkpoint was restored, or
+    the controller recorded a failure since the last checkpoint), with its cause."""
+    causes, progress.failures_seen = commits.failures_since(run_dir, progress.failures_seen)
+    if not resume_from and not causes:
+        return  # a fresh run
+    offered_name = offered.path.rstrip("/").rsplit("/", 1)[-1] if offered else ""
+    entry = {"step": progress.step, "from": resume_from.rstrip("/").rsplit("/", 1)[-1], "ray_offered": offered_name,
+             "cause": "; ".join(causes) or "resumed by a new job, segment or resize", "time": time.time()}  # fmt: skip
+    progress.resumed_at.append(progress.step)
+    progress.restarts.append(entry)
+    log.warning("restart at step %d from %s (Ray offered %s): %s", progress.step, entry["from"] or "scratch",
+                offered_name or "none", entry["cause"])  # fmt: skip
 
 
 def _worst_rank(facts: dict, device, world: int) -> dict:
@@ -100,26 +128,33 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = ray.train.torch.get_device()
 
     rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_reads))
-    first = next(rows)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
+    first = next(rows, None)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
+    if first is None:
+        # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
+        log.info("rank %d: nothing left to train in epochs %s", rank, loop_config.get("epochs"))
+        return
+    rows = itertools.chain([first], rows)
     empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
 
     progress = Progress(world_size=world)
-    restored = ray.train.get_checkpoint()
+    resume_from = first["resume_from"]  # the checkpoint the feed cut the plan at (see rayflux.train.feed)
+    restored = commits.checkpoint_at(resume_from) if resume_from else None
     with restored.as_directory() if restored else contextlib.nullcontext() as d:
-        # Resume by plan position (world sizes may differ) and shift the plan's step numbers by `offset`.
-        rows, offset, positioned = elastic.resume_rows(
-            itertools.chain([first], rows), d, METRICS_FILE, world, t.gradient_accumulation
-        )
-        total = optim.total_steps(int(first["total_steps"]) + offset, t.max_steps)
+        total = optim.total_steps(int(first["total_steps"]), t.max_steps)
         trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model)
         if d:
             progress = checkpoint.restore(d, trainer, rank, world)
+    if progress.step != int(first["resume_step"]):
+        raise RuntimeError(f"the data feed was planned from step {first['resume_step']}, but checkpoint "
+                           f"{resume_from or '(none)'} holds step {progress.step}")  # fmt: skip
     start = progress.step
-    if not positioned:
-        rows = skip_trained(rows, progress)
+    if rank == 0:
+        _record_start(progress, loop_config["checkpoints"], resume_from, ray.train.get_checkpoint())
     preemption = elastic.PreemptionNotice()
     board = metrics.TensorBoardLog(run_dir, purge_step=start + 1 if start else None) if rank == 0 else None
-    window = metrics.Throughput()
+    steps_log = metrics.StepLog(run_dir) if rank == 0 else None
+    bar = progress_mod.BoardSender(loop_config.get("progress") if rank == 0 else None)
+    clock, window, preempted_once = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), False
 
     def report(record: dict, with_checkpoint: bool) -> None:
         directory = None
@@ -129,42 +164,44 @@ def train_loop_per_worker(loop_config: dict) -> None:
             directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
             checkpoint.save(directory, trainer, rank, progress, t.output_format)
             if rank == 0:
-                lora_files.keep_step(directory, cfg, run_dir, record, loop_config["text_files"])
-            if board:
-                board.flush()
+                lora_files.keep_step(directory, cfg, run_dir, record, loop_config["caption_tables"])
+        if board:
+            board.flush()
+            steps_log.sync()
         ray.train.report(
             record,
             checkpoint=Checkpoint.from_directory(directory) if directory else None,
             delete_local_checkpoint_after_upload=bool(directory),
         )
+        clock.reset(progress.step)
+        if directory:
+            # Every rank's report returned, so every rank's files are in storage: the checkpoint is whole.
+            _barrier(device, world)
+            if rank == 0:
+                commits.commit(ray.train.get_checkpoint())
+                commits.prune(loop_config["checkpoints"])
 
     for group, end_of_feed in with_last(grouped(rows, t.gradient_accumulation)):
         if progress.step >= total:
             break
         _debug_delay(cfg, rank)
         stats = trainer.train_step([step.from_item(item) for item in group])
-        progress.step = int(group[0]["step"]) + offset
-        progress.batches_done += len(group)
-        loss, samples = _all_ranks(stats.loss, stats.samples, device, world)
-        window.add(samples)
-        progress.batches.extend(
-            {"step": progress.step, "epoch": int(i["epoch"]), "index": int(i["index"]), "bucket": i["bucket"],
-             "samples": json.loads(i["sample_ids"])}
-            for i in group
-        )  # fmt: skip
+        position = elastic.step_position(group, rank, world)
+        progress.advance(int(group[0]["step"]), position, group)
+        loss, samples, report_due, preempted = _agree(
+            stats.loss, stats.samples, rank == 0 and clock.due(progress.step), preemption.local(), device, world
+        )
         record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "generation": int(group[0]["generation"]),
-                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm}  # fmt: skip
-        record.update(elastic.step_position(group, rank, world))
+                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                  **window.take(samples)}  # fmt: skip
+        record.update(position)
         last = progress.step >= total
         every = t.checkpoint_every and progress.step % t.checkpoint_every == 0
-        preempted = preemption()  # a barrier: every rank asks once per step
+        preempted, preempted_once = preempted and not preempted_once, preempted_once or preempted
         if preempted:
             record["preempted"] = True
         due_checkpoint = bool(last or end_of_feed or every or preempted)
-        due_report = due_checkpoint or progress.step % t.log_every == 0
-        if due_report:
-            record.update(window.take())
-        progress.history.append(record)
+        progress.feed_done = end_of_feed
         if board:
             board.scalars(progress.step, record)
         due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
@@ -172,11 +209,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
             images = validation.render(trainer.transformer, cfg, device, trainer.dtype)
             record["validation_image"] = validation.save_grid(images, run_dir, progress.step)
             board.image(progress.step, "validation", validation.grid(images))
-        if due_report:
+        if due_checkpoint or report_due:
             report(record, due_checkpoint)
-            window = metrics.Throughput()  # rates exclude the time spent rendering and checkpointing
-    if progress.step == start:
-        # Nothing left to train (a rerun of a finished run or segment): still end with this run's own checkpoint.
-        report({"step": progress.step}, True)
+        if steps_log:
+            steps_log.write(record)
+        bar.send(record, force=last or end_of_feed)
+        if due_checkpoint or due_images:
+            window.restart()  # rates exclude the time spent rendering and checkpointing
+    if progress.step == start and rank == 0:
+        log.info("nothing left to train: the checkpoint at step %d already reached train.max_steps", start)
     if board:
         board.close()
+        steps_log.close()

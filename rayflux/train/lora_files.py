@@ -151,10 +151,11 @@ def keep_step(checkpoint_dir: str, cfg: JobConfig, run_dir: str, record: dict, t
 
 def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, text_files=()) -> str:
     """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``. Returns its path."""
-    with open(os.path.join(checkpoint_dir, "metrics.json")) as f:
+    from rayflux.train.commits import POSITION_FILE
+
+    with open(os.path.join(checkpoint_dir, POSITION_FILE)) as f:
         saved = json.load(f)
-    last = saved["history"][-1] if saved["history"] else {}
     dest = storage.join(output_dir, LORA_DIR, final_name(cfg))
-    data = _file_bytes(checkpoint_dir, cfg, int(saved["step"]), int(last.get("epoch", 0)), tuple(text_files))
+    data = _file_bytes(checkpoint_dir, cfg, int(saved["step"]), int(saved.get("epoch", 0)), tuple(text_files))
     storage.write_bytes_atomic(dest, data)
     return dest

@@ -1,4 +1,12 @@
-"""Training metrics: the per-step record, the throughput window, and TensorBoard event files (rank 0).
+"""Training metrics: the per-step log, the throughput window, and TensorBoard event files (rank 0).
+
+Every optimizer step appends one JSON line to ``<run dir>/metrics/steps.jsonl`` (step, epoch, plan position, loss,
+lr, grad norm, samples/s, step time; memory facts and validation images at the steps that have them). The log only
+grows by appending, so a step costs one line buffered by the OS, and checkpoints need not carry the history. A
+restarted run logs the steps after its checkpoint again: readers keep the last line of each step
+(:func:`read_steps`). For an object-store run directory the log is written locally and uploaded whenever metrics are
+reported to Ray (every ``train.report_seconds``) and at checkpoints, in parts of at most ``PART_BYTES`` named
+``steps-<start time>.jsonl``, so an upload never grows with the run's length.
 
 Event files go to ``<run dir>/tensorboard``. tensorboardX writes them (it comes with ``ray[train]`` and needs neither
 TensorFlow nor the TensorBoard server); view them with ``tensorboard --logdir <run dir>/tensorboard``. For an
@@ -7,6 +15,7 @@ object-store run directory the files are written locally and copied up whenever 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -18,24 +27,110 @@ from rayflux import storage
 log = logging.getLogger(__name__)
 
 REPORTED = ("loss", "lr", "grad_norm", "samples_per_s", "step_time")
+STEPS_DIR = "metrics"
+PART_BYTES = 8 << 20
+"""An object-store step log starts a new part after this many bytes."""
 
 
 class Throughput:
-    """Samples per second and seconds per step over the steps since the last report."""
+    """Samples per second and seconds per step of each step, measured from the end of the step before it."""
 
     def __init__(self):
-        self.start, self.samples, self.steps = time.perf_counter(), 0, 0
+        self.start = time.perf_counter()
 
-    def add(self, samples: int) -> None:
-        self.samples += samples
-        self.steps += 1
+    def take(self, samples: int) -> dict:
+        """This step's rates (``samples``: all ranks' samples of the step), then start timing the next one."""
+        now = time.perf_counter()
+        seconds, self.start = max(now - self.start, 1e-9), now
+        return {"samples_per_s": samples / seconds, "step_time": seconds}
 
-    def take(self) -> dict:
-        """The window's rates, then start a new window. ``add`` is given all ranks' samples of a step."""
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        out = {"samples_per_s": self.samples / seconds, "step_time": seconds / max(self.steps, 1)}
-        self.__init__()
-        return out
+    def restart(self) -> None:
+        """Leave out time spent outside steps (rendering, checkpointing) from the next step's rates."""
+        self.start = time.perf_counter()
+
+
+class StepLog:
+    """Rank 0's append-only log of every optimizer step under ``<run_dir>/metrics``."""
+
+    def __init__(self, run_dir: str):
+        self.remote = storage.join(run_dir, STEPS_DIR) if storage.is_uri(run_dir) else ""
+        if self.remote:
+            self.local_dir = tempfile.mkdtemp(prefix="rayflux-steps-")
+            self._new_part()
+        else:
+            self.local_dir = os.path.join(run_dir, STEPS_DIR)
+            os.makedirs(self.local_dir, exist_ok=True)
+            self.name = "steps.jsonl"
+            path = os.path.join(self.local_dir, self.name)
+            torn = _torn(path)
+            self.file = open(path, "a", buffering=1)
+            if torn:
+                self.file.write("\n")  # a process killed mid-line left it torn: start clean after it
+        self._upload: threading.Thread | None = None
+
+    def _new_part(self) -> None:
+        self.name = f"steps-{time.time_ns():020d}.jsonl"  # later parts sort after earlier ones, across restarts too
+        self.file = open(os.path.join(self.local_dir, self.name), "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def sync(self, wait: bool = False) -> None:
+        """Flush; for an object store, upload the current part in the background (``wait``: in the foreground)."""
+        self.file.flush()
+        if not self.remote:
+            return
+        if self._upload is not None and self._upload.is_alive():
+            if not wait:
+                return  # the previous upload is still running; the next sync sends what this one would have
+            self._upload.join()
+        path, size, name = self.file.name, self.file.tell(), self.name
+        if size >= PART_BYTES:
+            self.file.close()
+            self._new_part()
+
+        def upload() -> None:
+            with open(path, "rb") as f:
+                storage.write_bytes_atomic(storage.join(self.remote, name), f.read(size))
+
+        self._upload = threading.Thread(target=upload, name="rayflux-step-log", daemon=True)
+        self._upload.start()
+        if wait:
+            self._upload.join()
+
+    def close(self) -> None:
+        self.sync(wait=True)
+        self.file.close()
+
+
+def _torn(path: str) -> bool:
+    """Does the file at ``path`` end inside a line?"""
+    if not os.path.exists(path) or not os.path.getsize(path):
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def read_steps(run_dir: str, last_step: int | None = None) -> list[dict]:
+    """The step log of a run, one record per step in step order: the last line logged for each step (a restart
+    retrains the steps after its checkpoint), up to ``last_step`` when given."""
+    import pyarrow.fs as pafs
+
+    fs, inner = storage.resolve(storage.join(run_dir, STEPS_DIR))
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    parts = sorted(i.path for i in infos if i.base_name.startswith("steps") and i.base_name.endswith(".jsonl"))
+    by_step: dict[int, dict] = {}
+    for part in parts:
+        with fs.open_input_stream(part) as f:
+            for line in f.read().decode().splitlines():
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # the torn last line of a process killed mid-write
+                    by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step) if last_step is None or s <= last_step]
 
 
 UPLOAD_SECONDS = 60.0

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import tempfile
 from dataclasses import dataclass, field
 
@@ -12,9 +10,9 @@ from rayflux import datasets, progress, storage
 from rayflux.cache import index
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.models import ModelFacts
-from rayflux.train import batching
+from rayflux.train import batching, commits, metrics
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
-from rayflux.train.loop import METRICS_FILE, train_loop_per_worker
+from rayflux.train.loop import train_loop_per_worker
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +26,12 @@ class TrainResult:
     checkpoint_dir: str
     """A local copy of it, for exporting the LoRA."""
     history: list = field(default_factory=list)
-    """Per step: epoch, generation, samples trained (all ranks), mean loss."""
+    """Per step, from the run's step log: epoch, generation, samples trained (all ranks), mean loss, plan position."""
     epoch_counts: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
-    """The last metrics rank 0 reported with the final checkpoint."""
+    """The last metrics rank 0 reported to Ray Train in this trainer run (empty when it trained nothing)."""
+    position: dict = field(default_factory=dict)
+    """The final checkpoint's position record (``commits.POSITION_FILE``)."""
 
 
 def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
@@ -94,8 +94,6 @@ def train(
     epochs: tuple[int, int] | None = None,
 ) -> TrainResult:
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
-    from ray.train.torch import TorchTrainer
-
     _, hi = worker_range(cfg.train.num_workers)
     refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
     counts = plan_counts(cfg, refs, hi)
@@ -103,19 +101,56 @@ def train(
         raise RuntimeError(
             f"no full set of batches for {hi} workers: {manifest['cached']} samples, batch_size {cfg.train.batch_size}"
         )
-    for epoch, c in counts.items():
-        log.info("epoch %d: %d samples in %d batches, %d dropped by the remainder rule", epoch, c["samples"], c["batches"], c["dropped"])
+    first, end = epochs or (0, cfg.train.epochs)
+    dropped = [counts[e]["dropped"] for e in range(first, end)]
+    log.info("train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
+             "per epoch", first + 1, end, hi, sum(counts[e]["batches"] for e in range(first, end)) // hi,
+             dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)))  # fmt: skip
+    run_dir = commits.run_storage(output_dir, cfg.run.name)
+    before = commits.latest(run_dir)
+    with progress.TrainBar(counts, hi, cfg.train.max_steps) as bar:
+        result = _fit(cfg, manifest, output_dir, cluster_gpus, refs, epochs, bar.board)
+    if getattr(result, "error", None):
+        raise RuntimeError(f"training failed: {result.error}")
+    final = commits.latest(run_dir)
+    if not final:
+        raise RuntimeError(f"training committed no checkpoint: {result.error}")
+    commits.prune(run_dir)  # Ray has registered its last checkpoint: orphans older than it can go
+    position = commits.read_json(final)
+    if final == before:
+        log.info("train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, "
+                 "train.max_steps=%d)", position["step"], first + 1, end, cfg.train.max_steps)  # fmt: skip
+    local = commits.checkpoint_at(final).to_directory(tempfile.mkdtemp(prefix="rayflux-final-"))
+    history = metrics.read_steps(output_dir, last_step=int(position["step"]))
+    return TrainResult(
+        steps=int(position["step"]),
+        losses=[h["loss"] for h in history],
+        history=history,
+        checkpoint_path=final,
+        checkpoint_dir=local,
+        epoch_counts=counts,
+        metrics=dict(result.metrics or {}),
+        position=position,
+    )
 
+
+def _fit(cfg: JobConfig, manifest: dict, output_dir: str, cluster_gpus: bool, refs, epochs, board):
+    from ray.train.torch import TorchTrainer
+
+    run_dir = commits.run_storage(output_dir, cfg.run.name)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "job": cfg.to_dict(),
-            "run_dir": output_dir,  # validation images and TensorBoard events
-            # Where the empty caption is, for caption dropout (one ranged read; see rayflux.train.captions).
-            "text_files": index.empty_caption(manifest),
+            "run_dir": output_dir,  # validation images, TensorBoard events and the step log
+            "text_files": index.empty_caption(manifest),  # the empty caption, for caption dropout (one ranged read)
+            "caption_tables": [index.caption_table(manifest)],  # caption tag counts for kohya metadata
+            "progress": board,  # rank 0 tells the driver's bar about each step
+            "checkpoints": run_dir,
+            "epochs": list(epochs or (0, cfg.train.epochs)),
         },
         scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
-        run_config=run_config(cfg, output_dir, [progress.TrainProgress(counts, hi, cfg.train.max_steps)]),
+        run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_dir)]),
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(
             cfg.train.batch_size,
@@ -124,20 +159,7 @@ def train(
             cfg.train.epochs,
             cfg.train.gradient_accumulation,
             batches_per_read=cfg.train.batches_per_read,
+            run_dir=run_dir,
         ),
     )
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"training reported no checkpoint: {result.error}")
-    local = result.checkpoint.to_directory(tempfile.mkdtemp(prefix="rayflux-final-"))
-    with open(os.path.join(local, METRICS_FILE)) as f:
-        metrics = json.load(f)
-    return TrainResult(
-        steps=int(metrics["step"]),
-        losses=[h["loss"] for h in metrics["history"]],
-        history=metrics["history"],
-        checkpoint_path=storage.to_uri(output_dir, result.checkpoint.path),
-        checkpoint_dir=local,
-        epoch_counts=counts,
-        metrics=dict(result.metrics or {}),
-    )
+    return trainer.fit()

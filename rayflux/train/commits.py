@@ -1,0 +1,158 @@
+"""Which checkpoints in storage are whole, which one a (re)started worker group resumes from, and pruning.
+
+Ray Train registers a checkpoint only when its controller next polls the workers (every 2 s,
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``), after every rank has uploaded its files. A node lost inside that window leaves
+a complete checkpoint in storage that Ray never heard of: it would restart from an older one, or from step 0, and
+never prune the orphan. So rayflux marks completeness itself:
+
+- after ``ray.train.report`` returns on every rank (each rank's upload is synchronous), an all-reduce lets rank 0
+  know that every rank's files are in storage, and it writes ``COMMIT_FILE`` into the checkpoint directory;
+- the controller also writes it when Ray registers a checkpoint (:class:`CommitCallback`), so a registered
+  checkpoint is always committed, even if rank 0 died just before writing the marker.
+
+Every worker-group start resumes from the newest committed checkpoint in storage (:func:`latest`), whatever Ray
+offers; the data feed (:mod:`rayflux.train.feed`) plans from that checkpoint's position record and names it in every
+row, so the loop restores exactly the checkpoint the plan was cut for. Failures the controller sees are written under
+``<run storage>/restarts/`` (:class:`CommitCallback.after_exception`) and become the cause of the next restart's
+record. :func:`prune` deletes every checkpoint directory that Ray never registered and that is older than the newest
+one it holds, so orphans never outlive ``train.checkpoints_to_keep``; registered ones are Ray's to prune.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pyarrow.fs as pafs
+import ray.train
+
+from rayflux import storage
+
+log = logging.getLogger(__name__)
+
+COMMIT_FILE = "rayflux-commit.json"
+REGISTERED_FILE = "rayflux-registered.json"
+"""Written by the controller when Ray registers a checkpoint: from then on only Ray deletes that directory."""
+POSITION_FILE = "position.json"
+RESTARTS_DIR = "restarts"
+_RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def run_storage(output_dir: str, run_name: str) -> str:
+    """Ray Train's directory for this run: ``<output_dir>/checkpoints/<run.name>``."""
+    return storage.join(output_dir, "checkpoints", run_name)
+
+
+def _dirs(run_dir: str) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
+    fs, inner = storage.resolve(run_dir)
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    dirs = [i for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
+    return fs, sorted(dirs, key=lambda i: i.base_name)  # Ray names them checkpoint_<time>: name order is time order
+
+
+def committed(run_dir: str) -> list[str]:
+    """The committed checkpoint directories of a run, oldest first, as paths or URIs like ``run_dir``."""
+    fs, dirs = _dirs(run_dir)
+    marks = [f"{d.path}/{COMMIT_FILE}" for d in dirs]
+    found = {i.path for i in fs.get_file_info(marks) if i.type == pafs.FileType.File} if marks else set()
+    return [storage.join(run_dir, d.base_name) for d, m in zip(dirs, marks) if m in found]
+
+
+def latest(run_dir: str) -> str:
+    """The newest committed checkpoint directory, or "" when there is none."""
+    found = committed(run_dir)
+    return found[-1] if found else ""
+
+
+def checkpoint_at(checkpoint_dir: str) -> ray.train.Checkpoint:
+    """A checkpoint directory in storage as Ray's ``Checkpoint`` (``as_directory`` downloads it when remote)."""
+    fs, inner = storage.resolve(checkpoint_dir)
+    return ray.train.Checkpoint(path=inner, filesystem=fs)
+
+
+def read_json(checkpoint_dir: str, name: str = POSITION_FILE) -> dict:
+    return json.loads(storage.read_bytes(storage.join(checkpoint_dir, name)))
+
+
+def _mark(fs: pafs.FileSystem, path: str, by: str) -> None:
+    with fs.open_output_stream(f"{path}/{COMMIT_FILE}") as f:
+        f.write(json.dumps({"committed_by": by, "time": time.time()}).encode())
+
+
+def commit(checkpoint: ray.train.Checkpoint, by: str = "rank 0") -> None:
+    """Mark a persisted checkpoint (as ``ray.train.get_checkpoint()`` returns it) as complete."""
+    _mark(checkpoint.filesystem, checkpoint.path, by)
+
+
+def _registered(run_dir: str) -> list[str]:
+    """The checkpoint directory names Ray Train's checkpoint manager holds (its snapshot in storage)."""
+    try:
+        snapshot = json.loads(storage.read_bytes(storage.join(run_dir, _RAY_SNAPSHOT)))
+    except (OSError, ValueError):
+        return []
+    return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", []) if "checkpoint_dir_name" in r]
+
+
+def prune(run_dir: str) -> list[str]:
+    """Delete the checkpoint directories Ray will never register or prune: those it never registered that are older
+    than the newest it holds (newer ones may still be uploading or waiting for its poll). Returns what was deleted.
+
+    A directory Ray registered carries ``REGISTERED_FILE`` and is left to Ray, even once its snapshot no longer lists
+    it: Ray writes the snapshot before it deletes what it prunes, and fails on a directory already gone."""
+    held = set(_registered(run_dir))
+    if not held:
+        return []
+    newest_held = max(held)
+    fs, dirs = _dirs(run_dir)
+    older = [d for d in dirs if d.base_name < newest_held and d.base_name not in held]
+    marks = fs.get_file_info([f"{d.path}/{REGISTERED_FILE}" for d in older]) if older else []
+    gone = []
+    for d, mark in zip(older, marks):
+        if mark.type == pafs.FileType.NotFound:
+            try:
+                fs.delete_dir(d.path)
+            except FileNotFoundError:
+                continue
+            gone.append(d.base_name)
+    if gone:
+        log.info("removed %d checkpoint(s) Ray Train never registered: %s", len(gone), ", ".join(gone))
+    return gone
+
+
+def failures_since(run_dir: str, since: str) -> tuple[list[str], str]:
+    """``(causes, newest)``: the failures recorded after the record named ``since`` (all when ""), and the newest
+    record's name, to store with the next checkpoint."""
+    fs, inner = storage.resolve(storage.join(run_dir, RESTARTS_DIR))
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    names = sorted(i.base_name for i in infos if i.base_name.endswith(".json") and i.base_name > since)
+    causes = []
+    for name in names:
+        with fs.open_input_stream(f"{inner}/{name}") as f:
+            causes.append(json.loads(f.read())["cause"])
+    return causes, (names[-1] if names else since)
+
+
+class CommitCallback(ray.train.UserCallback):
+    """Runs in Ray Train's controller: commits every checkpoint Ray registers, and records every failure."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if checkpoint is None:
+            return
+        fs = checkpoint.filesystem
+        with fs.open_output_stream(f"{checkpoint.path}/{REGISTERED_FILE}") as f:
+            f.write(json.dumps({"time": time.time()}).encode())
+        if fs.get_file_info(f"{checkpoint.path}/{COMMIT_FILE}").type == pafs.FileType.NotFound:  # rank 0 was first
+            _mark(fs, checkpoint.path, "controller")
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        cause = "; ".join(
+            f"rank {rank}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            for rank, e in sorted(worker_exceptions.items())
+        )
+        record = {"time": time.time(), "cause": cause[:2000]}
+        name = f"{time.time_ns():020d}.json"
+        storage.write_bytes_atomic(storage.join(self.run_dir, RESTARTS_DIR, name), json.dumps(record).encode())
