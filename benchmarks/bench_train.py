@@ -85,7 +85,7 @@ def main() -> int:
     [gen_dir] = [p for p in (work / "cache").glob("*/g*") if (p / generations.MANIFEST).exists()]
     manifest = generations.load_manifest(str(gen_dir))
     cfg = config.load(None, common)
-    refs = batching.index_samples(generations.sample_files(manifest))
+    refs = batching.index_samples(manifest)
     planned = batching.plan_epoch(refs, cfg.train.batch_size, cfg.train.seed, 0, 1)[0]
     batches = [batching.load_batch({**b, "step": i + 1, "total_steps": len(planned)}) for i, b in enumerate(planned)]
 
