@@ -113,8 +113,9 @@ def test_decoded_rows_equal_the_encoders_own_output(built, rows):
     assert not z.is_contiguous()  # the trap is live: storage order is not CHW
     for j, r in enumerate(same):
         stored = np.frombuffer(r["latent"], r["latent_dtype"]).reshape(r["latent_c"], r["latent_h"], r["latent_w"])
-        # Batch composition moves convolution results by float rounding (~1e-5), nothing more.
-        np.testing.assert_allclose(stored, z[j].numpy(), rtol=1e-3, atol=2e-4)
+        # Batch composition and the actor's thread count move convolution results by float rounding (up to a few
+        # 1e-4 here), nothing more; a layout error moves them by the latents' own scale (tenths).
+        np.testing.assert_allclose(stored, z[j].numpy(), rtol=1e-3, atol=2e-3)
         assert not np.allclose(stored, z[(j + 1) % len(same)].numpy(), rtol=1e-3, atol=2e-4)  # not a neighbour's
         # Serialising the clone's storage (what a careless writer does) gives other numbers: this check can fail.
         naive = np.frombuffer(bytes(z[j].clone().untyped_storage()), np.float32)[: stored.size].reshape(stored.shape)

@@ -93,7 +93,7 @@ def test_repeats_are_spread_so_no_batch_holds_a_sample_twice(unique, repeats, ba
     """kohya's and SimpleTuner's repeats mean more variety per epoch, not copies inside one batch."""
     refs = [r for r in _refs([unique]) for _ in range(repeats)]  # as rayflux.datasets.mix repeats them
     plan, dropped = batching.plan_epoch(refs, batch_size, 7, epoch, world_size=1)
-    batches = [[sid for _, _, sid in json.loads(b["refs"])] for b in plan]
+    batches = [[ref[2] for ref in json.loads(b["refs"])] for b in plan]
     assert sorted(s for b in batches for s in b) == sorted(r.sample_id for r in refs) and dropped == 0
     if repeats <= len(batches) - 1:  # enough batches to keep the copies apart
         assert all(len(set(b)) == len(b) for b in batches), batches
@@ -106,4 +106,4 @@ def test_without_repeats_the_batches_are_unchanged_runs_of_the_shuffle():
     members = sorted(refs, key=lambda r: r.sample_id)
     batching._rng(3, 0, refs[0].bucket).shuffle(members)
     runs = [[r.sample_id for r in members[i : i + 4]] for i in range(0, 9, 4)]
-    assert sorted([sid for _, _, sid in json.loads(b["refs"])] for b in plan) == sorted(runs)
+    assert sorted([ref[2] for ref in json.loads(b["refs"])] for b in plan) == sorted(runs)
