@@ -12,18 +12,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rayflux import plan
 from rayflux.train import kohya, lora
 
+# FLUX.1-dev's widths (the memory plan's copy of its config), with one block of each kind. in_channels follows the
+# tiny VAE, and out_channels defaults to it.
 REAL_WIDTHS = {
-    "patch_size": 1,
+    **{k: v for k, v in plan.FLUX1_DEV.items() if k not in ("in_channels", "out_channels")},
     "num_layers": 1,
     "num_single_layers": 1,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": True,
-    "axes_dims_rope": [16, 56, 56],
 }
 
 
