@@ -176,7 +176,7 @@ def _build_text(b: _Build, captions: list[str], sink: index.Sink) -> list[dict]:
         **b.resources,
     )
     out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text", b.use_gpu), "generation": b.generation}
-    ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=0.25)
+    ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=fit.WRITE_CPUS)
     ds.set_name(f"cache-text-g{b.generation}")
     return _collect(ds, strict=False, sink=sink)
 
@@ -197,7 +197,7 @@ def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink) -> list[di
     ds = ds.map(
         _prepare_in_dataset,
         fn_kwargs={"specs": bucket_specs(b.cfg, b.facts), "seed": b.seed, "max_pixels": b.cfg.data.max_image_pixels},
-        num_cpus=0.5,
+        num_cpus=fit.PREPARE_CPUS,
     )
     ds = ds.map_batches(
         VaeEncoder,
@@ -214,7 +214,7 @@ def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink) -> list[di
             "out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu), "generation": b.generation
         },
         batch_size=c.rows_per_shard,
-        num_cpus=0.25,
+        num_cpus=fit.WRITE_CPUS,
     )
     ds.set_name(f"cache-images-g{b.generation}")  # what the stage's progress bar is called
     return _collect(ds, strict=c.strict, sink=sink)
