@@ -4,23 +4,29 @@ Puts N small generated images in a moto S3 server that this script starts on loo
 count), with sidecar captions or, in the ``metadata`` variant, one ``metadata.jsonl``; then runs, each phase counted
 from the server's own log:
 
-- ``discover``: discovery alone (listing, sidecar reads), on the driver;
+- ``discover``: discovery alone: the driver's listing, then the caption files read in Ray tasks;
 - ``cache``: the job's cache stage (``--only cache``): discovery, preparation, encoding, writing, index, commit;
 - ``rerun``: the same command again with nothing changed (everything before training starts);
-- ``train``: one epoch of training (batch 1, one worker) on the committed generation, counting the requests on the
-  cache's keys (the read path) and all requests;
+- ``train-killed``: one epoch of training (one worker) on the committed generation, run as its own process with its
+  own local Ray, SIGKILLed (the driver and every process it started) once a checkpoint past ``--kill-at`` of the
+  epoch is committed; the requests on the cache's keys (the read path) and all requests;
+- ``resume``: the same command again, in this process: it resumes from that checkpoint and finishes the epoch. It
+  must seek: its reads on the cache's keys cover what it trains after the checkpoint, not the epoch;
 - ``refresh``: one more generation with a new seed (centre crops, one caption per image, so nothing changes): what
   it writes against what generation 0 wrote.
 
-The driver's peak RSS (``ru_maxrss``) is recorded after each phase. Results go to stdout as JSON lines.
+The driver's peak RSS (``ru_maxrss``) is recorded after each phase, and the peak of its own Python allocations
+during the phase (``tracemalloc``). Results go to stdout as JSON lines.
 
     python benchmarks/bench_scale.py --images 500 --variant sidecar
     python benchmarks/bench_scale.py --images 500 --variant metadata
+    python benchmarks/bench_scale.py --images 20000 --batch-size 32
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import urllib.request
 from pathlib import Path
 
@@ -89,8 +96,8 @@ def _put_images(bucket: str, n: int, variant: str) -> None:
     fs, _ = storage.resolve(bucket)
     fs.create_dir(bucket[5:])
     sizes = [(64, 64), (96, 64), (64, 96), (80, 80)]
-    rows = []
-    for k in range(n):
+
+    def put(k: int) -> str:
         img = Image.new("RGB", sizes[k % 4], ((k * 53) % 256, (k * 97) % 256, (k * 29) % 256))
         buf = io.BytesIO()
         img.save(buf, "PNG")
@@ -101,8 +108,10 @@ def _put_images(bucket: str, n: int, variant: str) -> None:
         if variant == "sidecar":
             with fs.open_output_stream(f"{bucket[5:]}/images/{name[:-4]}.txt") as f:
                 f.write(caption.encode())
-        else:
-            rows.append(json.dumps({"file_name": name, "text": caption}))
+        return json.dumps({"file_name": name, "text": caption})
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:  # the server answers PUTs concurrently
+        rows = list(pool.map(put, range(n)))
     if variant == "metadata":
         with fs.open_output_stream(f"{bucket[5:]}/images/metadata.jsonl") as f:
             f.write(("\n".join(rows) + "\n").encode())
@@ -127,6 +136,9 @@ def main(argv=None) -> None:
     parser.add_argument("--images", type=int, default=500)
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
+    parser.add_argument("--batch-size", type=int, default=1, help="train.batch_size of the training phases")
+    parser.add_argument("--kill-at", type=float, default=0.7,
+                        help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
     args = parser.parse_args(argv)
     server = Server()
     try:
@@ -141,9 +153,9 @@ def main(argv=None) -> None:
 def _run(server: Server, args) -> None:
     import ray
 
-    from rayflux import config, job, progress
+    from rayflux import config, job, models, progress
     from rayflux.ledger import Ledger
-    from rayflux.sources import discover
+    from rayflux.cache import draw
     from rayflux.testing.tiny import ensure_tiny_model
 
     n, bucket = args.images, f"s3://bench-{args.variant}-{os.getpid()}"
@@ -152,40 +164,40 @@ def _run(server: Server, args) -> None:
     setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1), "requests": len(server.requests())}
     print(json.dumps(setup), flush=True)
     sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", f"run.output_dir={bucket}/run",
-            "data.resolution=64", "data.crop=center", "train.epochs=1", "train.batch_size=1", "train.num_workers=1",
-            "cache.refresh=never"]  # fmt: skip
+            "data.resolution=64", "data.crop=center", "train.epochs=1", f"train.batch_size={args.batch_size}",
+            "train.num_workers=1", "cache.refresh=never"]  # fmt: skip
     if args.variant == "metadata":
         sets.append("data.caption_strategy=metadata")
+    # A checkpoint every tenth of the epoch: the killed run leaves one near its end to resume from.
+    sets.append(f"train.checkpoint_every={max(-(-n // args.batch_size) // 10, 1)}")
     cfg = config.load(None, sets)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     progress.quiet_operator_bars()
+    # The driver's own Python allocations per phase, above what it already held: the part that grows with N
+    # (the process's RSS is mostly imported libraries at any N).
+    tracemalloc.start()
 
     def phase(name: str, fn, prefix: str = f"/{bucket[5:]}"):
         since = len(server.requests())
         t = time.perf_counter()
+        tracemalloc.reset_peak()
+        held = tracemalloc.get_traced_memory()[0]
         out = fn()
         total, by = _count(server, since, prefix)
         rec = {"phase": name, "images": n, "seconds": round(time.perf_counter() - t, 2), "requests": total,
-               "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1)}  # fmt: skip
+               "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
+               "driver_heap_peak_mb": round((tracemalloc.get_traced_memory()[1] - held) / 2**20, 1)}  # fmt: skip
         print(json.dumps(rec), flush=True)
         return out, rec
 
-    phase("discover", lambda: discover(cfg.data, seed=cfg.cache.seed))
+    facts = models.model_facts(cfg.model)
+    phase("discover", lambda: draw.discover(cfg, facts, cfg.cache.seed))
     first, _ = phase("cache", lambda: job.run(cfg, only="cache"))
     phase("rerun", lambda: job.run(cfg, only="cache"))
     if not args.skip_train:
-        since = len(server.requests())
-        summary, rec = phase("train", lambda: job.run(cfg))
-        reads = [r for r in server.requests()[since:] if "/cache/" in r[1]]
-        trained = summary.steps * cfg.train.batch_size
-        print(json.dumps({"phase": "train-reads", "trained_samples": trained, "cache_requests": len(reads),
-                          "per_trained_sample": round(len(reads) / max(trained, 1), 3)}), flush=True)  # fmt: skip
-
+        _train_killed_and_resumed(server, args, cfg, sets, bucket, phase)
     # Refresh: generation 1 of the same cache key with its own seed, nothing else changed.
-    from rayflux import models
-
     images, cache_root, out = job.resolve_dirs(cfg)
-    facts = models.model_facts(cfg.model)
     stages = job._Stages(cfg, facts, Ledger(out, job.run_identity(cfg)), cache_root, False, job.Summary())
     g0 = stages.generation(0)
     g1, _ = phase("refresh", lambda: stages.generation(1))
@@ -194,6 +206,88 @@ def _run(server: Server, args) -> None:
     print(json.dumps({"phase": "refresh-bytes", "g0_shard_bytes": written(g0), "g1_shard_bytes": written(g1),
                       "g1_index_bytes": indexed(g1),
                       "ratio": round((written(g1) + indexed(g1)) / max(written(g0), 1), 4)}), flush=True)  # fmt: skip
+
+
+# The killed run: the job with its own fresh local Ray, as a user's driver process would run it.
+_TRAIN = """
+import sys, ray
+from rayflux import config, job
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+job.run(config.load(None, sys.argv[1:]))
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process started below ``pid`` (Ray's own services included), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket: str, phase) -> None:
+    """One epoch in its own process, SIGKILLed after a checkpoint near the end; then the rerun that resumes it."""
+    import signal
+
+    import ray
+
+    from rayflux import job
+    from rayflux.train import commits
+
+    steps = -(-args.images // args.batch_size)
+    every = cfg.train.checkpoint_every
+    kill_after = max(int(steps * args.kill_at) // every * every, every)
+    run_dir = commits.run_storage(cfg.run.output_dir, cfg.run.name)
+    ray.shutdown()  # the killed run starts its own Ray, as a user's driver does
+
+    def killed():
+        proc = subprocess.Popen([sys.executable, "-c", _TRAIN, *sets], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        try:
+            while proc.poll() is None:
+                latest = commits.latest(run_dir)
+                step = commits.read_json(latest)["step"] if latest else 0
+                if step >= kill_after:
+                    below = _descendants(proc.pid)
+                    os.kill(proc.pid, signal.SIGKILL)
+                    for pid in below:  # Ray's services and workers started by that driver, each by its id
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    proc.wait()
+                    return step
+                time.sleep(1.0)
+            raise RuntimeError(f"the training run ended (exit {proc.returncode}) before step {kill_after}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    since = len(server.requests())
+    at, rec = phase("train-killed", killed)
+    reads = [r for r in server.requests()[since:] if "/cache/" in r[1]]
+    print(json.dumps({"phase": "train-killed-reads", "checkpoint_step": at, "epoch_steps_about": steps,
+                      "cache_requests": len(reads),
+                      "per_checkpointed_sample": round(len(reads) / max(at * args.batch_size, 1), 3)}), flush=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    since = len(server.requests())
+    summary, rec = phase("resume", lambda: job.run(cfg))
+    reads = [r for r in server.requests()[since:] if "/cache/" in r[1]]
+    trained = (summary.steps - at) * args.batch_size
+    print(json.dumps({"phase": "resume-reads", "resumed_from_step": at, "final_step": summary.steps,
+                      "trained_samples": trained, "cache_requests": len(reads),
+                      "per_trained_sample": round(len(reads) / max(trained, 1), 3)}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Exit codes: 0 nothing to fix, 1 problems or skipped images, 2 the config itself 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -67,7 +68,7 @@ def _check_paths(cfg: config.JobConfig, ds: config.DatasetConfig, images_key: st
 
 def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
     """Everything the doctor checks, as data (``main`` prints it)."""
-    from rayflux.cache.prepare import prepare_row
+    from rayflux.cache.prepare import prepare_row, skip_reason
 
     from rayflux.cache.stage import bucket_spec
 
@@ -79,14 +80,17 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
     for i, ds in enumerate(datasets.datasets_of(cfg.data)):
         name = datasets.label(ds)
         _check_paths(cfg, ds, datasets.images_key(cfg.data, i), report)
+        spec = bucket_spec(ds, facts)
+        # max_samples draws among usable images, so a capped dataset has every image checked while drawing.
+        usable = functools.partial(skip_reason, spec=spec, seed=cfg.cache.seed, max_pixels=cfg.data.max_image_pixels)
         try:
-            found = discover_dataset(ds, cfg.cache.seed, key=datasets.key(cfg.data, ds), prefix=prefix)
+            key = datasets.key(cfg.data, ds)
+            found = discover_dataset(ds, cfg.cache.seed, key, prefix, usable if ds.max_samples else None)
         except (FileNotFoundError, CaptionError, OSError) as exc:
             report.problems.append(f"dataset {name}: {exc}")
             report.datasets.append({"name": name, "images_dir": ds.images_dir, "discovered": 0, "usable": 0})
             continue
         report.problems.extend(found.problems)
-        spec = bucket_spec(ds, facts)
         prepared = list(
             pool.map(lambda s: prepare_row(asdict(s), spec, cfg.cache.seed, cfg.data.max_image_pixels), found.sources)
         )

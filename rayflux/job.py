@@ -167,12 +167,12 @@ class _Stages:
 
     def _generation(self, g: int) -> dict:
         from rayflux.cache import generations
+        from rayflux.cache import draw
         from rayflux.cache.stage import build_generation, inputs_signature
-        from rayflux.sources import discover
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
         t0 = time.perf_counter()
-        discovery = discover(self.cfg.data, seed=seed)
+        discovery = draw.discover(self.cfg, self.facts, seed)
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
                 log.warning("%s", problem)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -66,16 +67,6 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _limit(found: Discovery, ds: DatasetConfig, name: str) -> None:
-    """Keep ``max_samples`` sources, chosen by a hash of their path: the same subset on every run and node."""
-    if not ds.max_samples or len(found.sources) <= ds.max_samples:
-        return
-    ranked = sorted(found.sources, key=lambda s: hashlib.sha256(s.rel_path.encode()).digest())
-    keep = {s.rel_path for s in ranked[: ds.max_samples]}
-    found.unsampled[name] = len(found.sources) - ds.max_samples
-    found.sources = [s for s in found.sources if s.rel_path in keep]
-
-
 def _by_lower_case(files: dict, base: str, ds: DatasetConfig) -> dict[str, str]:
     """Lower-cased path -> path. Two files that differ only by case are refused: case-insensitive sidecar matching
     could not tell their captions apart, and copied to a case-insensitive disk they would overwrite each other."""
@@ -101,30 +92,39 @@ def _list(fs: pafs.FileSystem, root: str) -> list[pafs.FileInfo]:
         return [*top, *(e for part in pool.map(below, subdirs) for e in part)]
 
 
-def _read_sidecars(fs: pafs.FileSystem, files: dict, ds: DatasetConfig) -> dict:
-    """Every caption file beside an image, read concurrently: on an object store each read is a round trip, and
-    one after the other they would cost the driver hours at a million images. Path -> options, or the
-    UnicodeDecodeError of a file that is not UTF-8."""
-    # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
-    stems = {p[: p.rfind(".")].lower() for p in files if p.rsplit("/", 1)[-1].lower().endswith(IMAGE_EXTENSIONS)}
-    ext = ds.caption_ext.lower()
-    wanted = sorted(p for p in files if p.lower().endswith(ext) and p[: -len(ext)].lower() in stems)
-
-    def read(path: str):
-        try:
-            return captions.read_sidecar(fs, path)
-        except UnicodeDecodeError as exc:
-            return exc
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
-        return dict(zip(wanted, pool.map(read, wanted)))
+def rank(rel_path: str) -> bytes:
+    """Where an image stands in the ``max_samples`` draw: a hash of its path, the same on every run and node."""
+    return hashlib.sha256(rel_path.encode()).digest()
 
 
-def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
-    """List every image under ``ds.images_dir`` (recursively, sorted) and resolve its caption.
+def draw(rows: list[dict], k: int) -> tuple[list[dict], int]:
+    """The ``k`` usable rows of lowest :func:`rank` and how many usable rows were left out.
 
-    ``key`` is the dataset's value of the ``dataset`` column; with ``prefix``, relative paths start with ``key/``.
-    Raises FileNotFoundError or CaptionError when the dataset as a whole is unusable.
+    Applied to any part of a dataset it keeps a superset of that part's share of the whole draw, so preparation
+    tasks draw locally and the driver draws again among what they kept: the same result as one draw over all.
+    """
+    ranked = sorted(rows, key=lambda r: rank(r["rel_path"]))
+    return ranked[:k], max(len(ranked) - k, 0)
+
+
+@dataclass
+class Listing:
+    """One dataset listed (no caption file read yet): a row per image, in path order, and what the listing found."""
+
+    ds: DatasetConfig
+    key: str
+    rows: list[dict] = field(default_factory=list)
+    """uri, rel_path, size, mtime_ns, dataset, file_name, and either ``sidecar`` (the caption file's path on the
+    dataset's filesystem, "" when there is none) or ``options`` (the captions of the other strategies)."""
+    problems: list[str] = field(default_factory=list)
+
+
+def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> Listing:
+    """List every image under ``ds.images_dir`` (recursively, sorted) with what its caption will come from.
+
+    Only listings (and a metadata table) are read here: caption files are read by :func:`settle`, which the cache
+    stage runs inside its preparation tasks. Raises FileNotFoundError or CaptionError when the dataset as a whole
+    is unusable.
     """
     fs, root = storage.resolve(ds.images_dir)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
@@ -132,69 +132,116 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     files = {e.path: e for e in _list(fs, root) if e.type == pafs.FileType.File}
     metadata = captions.load_metadata(fs, root, set(files), ds) if ds.caption_strategy == "metadata" else None
     name = datasets.label(ds)
-    found = Discovery(problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
+    out = Listing(ds, key, problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
     base = root.rstrip("/") + "/"
     by_lower = _by_lower_case(files, base, ds)
-    sidecars = _read_sidecars(fs, files, ds) if ds.caption_strategy == "sidecar" else {}
-    images, uncaptioned = set(), []
+    images = set()
     for path in sorted(files):
         rel = path[len(base) :] if path.startswith(base) else path
         file_name = rel.rsplit("/", 1)[-1]
         if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS):
             continue
         images.add(path[: path.rfind(".")].lower())
-        uri = storage.join(ds.images_dir, rel)
-        sample_path = f"{key}/{rel}" if prefix else rel
-        options: list[str] = []
+        e = files[path]
+        row = dict(uri=storage.join(ds.images_dir, rel), rel_path=f"{key}/{rel}" if prefix else rel,
+                   size=e.size or 0, mtime_ns=e.mtime_ns or 0, dataset=key, file_name=file_name)  # fmt: skip
         if ds.caption_strategy == "sidecar":
             # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
-            sidecar = sidecars.get(by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower(), ""), [])
-            if isinstance(sidecar, UnicodeDecodeError):
-                found.skipped.append(
-                    {"source_uri": uri, "dataset": key, "reason": f"caption file is not UTF-8 ({sidecar.reason})"}
-                )
-                continue
-            options = sidecar
+            row["sidecar"] = by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower(), "")
         elif ds.caption_strategy == "metadata":
-            options = list(metadata.captions.get(rel, []))
+            row["options"] = list(metadata.captions.get(rel, []))
         elif ds.caption_strategy == "filename":
-            options = [captions.from_filename(file_name)]
+            row["options"] = [captions.from_filename(file_name)]
         else:
-            options = [ds.instance_prompt]
-        if not options:
-            uncaptioned.append(rel)
-        options, reason = captions.finish(options, ds, file_name)
-        if reason:
-            found.skipped.append({"source_uri": uri, "dataset": key, "reason": reason})
-            continue
-        e = files[path]
-        found.sources.append(
-            Source(
-                uri=uri,
-                rel_path=sample_path,
-                size=e.size or 0,
-                mtime_ns=e.mtime_ns or 0,
-                caption=choose(options, seed, sample_path),
-                dataset=key,
-            )
-        )
+            row["options"] = [ds.instance_prompt]
+        out.rows.append(row)
     if ds.caption_strategy == "sidecar":
         ext = ds.caption_ext.lower()
         orphans = [p for p in sorted(files) if p.lower().endswith(ext) and p[: -len(ext)].lower() not in images]
-        found.problems += [f"dataset {name}: caption file without an image: {p[len(base) :]}" for p in orphans]
+        out.problems += [f"dataset {name}: caption file without an image: {p[len(base) :]}" for p in orphans]
+    if not images:
+        out.problems.append(f"dataset {name}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {ds.images_dir}")
+    return out
+
+
+def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dict], str] | None = None) -> list[dict]:
+    """Resolve listed rows: read their caption files (concurrently: on an object store each is a round trip),
+    apply the missing-caption policy and pick one caption per image. Each row comes back with ``caption``,
+    ``skip_reason`` and ``uncaptioned``. With ``usable`` (row -> skip reason, "" when the image can be cached),
+    the image itself is checked too: the ``max_samples`` draw needs to know which images are usable."""
+    fs = storage.resolve(ds.images_dir)[0] if ds.caption_strategy == "sidecar" else None
+
+    def one(row: dict) -> dict:
+        row = {**row, "caption": "", "skip_reason": "", "uncaptioned": False}
+        options = row.get("options") or []
+        if fs is not None and row.get("sidecar"):
+            try:
+                options = captions.read_sidecar(fs, row["sidecar"])
+            except UnicodeDecodeError as exc:
+                row["skip_reason"] = f"caption file is not UTF-8 ({exc.reason})"
+                return row
+        row["uncaptioned"] = not options
+        options, reason = captions.finish(options, ds, row["file_name"])
+        if reason:
+            row["skip_reason"] = reason
+            return row
+        row["caption"] = choose(options, seed, row["rel_path"])
+        if usable is not None:
+            row["skip_reason"] = usable(row)
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
+        return list(pool.map(one, rows))
+
+
+def gather(listing: Listing, settled: list[dict], left_out: int = 0) -> Discovery:
+    """A dataset's Discovery from its settled rows: sources (drawn to ``max_samples`` among the usable ones),
+    recorded skips and the dataset's problems. ``left_out``: usable images already left out by earlier draws."""
+    ds, name = listing.ds, datasets.label(listing.ds)
+    found = Discovery(problems=list(listing.problems))
+    good = [r for r in settled if not r["skip_reason"]]
+    if ds.max_samples:
+        kept, more = draw(good, ds.max_samples)
+        keep = {r["rel_path"] for r in kept}
+        good = [r for r in good if r["rel_path"] in keep]
+        if more + left_out:
+            found.unsampled[name] = more + left_out
+    for r in sorted(settled, key=lambda r: r["rel_path"]):
+        if r["skip_reason"]:
+            found.skipped.append({"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]})
+    found.sources = [
+        Source(r["uri"], r["rel_path"], r["size"], r["mtime_ns"], r["caption"], r["dataset"])
+        for r in sorted(good, key=lambda r: r["rel_path"])
+    ]
+    uncaptioned = sorted(r["rel_path"] for r in settled if r["uncaptioned"])
     if uncaptioned and ds.missing_caption != "skip":
         found.problems.append(
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
             f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0]})"
         )
-    if not images:
-        found.problems.append(f"dataset {name}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {ds.images_dir}")
-    _limit(found, ds, name)
+    if ds.max_samples and len(found.sources) < ds.max_samples and found.discovered:
+        found.problems.append(
+            f"dataset {name}: max_samples={ds.max_samples}, but only {len(found.sources)} of its images are usable "
+            f"({len(found.skipped)} skipped); all of them are used"
+        )
     return found
 
 
+def discover_dataset(
+    ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False, usable: Callable[[dict], str] | None = None
+) -> Discovery:
+    """List and settle one dataset in this process (see :func:`list_dataset` and :func:`settle`).
+
+    ``key`` is the dataset's value of the ``dataset`` column; with ``prefix``, relative paths start with ``key/``.
+    Raises FileNotFoundError or CaptionError when the dataset as a whole is unusable.
+    """
+    listing = list_dataset(ds, key, prefix)
+    return gather(listing, settle(listing.rows, ds, seed, usable))
+
+
 def discover(data: DataConfig, *, seed: int = 0) -> Discovery:
-    """Discover every dataset of the job (``data.images_dir``, or each of ``data.datasets``), in config order."""
+    """Discover every dataset of the job (``data.images_dir``, or each of ``data.datasets``), in config order, in
+    this process. The job's cache stage settles in its preparation tasks instead (:mod:`rayflux.cache.draw`)."""
     found = Discovery()
     prefix = datasets.prefixes_paths(data)
     for ds in datasets.datasets_of(data):

@@ -107,3 +107,9 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
         prev="",  # not reused: the writer needs nothing of the previous row
     )
     return row
+
+
+def skip_reason(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int) -> str:
+    """Why a listed image would not be cached ("" when it would): the same read, decode and plan as
+    :func:`prepare_row`, for the ``max_samples`` draw, which must choose among usable images only."""
+    return prepare_row({**row, "prev": ""}, spec, seed, max_pixels)["skip_reason"]

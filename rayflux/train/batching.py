@@ -150,6 +150,21 @@ def plan_epoch(
     return planned, dropped
 
 
+def epoch_counts(
+    bucket_sizes: dict[str, int], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1
+) -> dict:
+    """Samples, dropped samples and batches of the epoch :func:`plan_epoch` would plan, from the buckets' sample
+    counts alone: the batches' order is the same shuffle of the same number of batches, so the remainder rule cuts
+    the same sizes. The driver reports these per epoch without planning any epoch."""
+    sizes = [
+        min(batch_size, n - i) for bucket in sorted(bucket_sizes) for n in [bucket_sizes[bucket]]
+        for i in range(0, n, batch_size)
+    ]  # fmt: skip
+    _rng(seed, epoch, "order").shuffle(sizes)
+    keep = len(sizes) - len(sizes) % (world_size * accumulation)
+    return {"samples": sum(sizes[:keep]), "dropped": sum(sizes[keep:]), "batches": keep}
+
+
 class GenerationNotReadable(RuntimeError):
     """A reader reached a generation that is not committed, or already retired: a stage-ordering bug, never data."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import tempfile
 from dataclasses import dataclass, field
@@ -35,14 +36,13 @@ class TrainResult:
 
 
 def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
-    """Per-epoch sample accounting for a world size (the same plan the data feed builds)."""
-    counts = {}
-    for epoch in range(cfg.train.epochs):
-        planned, dropped = batching.plan_epoch(
-            refs, cfg.train.batch_size, cfg.train.seed, epoch, world_size, cfg.train.gradient_accumulation
-        )
-        counts[epoch] = {"samples": sum(b["size"] for b in planned), "dropped": dropped, "batches": len(planned)}
-    return counts
+    """Per-epoch sample accounting for a world size: what the data feed's plan holds, from bucket sizes alone."""
+    sizes = collections.Counter(r.bucket for r in refs)
+    t = cfg.train
+    return {
+        epoch: batching.epoch_counts(sizes, t.batch_size, t.seed, epoch, world_size, t.gradient_accumulation)
+        for epoch in range(t.epochs)
+    }
 
 
 def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
