@@ -183,10 +183,11 @@ def _run(server: Server, args) -> None:
         tracemalloc.reset_peak()
         held = tracemalloc.get_traced_memory()[0]
         out = fn()
+        seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
         total, by = _count(server, since, prefix)
-        rec = {"phase": name, "images": n, "seconds": round(time.perf_counter() - t, 2), "requests": total,
+        rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
                "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
-               "driver_heap_peak_mb": round((tracemalloc.get_traced_memory()[1] - held) / 2**20, 1)}  # fmt: skip
+               "driver_heap_peak_mb": round(heap / 2**20, 1)}  # fmt: skip
         print(json.dumps(rec), flush=True)
         return out, rec
 
