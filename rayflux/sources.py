@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from rayflux import captions, datasets, storage
+from rayflux import captions, datasets, edit_pairs, storage
 from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -30,6 +30,8 @@ class Source:
     caption: str
     dataset: str = ""
     """The shards' ``dataset`` column: the dataset's name, or "" for ``data.images_dir``."""
+    references: tuple[str, ...] = ()
+    """Edit pairs: the URIs of the image's reference images, in order (see :mod:`rayflux.edit_pairs`)."""
 
 
 @dataclass
@@ -120,6 +122,25 @@ def _read_sidecars(fs: pafs.FileSystem, files: dict, ds: DatasetConfig) -> dict:
         return dict(zip(wanted, pool.map(read, wanted)))
 
 
+def _pairing(ds: DatasetConfig, metadata, base: str, files: dict) -> edit_pairs.Pairing:
+    """The dataset's edit pairing: ``reference_dir`` listed once (concurrently, like ``images_dir``)."""
+    if not (ds.reference_dir or ds.reference_column):
+        return edit_pairs.Pairing(ds)
+    refs: list[str] = []
+    if ds.reference_dir:
+        fs, root = storage.resolve(ds.reference_dir)
+        if fs.get_file_info(root).type != pafs.FileType.Directory:
+            name = datasets.label(ds)
+            raise FileNotFoundError(f"reference_dir {ds.reference_dir!r} is not a directory (dataset {name})")
+        prefix = root.rstrip("/") + "/"
+        for e in _list(fs, root):
+            rel = e.path[len(prefix) :]
+            if e.type == pafs.FileType.File and not _hidden(rel) and rel.lower().endswith(IMAGE_EXTENSIONS):
+                refs.append(rel)
+    named = metadata.references if metadata else {}
+    return edit_pairs.pairing(ds, refs, named, {p[len(base) :] for p in files if p.startswith(base)})
+
+
 def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
     """List every image under ``ds.images_dir`` (recursively, sorted) and resolve its caption.
 
@@ -136,11 +157,13 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
     base = root.rstrip("/") + "/"
     by_lower = _by_lower_case(files, base, ds)
     sidecars = _read_sidecars(fs, files, ds) if ds.caption_strategy == "sidecar" else {}
+    pairs = _pairing(ds, metadata, base, files)
+    reference_only = pairs.reference_only()
     images, uncaptioned = set(), []
     for path in sorted(files):
         rel = path[len(base) :] if path.startswith(base) else path
         file_name = rel.rsplit("/", 1)[-1]
-        if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS):
+        if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS) or rel in reference_only:
             continue
         images.add(path[: path.rfind(".")].lower())
         uri = storage.join(ds.images_dir, rel)
@@ -164,8 +187,9 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
         if not options:
             uncaptioned.append(rel)
         options, reason = captions.finish(options, ds, file_name)
-        if reason:
-            found.skipped.append({"source_uri": uri, "dataset": key, "reason": reason})
+        references, missing = pairs.references(rel) if pairs.active else ((), "")
+        if reason or missing:
+            found.skipped.append({"source_uri": uri, "dataset": key, "reason": reason or missing})
             continue
         e = files[path]
         found.sources.append(
@@ -176,6 +200,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
                 mtime_ns=e.mtime_ns or 0,
                 caption=choose(options, seed, sample_path),
                 dataset=key,
+                references=references,
             )
         )
     if ds.caption_strategy == "sidecar":

@@ -1,0 +1,144 @@
+"""Edit pairs on the data side: references found by name or metadata column, missing ones skipped with the path
+they were looked for at, and each reference cut and resized with its target's own crop."""
+
+from __future__ import annotations
+
+import json
+
+import cache_sets
+import numpy as np
+import pytest
+
+from rayflux import buckets, config
+from rayflux.cache.prepare import prepare_row
+from rayflux.sources import discover
+
+LIMIT = 10_000_000
+
+
+def _save(path, img):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+
+
+def _cfg(*sets: str) -> config.JobConfig:
+    return config.load(None, list(sets))
+
+
+def test_reference_dir_pairs_by_relative_name_and_skips_images_without_one(tmp_path):
+    images, refs = tmp_path / "images", tmp_path / "refs"
+    for i, rel in enumerate(["a.png", "b.png", "sub/c.png"]):
+        _save(images / rel, cache_sets.picture(80, 64, i))
+        (images / rel).with_suffix(".txt").write_text(f"make {rel} red")
+    _save(refs / "a.png", cache_sets.picture(80, 64, 10))
+    _save(refs / "b.jpg", cache_sets.picture(80, 64, 11))  # another format, same name
+    found = discover(_cfg(f"data.images_dir={images}", f"data.reference_dir={refs}").data)
+    by_rel = {s.rel_path: s for s in found.sources}
+    assert set(by_rel) == {"a.png", "b.png"}
+    assert by_rel["a.png"].references == (str(refs / "a.png"),)
+    assert by_rel["b.png"].references == (str(refs / "b.jpg"),)
+    assert by_rel["a.png"].caption == "make a.png red"
+    [skip] = found.skipped
+    assert skip["source_uri"] == str(images / "sub/c.png")
+    assert skip["reason"] == f"no reference image: {refs / 'sub/c.png'} does not exist"
+    assert found.discovered == 3
+
+
+def test_metadata_column_names_one_or_several_references_which_are_not_targets(tmp_path):
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png", "out3.png", "in1.png", "in2a.png", "in2b.png"]):
+        _save(root / name, cache_sets.picture(64, 64, i))
+    rows = [
+        {"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
+        {"file_name": "out2.png", "text": "put the cat on the sofa", "source": ["in2a.png", "in2b.png"]},
+        {"file_name": "out3.png", "text": "make it blue", "source": "gone.png"},
+    ]
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source"]
+    found = discover(_cfg(*sets).data)
+    by_rel = {s.rel_path: s for s in found.sources}
+    assert set(by_rel) == {"out1.png", "out2.png"}  # the named references are never training images
+    assert by_rel["out1.png"].references == (str(root / "in1.png"),)
+    assert by_rel["out2.png"].references == (str(root / "in2a.png"), str(root / "in2b.png"))
+    assert by_rel["out2.png"].caption == "put the cat on the sofa"
+    assert [s["reason"] for s in found.skipped] == [f"no reference image: {root / 'gone.png'} does not exist"]
+
+
+def test_metadata_references_outside_the_dataset_and_bad_cells_are_reported(tmp_path):
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png"]):
+        _save(root / name, cache_sets.picture(64, 64, i))
+    rows = [{"file_name": "out1.png", "text": "x", "source": "../secret.png"},
+            {"file_name": "out2.png", "text": "y", "source": 7}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source"]
+    found = discover(_cfg(*sets).data)
+    assert not found.sources
+    assert any("points outside the dataset" in p for p in found.problems)
+    assert any("'source' must be a file name or a list of file names, got 7" in p for p in found.problems)
+
+
+def test_reference_column_needs_metadata_captions(tmp_path):
+    with pytest.raises(config.ConfigError, match="reference_column names a metadata column"):
+        from rayflux import datasets
+
+        datasets.datasets_of(_cfg(f"data.images_dir={tmp_path}", "data.reference_column=source").data)
+
+
+def _spec(**kw) -> buckets.BucketSpec:
+    return buckets.BucketSpec(resolution=64, latent_channels=4, crop="random", **kw)
+
+
+def _row(target, refs, rel="t.png"):
+    return {"uri": str(target), "rel_path": rel, "references": [str(r) for r in refs]}
+
+
+def test_references_are_cut_with_their_target_crop(tmp_path):
+    # A wide image with a random crop: a reference cut anywhere else would differ.
+    target = cache_sets.picture(230, 100, 3)
+    _save(tmp_path / "t.png", target)
+    _save(tmp_path / "same.png", target)
+    _save(tmp_path / "big.png", target.resize((460, 200)))  # the same picture at twice the size
+    _save(tmp_path / "other.png", cache_sets.picture(230, 100, 4))
+    row = prepare_row(_row(tmp_path / "t.png", [tmp_path / "same.png", tmp_path / "big.png"]), _spec(), 7, LIMIT)
+    p = buckets.plan(230, 100, _spec(), seed=7, salt="t.png")
+    assert p.crop_left > 0, "the test needs a crop that is not the whole image"
+    assert (row["crop_left"], row["target_w"]) == (p.crop_left, p.target_width) and row["skip_reason"] == ""
+    assert row["ref_count"] == 2
+    n = p.target_width * p.target_height * 3
+    same, big = row["ref_pixels"][:n], row["ref_pixels"][n:]
+    assert len(row["ref_pixels"]) == 2 * n
+    assert same == row["pixels"]  # the same picture: cut and resized exactly as its target
+    diff = np.abs(np.frombuffer(big, np.uint8).astype(int) - np.frombuffer(row["pixels"], np.uint8).astype(int))
+    assert diff.mean() < 8  # scaled to the target's size first, then the same crop
+    other = prepare_row(_row(tmp_path / "t.png", [tmp_path / "other.png"]), _spec(), 7, LIMIT)
+    plain = prepare_row(_row(tmp_path / "t.png", []), _spec(), 7, LIMIT)
+    # The references' content is part of the sample's identity; a plain sample has no reference columns.
+    assert len({row["sample_id"], other["sample_id"], plain["sample_id"]}) == 3
+    assert plain["ref_count"] == 0 and plain["ref_pixels"] == b""
+
+
+def test_a_missing_or_broken_reference_skips_its_target_with_the_reason(tmp_path):
+    _save(tmp_path / "t.png", cache_sets.picture(96, 64, 1))
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    gone = prepare_row(_row(tmp_path / "t.png", [tmp_path / "gone.png"]), _spec(), 0, LIMIT)
+    assert gone["skip_reason"].startswith(f"reference {tmp_path / 'gone.png'}: unreadable")
+    broken = prepare_row(_row(tmp_path / "t.png", [tmp_path / "broken.png"]), _spec(), 0, LIMIT)
+    assert broken["skip_reason"].startswith(f"reference {tmp_path / 'broken.png'}: not a decodable image")
+    assert broken["pixels"] == b"" and broken["ref_pixels"] == b""
+
+
+def test_an_edit_pair_is_reused_only_while_its_reference_is_unchanged(tmp_path):
+    target, ref = tmp_path / "t.png", tmp_path / "r.png"
+    _save(target, cache_sets.picture(96, 64, 1))
+    _save(ref, cache_sets.picture(96, 64, 2))
+    st = target.stat()
+    src = {**_row(target, [ref]), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    fresh = prepare_row(src, _spec(), 0, LIMIT)
+    prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 96, "orig_h": 64,
+            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}  # fmt: skip
+    again = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
+    assert again["reuse"] and again["ref_count"] == 1 and again["ref_pixels"] == b""
+    _save(ref, cache_sets.picture(96, 64, 3))
+    changed = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
+    assert not changed["reuse"] and changed["sample_id"] != fresh["sample_id"] and changed["ref_pixels"]
