@@ -1,4 +1,4 @@
-"""Callable classes for Ray Data ``map_batches`` actor pools: the VAE and the two text encoders.
+"""Callable classes for Ray Data ``map_batches`` actor pools: the VAE and the text encoders of the model's family.
 
 These are the only places that load encoders. When the cache stage's dataset finishes, Ray tears the pools down,
 so encoder memory never reaches the training processes.
@@ -43,7 +43,8 @@ def match_threads_to_reservation() -> None:
 
 
 class VaeEncoder:
-    """Encode prepared pixels to FLUX latents, ``(z - shift_factor) * scaling_factor``, one row per sample.
+    """Encode prepared pixels to the latents the model's family stores (FLUX.1: ``(z - shift) * scale``; FLUX.2:
+    patchified and batch-norm normalised), one row per sample.
 
     Rows of one batch may come from different buckets; each bucket is encoded as its own sub-batch. Skipped rows
     and rows reused from a previous generation pass through untouched; each row this actor encodes is stamped
@@ -63,9 +64,9 @@ class VaeEncoder:
 
         self.device = models.default_device()
         dtype = models.torch_dtype(self.model.vae_dtype or self.model.dtype, self.device)
-        self.vae = models.load_vae(self.model, self.device, dtype)
-        self.shift = float(self.vae.config.shift_factor or 0.0)
-        self.scale = float(self.vae.config.scaling_factor)
+        self.family = models.family(self.model)
+        self.vae = self.family.load_vae(models.resolve_path(self.model), models.revision_kw(self.model), self.device,
+                                        dtype)  # fmt: skip
 
     def encode(self, pixels: np.ndarray, sample_ids: list[str]):
         """Latents of a ``[N, H, W, 3]`` uint8 batch of one size, as the VAE returns them (not contiguous)."""
@@ -80,7 +81,7 @@ class VaeEncoder:
             eps = torch.stack(
                 [torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(s))) for s in sample_ids]
             ).to(dist.mean.device, dist.mean.dtype)
-            return (dist.mean + dist.std * eps - self.shift) * self.scale
+            return self.family.stored_latent(self.vae, dist.mean + dist.std * eps)
 
     def __call__(self, batch: dict) -> dict:
         n = len(batch["sample_id"])
@@ -105,14 +106,11 @@ class VaeEncoder:
 
 
 class TextEncoder:
-    """Encode unique captions with CLIP-L (pooled output) and T5-XXL (full padded sequence).
-
-    T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are
-    kept at the model's full ``max_sequence_length``. Every output row is one caption that went through both
-    encoders, stamped with ``encode_id``.
+    """Encode unique captions into the named text tensors of the model's family (FLUX.1: T5 sequence and CLIP pooled;
+    FLUX.2: stacked hidden states), each with its shape columns, one row per caption, stamped with ``encode_id``.
     """
 
-    def __init__(self, model: ModelConfig, store_dtype: str, t5_max_length: int, encode_id: str):
+    def __init__(self, model: ModelConfig, store_dtype: str, facts, encode_id: str):
         import torch
 
         from rayflux import models
@@ -120,35 +118,26 @@ class TextEncoder:
         match_threads_to_reservation()
         self.device = models.default_device()
         dtype = models.torch_dtype(model.dtype, self.device)
-        self.clip_tok, self.clip, self.t5_tok, self.t5 = models.load_text_encoders(model, self.device, dtype)
+        self.family = models.family(model)
+        self.encoders = self.family.load_text_encoders(models.resolve_path(model), models.revision_kw(model),
+                                                       self.device, dtype)  # fmt: skip
+        self.facts = facts
         self.store_dtype = store_dtype
-        self.t5_max_length = t5_max_length
         self.encode_id = encode_id
         self.torch = torch
         self.passes = 0
 
     def __call__(self, batch: dict) -> dict:
-        torch = self.torch
         captions = [str(c) for c in batch["caption"]]
-        with torch.inference_mode():
-            clip_ids = self.clip_tok(
-                captions, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
-            ).input_ids.to(self.device)
-            pooled = self.clip(clip_ids, output_hidden_states=False).pooler_output
-            t5_ids = self.t5_tok(
-                captions, padding="max_length", max_length=self.t5_max_length, truncation=True, return_tensors="pt"
-            ).input_ids.to(self.device)
-            seq = self.t5(t5_ids, output_hidden_states=False)[0]
+        encoded = self.family.encode_text(self.encoders, captions, self.facts)
         self.passes += len(captions)
         n = len(captions)
-        return {
-            "caption_id": np.array(batch["caption_id"], dtype=object),
-            "caption": np.array(captions, dtype=object),
-            "t5": np.array([tensors.to_bytes(seq[i], self.store_dtype) for i in range(n)], dtype=object),
-            "t5_len": np.full(n, seq.shape[1], dtype=np.int64),
-            "t5_dim": np.full(n, seq.shape[2], dtype=np.int64),
-            "clip_pooled": np.array([tensors.to_bytes(pooled[i], self.store_dtype) for i in range(n)], dtype=object),
-            "clip_dim": np.full(n, pooled.shape[1], dtype=np.int64),
-            "text_dtype": np.array([self.store_dtype] * n, dtype=object),
-            "encode_id": np.array([self.encode_id] * n, dtype=object),
-        }
+        out = {"caption_id": np.array(batch["caption_id"], dtype=object), "caption": np.array(captions, dtype=object)}
+        for t in self.facts.text:
+            x = encoded[t.name]
+            out[t.name] = np.array([tensors.to_bytes(x[i], self.store_dtype) for i in range(n)], dtype=object)
+            for d, size in zip(t.dims, x.shape[1:]):
+                out[d] = np.full(n, size, dtype=np.int64)
+        out["text_dtype"] = np.array([self.store_dtype] * n, dtype=object)
+        out["encode_id"] = np.array([self.encode_id] * n, dtype=object)
+        return out

@@ -74,7 +74,7 @@ def store_dtype(cfg: JobConfig, use_gpu: bool = False) -> str:
 
 def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", use_gpu: bool = False) -> shards.ShardLayout:
     dtype = store_dtype(cfg, use_gpu)
-    return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.t5_max_length)
+    return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.text)
 
 
 def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketSpec]:
@@ -168,7 +168,7 @@ def _build_text(b: _Build, captions: list[str], sink: index.Sink) -> list[dict]:
         fn_constructor_kwargs={
             "model": b.cfg.model,
             "store_dtype": store_dtype(b.cfg, b.use_gpu),
-            "t5_max_length": b.facts.t5_max_length,
+            "facts": b.facts,
             "encode_id": b.encode_id,
         },
         batch_size=c.text_batch_size,
@@ -259,7 +259,7 @@ def build_generation(
     run_cfg, resources = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, resources, use_gpu, prev)
 
-    sample_index, caption_index = index.Sink("samples"), index.Sink("captions")
+    sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
     try:
         # The empty caption is always encoded: training uses it for caption dropout.
         captions = sorted({s.caption for s in discovery.sources} | {""})

@@ -196,14 +196,14 @@ class _Checker:
                 md, names = f.metadata, f.schema_arrow.names
                 for e in entries:
                     row = f.read_row_group(e["row"]).to_pylist()[0]
-                    text = "t5_offset" in e
+                    text = "sample_id" not in e
                     key = "caption_id" if text else "sample_id"
                     where = f"index: {file} row {e['row']}"
                     if row[key] != e[key]:
                         self.problem(f"{where}: holds {key} {row[key]}, index says {e[key]}")
                         continue
                     rg = md.row_group(e["row"])
-                    cols = {"t5_": "t5", "clip_": "clip_pooled"} if text else {"": "latent"}
+                    cols = {f"{t.key}_": t.name for t in self.layout.text} if text else {"": "latent"}
                     for prefix, col in cols.items():
                         chunk = rg.column(names.index(col))
                         end = chunk.data_page_offset + chunk.total_compressed_size

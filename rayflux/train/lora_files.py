@@ -48,13 +48,13 @@ def _checkpoint_file(cfg: JobConfig) -> str:
 
 
 @cache
-def _architecture(model_path: str, revision: str) -> str:
-    """sd-scripts' architecture name: guidance-distilled FLUX.1 is ``dev``, the other ``schnell``."""
+def _architecture(model_path: str, revision: str) -> tuple[str, str]:
+    """sd-scripts' architecture and base model version of the model's family (``flux-1-dev``, ``flux1``)."""
+    from rayflux import models
     from rayflux.config import ModelConfig
-    from rayflux.models import model_facts
 
-    guided = model_facts(ModelConfig(path=model_path, revision=revision)).guidance_embeds
-    return "flux-1-dev" if guided else "flux-1-schnell"
+    cfg = ModelConfig(path=model_path, revision=revision)
+    return models.model_facts(cfg).architecture, models.family(cfg).base_model_version
 
 
 @cache
@@ -76,19 +76,19 @@ def tag_frequency(text_files: tuple[str, ...]) -> dict[str, int]:
 
 
 def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) -> dict[str, str]:
-    """sd-scripts' ``ss_*`` keys and ``modelspec.*`` for a FLUX LoRA trained by ``cfg``, saved at ``step``."""
+    """sd-scripts' ``ss_*`` keys and ``modelspec.*`` for a LoRA trained by ``cfg``, saved at ``step``."""
     from rayflux import datasets
     from rayflux.models import resolve_path
 
     t, d = cfg.train, cfg.data
     base = resolve_path(cfg.model)
-    arch = _architecture(cfg.model.path, cfg.model.revision)
+    arch, version = _architecture(cfg.model.path, cfg.model.revision)
     now = datetime.datetime.now(datetime.timezone.utc)
     dirs = {datasets.label(ds): {"n_repeats": ds.repeats} for ds in datasets.datasets_of(d)}
     res = f"{d.resolution}x{d.resolution}"
     meta = {
         "ss_output_name": output_name(cfg),
-        "ss_base_model_version": "flux1",
+        "ss_base_model_version": version,
         "ss_sd_model_name": os.path.basename(base.rstrip("/")) or base,
         "ss_network_module": "networks.lora_flux",
         "ss_network_dim": t.rank,
