@@ -32,6 +32,8 @@ class Pairing:
     """With ``reference_column``: image -> its references as the metadata table names them."""
     dataset_files: set[str] = field(default_factory=set)
     """Every file under ``images_dir``, relative to it (where references live without ``reference_dir``)."""
+    stamps: dict[str, str] = field(default_factory=dict)
+    """Relative path (under ``reference_dir``, else ``images_dir``) -> ``size:mtime`` of every candidate reference."""
 
     @property
     def active(self) -> bool:
@@ -43,23 +45,26 @@ class Pairing:
             return set()
         return {r for refs in self.named.values() for r in refs}
 
-    def references(self, rel: str) -> tuple[tuple[str, ...], str]:
-        """``(reference URIs, "")`` for image ``rel`` (relative to ``images_dir``), or ``((), skip reason)``."""
+    def references(self, rel: str) -> tuple[tuple[str, ...], str, str]:
+        """``(reference URIs, their size:mtime stamps, "")`` for image ``rel`` (relative to ``images_dir``), or
+        ``((), "", skip reason)``. The stamps go into the generation's inputs signature, so a changed reference
+        rebuilds like a changed image."""
         ds = self.ds
         if ds.reference_column:
             wanted = self.named.get(rel, [])
             if not wanted:
-                return (), f"no reference image: metadata column {ds.reference_column!r} names none for it"
+                return (), "", f"no reference image: metadata column {ds.reference_column!r} names none for it"
         else:
             wanted = [rel]
-        out = []
+        out, stamps = [], []
         for want in wanted:
             found = self._find(want, exact=bool(ds.reference_column))
             if not found:
                 where = ds.reference_dir or ds.images_dir
-                return (), f"no reference image: {storage.join(where, want)} does not exist"
+                return (), "", f"no reference image: {storage.join(where, want)} does not exist"
             out.append(storage.join(ds.reference_dir or ds.images_dir, found))
-        return tuple(out), ""
+            stamps.append(self.stamps.get(found, ""))
+        return tuple(out), ",".join(stamps), ""
 
     def _find(self, want: str, exact: bool) -> str:
         if not self.ds.reference_dir:
@@ -69,11 +74,12 @@ class Pairing:
         return hit or ("" if exact else self.reference_files.get("stem:" + _stem(want), ""))
 
 
-def pairing(ds: DatasetConfig, reference_rels: list[str], named: dict[str, list[str]], dataset_files: set[str]):
-    """A dataset's :class:`Pairing` from the image paths listed under ``reference_dir`` (relative to it), the
-    metadata table's named references and the dataset's own files."""
+def pairing(ds: DatasetConfig, reference_files: dict[str, str], named: dict[str, list[str]], dataset_files: dict):
+    """A dataset's :class:`Pairing` from the images listed under ``reference_dir`` and the dataset's own files (each
+    relative path -> ``size:mtime``), and the metadata table's named references."""
     files: dict[str, str] = {}
-    for rel in sorted(reference_rels):
+    for rel in sorted(reference_files):
         files.setdefault(rel.lower(), rel)
         files.setdefault("stem:" + _stem(rel), rel)
-    return Pairing(ds, files, named, dataset_files)
+    stamps = reference_files if ds.reference_dir else dataset_files
+    return Pairing(ds, files, named, set(dataset_files), stamps)

@@ -32,6 +32,8 @@ class Source:
     """The shards' ``dataset`` column: the dataset's name, or "" for ``data.images_dir``."""
     references: tuple[str, ...] = ()
     """Edit pairs: the URIs of the image's reference images, in order (see :mod:`rayflux.edit_pairs`)."""
+    references_stamp: str = ""
+    """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
 
 
 @dataclass
@@ -126,7 +128,7 @@ def _pairing(ds: DatasetConfig, metadata, base: str, files: dict) -> edit_pairs.
     """The dataset's edit pairing: ``reference_dir`` listed once (concurrently, like ``images_dir``)."""
     if not (ds.reference_dir or ds.reference_column):
         return edit_pairs.Pairing(ds)
-    refs: list[str] = []
+    refs: dict[str, str] = {}
     if ds.reference_dir:
         fs, root = storage.resolve(ds.reference_dir)
         if fs.get_file_info(root).type != pafs.FileType.Directory:
@@ -136,9 +138,14 @@ def _pairing(ds: DatasetConfig, metadata, base: str, files: dict) -> edit_pairs.
         for e in _list(fs, root):
             rel = e.path[len(prefix) :]
             if e.type == pafs.FileType.File and not _hidden(rel) and rel.lower().endswith(IMAGE_EXTENSIONS):
-                refs.append(rel)
+                refs[rel] = _stamp(e)
     named = metadata.references if metadata else {}
-    return edit_pairs.pairing(ds, refs, named, {p[len(base) :] for p in files if p.startswith(base)})
+    own = {p[len(base) :]: _stamp(e) for p, e in files.items() if p.startswith(base)}
+    return edit_pairs.pairing(ds, refs, named, own)
+
+
+def _stamp(e: pafs.FileInfo) -> str:
+    return f"{e.size or 0}:{e.mtime_ns or 0}"
 
 
 def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bool = False) -> Discovery:
@@ -187,7 +194,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
         if not options:
             uncaptioned.append(rel)
         options, reason = captions.finish(options, ds, file_name)
-        references, missing = pairs.references(rel) if pairs.active else ((), "")
+        references, stamps, missing = pairs.references(rel) if pairs.active else ((), "", "")
         if reason or missing:
             found.skipped.append({"source_uri": uri, "dataset": key, "reason": reason or missing})
             continue
@@ -201,6 +208,7 @@ def discover_dataset(ds: DatasetConfig, seed: int = 0, key: str = "", prefix: bo
                 caption=choose(options, seed, sample_path),
                 dataset=key,
                 references=references,
+                references_stamp=stamps,
             )
         )
     if ds.caption_strategy == "sidecar":

@@ -142,3 +142,56 @@ def test_an_edit_pair_is_reused_only_while_its_reference_is_unchanged(tmp_path):
     _save(ref, cache_sets.picture(96, 64, 3))
     changed = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
     assert not changed["reuse"] and changed["sample_id"] != fresh["sample_id"] and changed["ref_pixels"]
+
+
+def _edit_dataset(root):
+    images, refs = root / "images", root / "refs"
+    for i, name in enumerate(["a", "b", "c"]):
+        _save(images / f"{name}.png", cache_sets.picture(144, 112, i))
+        (images / f"{name}.txt").write_text(f"make the {name} boxes red")
+    _save(refs / "a.png", cache_sets.picture(144, 112, 10))
+    _save(refs / "b.png", cache_sets.picture(288, 224, 11))  # twice its target's size
+    return images, refs  # c has no reference
+
+
+def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_model, tmp_path):
+    import torch
+
+    from rayflux import models
+    from rayflux.cache import index, shards, tensors, verify
+    from rayflux.cache.encoders import VaeEncoder
+
+    images, refs = _edit_dataset(tmp_path)
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, f"data.reference_dir={refs}", "data.resolution=64")
+    gen_dir, manifest = cache_sets.build(cfg)
+    assert (manifest["cached"], manifest["skipped"]) == (2, 1)
+    assert manifest["skipped_inputs"][0]["reason"] == f"no reference image: {refs / 'c.png'} does not exist"
+    rows = {r["rel_path"]: r for r in cache_sets.generation_rows(manifest)}
+    assert set(rows) == {"a.png", "b.png"}
+    layout = shards.ShardLayout(**manifest["layout"])
+    # What the references must encode to: each prepared with its target's crop, then the VAE's mode.
+    encoder = VaeEncoder(cfg.model, layout.dtype, "check")
+    spec = buckets.BucketSpec(**manifest["bucket_spec"])
+    for rel, row in rows.items():
+        shape = (int(row["latent_c"]), int(row["latent_h"]), int(row["latent_w"]))
+        assert row["ref_count"] == 1 and row["ref_sha256"]
+        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (1, *shape))
+        src = {"uri": str(images / rel), "rel_path": rel, "references": [str(refs / rel)]}
+        prepared = prepare_row(src, spec, manifest["seed"], cfg.data.max_image_pixels)
+        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(1, row["target_h"], row["target_w"], 3).copy()
+        assert prepared["sample_id"] == row["sample_id"]
+        # The actor ran with its own thread count: equal up to summation order.
+        assert torch.allclose(stored, encoder.encode_references(pixels).float(), atol=1e-4)
+        assert not torch.allclose(stored, tensors.from_bytes(row["latent"], layout.dtype, shape)[None], atol=1e-2)
+        # The index points at the reference bytes, for ranged reads in training.
+        with open(index.resolve(manifest, row["file"]), "rb") as f:
+            f.seek(row["ref_offset"])
+            assert f.read(row["ref_length"]) == row["ref_latent"]
+    assert models.family(cfg.model).name == "flux1"
+    code = verify.main([gen_dir], out=__import__("io").StringIO())
+    assert code == 0
+
+    # A changed reference re-encodes its own sample only; the other is reused where it is.
+    _save(refs / "b.png", cache_sets.picture(288, 224, 12))
+    _, again = cache_sets.build(cfg, previous=manifest, generation=1)
+    assert (again["encoded"]["samples"], again["reused"]["samples"]) == (1, 1)

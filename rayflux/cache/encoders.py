@@ -68,13 +68,27 @@ class VaeEncoder:
         self.vae = self.family.load_vae(models.resolve_path(self.model), models.revision_kw(self.model), self.device,
                                         dtype)  # fmt: skip
 
-    def encode(self, pixels: np.ndarray, sample_ids: list[str]):
-        """Latents of a ``[N, H, W, 3]`` uint8 batch of one size, as the VAE returns them (not contiguous)."""
+    def _input(self, pixels: np.ndarray):
         import torch
 
         if self.vae is None:
             self._load()
-        x = torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+        return torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+
+    def encode_references(self, pixels: np.ndarray):
+        """Stored latents of a ``[N, H, W, 3]`` batch of edit references: the VAE's mode, not a sample, as the
+        Kontext and FLUX.2 pipelines encode their reference images at inference."""
+        import torch
+
+        x = self._input(pixels)
+        with torch.inference_mode():
+            return self.family.stored_latent(self.vae, self.vae.encode(x).latent_dist.mode())
+
+    def encode(self, pixels: np.ndarray, sample_ids: list[str]):
+        """Latents of a ``[N, H, W, 3]`` uint8 batch of one size, as the VAE returns them (not contiguous)."""
+        import torch
+
+        x = self._input(pixels)
         with torch.inference_mode():
             dist = self.vae.encode(x).latent_dist
             shape = dist.mean.shape[1:]
@@ -82,6 +96,20 @@ class VaeEncoder:
                 [torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(s))) for s in sample_ids]
             ).to(dist.mean.device, dist.mean.dtype)
             return self.family.stored_latent(self.vae, dist.mean + dist.std * eps)
+
+    def _encode_references(self, batch: dict, idx: list[int], h: int, w: int, out: list[bytes]) -> None:
+        """Each edit row's references (cut to its bucket, like the row) as its stored latents back to back."""
+        counts = {i: int(batch["ref_count"][i]) for i in idx if "ref_count" in batch and int(batch["ref_count"][i])}
+        if not counts:
+            return
+        pixels = np.concatenate(
+            [np.frombuffer(batch["ref_pixels"][i], dtype=np.uint8).reshape(k, h, w, 3) for i, k in counts.items()]
+        )
+        z = self.encode_references(pixels)
+        start = 0
+        for i, k in counts.items():
+            out[i] = tensors.to_bytes(z[start : start + k], self.store_dtype)
+            start += k
 
     def __call__(self, batch: dict) -> dict:
         n = len(batch["sample_id"])
@@ -91,14 +119,17 @@ class VaeEncoder:
         for i in range(n):
             if not batch["skip_reason"][i] and not batch["reuse"][i]:
                 groups.setdefault((int(batch["target_h"][i]), int(batch["target_w"][i])), []).append(i)
+        refs = [b""] * n
         for (h, w), idx in groups.items():
             pixels = np.stack([np.frombuffer(batch["pixels"][i], dtype=np.uint8).reshape(h, w, 3) for i in idx])
             z = self.encode(pixels, [str(batch["sample_id"][i]) for i in idx])
             for j, i in enumerate(idx):
                 latents[i] = tensors.to_bytes(z[j], self.store_dtype)  # a contiguous copy of sample j alone
                 shapes[i] = z.shape[1:]
-        out = {k: v for k, v in batch.items() if k != "pixels"}
+            self._encode_references(batch, idx, h, w, refs)
+        out = {k: v for k, v in batch.items() if k not in ("pixels", "ref_pixels")}
         out["latent"] = np.array(latents, dtype=object)
+        out["ref_latent"] = np.array(refs, dtype=object)
         out["latent_c"], out["latent_h"], out["latent_w"] = shapes[:, 0], shapes[:, 1], shapes[:, 2]
         out["latent_dtype"] = np.array([self.store_dtype if latents[i] else "" for i in range(n)], dtype=object)
         out["encode_id"] = np.array([self.encode_id if latents[i] else "" for i in range(n)], dtype=object)

@@ -50,6 +50,9 @@ SAMPLE_INDEX = pa.schema(
         *_LOCATION,
         ("offset", pa.int64()),
         ("length", pa.int64()),
+        ("ref_count", pa.int32()),
+        ("ref_offset", pa.int64()),
+        ("ref_length", pa.int64()),
         ("generation", pa.int32()),
         ("encode_id", pa.string()),
     ]

@@ -24,7 +24,7 @@ from rayflux.cache.decode import BadImage, decode
 PREPARED_DEFAULTS = dict(
     skip_reason="", reuse=False, sample_id="", source_sha256="", bucket="", pixels=b"",
     orig_w=0, orig_h=0, crop_left=0, crop_top=0, crop_w=0, crop_h=0, target_w=0, target_h=0,
-    ref_count=0, ref_pixels=b"",
+    ref_count=0, ref_sha256="", ref_pixels=b"",
 )  # fmt: skip
 
 
@@ -125,6 +125,7 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
     if isinstance(refs, str):
         return _skip(row, refs)
     ref_data, ref_shas = refs
+    row["ref_sha256"] = ",".join(ref_shas)
     if prev and prev["source_sha256"] == sha:
         w, h = prev["orig_w"], prev["orig_h"]
         p = _plan_or_none(w, h, spec, seed, row["rel_path"])

@@ -34,8 +34,8 @@ from rayflux.cache import tensors
 from rayflux.families.base import TextTensor
 
 # 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards; 5: text tensors by
-# the names and shape columns the model family gives them (the layout's ``text``)
-SCHEMA_VERSION = 5
+# the names and shape columns the model family gives them (the layout's ``text``); 6: edit pairs' reference latents
+SCHEMA_VERSION = 6
 _META_KEY = b"rayflux"
 
 
@@ -67,6 +67,11 @@ SAMPLE_SCHEMA = pa.schema(
         ("latent_w", pa.int32()),
         ("latent_dtype", pa.string()),
         _tensor("latent"),
+        # Edit pairs: ``ref_count`` reference latents of the row's own latent shape, back to back (empty bytes for a
+        # plain sample), and their content hashes, comma-joined in the same order (part of the sample id).
+        ("ref_count", pa.int32()),
+        ("ref_sha256", pa.string()),
+        _tensor("ref_latent"),
         ("generation", pa.int32()),
         ("encode_id", pa.string()),
     ]
@@ -112,7 +117,7 @@ class ShardLayout:
     @property
     def tensor_columns(self) -> list[str]:
         """The binary tensor columns of this kind of shard."""
-        return ["latent"] if self.kind == "samples" else [t.name for t in self.text]
+        return ["latent", "ref_latent"] if self.kind == "samples" else [t.name for t in self.text]
 
     def latent_shape(self, bucket: str) -> tuple[int, int, int]:
         return buckets.latent_shape_of(bucket, self.latent_channels, self.vae_scale_factor)
@@ -174,6 +179,11 @@ def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values:
     if row["latent_dtype"] != layout.dtype:
         raise error("latent dtype", layout.dtype, row["latent_dtype"])
     _check_tensor(row, "latent", want, layout.dtype, error, values)
+    refs = int(row["ref_count"])
+    hashes = [h for h in (row["ref_sha256"] or "").split(",") if h]
+    if refs < 0 or len(hashes) != refs:
+        raise error("reference hashes for ref_count", refs, len(hashes))
+    _check_tensor(row, "ref_latent", (refs, *want), layout.dtype, error, values)
 
 
 def encode_table(table: pa.Table, layout: ShardLayout | None = None) -> bytes:

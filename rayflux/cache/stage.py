@@ -338,7 +338,8 @@ def inputs_signature(discovery: Discovery) -> str:
     """Hash of what was discovered (paths, sizes, mtimes, chosen captions): equal means nothing to re-encode."""
     h = hashlib.sha256()
     for s in discovery.sources:
-        h.update(f"{s.rel_path}|{s.size}|{s.mtime_ns}|{s.caption}\n".encode())
+        refs = f"|{','.join(s.references)}|{s.references_stamp}" if s.references else ""
+        h.update(f"{s.rel_path}|{s.size}|{s.mtime_ns}|{s.caption}{refs}\n".encode())
     for s in discovery.skipped:
         h.update(f"skip|{s['source_uri']}|{s['reason']}\n".encode())
     return h.hexdigest()[:16]

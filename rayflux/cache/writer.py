@@ -103,8 +103,8 @@ def _index_row(batch: dict, i: int) -> dict:
     }
 
 
-_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "generation",
-             "encode_id")  # fmt: skip
+_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "ref_count",
+             "ref_offset", "ref_length", "generation", "encode_id")  # fmt: skip
 
 
 def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
@@ -112,7 +112,7 @@ def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
     want = layout.latent_shape(entry["bucket"])
     got = (entry["latent_c"], entry["latent_h"], entry["latent_w"])
     nbytes = tensors.nbytes(want, layout.dtype)
-    if got != want or entry["length"] != nbytes:
+    if got != want or entry["length"] != nbytes or entry["ref_length"] != entry["ref_count"] * nbytes:
         err = shards.shape_error(entry["bucket"], entry["sample_id"], entry["source_uri"], "reused latent shape",
                                  (want, nbytes), (got, entry["length"]))  # fmt: skip
         return str(err)
@@ -154,12 +154,13 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
         file = index.relative(out_dir, path)
         for j, (i, row) in enumerate(zip(fresh, rows)):
             offset, length = ranges["latent"][j]
+            ref_offset, ref_length = ranges["ref_latent"][j]
             entries.append(
                 {
                     **_index_row(batch, i),
-                    **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "encode_id")},
+                    **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "ref_count", "encode_id")},
                     "file": file, "file_bytes": nbytes, "row": j, "offset": offset, "length": length,
-                    "generation": generation,
+                    "ref_offset": ref_offset, "ref_length": ref_length, "generation": generation,
                 }  # fmt: skip
             )
     table = pa.Table.from_pylist(entries, schema=index.SAMPLE_INDEX)
