@@ -39,3 +39,14 @@ def test_another_class_or_a_missing_part_is_refused_in_one_line(tiny_model, tmp_
     shutil.rmtree(other / "tokenizer_2")
     with pytest.raises(ValueError, match="holds FluxPipeline.*; missing tokenizer_2"):
         models.model_facts(ModelConfig(path=str(other)))
+
+
+def test_kontext_is_flux1_math_under_its_own_pipeline(tiny_kontext, tiny_model):
+    from diffusers import FluxKontextPipeline
+
+    cfg = ModelConfig(path=str(tiny_kontext))
+    family, facts = models.family(cfg), models.model_facts(cfg)
+    assert (family.name, facts.architecture, family.pipeline_class()) == ("kontext", "flux-1-kontext-dev",
+                                                                          FluxKontextPipeline)  # fmt: skip
+    flux1 = models.model_facts(ModelConfig(path=str(tiny_model)))
+    assert (facts.text, facts.latent_channels, facts.pack) == (flux1.text, flux1.latent_channels, flux1.pack)

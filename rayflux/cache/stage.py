@@ -51,6 +51,7 @@ def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets
         min_image_size=d.min_image_size,
         vae_scale_factor=facts.vae_scale_factor,
         latent_channels=facts.latent_channels,
+        pack=facts.pack,
     )
     try:
         buckets.check_spec(spec)

@@ -1,6 +1,7 @@
 """Model families by ``model_index.json`` class: the one place that knows which model a directory holds.
 
-See :mod:`rayflux.families.base` for the interface; each family is one module (:mod:`.flux1`, :mod:`.flux2`).
+See :mod:`rayflux.families.base` for the interface; each family is one module (:mod:`.flux1`, :mod:`.flux2`,
+:mod:`.kontext`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from pathlib import Path
 from rayflux.families.base import Family, ModelFacts, TextTensor
 from rayflux.families.flux1 import Flux1
 from rayflux.families.flux2 import Flux2
+from rayflux.families.kontext import Kontext
 
 __all__ = ["Family", "ModelFacts", "TextTensor", "FAMILIES", "by_name", "for_class", "class_name", "supported", "of_transformer"]
 
-_ALL: tuple[Family, ...] = (Flux1(), Flux2())
+# A loaded transformer names its family by class; FLUX.1 comes before Kontext, which shares its transformer.
+_ALL: tuple[Family, ...] = (Flux1(), Flux2(), Kontext())
 FAMILIES: dict[str, Family] = {cls: f for f in _ALL for cls in f.pipelines}
 """``model_index.json`` ``_class_name`` -> its family."""
 

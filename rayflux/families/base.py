@@ -75,6 +75,8 @@ class Family(ABC):
     """Module-name prefixes of the transformer's blocks, where presets apply."""
     base_model_version: str
     """sd-scripts' ``ss_base_model_version`` of this family's LoRAs."""
+    implementation: str
+    """Where the model's reference code lives (``modelspec.implementation`` of kohya files)."""
     transformer_class: str
     """The diffusers transformer class: how a loaded transformer names its family."""
     lora_read_kwargs: dict = {}

@@ -72,6 +72,7 @@ class Flux1(Family):
         "all": ATTENTION + FFS + ["norm1.linear", "norm1_context.linear", "norm.linear"],
     }
     lora_blocks = ("transformer_blocks.", "single_transformer_blocks.")
+    implementation = "https://github.com/black-forest-labs/flux"
     transformer_class = "FluxTransformer2DModel"
     lora_read_kwargs = {"return_alphas": True}
     base_model_version = "flux1"
@@ -94,8 +95,12 @@ class Flux1(Family):
             text_length=t5_len,
             text=text_tensors(t5_len),
             identity=hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16],
-            architecture="flux-1-dev" if guidance else "flux-1-schnell",
+            architecture=self.architecture_name(guidance),
         )
+
+    def architecture_name(self, guidance: bool) -> str:
+        """sd-scripts' name of the base model: guidance-distilled FLUX.1 is ``dev``, the other ``schnell``."""
+        return "flux-1-dev" if guidance else "flux-1-schnell"
 
     def load_vae(self, path, kw, device, dtype):
         from diffusers import AutoencoderKL
@@ -169,9 +174,9 @@ class Flux1(Family):
 
     def prompt_embeddings(self, path, kw, prompts, facts, device, dtype):
         import torch
-        from diffusers import FluxPipeline
 
-        pipe = FluxPipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **kw).to(device)
+        pipe = self.pipeline_class().from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **kw)
+        pipe = pipe.to(device)
         with torch.inference_mode():
             out = []
             for p in prompts:
@@ -180,7 +185,5 @@ class Flux1(Family):
         return out
 
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
-        from diffusers import FluxPipeline
-
-        return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+        return self.pipeline_class()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
                             tokenizer_2=None, transformer=transformer)  # fmt: skip

@@ -7,8 +7,8 @@
 - Ids: four axes (t, h, w, l), built with the pipeline's own helpers.
 - Guidance: only when the transformer embeds it ([dev]); [klein] base trains without.
 
-Prompt encoding, patchifying, packing and ids call the pipeline's own static helpers, so what training sees is what
-the pipeline builds at inference, bit for bit.
+Prompt encoding is the pipeline's own ``encode_prompt``; patchify, normalisation, packing and ids are the pure
+functions of :mod:`rayflux.families.flux2_math`, checked bitwise against the pipelines' helpers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from rayflux.families import flux2_math
 from rayflux.families.base import Family, ModelFacts, TextTensor
 from rayflux.families.flux1 import DOUBLE_ATTENTION
 
@@ -41,13 +42,6 @@ def _plain(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
-def _helpers():
-    """The pipeline whose static helpers (patchify, pack, ids) both FLUX.2 pipelines share, copied verbatim."""
-    from diffusers import Flux2KleinPipeline
-
-    return Flux2KleinPipeline
-
-
 class Flux2(Family):
     name = "flux2"
     pipelines = {"Flux2KleinPipeline": "FLUX.2 [klein]", "Flux2Pipeline": "FLUX.2 [dev]"}
@@ -57,6 +51,7 @@ class Flux2(Family):
     encoder_parts = ("vae", "text_encoder")
     lora_presets = {"attention": ATTENTION, "attention+ffs": ATTENTION + FFS, "all": ATTENTION + FFS}
     lora_blocks = ("transformer_blocks.", "single_transformer_blocks.")
+    implementation = "https://github.com/black-forest-labs/flux2"
     transformer_class = "Flux2Transformer2DModel"
     base_model_version = "flux2"
     kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
@@ -114,35 +109,27 @@ class Flux2(Family):
     def stored_latent(self, vae, z):
         """Patchify 2x2, then ``(z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps)``, as the pipelines'
         ``_encode_vae_image``."""
-        import torch
-
-        z = _helpers()._patchify_latents(z)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
-        return (z - mean) / std
+        return flux2_math.normalize_latent(z, *flux2_math.vae_bn_stats(vae))
 
     def pack(self, latents):
-        return _helpers()._pack_latents(latents)
+        return flux2_math.pack(latents)
 
     def unpack(self, tokens, height, width):
-        b, _, c = tokens.shape
-        return tokens.permute(0, 2, 1).reshape(b, c, height, width)
+        return flux2_math.unpack(tokens, height, width)
 
     def seq_len(self, height, width):
         return height * width
 
     def forward_args(self, tokens, text, sigmas, height, width, guidance):
-        import torch
-
-        helpers = _helpers()
         embeds = text["prompt_embeds"]
-        b = tokens.shape[0]
+        b, device = tokens.shape[0], tokens.device
+        # Batched ids, as the pipelines pass them.
         return {
             "hidden_states": tokens,
             "encoder_hidden_states": embeds,
             "timestep": sigmas.to(tokens.dtype),
-            "img_ids": helpers._prepare_latent_ids(torch.empty(b, 0, height, width)).to(tokens.device),
-            "txt_ids": helpers._prepare_text_ids(embeds).to(tokens.device),
+            "img_ids": flux2_math.latent_ids(height, width, device).expand(b, -1, -1),
+            "txt_ids": flux2_math.text_ids(embeds.shape[1], device).expand(b, -1, -1),
             "guidance": guidance,
         }
 

@@ -48,13 +48,15 @@ def _checkpoint_file(cfg: JobConfig) -> str:
 
 
 @cache
-def _architecture(model_path: str, revision: str) -> tuple[str, str]:
-    """sd-scripts' architecture and base model version of the model's family (``flux-1-dev``, ``flux1``)."""
+def _architecture(model_path: str, revision: str) -> tuple[str, str, str]:
+    """sd-scripts' architecture, base model version and implementation of the model's family (``flux-1-dev``,
+    ``flux1``, BFL's repository)."""
     from rayflux import models
     from rayflux.config import ModelConfig
 
     cfg = ModelConfig(path=model_path, revision=revision)
-    return models.model_facts(cfg).architecture, models.family(cfg).base_model_version
+    family = models.family(cfg)
+    return models.model_facts(cfg).architecture, family.base_model_version, family.implementation
 
 
 @cache
@@ -82,7 +84,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
 
     t, d = cfg.train, cfg.data
     base = resolve_path(cfg.model)
-    arch, version = _architecture(cfg.model.path, cfg.model.revision)
+    arch, version, implementation = _architecture(cfg.model.path, cfg.model.revision)
     now = datetime.datetime.now(datetime.timezone.utc)
     dirs = {datasets.label(ds): {"n_repeats": ds.repeats} for ds in datasets.datasets_of(d)}
     res = f"{d.resolution}x{d.resolution}"
@@ -121,7 +123,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_training_finished_at": now.timestamp(),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": f"{arch}/lora",
-        "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+        "modelspec.implementation": implementation,
         "modelspec.title": f"{output_name(cfg)} (step {step})",
         "modelspec.resolution": res,
         "modelspec.date": now.date().isoformat(),
