@@ -3,7 +3,9 @@ they were looked for at, and each reference cut and resized with its target's ow
 
 from __future__ import annotations
 
+import io
 import json
+from pathlib import Path
 
 import cache_sets
 import numpy as np
@@ -188,10 +190,49 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
             f.seek(row["ref_offset"])
             assert f.read(row["ref_length"]) == row["ref_latent"]
     assert models.family(cfg.model).name == "flux1"
-    code = verify.main([gen_dir], out=__import__("io").StringIO())
-    assert code == 0
+    assert verify.main([gen_dir], out=io.StringIO()) == 0
 
     # A changed reference re-encodes its own sample only; the other is reused where it is.
     _save(refs / "b.png", cache_sets.picture(288, 224, 12))
     _, again = cache_sets.build(cfg, previous=manifest, generation=1)
     assert (again["encoded"]["samples"], again["reused"]["samples"]) == (1, 1)
+
+    # A reference latent cut short is a shape error that cache verify names.
+    shard = cache_sets.first_shard(Path(gen_dir))
+    cache_sets.rewrite_rows(shard, lambda rs: rs[0].update(ref_latent=rs[0]["ref_latent"][:-4]))
+    out = io.StringIO()
+    assert verify.main([gen_dir], out=out) == 1
+    assert "ref_latent bytes for shape (1, " in out.getvalue()
+
+
+def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_session, tiny_flux2_klein, tmp_path):
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    import pyarrow.parquet as pq
+
+    from rayflux.cache import index, shards, tensors
+
+    images, refs = _edit_dataset(tmp_path)
+    # data.alignment=32: the bucket check still asks FLUX.1's 2 x vae_scale_factor of FLUX.2's patchified latents.
+    sets = [f"data.reference_dir={refs}", "data.resolution=64", "data.alignment=32"]
+    cfg = cache_sets.job_config(tiny_flux2_klein, images, tmp_path, *sets)
+    gen_dir, manifest = cache_sets.build(cfg)
+    assert (manifest["cached"], manifest["skipped"]) == (2, 1)
+    layout = shards.ShardLayout(**manifest["layout"])
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein, text_encoder=None, tokenizer=None, transformer=None)
+    spec = buckets.BucketSpec(**manifest["bucket_spec"])
+    entries = index.read(manifest, "samples").to_pylist()
+    assert len(entries) == 2
+    for e in entries:
+        row = pq.ParquetFile(index.resolve(manifest, e["file"])).read_row_group(e["row"]).to_pylist()[0]
+        shape = (int(row["latent_c"]), int(row["latent_h"]), int(row["latent_w"]))
+        assert shape[0] == 4 * pipe.vae.config.latent_channels and row["ref_count"] == 1  # patchified
+        src = {"uri": row["source_uri"], "rel_path": row["rel_path"], "references": [str(refs / row["rel_path"])]}
+        prepared = prepare_row(src, spec, manifest["seed"], cfg.data.max_image_pixels)
+        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(1, row["target_h"], row["target_w"], 3)
+        x = torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        with torch.no_grad():
+            expected = pipe._encode_vae_image(x, generator=None)
+        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (1, *shape))
+        assert torch.allclose(stored, expected, atol=1e-4)
