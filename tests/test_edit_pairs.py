@@ -236,3 +236,16 @@ def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_sessio
             expected = pipe._encode_vae_image(x, generator=None)
         stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (1, *shape))
         assert torch.allclose(stored, expected, atol=1e-4)
+
+
+def test_the_job_refuses_to_train_edit_pairs_it_cannot_feed_and_overlapping_reference_dirs(tmp_path):
+    from rayflux import job, paths
+
+    images, refs = _edit_dataset(tmp_path)
+    cfg = _cfg(f"data.images_dir={images}", f"data.reference_dir={refs}", f"run.output_dir={tmp_path / 'run'}")
+    with pytest.raises(config.ConfigError, match="edit pairs .* can be cached \\(--only cache\\) but not trained"):
+        job.run(cfg)
+    inside = _cfg(f"data.images_dir={images}", f"data.reference_dir={tmp_path / 'run' / 'refs'}",
+                  f"run.output_dir={tmp_path / 'run'}")  # fmt: skip
+    with pytest.raises(paths.PathOverlapError, match="data.reference_dir"):
+        job.run(inside, only="cache")
