@@ -206,36 +206,47 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
 
 
 def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_session, tiny_flux2_klein, tmp_path):
+    """A metadata edit set with one and with two references per image, cached for FLUX.2 [klein]: each stored
+    reference latent is what the pipeline's own reference encoding makes of the same pixels."""
+    import pyarrow.parquet as pq
     import torch
     from diffusers import Flux2KleinPipeline
 
-    import pyarrow.parquet as pq
-
     from rayflux.cache import index, shards, tensors
 
-    images, refs = _edit_dataset(tmp_path)
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png", "in1.png", "in2a.png"]):
+        _save(root / name, cache_sets.picture(144, 112, i))
+    _save(root / "in2b.png", cache_sets.picture(72, 56, 9))  # half its target's size
+    rows = [{"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
+            {"file_name": "out2.png", "text": "put them together", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # data.alignment=32: the bucket check still asks FLUX.1's 2 x vae_scale_factor of FLUX.2's patchified latents.
-    sets = [f"data.reference_dir={refs}", "data.resolution=64", "data.alignment=32"]
-    cfg = cache_sets.job_config(tiny_flux2_klein, images, tmp_path, *sets)
+    sets = ["data.caption_strategy=metadata", "data.reference_column=source", "data.resolution=64", "data.alignment=32"]
+    cfg = cache_sets.job_config(tiny_flux2_klein, root, tmp_path, *sets)
     gen_dir, manifest = cache_sets.build(cfg)
-    assert (manifest["cached"], manifest["skipped"]) == (2, 1)
+    assert (manifest["cached"], manifest["skipped"]) == (2, 0)
     layout = shards.ShardLayout(**manifest["layout"])
     pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein, text_encoder=None, tokenizer=None, transformer=None)
     spec = buckets.BucketSpec(**manifest["bucket_spec"])
-    entries = index.read(manifest, "samples").to_pylist()
-    assert len(entries) == 2
-    for e in entries:
+    found = {s.rel_path: s for s in discover(cfg.data).sources}
+    counts = {}
+    for e in index.read(manifest, "samples").to_pylist():
         row = pq.ParquetFile(index.resolve(manifest, e["file"])).read_row_group(e["row"]).to_pylist()[0]
         shape = (int(row["latent_c"]), int(row["latent_h"]), int(row["latent_w"]))
-        assert shape[0] == 4 * pipe.vae.config.latent_channels and row["ref_count"] == 1  # patchified
-        src = {"uri": row["source_uri"], "rel_path": row["rel_path"], "references": [str(refs / row["rel_path"])]}
+        k = counts[row["rel_path"]] = row["ref_count"]
+        assert shape[0] == 4 * pipe.vae.config.latent_channels and e["ref_length"] == len(row["ref_latent"])
+        src = {"uri": row["source_uri"], "rel_path": row["rel_path"], "references": found[row["rel_path"]].references}
         prepared = prepare_row(src, spec, manifest["seed"], cfg.data.max_image_pixels)
-        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(1, row["target_h"], row["target_w"], 3)
+        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(k, row["target_h"], row["target_w"], 3)
         x = torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2).float() / 127.5 - 1.0
         with torch.no_grad():
-            expected = pipe._encode_vae_image(x, generator=None)
-        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (1, *shape))
-        assert torch.allclose(stored, expected, atol=1e-4)
+            expected = torch.cat([pipe._encode_vae_image(x[i : i + 1], generator=None) for i in range(k)])
+        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (k, *shape))
+        # The actor encodes both references in one batch on its own threads: equal up to summation order, far
+        # inside what a wrong crop, or a sampled instead of the mode latent, would change.
+        assert torch.allclose(stored, expected, atol=1e-3)
+    assert counts == {"out1.png": 1, "out2.png": 2}
 
 
 def test_the_job_refuses_to_train_edit_pairs_it_cannot_feed_and_overlapping_reference_dirs(tmp_path):
