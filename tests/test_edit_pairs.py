@@ -3,7 +3,9 @@ they were looked for at, and each reference cut and resized with its target's ow
 
 from __future__ import annotations
 
+import io
 import json
+from pathlib import Path
 
 import cache_sets
 import numpy as np
@@ -188,10 +190,73 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
             f.seek(row["ref_offset"])
             assert f.read(row["ref_length"]) == row["ref_latent"]
     assert models.family(cfg.model).name == "flux1"
-    code = verify.main([gen_dir], out=__import__("io").StringIO())
-    assert code == 0
+    assert verify.main([gen_dir], out=io.StringIO()) == 0
 
     # A changed reference re-encodes its own sample only; the other is reused where it is.
     _save(refs / "b.png", cache_sets.picture(288, 224, 12))
     _, again = cache_sets.build(cfg, previous=manifest, generation=1)
     assert (again["encoded"]["samples"], again["reused"]["samples"]) == (1, 1)
+
+    # A reference latent cut short is a shape error that cache verify names.
+    shard = cache_sets.first_shard(Path(gen_dir))
+    cache_sets.rewrite_rows(shard, lambda rs: rs[0].update(ref_latent=rs[0]["ref_latent"][:-4]))
+    out = io.StringIO()
+    assert verify.main([gen_dir], out=out) == 1
+    assert "ref_latent bytes for shape (1, " in out.getvalue()
+
+
+def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_session, tiny_flux2_klein, tmp_path):
+    """A metadata edit set with one and with two references per image, cached for FLUX.2 [klein]: each stored
+    reference latent is what the pipeline's own reference encoding makes of the same pixels."""
+    import pyarrow.parquet as pq
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    from rayflux.cache import index, shards, tensors
+
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png", "in1.png", "in2a.png"]):
+        _save(root / name, cache_sets.picture(144, 112, i))
+    _save(root / "in2b.png", cache_sets.picture(72, 56, 9))  # half its target's size
+    rows = [{"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
+            {"file_name": "out2.png", "text": "put them together", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # data.alignment=32: the bucket check still asks FLUX.1's 2 x vae_scale_factor of FLUX.2's patchified latents.
+    sets = ["data.caption_strategy=metadata", "data.reference_column=source", "data.resolution=64", "data.alignment=32"]
+    cfg = cache_sets.job_config(tiny_flux2_klein, root, tmp_path, *sets)
+    gen_dir, manifest = cache_sets.build(cfg)
+    assert (manifest["cached"], manifest["skipped"]) == (2, 0)
+    layout = shards.ShardLayout(**manifest["layout"])
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein, text_encoder=None, tokenizer=None, transformer=None)
+    spec = buckets.BucketSpec(**manifest["bucket_spec"])
+    found = {s.rel_path: s for s in discover(cfg.data).sources}
+    counts = {}
+    for e in index.read(manifest, "samples").to_pylist():
+        row = pq.ParquetFile(index.resolve(manifest, e["file"])).read_row_group(e["row"]).to_pylist()[0]
+        shape = (int(row["latent_c"]), int(row["latent_h"]), int(row["latent_w"]))
+        k = counts[row["rel_path"]] = row["ref_count"]
+        assert shape[0] == 4 * pipe.vae.config.latent_channels and e["ref_length"] == len(row["ref_latent"])
+        src = {"uri": row["source_uri"], "rel_path": row["rel_path"], "references": found[row["rel_path"]].references}
+        prepared = prepare_row(src, spec, manifest["seed"], cfg.data.max_image_pixels)
+        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(k, row["target_h"], row["target_w"], 3)
+        x = torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        with torch.no_grad():
+            expected = torch.cat([pipe._encode_vae_image(x[i : i + 1], generator=None) for i in range(k)])
+        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (k, *shape))
+        # The actor encodes both references in one batch on its own threads: equal up to summation order, far
+        # inside what a wrong crop, or a sampled instead of the mode latent, would change.
+        assert torch.allclose(stored, expected, atol=1e-3)
+    assert counts == {"out1.png": 1, "out2.png": 2}
+
+
+def test_the_job_refuses_to_train_edit_pairs_it_cannot_feed_and_overlapping_reference_dirs(tmp_path):
+    from rayflux import job, paths
+
+    images, refs = _edit_dataset(tmp_path)
+    cfg = _cfg(f"data.images_dir={images}", f"data.reference_dir={refs}", f"run.output_dir={tmp_path / 'run'}")
+    with pytest.raises(config.ConfigError, match="edit pairs .* can be cached \\(--only cache\\) but not trained"):
+        job.run(cfg)
+    inside = _cfg(f"data.images_dir={images}", f"data.reference_dir={tmp_path / 'run' / 'refs'}",
+                  f"run.output_dir={tmp_path / 'run'}")  # fmt: skip
+    with pytest.raises(paths.PathOverlapError, match="data.reference_dir"):
+        job.run(inside, only="cache")

@@ -187,3 +187,19 @@ def test_with_references_refuses_mismatched_inputs():
         with_references(tokens, ids, _randn(1, 3, 8), f2.reference_ids([(1, 3)]))
     with pytest.raises(ValueError, match="3 reference tokens but 4"):
         with_references(tokens, ids, _randn(2, 3, 8), f2.reference_ids([(2, 2)]))
+
+
+def test_cached_references_give_the_pipelines_tokens_and_ids():
+    refs = _randn(2, 3, 16, 2, 3, seed=11)  # a batch of 2 edits, 3 references each, as the cache stores them
+    tokens, ids = f2.cached_references(refs)
+    per_ref = [refs[:, i] for i in range(3)]
+    assert torch.equal(tokens, torch.cat([Flux2Pipeline._pack_latents(r) for r in per_ref], dim=1))
+    assert torch.equal(ids[None], Flux2Pipeline._prepare_image_ids([r[:1] for r in per_ref]))
+    one = _randn(2, 1, 4, 8, 6, seed=12)
+    k_tokens, k_ids = kx.cached_references(one)
+    assert torch.equal(k_tokens, FluxKontextPipeline._pack_latents(one[:, 0], 2, 4, 8, 6))
+    expected_ids = FluxKontextPipeline._prepare_latent_image_ids(2, 4, 3, torch.device("cpu"), torch.float32)
+    expected_ids[..., 0] = 1  # as FluxKontextPipeline.prepare_latents marks its image ids
+    assert torch.equal(k_ids, expected_ids)
+    with pytest.raises(ValueError, match="one reference image per edit, got 3"):
+        kx.cached_references(_randn(1, 3, 4, 8, 6))

@@ -125,6 +125,14 @@ def reference_ids(sizes: Sequence[tuple[int, int]], device=None) -> torch.Tensor
     return torch.cat([_grid_ids(reference_t(i), h, w, device) for i, (h, w) in enumerate(sizes)])
 
 
+def cached_references(references: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B, k*h*w, C], ids [k*h*w, 4])`` of a batch's cached reference latents ``[B, k, C, h, w]`` (the
+    cache's ``ref_latent``: normalised, patchified, cut with their target), for :func:`~rayflux.families.references.
+    with_references`."""
+    b, k, c, h, w = references.shape
+    return reference_tokens(list(references.unbind(1))), reference_ids([(h, w)] * k, device=references.device)
+
+
 def reference_tokens(latents: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[B, sum(h*w), C]``: the packed tokens of each reference's normalised, patchified ``[B, C, h, w]`` latent,
     concatenated in reference order (the order of :func:`reference_ids`)."""

@@ -21,6 +21,15 @@ def reference_tokens(latents: torch.Tensor) -> torch.Tensor:
     return flow.pack(latents)
 
 
+def cached_references(references: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B, (H/2)(W/2), 4C], ids [(H/2)(W/2), 3])`` of a batch's cached reference latents
+    ``[B, 1, C, H, W]`` (the cache's ``ref_latent``). Kontext conditions on exactly one reference image."""
+    b, k, c, h, w = references.shape
+    if k != 1:
+        raise ValueError(f"FLUX.1 Kontext takes one reference image per edit, got {k}")
+    return reference_tokens(references[:, 0]), reference_ids(h, w, device=references.device, dtype=dtype)
+
+
 def reference_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """``[(H/2)(W/2), 3]`` ids of a ``height`` x ``width`` reference latent's tokens: ``(1, row, column)``."""
     ids = flow.image_ids(height, width, device=device, dtype=dtype)
