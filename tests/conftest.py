@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray per test session, the tiny model, and demo images.
+"""Shared fixtures: one local Ray per test module, the tiny model, and demo images.
 
 Everything is real (Ray, torch, diffusers); only the model is tiny.
 """
@@ -6,6 +6,7 @@ Everything is real (Ray, torch, diffusers); only the model is tiny.
 from __future__ import annotations
 
 import os
+import time
 import tempfile
 from pathlib import Path
 
@@ -87,19 +88,27 @@ def _no_session_ray_beside_own_clusters(request):
     yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_dashboard(ray_session) -> str:
-    """The session Ray's dashboard URL, for Ray's state API (``ray.util.state``)."""
+    """The module's Ray's dashboard URL, for Ray's state API (``ray.util.state``)."""
     return _DASHBOARD["url"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session(tiny_model):
-    """A local Ray for the whole session (start-up costs seconds; tests share it). Stopped at the end."""
+    """A local Ray for each test module (start-up costs seconds; a module's tests share it), stopped after it.
+
+    Why not one Ray for the whole session: after about half an hour of actors and pipelines coming and going, a
+    driver of this Ray version has been seen to stop receiving actor-state updates from the GCS (the actor is
+    created, the driver never learns it is alive, and the next Ray Data pipeline waits on it forever). A fresh
+    Ray per module keeps each module's outcome its own, at a few seconds per module."""
     import ray
     from ray.data import DataContext
 
     import socket
+
+    if ray.is_initialized():  # a Ray an earlier test left connected (a job.run that started its own)
+        ray.shutdown()
 
     # The dashboard serves Ray's state API (tests list live actors); a free port keeps it clear of any other head.
     with socket.socket() as s:
@@ -138,3 +147,32 @@ def job_config(tiny_model, demo_images, tmp_path):
             "train.num_workers=2",
         ],
     )
+
+
+def _free_cpus(ray) -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+@pytest.fixture(autouse=True)
+def _test_releases_its_cpus(request):
+    """Every test stops what it started: a test on the session Ray must hand back the CPUs it took (an actor or a
+    pipeline left running holds them, and the next cache build then waits for CPUs that never come back). Ray frees
+    a finished actor's CPUs a moment after it exits, so this waits briefly before failing."""
+    if "ray_session" not in request.fixturenames:
+        yield
+        return
+    import ray
+
+    before = _free_cpus(ray) if ray.is_initialized() else None
+    yield
+    if before is None or not ray.is_initialized():
+        return
+    deadline = time.monotonic() + 60
+    while _free_cpus(ray) < before - 1e-6 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    after = _free_cpus(ray)
+    if after < before - 1e-6:
+        from ray.util.state import list_actors
+
+        alive = [f"{a.class_name}({a.actor_id[:8]})" for a in list_actors(filters=[("state", "=", "ALIVE")])]
+        pytest.fail(f"the test left {before - after:g} CPU taken ({after:g} free, {before:g} before); alive actors: {alive}")

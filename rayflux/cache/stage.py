@@ -10,6 +10,7 @@ generation is never committed. The index rows the writers return stream into the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -141,14 +142,17 @@ def _collect(ds, strict: bool, sink: index.Sink) -> list[dict]:
     """Stream the write tasks' metadata rows, their index rows into ``sink``; raise on the first validation error
     (or bad input, when strict)."""
     out = []
-    for meta in stall.watch(ds.iter_rows()):
-        if meta["error"]:
-            raise shards.CacheShapeError(meta["error"])
-        skipped = json.loads(meta.get("skipped") or "[]")
-        if strict and skipped:
-            raise BadInputError(f"cache.strict: {skipped[0]['source_uri']}: {skipped[0]['reason']}")
-        sink.add(index.from_ipc(meta.pop("index")))
-        out.append(meta)
+    # closing(): a validation error raised below stops the pipeline at once (see stall.watch) instead of leaving its
+    # actors running until the generator is garbage-collected.
+    with contextlib.closing(stall.watch(ds.iter_rows())) as rows:
+        for meta in rows:
+            if meta["error"]:
+                raise shards.CacheShapeError(meta["error"])
+            skipped = json.loads(meta.get("skipped") or "[]")
+            if strict and skipped:
+                raise BadInputError(f"cache.strict: {skipped[0]['source_uri']}: {skipped[0]['reason']}")
+            sink.add(index.from_ipc(meta.pop("index")))
+            out.append(meta)
     return out
 
 

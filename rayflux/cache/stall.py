@@ -97,12 +97,19 @@ def watch(rows: Iterable, seconds: float | None = None, name: str = "cache") -> 
                 _raise_in(consumer, Stalled)
                 return
 
+    it = iter(rows)
     thread = threading.Thread(target=monitor, name="rayflux-stall-watch", daemon=True)
     thread.start()
     try:
-        for row in rows:
+        for row in it:
             state["rows"] += 1
             yield row
     finally:
         done.set()
         thread.join()
+        # Close Ray Data's iterator now, not whenever the garbage collector reaches it: its ``finally`` shuts the
+        # streaming executor down, and until then the stage's encoder actors keep their CPUs and GPUs, which the
+        # next pipeline (or the trainer) then waits for.
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
