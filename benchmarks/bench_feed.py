@@ -77,10 +77,11 @@ def main() -> int:
         params = lora.add_lora(transformer, 4, 4.0, "attention")
         opt = torch.optim.AdamW(params, lr=1e-4)
         guidance = bool(transformer.config.guidance_embeds)
+        family = models.family(cfg.model)
 
         def step(item):
             batch = train_step.from_item(item)
-            loss = train_step.flow_loss(transformer, batch, cfg.train, guidance, None, "cpu", torch.float32)
+            loss = train_step.flow_loss(transformer, batch, cfg.train, guidance, None, "cpu", torch.float32, family)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -70,8 +70,10 @@ def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> ste
     g = torch.Generator().manual_seed(seed)
     c, side = tc["in_channels"] // 4, px // 8
     text = plan.text_tokens(tc)
-    return step.Batch(torch.randn(size, c, side, side, generator=g), torch.randn(size, text, tc["joint_attention_dim"],
-                      generator=g), torch.randn(size, tc["pooled_projection_dim"], generator=g), seed)  # fmt: skip
+    latents = torch.randn(size, c, side, side, generator=g)
+    t5 = torch.randn(size, text, tc["joint_attention_dim"], generator=g)
+    return step.Batch(latents, {"t5": t5, "clip_pooled": torch.randn(size, tc["pooled_projection_dim"], generator=g)},
+                      seed)  # fmt: skip
 
 
 def _transformer(tc: dict, device: torch.device, dtype: torch.dtype):
@@ -91,9 +93,10 @@ def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtyp
     sig = torch.rand(b, device=device)
     noisy = flow.pack((1 - sig[:, None, None, None]) * x + sig[:, None, None, None] * noise).to(dtype)
     with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-        pred = model(hidden_states=noisy, encoder_hidden_states=batch.t5.to(device, dtype),
-                     pooled_projections=batch.clip.to(device, dtype), timestep=sig.to(dtype),
-                     img_ids=flow.image_ids(h, w, device, dtype), txt_ids=flow.text_ids(batch.t5.shape[1], device, dtype),
+        t5 = batch.text["t5"]
+        pred = model(hidden_states=noisy, encoder_hidden_states=t5.to(device, dtype),
+                     pooled_projections=batch.text["clip_pooled"].to(device, dtype), timestep=sig.to(dtype),
+                     img_ids=flow.image_ids(h, w, device, dtype), txt_ids=flow.text_ids(t5.shape[1], device, dtype),
                      guidance=torch.ones(b, device=device, dtype=dtype), return_dict=False)[0]  # fmt: skip
     loss = torch.nn.functional.mse_loss(pred.float(), flow.pack(noise - x))
     loss.backward()

@@ -22,7 +22,8 @@ class BucketSpec:
     resolution_type: str = "area"
     """``area`` or ``shorter_edge``."""
     alignment: int = 16
-    """Target sides are multiples of this: VAE downscale (8) times the transformer's 2x2 patch packing."""
+    """Target sides are multiples of this: a latent cell's pixels times the transformer's patch packing (FLUX.1:
+    8 x 2; FLUX.2, whose stored latents are already patchified: 16 x 1)."""
     crop: str = "center"
     """``center`` or ``random``."""
     max_aspect: float = 2.5
@@ -30,9 +31,11 @@ class BucketSpec:
     min_image_size: int = 64
     """Shorter edges below this are rejected."""
     vae_scale_factor: int = 8
-    """Pixel-to-latent downscale of the VAE."""
+    """Pixel-to-latent downscale of a stored latent."""
     latent_channels: int = 16
-    """VAE latent channels."""
+    """Channels of a stored latent."""
+    pack: int = 2
+    """Side of the patches the transformer packs stored latent cells into (FLUX.1: 2; FLUX.2: 1)."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,11 @@ def check_spec(spec: BucketSpec) -> None:
         raise ValueError(f"unknown resolution_type {spec.resolution_type!r}; expected area or shorter_edge")
     if spec.crop not in ("center", "random"):
         raise ValueError(f"unknown crop mode {spec.crop!r}; expected center or random")
-    if spec.alignment <= 0 or spec.alignment % (2 * spec.vae_scale_factor) != 0:
+    step = spec.pack * spec.vae_scale_factor
+    if spec.alignment <= 0 or spec.alignment % step != 0:
         raise ValueError(
-            f"alignment {spec.alignment} must be a positive multiple of 2 x vae_scale_factor "
-            f"({2 * spec.vae_scale_factor}): the VAE downscales by {spec.vae_scale_factor} and FLUX packs 2x2 latents"
+            f"alignment {spec.alignment} must be a positive multiple of {spec.pack} x vae_scale_factor ({step}): the "
+            f"latent has a cell per {spec.vae_scale_factor} pixels and the transformer packs {spec.pack}x{spec.pack} cells"
         )
     if spec.max_aspect < 1:
         raise ValueError(f"max_aspect must be >= 1, got {spec.max_aspect}")

@@ -32,6 +32,9 @@ class MetadataIndex:
 
     captions: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    references: dict[str, list[str]] = field(default_factory=dict)
+    """With ``reference_column``: each image's reference files, relative to ``reference_dir`` when it is set, else to
+    the dataset root (in the order the table lists them)."""
 
 
 def read_sidecar(fs: pafs.FileSystem, path: str) -> list[str]:
@@ -58,8 +61,8 @@ def _options(value) -> list[str] | None:
     return None
 
 
-def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object, object]]:
-    """(where, file_name, caption cell) for every row of one metadata table."""
+def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[tuple[str, object, object, object]]:
+    """(where, file_name, caption cell, ``extra`` column's cell) for every row of one metadata table."""
     name = path.rsplit("/", 1)[-1]
     if name.endswith(".jsonl"):
         with fs.open_input_stream(path) as f:
@@ -68,7 +71,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object
             lines = raw.decode("utf-8-sig").splitlines()
         except UnicodeDecodeError as exc:
             raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
-        rows, has_column = [], False
+        rows, has_column, has_extra = [], False, False
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -80,10 +83,13 @@ def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object
                 raise CaptionError(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
             if "file_name" not in obj:
                 raise CaptionError(f"{path} line {n}: no 'file_name' key (keys: {', '.join(sorted(obj))})")
-            rows.append((f"{name} line {n}", obj["file_name"], obj.get(column)))
+            rows.append((f"{name} line {n}", obj["file_name"], obj.get(column), obj.get(extra) if extra else None))
             has_column = has_column or column in obj
+            has_extra = has_extra or extra in obj
         if rows and not has_column:
             raise CaptionError(f"{path}: no row has a {column!r} key (set caption_column to the caption's key)")
+        if rows and extra and not has_extra:
+            raise CaptionError(f"{path}: no row has a {extra!r} key (set reference_column to the references' key)")
         return rows
     if name.endswith(".csv"):
         import pyarrow.csv as pacsv
@@ -109,10 +115,12 @@ def _rows(fs: pafs.FileSystem, path: str, column: str) -> list[tuple[str, object
     if "file_name" not in table.column_names:
         raise CaptionError(f"{path}: no 'file_name' column (columns: {', '.join(table.column_names)})")
     names = table["file_name"].to_pylist()
-    if column not in table.column_names:
-        raise CaptionError(f"{path}: no {column!r} column (columns: {', '.join(table.column_names)})")
+    for col in (column, extra) if extra else (column,):
+        if col not in table.column_names:
+            raise CaptionError(f"{path}: no {col!r} column (columns: {', '.join(table.column_names)})")
     cells = table[column].to_pylist()
-    return [(f"{name} row {i + 1}", n, c) for i, (n, c) in enumerate(zip(names, cells))]
+    extras = table[extra].to_pylist() if extra else [None] * len(cells)
+    return [(f"{name} row {i + 1}", n, c, e) for i, (n, c, e) in enumerate(zip(names, cells, extras))]
 
 
 def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetConfig) -> MetadataIndex:
@@ -144,7 +152,7 @@ def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetCo
         )
     seen: dict[str, str] = {}
     for tfs, path, folder in tables:
-        for where, file_name, cell in _rows(tfs, path, ds.caption_column):
+        for where, file_name, cell, refs in _rows(tfs, path, ds.caption_column, ds.reference_column):
             if not isinstance(file_name, str) or not file_name.strip():
                 index.problems.append(f"{path}: {where}: file_name is empty or not a string")
                 continue
@@ -164,9 +172,29 @@ def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetCo
             if prefix + rel not in files:
                 index.problems.append(f"{path}: {where}: file_name {file_name!r} matches no file in the dataset")
                 continue
+            if ds.reference_column:
+                named = _references(refs, folder, ds)
+                if isinstance(named, str):
+                    index.problems.append(f"{path}: {where}: {named}")
+                    continue
+                index.references[rel] = named
             seen[rel] = where
             index.captions[rel] = options
     return index
+
+
+def _references(cell, folder: str, ds: DatasetConfig) -> list[str] | str:
+    """A reference cell as paths (relative to ``reference_dir``, or to the dataset root), or what is wrong with it."""
+    names = _options(cell)
+    if names is None:
+        return f"{ds.reference_column!r} must be a file name or a list of file names, got {cell!r}"
+    out = []
+    for name in names:
+        rel = posixpath.normpath(name if ds.reference_dir else posixpath.join(folder, name))
+        if rel.startswith("../") or rel == ".." or rel.startswith("/"):
+            return f"reference {name!r} points outside the {'reference_dir' if ds.reference_dir else 'dataset'}"
+        out.append(rel)
+    return out
 
 
 def finish(options: list[str], ds: DatasetConfig, file_name: str) -> tuple[list[str], str]:

@@ -73,6 +73,14 @@ class DatasetConfig:
     """Use at most this many images of the dataset (a stable choice by path hash). 0: all of them."""
     regularisation: bool = False
     """A regularisation (prior-preservation) set: its samples' loss is weighted by ``data.reg_loss_weight``."""
+    reference_dir: str = ""
+    """Edit pairs: a folder or URI of reference images with the same relative paths as ``images_dir`` (any image
+    extension). Each training image is the edit's result, its caption the instruction; an image without its reference
+    is skipped with the reason. Empty: no references (unless ``reference_column`` names them)."""
+    reference_column: str = ""
+    """Edit pairs from a metadata table (``caption_strategy=metadata``): the column naming each image's reference
+    file, or a list of them (FLUX.2 takes several), relative to ``reference_dir`` when it is set, else to the table's
+    folder. Files named there are references only, never training images themselves."""
 
 
 # Keys a dataset mapping may set; they decide what is cached, except these, which only shape the epoch.

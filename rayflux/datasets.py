@@ -51,6 +51,11 @@ def _check(ds: DatasetConfig, label) -> None:
             f"{label('instance_prompt')} is empty, but caption_strategy=instance, missing_caption=instance or "
             "prepend_instance_prompt needs it"
         )
+    if ds.reference_column and ds.caption_strategy != "metadata":
+        raise ConfigError(
+            f"{label('reference_column')} names a metadata column, so it needs caption_strategy=metadata (got "
+            f"{ds.caption_strategy}); for a folder of references with the images' own names use reference_dir"
+        )
     if ds.name and not _NAME.match(ds.name):
         raise ConfigError(f"{label('name')} {ds.name!r} may only hold letters, digits, '.', '_' and '-'")
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from rayflux import console, datasets, models, paths, progress, refresh, storage
-from rayflux.config import JobConfig, refresh_interval, worker_range
+from rayflux.config import ConfigError, JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
 log = logging.getLogger("rayflux")
@@ -239,6 +239,16 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     for i, ds in enumerate(datasets.datasets_of(cfg.data)):
         key = datasets.images_key(cfg.data, i)
         paths.check_disjoint(ds.images_dir, key, **{"cache.dir": cache_root, "run.output_dir": output})
+        if ds.reference_dir:
+            ref_key = key.replace("images_dir", "reference_dir")
+            paths.check_disjoint(ds.reference_dir, ref_key, **{"cache.dir": cache_root, "run.output_dir": output})
+        # The cache stores edit pairs' reference latents, but no training step feeds them yet: training such a
+        # dataset would silently learn plain text-to-image, so it is refused until the step takes references.
+        if (ds.reference_dir or ds.reference_column) and only != "cache":
+            raise ConfigError(
+                f"dataset {datasets.label(ds)}: edit pairs (reference_dir / reference_column) can be cached "
+                "(--only cache) but not trained yet; remove them to train on the images alone"
+            )
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
     ledger = Ledger(output, run_identity(cfg))

@@ -1,17 +1,18 @@
-"""Load FLUX parts from a diffusers-format directory or hub id, through ``from_pretrained`` only.
+"""Load a model's parts from a diffusers-format directory or hub id, through ``from_pretrained`` only.
 
-The embedded tiny model, FLUX.1-dev and FLUX.1-schnell all take this one path; only ``model.path`` differs.
+Every model takes this one path; only ``model.path`` differs. What differs between FLUX.1 and FLUX.2 is the
+model's family (:mod:`rayflux.families`), chosen from its ``model_index.json``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from rayflux import storage
 from rayflux.config import ModelConfig
+from rayflux.families.base import Family, ModelFacts
+
+__all__ = ["ModelFacts", "Family"]
 
 
 def resolve_path(cfg: ModelConfig, configs_only: bool = False) -> str:
@@ -69,26 +70,6 @@ def default_device() -> str:
     return choose_device(torch.cuda.is_available(), in_worker, gpu_ids)
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the rest of the job needs to know about a model, read from its config files alone (no weights)."""
-
-    vae_scale_factor: int
-    latent_channels: int
-    shift_factor: float
-    scaling_factor: float
-    guidance_embeds: bool
-    t5_max_length: int
-    identity: str
-    """Hash of the VAE and text-encoder configs and weight file sizes/names (or the hub revision): part of the
-    cache key, so a different encoder never reuses old latents."""
-
-    @property
-    def alignment(self) -> int:
-        """Pixel sides must be multiples of this: VAE downscale times the 2x2 latent packing."""
-        return 2 * self.vae_scale_factor
-
-
 def _load_config(path: str, cfg: ModelConfig, subfolder: str) -> dict:
     from diffusers import AutoencoderKL
 
@@ -104,13 +85,18 @@ def _looks_local(path: str) -> bool:
 def read_config(cfg: ModelConfig, subfolder: str) -> dict:
     """One part's ``config.json``, read here (on the driver). A local ``model.path`` must therefore exist on the
     machine that runs the job's driver as well as on the workers."""
+    return _load_config(_config_path(cfg), cfg, subfolder)
+
+
+def _config_path(cfg: ModelConfig) -> str:
+    """Where this machine reads the model's configs from; a local ``model.path`` that is not here is refused."""
     path = resolve_path(cfg, configs_only=True)
     if _looks_local(path) and not Path(path).expanduser().is_dir():
         raise FileNotFoundError(
             f"model.path={path}: no such directory on this machine; the job reads the model's configs on the driver "
             "(the head node), so a local model.path must exist there too (or use a hub id)"
         )
-    return _load_config(path, cfg, subfolder)
+    return path
 
 
 def _weights_signature(path: str, subfolders: list[str]) -> list:
@@ -135,57 +121,37 @@ def _weights_signature(path: str, subfolders: list[str]) -> list:
     return sig
 
 
-FAMILIES = {"FluxPipeline": "FLUX.1 [dev] / [schnell]"}
-"""``model_index.json`` classes the job can train, with what users call them."""
-PARTS = ("transformer/config.json", "vae/config.json", "text_encoder/config.json", "text_encoder_2/config.json",
-         "tokenizer", "tokenizer_2", "scheduler/scheduler_config.json")  # fmt: skip
+def check_family(path: str, revision: str = "") -> Family:
+    """The family of a model (``model_index.json``'s ``_class_name``). A model of another family, or a local
+    directory missing one of its family's parts, is refused in one line naming its class, the supported families
+    and the missing part."""
+    from rayflux import families
 
-
-def check_family(path: str) -> None:
-    """Refuse a local model directory of another family, or one missing a part, in one line that names the class
-    in its ``model_index.json``, the supported families and the missing part. (Hub ids are checked by the hub.)"""
+    found = families.class_name(path, revision)
+    family = families.FAMILIES.get(found)
     root = Path(path)
-    if not root.is_dir():
-        return
-    index = root / "model_index.json"
-    found = json.loads(index.read_text()).get("_class_name", "?") if index.is_file() else "no model_index.json"
-    missing = [p for p in PARTS if not (root / p).exists()]
-    if found in FAMILIES and not missing:
-        return
-    supported = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
+    missing = [p for p in family.parts if not (root / p).exists()] if family and root.is_dir() else []
+    if family and not missing:
+        return family
     gap = f"; missing {', '.join(missing)}" if missing else ""
-    raise ValueError(f"model.path {path} holds {found}, not a supported family: {supported}{gap}")
+    raise ValueError(f"model.path {path} holds {found}, not a supported family: {families.supported()}{gap}")
+
+
+def family(cfg: ModelConfig) -> Family:
+    """The model's family, from its ``model_index.json`` (an object-store model's config files are copied first)."""
+    return check_family(_config_path(cfg), cfg.revision)
 
 
 def model_facts(cfg: ModelConfig) -> ModelFacts:
     path = cfg.path if storage.is_uri(cfg.path) else resolve_path(cfg)
-    check_family(path)
-    vae, transformer, clip, t5 = (read_config(cfg, s) for s in ("vae", "transformer", "text_encoder", "text_encoder_2"))
-    # FLUX.1-schnell was distilled with 256 T5 tokens and dev with 512; guidance_embeds tells them apart.
-    guidance = bool(transformer.get("guidance_embeds", False))
-    t5_len = 512 if guidance else 256
-    blob = json.dumps(
-        {
-            "vae": {k: v for k, v in vae.items() if not k.startswith("_")},
-            "clip": {k: v for k, v in clip.items() if not k.startswith("_")},
-            "t5": {k: v for k, v in t5.items() if not k.startswith("_")},
-            "weights": _weights_signature(path, ["vae", "text_encoder", "text_encoder_2"]),
-            "path": path if not Path(path).is_dir() else "",
-            "revision": cfg.revision,
-            "t5_len": t5_len,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    return ModelFacts(
-        vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
-        latent_channels=int(vae["latent_channels"]),
-        shift_factor=float(vae.get("shift_factor") or 0.0),
-        scaling_factor=float(vae["scaling_factor"]),
-        guidance_embeds=guidance,
-        t5_max_length=t5_len,
-        identity=hashlib.sha256(blob.encode()).hexdigest()[:16],
-    )
+    fam = family(cfg)
+    configs = {s: read_config(cfg, s) for s in fam.config_parts}
+    identity = {
+        "weights": _weights_signature(path, list(fam.encoder_parts)),
+        "path": path if not Path(path).is_dir() else "",
+        "revision": cfg.revision,
+    }
+    return fam.facts(configs, identity)
 
 
 def shift_config(cfg: ModelConfig) -> dict:
@@ -199,29 +165,19 @@ def shift_config(cfg: ModelConfig) -> dict:
     return {k: config[k] for k in SHIFT_KEYS if k in config}
 
 
-def load_vae(cfg: ModelConfig, device: str, dtype):
-    from diffusers import AutoencoderKL
+def revision_kw(cfg: ModelConfig) -> dict:
+    """``from_pretrained`` keyword arguments that pin ``model.revision`` (none when unset)."""
+    return {"revision": cfg.revision} if cfg.revision else {}
 
-    vae = AutoencoderKL.from_pretrained(resolve_path(cfg), torch_dtype=dtype, **_kwargs(cfg, "vae"))
-    return vae.to(device).eval().requires_grad_(False)
+
+def load_vae(cfg: ModelConfig, device: str, dtype):
+    return family(cfg).load_vae(resolve_path(cfg), revision_kw(cfg), device, dtype)
 
 
 def load_text_encoders(cfg: ModelConfig, device: str, dtype):
-    """CLIP-L and T5-XXL with their tokenizers. Only the cache stage's text actors ever call this."""
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-    path = resolve_path(cfg)
-    clip_tok = CLIPTokenizer.from_pretrained(path, **_kwargs(cfg, "tokenizer"))
-    t5_tok = T5TokenizerFast.from_pretrained(path, **_kwargs(cfg, "tokenizer_2"))
-    clip = CLIPTextModel.from_pretrained(path, dtype=dtype, **_kwargs(cfg, "text_encoder"))
-    t5 = T5EncoderModel.from_pretrained(path, dtype=dtype, **_kwargs(cfg, "text_encoder_2"))
-    clip = clip.to(device).eval().requires_grad_(False)
-    t5 = t5.to(device).eval().requires_grad_(False)
-    return clip_tok, clip, t5_tok, t5
+    """The family's text encoders with their tokenizers. Only the cache stage's text actors ever call this."""
+    return family(cfg).load_text_encoders(resolve_path(cfg), revision_kw(cfg), device, dtype)
 
 
 def load_transformer(cfg: ModelConfig, device: str, dtype):
-    from diffusers import FluxTransformer2DModel
-
-    model = FluxTransformer2DModel.from_pretrained(resolve_path(cfg), torch_dtype=dtype, **_kwargs(cfg, "transformer"))
-    return model.to(device)
+    return family(cfg).load_transformer(resolve_path(cfg), revision_kw(cfg), device, dtype)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from rayflux import captions, datasets, storage
+from rayflux import captions, datasets, edit_pairs, storage
 from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -31,6 +32,10 @@ class Source:
     caption: str
     dataset: str = ""
     """The shards' ``dataset`` column: the dataset's name, or "" for ``data.images_dir``."""
+    references: tuple[str, ...] = ()
+    """Edit pairs: the URIs of the image's reference images, in order (see :mod:`rayflux.edit_pairs`)."""
+    references_stamp: str = ""
+    """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
 
 
 @dataclass
@@ -97,6 +102,30 @@ def rank(rel_path: str) -> bytes:
     return hashlib.sha256(rel_path.encode()).digest()
 
 
+def _pairing(ds: DatasetConfig, metadata, base: str, files: dict) -> edit_pairs.Pairing:
+    """The dataset's edit pairing: ``reference_dir`` listed once (concurrently, like ``images_dir``)."""
+    if not (ds.reference_dir or ds.reference_column):
+        return edit_pairs.Pairing(ds)
+    refs: dict[str, str] = {}
+    if ds.reference_dir:
+        fs, root = storage.resolve(ds.reference_dir)
+        if fs.get_file_info(root).type != pafs.FileType.Directory:
+            name = datasets.label(ds)
+            raise FileNotFoundError(f"reference_dir {ds.reference_dir!r} is not a directory (dataset {name})")
+        prefix = root.rstrip("/") + "/"
+        for e in _list(fs, root):
+            rel = e.path[len(prefix) :]
+            if e.type == pafs.FileType.File and not _hidden(rel) and rel.lower().endswith(IMAGE_EXTENSIONS):
+                refs[rel] = _stamp(e)
+    named = metadata.references if metadata else {}
+    own = {p[len(base) :]: _stamp(e) for p, e in files.items() if p.startswith(base)}
+    return edit_pairs.pairing(ds, refs, named, own)
+
+
+def _stamp(e: pafs.FileInfo) -> str:
+    return f"{e.size or 0}:{e.mtime_ns or 0}"
+
+
 def draw(rows: list[dict], k: int) -> tuple[list[dict], int]:
     """The ``k`` usable rows of lowest :func:`rank` and how many usable rows were left out.
 
@@ -135,11 +164,13 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
     out = Listing(ds, key, problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
     base = root.rstrip("/") + "/"
     by_lower = _by_lower_case(files, base, ds)
+    pairs = _pairing(ds, metadata, base, files)
+    reference_only = pairs.reference_only()
     images = set()
     for path in sorted(files):
         rel = path[len(base) :] if path.startswith(base) else path
         file_name = rel.rsplit("/", 1)[-1]
-        if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS):
+        if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS) or rel in reference_only:
             continue
         images.add(path[: path.rfind(".")].lower())
         e = files[path]
@@ -154,6 +185,10 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
             row["options"] = [captions.from_filename(file_name)]
         else:
             row["options"] = [ds.instance_prompt]
+        # Edit pairs: the references travel with the row (JSON, like ``options``, so every row has the same
+        # columns in the preparation tasks); a missing one makes the row a recorded skip when it is settled.
+        references, stamps, missing = pairs.references(rel) if pairs.active else ((), "", "")
+        row.update(references=json.dumps(list(references)), references_stamp=stamps, missing_reference=missing)
         out.rows.append(row)
     if ds.caption_strategy == "sidecar":
         ext = ds.caption_ext.lower()
@@ -172,7 +207,9 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
     fs = storage.resolve(ds.images_dir)[0] if ds.caption_strategy == "sidecar" else None
 
     def one(row: dict) -> dict:
-        row = {**row, "caption": "", "skip_reason": "", "uncaptioned": False}
+        row = {**row, "caption": "", "skip_reason": row.get("missing_reference", ""), "uncaptioned": False}
+        if row["skip_reason"]:
+            return row
         options = row.get("options") or []
         if fs is not None and row.get("sidecar"):
             try:
@@ -210,7 +247,8 @@ def gather(listing: Listing, settled: list[dict], left_out: int = 0) -> Discover
         if r["skip_reason"]:
             found.skipped.append({"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]})
     found.sources = [
-        Source(r["uri"], r["rel_path"], r["size"], r["mtime_ns"], r["caption"], r["dataset"])
+        Source(r["uri"], r["rel_path"], r["size"], r["mtime_ns"], r["caption"], r["dataset"],
+               tuple(json.loads(r.get("references") or "[]")), r.get("references_stamp") or "")  # fmt: skip
         for r in sorted(good, key=lambda r: r["rel_path"])
     ]
     uncaptioned = sorted(r["rel_path"] for r in settled if r["uncaptioned"])

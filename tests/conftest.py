@@ -35,6 +35,27 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_klein() -> Path:
+    from rayflux.testing.tiny_flux2 import ensure_tiny_flux2_klein
+
+    return ensure_tiny_flux2_klein()
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_dev() -> Path:
+    from rayflux.testing.tiny_flux2 import ensure_tiny_flux2_dev
+
+    return ensure_tiny_flux2_dev()
+
+
+@pytest.fixture(scope="session")
+def tiny_kontext() -> Path:
+    from rayflux.testing.tiny_kontext import ensure_tiny_kontext
+
+    return ensure_tiny_kontext()
+
+
+@pytest.fixture(scope="session")
 def demo_images() -> Path:
     from rayflux.testing.images import ensure_demo_images
 

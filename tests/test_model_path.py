@@ -34,8 +34,8 @@ def test_an_s3_model_path_is_copied_once_per_node(s3_bucket, tiny_model, tmp_pat
 
     facts = models.model_facts(ModelConfig(path=uri))  # configs only: the driver never pulls the weights
     local = models.model_facts(ModelConfig(path=str(tiny_model)))
-    assert (facts.vae_scale_factor, facts.latent_channels, facts.t5_max_length) == (
-        local.vae_scale_factor, local.latent_channels, local.t5_max_length)  # fmt: skip
+    assert (facts.vae_scale_factor, facts.latent_channels, facts.text_length) == (
+        local.vae_scale_factor, local.latent_channels, local.text_length)  # fmt: skip
     assert facts.identity != local.identity  # a different source is a different cache identity
     [copy_dir] = (tmp_path / "models").glob("*/")
     assert not list(copy_dir.rglob("*.safetensors"))

@@ -147,15 +147,16 @@ def _generation(gen_dir, parts) -> dict:
     import dataclasses
 
     from rayflux.cache import index, writer
+    from rayflux.families.flux1 import text_tensors
     from rayflux.sources import caption_id
 
     zeros = lambda n: np.zeros(n, np.float32).tobytes()  # noqa: E731
-    layout = shards.ShardLayout("samples", "float32", latent_channels=1, vae_scale_factor=8, t5_len=1)
+    layout = shards.ShardLayout("samples", "float32", latent_channels=1, vae_scale_factor=8, text=text_tensors(1))
     cid = caption_id("")
     text = {"caption_id": [cid], "caption": [""], "t5_len": [1], "t5_dim": [2], "clip_dim": [2],
             "text_dtype": ["float32"], "t5": [zeros(2)], "clip_pooled": [zeros(2)], "encode_id": ["e"]}  # fmt: skip
     tmeta = writer.write_text(text, str(gen_dir), dataclasses.replace(layout, kind="text"), 0)
-    samples, captions = index.Sink("samples"), index.Sink("captions")
+    samples, captions = index.Sink("samples"), index.Sink("captions", layout.text)
     captions.add(index.from_ipc(tmeta["index"][0]))
     files = []
     for ids, dataset, fill in parts:

@@ -73,13 +73,13 @@ def test_stacked_row_round_trips_to_tensors():
     t5 = [np.full((7, 3), 10 + i, np.float32) for i in range(2)]
     clip = [np.full((3,), 20 + i, np.float32) for i in range(2)]
     plan = {"epoch": 1, "index": 4, "seed": 99, "step": 3, "total_steps": 8, "bucket": "80x48"}
-    row = batching.stack_batch(plan, 2, ["a", "b"], lat, t5, clip)
+    row = batching.stack_batch(plan, 2, ["a", "b"], lat, {"t5": t5, "clip_pooled": clip})
     batch = step.from_item(row)
     assert batch.seed == 99 and row["size"] == 2 and json.loads(row["sample_ids"]) == ["a", "b"]
     assert (row["step"], row["total_steps"], row["generation"]) == (3, 8, 2)
     assert batch.latents.shape == (2, 4, 6, 10) and torch.equal(batch.latents[1], torch.ones(4, 6, 10))
-    assert batch.t5.shape == (2, 7, 3) and float(batch.t5[1, 0, 0]) == 11
-    assert batch.clip.shape == (2, 3) and float(batch.clip[0, 0]) == 20
+    assert batch.text["t5"].shape == (2, 7, 3) and float(batch.text["t5"][1, 0, 0]) == 11
+    assert batch.text["clip_pooled"].shape == (2, 3) and float(batch.text["clip_pooled"][0, 0]) == 20
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,6 +7,7 @@ import torch
 from pipeline_support import render
 
 from rayflux import config
+from rayflux.families.flux1 import Flux1
 from rayflux.train import kohya, lora, lora_files
 
 # Everything kohya can name, except a single block's q/k/v/mlp: diffusers 0.42 splits a kohya ``linear1`` with
@@ -42,7 +43,7 @@ def test_presets_stay_inside_the_blocks(tiny_model):
     assert "single_transformer_blocks.0.proj_out" in ffs and "proj_out" not in ffs
     everything = lora.resolve_targets(t, "all")
     assert set(ffs) < set(everything) and "transformer_blocks.0.norm1.linear" in everything
-    assert all(n.startswith(lora.BLOCKS) for n in everything)
+    assert all(n.startswith(Flux1.lora_blocks) for n in everything)
 
 
 def test_explicit_list_matches_like_peft_and_rejects_unknown_names(tiny_model):
@@ -57,9 +58,9 @@ def test_explicit_list_matches_like_peft_and_rejects_unknown_names(tiny_model):
 
 
 def test_kohya_refuses_layers_it_cannot_name(tiny_model):
-    kohya.check_targets(lora.resolve_targets(_transformer(tiny_model), "all"))
+    kohya.check_targets(lora.resolve_targets(_transformer(tiny_model), "all"), Flux1.kohya_blocks)
     with pytest.raises(ValueError, match="x_embedder"):
-        kohya.check_targets(["transformer_blocks.0.attn.to_q", "x_embedder"])
+        kohya.check_targets(["transformer_blocks.0.attn.to_q", "x_embedder"], Flux1.kohya_blocks)
 
 
 def test_diffusers_and_kohya_files_give_the_same_images(tiny_model, tmp_path):
@@ -133,7 +134,7 @@ def test_fused_kohya_layers_hold_each_parts_update(tiny_model):
     deltas = lora.delta_weights(t)
     state = lora.lora_state_dict(t)
     out_features = {n: m.out_features for n, m in t.named_modules() if isinstance(m, torch.nn.Linear)}
-    k = kohya.from_peft(state, lora.scale(t), out_features)
+    k = kohya.from_peft(state, lora.scale(t), out_features, Flux1.kohya_blocks)
 
     def fused(name):
         key = kohya.PREFIX + name

@@ -27,10 +27,11 @@ def test_caption_dropout_mask_rate():
     assert abs(mask.float().mean().item() - 0.3) < 0.02
 
 
-def test_drop_captions_swaps_only_masked_rows():
+def test_drop_text_swaps_only_masked_rows():
     t5, clip = torch.randn(3, 5, 4), torch.randn(3, 4)
     empty_t5, empty_clip = torch.zeros(5, 4), torch.zeros(4)
-    new_t5, new_clip = flow.drop_captions(t5, clip, torch.tensor([False, True, False]), empty_t5, empty_clip)
+    new = flow.drop_text({"t5": t5, "clip": clip}, torch.tensor([False, True, False]), {"t5": empty_t5, "clip": empty_clip})
+    new_t5, new_clip = new["t5"], new["clip"]
     assert torch.equal(new_t5[1], empty_t5) and torch.equal(new_clip[1], empty_clip)
     assert torch.equal(new_t5[[0, 2]], t5[[0, 2]]) and torch.equal(new_clip[[0, 2]], clip[[0, 2]])
 

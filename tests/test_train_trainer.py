@@ -7,6 +7,7 @@ import torch
 
 import train_data
 from rayflux.cache import shards, tensors
+from rayflux.families import flux1
 from rayflux.sources import caption_id
 from rayflux.train import captions, checkpoint, lora, step
 from rayflux.train.trainer import LoraTrainer
@@ -92,10 +93,11 @@ def test_dropped_captions_train_on_the_empty_embedding(tiny_model):
     # p = 0.999 with this batch's seed drops both samples (seeded, so not a matter of luck).
     dropped_cfg = dataclasses.replace(t, caption_dropout=0.999)
     with torch.no_grad():
-        dropped = step.flow_loss(trainer.model, batch, dropped_cfg, True, empty, "cpu", torch.float32)
-        by_hand = step.Batch(batch.latents, empty.t5.expand_as(batch.t5), empty.clip.expand_as(batch.clip), batch.seed)
-        expected = step.flow_loss(trainer.model, by_hand, t, True, None, "cpu", torch.float32)
-        kept = step.flow_loss(trainer.model, batch, t, True, None, "cpu", torch.float32)
+        args = ("cpu", torch.float32, trainer.family)
+        dropped = step.flow_loss(trainer.model, batch, dropped_cfg, True, empty, *args)
+        by_hand = step.Batch(batch.latents, {n: empty.text[n].expand_as(x) for n, x in batch.text.items()}, batch.seed)
+        expected = step.flow_loss(trainer.model, by_hand, t, True, None, *args)
+        kept = step.flow_loss(trainer.model, batch, t, True, None, *args)
     assert float(dropped) == pytest.approx(float(expected), rel=1e-6)
     assert float(dropped) != pytest.approx(float(kept), rel=1e-3)
 
@@ -121,11 +123,13 @@ def test_empty_caption_is_read_from_where_the_index_says(tmp_path):
                 "clip_pooled": tensors.to_bytes(clip, "float16"), "encode_id": "e"}  # fmt: skip
 
     rows = [row("a cat", 1.0), row("", 5.0)]
-    layout = shards.ShardLayout("text", "float16", latent_channels=16, vae_scale_factor=8, t5_len=3)
+    layout = shards.ShardLayout("text", "float16", latent_channels=16, vae_scale_factor=8, text=flux1.text_tensors(3))
     meta = writer.write_text({k: [r[k] for r in rows] for k in rows[0]}, str(tmp_path / "g00000-x"), layout, 0)
     (entry,) = [e for e in index.from_ipc(meta["index"][0]).to_pylist() if e["caption"] == ""]
-    empty = captions.load_empty({**entry, "file": str(tmp_path / entry["file"]), "text_dtype": "float16"})
-    assert torch.equal(empty.t5, torch.full((3, 2), 5.0)) and torch.equal(empty.clip, torch.full((2,), 6.0))
+    where = {**entry, "file": str(tmp_path / entry["file"]), "text_dtype": "float16", "text": layout.text}
+    empty = captions.load_empty(where)
+    assert torch.equal(empty.text["t5"], torch.full((3, 2), 5.0))
+    assert torch.equal(empty.text["clip_pooled"], torch.full((2,), 6.0))
     with pytest.raises(ValueError, match="empty-caption"):
         captions.load_empty([])
 

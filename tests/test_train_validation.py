@@ -28,6 +28,6 @@ def test_text_encoders_load_once_and_renders_match_the_full_pipeline(tiny_model)
     facts = models.model_facts(cfg.model)
     for i, prompt in enumerate(PROMPTS):
         full = pipe(prompt, height=64, width=64, num_inference_steps=2, guidance_scale=cfg.train.validation_guidance,
-                    max_sequence_length=facts.t5_max_length, generator=torch.Generator().manual_seed(i)).images[0]
+                    max_sequence_length=facts.text_length, generator=torch.Generator().manual_seed(i)).images[0]
         np.testing.assert_array_equal(np.asarray(first[i]), np.asarray(full))
         np.testing.assert_array_equal(np.asarray(second[i]), np.asarray(full))

@@ -25,13 +25,14 @@ def items(n: int, batch_size: int = 2, seed: int = 0) -> list[dict]:
         t5 = [torch.randn(T5, generator=g).numpy() for _ in range(batch_size)]
         clip = [torch.randn(CLIP, generator=g).numpy() for _ in range(batch_size)]
         plan = {"epoch": 0, "index": i, "seed": 1000 + i, "step": i + 1, "total_steps": n, "bucket": "64x64"}
-        out.append(batching.stack_batch(plan, 0, [f"sample-{i}-{j}" for j in range(batch_size)], lat, t5, clip))
+        ids = [f"sample-{i}-{j}" for j in range(batch_size)]
+        out.append(batching.stack_batch(plan, 0, ids, lat, {"t5": t5, "clip_pooled": clip}))
     return out
 
 
 def empty_caption(seed: int = 99) -> step.EmptyCaption:
     g = torch.Generator().manual_seed(seed)
-    return step.EmptyCaption(torch.randn(T5, generator=g), torch.randn(CLIP, generator=g))
+    return step.EmptyCaption({"t5": torch.randn(T5, generator=g), "clip_pooled": torch.randn(CLIP, generator=g)})
 
 
 def job(tiny_model, *overrides: str) -> config.JobConfig:

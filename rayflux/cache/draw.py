@@ -27,7 +27,8 @@ _IMAGES_PER_TASK = 256
 _SETTLED = pa.schema(
     [("kind", pa.string()), ("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()),
      ("mtime_ns", pa.int64()), ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()),
-     ("uncaptioned", pa.bool_()), ("left_out", pa.int64())]
+     ("uncaptioned", pa.bool_()), ("left_out", pa.int64()), ("references", pa.string()),
+     ("references_stamp", pa.string())]
 )  # fmt: skip
 
 

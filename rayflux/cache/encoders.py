@@ -1,4 +1,4 @@
-"""Callable classes for Ray Data ``map_batches`` actor pools: the VAE and the two text encoders.
+"""Callable classes for Ray Data ``map_batches`` actor pools: the VAE and the text encoders of the model's family.
 
 These are the only places that load encoders. When the cache stage's dataset finishes, Ray tears the pools down,
 so encoder memory never reaches the training processes.
@@ -43,7 +43,8 @@ def match_threads_to_reservation() -> None:
 
 
 class VaeEncoder:
-    """Encode prepared pixels to FLUX latents, ``(z - shift_factor) * scaling_factor``, one row per sample.
+    """Encode prepared pixels to the latents the model's family stores (FLUX.1: ``(z - shift) * scale``; FLUX.2:
+    patchified and batch-norm normalised), one row per sample.
 
     Rows of one batch may come from different buckets; each bucket is encoded as its own sub-batch. Skipped rows
     and rows reused from a previous generation pass through untouched; each row this actor encodes is stamped
@@ -63,24 +64,52 @@ class VaeEncoder:
 
         self.device = models.default_device()
         dtype = models.torch_dtype(self.model.vae_dtype or self.model.dtype, self.device)
-        self.vae = models.load_vae(self.model, self.device, dtype)
-        self.shift = float(self.vae.config.shift_factor or 0.0)
-        self.scale = float(self.vae.config.scaling_factor)
+        self.family = models.family(self.model)
+        self.vae = self.family.load_vae(models.resolve_path(self.model), models.revision_kw(self.model), self.device,
+                                        dtype)  # fmt: skip
+
+    def _input(self, pixels: np.ndarray):
+        import torch
+
+        if self.vae is None:
+            self._load()
+        return torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+
+    def encode_references(self, pixels: np.ndarray):
+        """Stored latents of a ``[N, H, W, 3]`` batch of edit references: the VAE's mode, not a sample, as the
+        Kontext and FLUX.2 pipelines encode their reference images at inference."""
+        import torch
+
+        x = self._input(pixels)
+        with torch.inference_mode():
+            return self.family.stored_latent(self.vae, self.vae.encode(x).latent_dist.mode())
 
     def encode(self, pixels: np.ndarray, sample_ids: list[str]):
         """Latents of a ``[N, H, W, 3]`` uint8 batch of one size, as the VAE returns them (not contiguous)."""
         import torch
 
-        if self.vae is None:
-            self._load()
-        x = torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+        x = self._input(pixels)
         with torch.inference_mode():
             dist = self.vae.encode(x).latent_dist
             shape = dist.mean.shape[1:]
             eps = torch.stack(
                 [torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(s))) for s in sample_ids]
             ).to(dist.mean.device, dist.mean.dtype)
-            return (dist.mean + dist.std * eps - self.shift) * self.scale
+            return self.family.stored_latent(self.vae, dist.mean + dist.std * eps)
+
+    def _encode_references(self, batch: dict, idx: list[int], h: int, w: int, out: list[bytes]) -> None:
+        """Each edit row's references (cut to its bucket, like the row) as its stored latents back to back."""
+        counts = {i: int(batch["ref_count"][i]) for i in idx if "ref_count" in batch and int(batch["ref_count"][i])}
+        if not counts:
+            return
+        pixels = np.concatenate(
+            [np.frombuffer(batch["ref_pixels"][i], dtype=np.uint8).reshape(k, h, w, 3) for i, k in counts.items()]
+        )
+        z = self.encode_references(pixels)
+        start = 0
+        for i, k in counts.items():
+            out[i] = tensors.to_bytes(z[start : start + k], self.store_dtype)
+            start += k
 
     def __call__(self, batch: dict) -> dict:
         n = len(batch["sample_id"])
@@ -90,14 +119,17 @@ class VaeEncoder:
         for i in range(n):
             if not batch["skip_reason"][i] and not batch["reuse"][i]:
                 groups.setdefault((int(batch["target_h"][i]), int(batch["target_w"][i])), []).append(i)
+        refs = [b""] * n
         for (h, w), idx in groups.items():
             pixels = np.stack([np.frombuffer(batch["pixels"][i], dtype=np.uint8).reshape(h, w, 3) for i in idx])
             z = self.encode(pixels, [str(batch["sample_id"][i]) for i in idx])
             for j, i in enumerate(idx):
                 latents[i] = tensors.to_bytes(z[j], self.store_dtype)  # a contiguous copy of sample j alone
                 shapes[i] = z.shape[1:]
-        out = {k: v for k, v in batch.items() if k != "pixels"}
+            self._encode_references(batch, idx, h, w, refs)
+        out = {k: v for k, v in batch.items() if k not in ("pixels", "ref_pixels")}
         out["latent"] = np.array(latents, dtype=object)
+        out["ref_latent"] = np.array(refs, dtype=object)
         out["latent_c"], out["latent_h"], out["latent_w"] = shapes[:, 0], shapes[:, 1], shapes[:, 2]
         out["latent_dtype"] = np.array([self.store_dtype if latents[i] else "" for i in range(n)], dtype=object)
         out["encode_id"] = np.array([self.encode_id if latents[i] else "" for i in range(n)], dtype=object)
@@ -105,14 +137,11 @@ class VaeEncoder:
 
 
 class TextEncoder:
-    """Encode unique captions with CLIP-L (pooled output) and T5-XXL (full padded sequence).
-
-    T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are
-    kept at the model's full ``max_sequence_length``. Every output row is one caption that went through both
-    encoders, stamped with ``encode_id``.
+    """Encode unique captions into the named text tensors of the model's family (FLUX.1: T5 sequence and CLIP pooled;
+    FLUX.2: stacked hidden states), each with its shape columns, one row per caption, stamped with ``encode_id``.
     """
 
-    def __init__(self, model: ModelConfig, store_dtype: str, t5_max_length: int, encode_id: str):
+    def __init__(self, model: ModelConfig, store_dtype: str, facts, encode_id: str):
         import torch
 
         from rayflux import models
@@ -120,35 +149,26 @@ class TextEncoder:
         match_threads_to_reservation()
         self.device = models.default_device()
         dtype = models.torch_dtype(model.dtype, self.device)
-        self.clip_tok, self.clip, self.t5_tok, self.t5 = models.load_text_encoders(model, self.device, dtype)
+        self.family = models.family(model)
+        self.encoders = self.family.load_text_encoders(models.resolve_path(model), models.revision_kw(model),
+                                                       self.device, dtype)  # fmt: skip
+        self.facts = facts
         self.store_dtype = store_dtype
-        self.t5_max_length = t5_max_length
         self.encode_id = encode_id
         self.torch = torch
         self.passes = 0
 
     def __call__(self, batch: dict) -> dict:
-        torch = self.torch
         captions = [str(c) for c in batch["caption"]]
-        with torch.inference_mode():
-            clip_ids = self.clip_tok(
-                captions, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
-            ).input_ids.to(self.device)
-            pooled = self.clip(clip_ids, output_hidden_states=False).pooler_output
-            t5_ids = self.t5_tok(
-                captions, padding="max_length", max_length=self.t5_max_length, truncation=True, return_tensors="pt"
-            ).input_ids.to(self.device)
-            seq = self.t5(t5_ids, output_hidden_states=False)[0]
+        encoded = self.family.encode_text(self.encoders, captions, self.facts)
         self.passes += len(captions)
         n = len(captions)
-        return {
-            "caption_id": np.array(batch["caption_id"], dtype=object),
-            "caption": np.array(captions, dtype=object),
-            "t5": np.array([tensors.to_bytes(seq[i], self.store_dtype) for i in range(n)], dtype=object),
-            "t5_len": np.full(n, seq.shape[1], dtype=np.int64),
-            "t5_dim": np.full(n, seq.shape[2], dtype=np.int64),
-            "clip_pooled": np.array([tensors.to_bytes(pooled[i], self.store_dtype) for i in range(n)], dtype=object),
-            "clip_dim": np.full(n, pooled.shape[1], dtype=np.int64),
-            "text_dtype": np.array([self.store_dtype] * n, dtype=object),
-            "encode_id": np.array([self.encode_id] * n, dtype=object),
-        }
+        out = {"caption_id": np.array(batch["caption_id"], dtype=object), "caption": np.array(captions, dtype=object)}
+        for t in self.facts.text:
+            x = encoded[t.name]
+            out[t.name] = np.array([tensors.to_bytes(x[i], self.store_dtype) for i in range(n)], dtype=object)
+            for d, size in zip(t.dims, x.shape[1:]):
+                out[d] = np.full(n, size, dtype=np.int64)
+        out["text_dtype"] = np.array([self.store_dtype] * n, dtype=object)
+        out["encode_id"] = np.array([self.encode_id] * n, dtype=object)
+        return out

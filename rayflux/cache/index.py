@@ -50,6 +50,9 @@ SAMPLE_INDEX = pa.schema(
         *_LOCATION,
         ("offset", pa.int64()),
         ("length", pa.int64()),
+        ("ref_count", pa.int32()),
+        ("ref_offset", pa.int64()),
+        ("ref_length", pa.int64()),
         ("generation", pa.int32()),
         ("encode_id", pa.string()),
     ]
@@ -57,25 +60,14 @@ SAMPLE_INDEX = pa.schema(
 """One row per sample of the generation. ``generation`` and ``encode_id`` are those of the build that wrote the
 latent, which is an earlier generation's for a reused row."""
 
-CAPTION_INDEX = pa.schema(
-    [
-        ("caption_id", pa.string()),
-        ("caption", pa.string()),
-        ("t5_len", pa.int32()),
-        ("t5_dim", pa.int32()),
-        ("clip_dim", pa.int32()),
-        *_LOCATION,
-        ("t5_offset", pa.int64()),
-        ("t5_length", pa.int64()),
-        ("clip_offset", pa.int64()),
-        ("clip_length", pa.int64()),
-        ("generation", pa.int32()),
-        ("encode_id", pa.string()),
-    ]
-)
-"""One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it)."""
-
-SCHEMAS = {"samples": SAMPLE_INDEX, "captions": CAPTION_INDEX}
+def caption_index(text) -> pa.Schema:
+    """One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it):
+    the shape columns of each named text tensor (a :class:`~rayflux.families.base.TextTensor`), where its row is,
+    and each tensor's byte range as ``<key>_offset``/``<key>_length``."""
+    ranges = [(f"{t.key}_{part}", pa.int64()) for t in text for part in ("offset", "length")]
+    return pa.schema([("caption_id", pa.string()), ("caption", pa.string()),
+                      *[(d, pa.int32()) for t in text for d in t.dims], *_LOCATION, *ranges,
+                      ("generation", pa.int32()), ("encode_id", pa.string())])  # fmt: skip
 
 
 def to_ipc(table: pa.Table) -> bytes:
@@ -108,9 +100,9 @@ def resolve(manifest: dict, file: str) -> str:
 class Sink:
     """Streams index parts into one local Parquet file as they arrive, so the driver never holds the whole index."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, text=()):
         self.kind = kind
-        self.schema = SCHEMAS[kind]
+        self.schema = SAMPLE_INDEX if kind == "samples" else caption_index(text)
         fd, self.path = tempfile.mkstemp(prefix=f"rayflux-index-{kind}-", suffix=".parquet")
         os.close(fd)
         self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
@@ -173,7 +165,7 @@ def caption_table(manifest: dict) -> str:
 
 
 def empty_caption(manifest: dict) -> dict:
-    """Where the empty caption's embeddings are (its caption index row), with the file resolved to a full path and
-    the generation's stored ``text_dtype``: what :func:`rayflux.train.captions.load_empty` reads."""
+    """Where the empty caption's embeddings are (its caption index row), with the file resolved to a full path, the
+    generation's stored ``text_dtype`` and its named text tensors (``text``): what :func:`rayflux.train.captions.load_empty` reads."""
     return {**manifest["empty_caption"], "file": resolve(manifest, manifest["empty_caption"]["file"]),
-            "text_dtype": manifest["layout"]["dtype"]}  # fmt: skip
+            "text_dtype": manifest["layout"]["dtype"], "text": manifest["layout"]["text"]}  # fmt: skip

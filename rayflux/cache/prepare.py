@@ -1,5 +1,9 @@
 """CPU preparation: read, hash, decode, crop and resize one image per its bucket plan.
 
+An edit pair's reference images are prepared with their target: read and hashed with it (their hashes are part of
+the sample id), then cut by the target's own crop box and resized to the target's bucket, so reference and result
+stay aligned pixel for pixel. A reference of another size than its target is first scaled to the target's size.
+
 A bad input never raises: the row comes back with ``skip_reason`` set, and the writer records it. A row whose
 sample a previous generation already encoded comes back with ``reuse`` set and no pixels, so nothing downstream
 decodes or encodes it again. Its ``prev`` column (the previous generation's index row for the same relative path,
@@ -20,15 +24,17 @@ from rayflux.cache.decode import BadImage, decode
 PREPARED_DEFAULTS = dict(
     skip_reason="", reuse=False, sample_id="", source_sha256="", bucket="", pixels=b"",
     orig_w=0, orig_h=0, crop_left=0, crop_top=0, crop_w=0, crop_h=0, target_w=0, target_h=0,
+    ref_count=0, ref_sha256="", ref_pixels=b"",
 )  # fmt: skip
 
 
-def sample_id(rel_path: str, sha256: str, plan: buckets.BucketPlan) -> str:
-    """Stable id of one cached sample: the whole relative path, the content hash and the crop.
+def sample_id(rel_path: str, sha256: str, plan: buckets.BucketPlan, references: tuple[str, ...] = ()) -> str:
+    """Stable id of one cached sample: the whole relative path, the content hash and the crop, and for an edit pair
+    its references' content hashes.
 
     Same-named files in different folders differ by path, a changed file by content, a new random crop by box.
     """
-    key = f"{rel_path}|{sha256}|{plan.crop_box}|{plan.key}"
+    key = f"{rel_path}|{sha256}|{plan.crop_box}|{plan.key}" + (f"|refs:{','.join(references)}" if references else "")
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -47,8 +53,42 @@ def _plan_or_none(width: int, height: int, spec: buckets.BucketSpec, seed: int, 
 
 
 def _skip(row: dict, reason: str) -> dict:
-    row.update(skip_reason=reason, pixels=b"")
+    row.update(skip_reason=reason, pixels=b"", ref_pixels=b"")
     return row
+
+
+def _uris(row: dict) -> list[str]:
+    refs = row.get("references")
+    return [] if refs is None else [str(u) for u in refs]
+
+
+def _read_references(row: dict) -> tuple[list[bytes], list[str]] | str:
+    """Each reference's bytes and content hash, or a skip reason naming the reference."""
+    data, shas = [], []
+    for uri in _uris(row):
+        got = _read({"uri": uri})
+        if isinstance(got, str):
+            return f"reference {uri}: {got}"
+        data.append(got)
+        shas.append(hashlib.sha256(got).hexdigest())
+    return data, shas
+
+
+def _cut_references(row: dict, data: list[bytes], p: buckets.BucketPlan, size, max_pixels: int) -> bytes | str:
+    """The references' pixels, each cut and resized exactly as its target, concatenated; or a skip reason."""
+    from PIL import Image
+
+    out = []
+    for uri, raw in zip(_uris(row), data):
+        try:
+            ref = decode(raw, max_pixels)
+        except BadImage as exc:
+            return f"reference {uri}: {exc}"
+        if ref.size != size:
+            ref = ref.resize(size, Image.Resampling.LANCZOS)
+        ref = ref.resize((p.target_width, p.target_height), Image.Resampling.LANCZOS, box=p.crop_box)
+        out.append(np.asarray(ref, dtype=np.uint8).tobytes())
+    return b"".join(out)
 
 
 def _read(row: dict) -> bytes | str:
@@ -64,7 +104,9 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
 
     ``row["prev"]`` is the previous generation's index row for the same relative path (JSON), or empty. The same
     content (the same hash, or the same size and mtime) decodes to the same upright size, so the plan and sample id
-    are checked without decoding; the file is not even read when its size and mtime are unchanged.
+    are checked without decoding; the file is not even read when its size and mtime are unchanged. An edit pair's
+    references are always read and hashed (their hashes are part of the sample id), but decoded only when the sample
+    is not reused.
     """
     from PIL import Image
 
@@ -79,11 +121,16 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
             return _skip(row, got)
         data, sha = got, hashlib.sha256(got).hexdigest()
     row["source_sha256"] = sha
+    refs = _read_references(row)
+    if isinstance(refs, str):
+        return _skip(row, refs)
+    ref_data, ref_shas = refs
+    row["ref_sha256"] = ",".join(ref_shas)
     if prev and prev["source_sha256"] == sha:
         w, h = prev["orig_w"], prev["orig_h"]
         p = _plan_or_none(w, h, spec, seed, row["rel_path"])
-        if p is not None and sample_id(row["rel_path"], sha, p) == prev["sample_id"]:
-            row.update(_geometry(p, w, h), sample_id=prev["sample_id"], reuse=True)
+        if p is not None and sample_id(row["rel_path"], sha, p, tuple(ref_shas)) == prev["sample_id"]:
+            row.update(_geometry(p, w, h), sample_id=prev["sample_id"], reuse=True, ref_count=len(ref_data))
             return row
     if data is None:
         got = _read(row)
@@ -100,10 +147,15 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
     except buckets.ImageTooSmall as exc:
         return _skip(row, str(exc))
     resized = img.resize((p.target_width, p.target_height), Image.Resampling.LANCZOS, box=p.crop_box)
+    ref_pixels = _cut_references(row, ref_data, p, (w, h), max_pixels) if ref_data else b""
+    if isinstance(ref_pixels, str):
+        return _skip(row, ref_pixels)
     row.update(
         _geometry(p, w, h),
-        sample_id=sample_id(row["rel_path"], sha, p),
+        sample_id=sample_id(row["rel_path"], sha, p, tuple(ref_shas)),
         pixels=np.asarray(resized, dtype=np.uint8).tobytes(),
+        ref_count=len(ref_data),
+        ref_pixels=ref_pixels,
         prev="",  # not reused: the writer needs nothing of the previous row
     )
     return row

@@ -1,7 +1,7 @@
 """Training reads: the tensors of planned batches, by byte range from the generation index, checked per bucket.
 
-A latent is one ranged GET (ranges of one file that lie close together share one); a caption's T5 and CLIP
-embeddings are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
+A latent is one ranged GET (ranges of one file that lie close together share one); a caption's named text tensors
+are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
 footer, no HEAD: the index gave the offsets and each file's size. Every row is checked against its batch's bucket
 before anything is stacked, so a bad cache raises a CacheShapeError naming bucket, sample, source and shapes.
 """
@@ -16,17 +16,17 @@ import numpy as np
 from rayflux.cache import generations, ranges, shards, tensors
 
 TEXT_CACHE_BYTES = 256 << 20
-_text_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+_text_cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
 _text_cache_bytes = 0
 
 
-def _keep_text(caption_id: str, t5: np.ndarray, clip: np.ndarray) -> None:
+def _keep_text(caption_id: str, text: dict[str, np.ndarray]) -> None:
     global _text_cache_bytes
-    _text_cache[caption_id] = (t5, clip)
-    _text_cache_bytes += t5.nbytes + clip.nbytes
+    _text_cache[caption_id] = text
+    _text_cache_bytes += sum(a.nbytes for a in text.values())
     while _text_cache_bytes > TEXT_CACHE_BYTES and len(_text_cache) > 1:
-        _, (a, b) = _text_cache.popitem(last=False)
-        _text_cache_bytes -= a.nbytes + b.nbytes
+        _, old = _text_cache.popitem(last=False)
+        _text_cache_bytes -= sum(a.nbytes for a in old.values())
 
 
 def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, int]) -> dict:
@@ -49,27 +49,28 @@ def _array(data: bytes, dtype: str, shape, error, what: str) -> np.ndarray:
 
 
 def stack_all(items: list[dict], stack) -> list[dict]:
-    """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, latents, t5, clip,
-    weights)`` for each (see :func:`rayflux.train.batching.stack_batch`)."""
+    """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, latents, text,
+    weights)`` for each, ``text`` holding each named text tensor's per-sample arrays (see
+    :func:`rayflux.train.batching.stack_batch`)."""
     plans = [(item, json.loads(item["refs"]), shards.ShardLayout(**json.loads(item["layout"]))) for item in items]
     lat_asks: dict[str, list] = {}
     text_asks: dict[str, list] = {}
     sizes: dict[str, int] = {}
     texts: dict[str, list] = {}
-    local: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
-    for b, (_, refs, _) in enumerate(plans):
+    local: dict[str, dict[str, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
+    for b, (_, refs, layout) in enumerate(plans):
         for j, (file, _, _, offset, length, file_bytes, _, _, text) in enumerate(refs):
             lat_asks.setdefault(file, []).append(((b, j), offset, length))
             sizes[file] = file_bytes
             loc = json.loads(text)
-            cid = loc[9]
+            cid = loc[2]
             if cid in _text_cache:
                 _text_cache.move_to_end(cid)
                 local[cid] = _text_cache[cid]
             elif cid not in texts:
                 texts[cid] = loc
                 asks = text_asks.setdefault(loc[0], [])
-                asks.extend([((cid, "t5"), loc[2], loc[3]), ((cid, "clip"), loc[4], loc[5])])
+                asks.extend(((cid, t.name), off, n) for t, (off, n, _) in zip(layout.text, loc[3]))
                 sizes[loc[0]] = loc[1]
     latents = _fetch(lat_asks, sizes)
     raw_text = _fetch(text_asks, sizes)
@@ -77,8 +78,9 @@ def stack_all(items: list[dict], stack) -> list[dict]:
     for b, (item, refs, layout) in enumerate(plans):
         bucket = item["bucket"]
         want = layout.latent_shape(bucket)
-        lat, t5s, clips, sids = [], [], [], []
-        for j, (_, _, sid, _, _, _, shape, source, text) in enumerate(refs):
+        lat, sids = [], []
+        text: dict[str, list] = {t.name: [] for t in layout.text}
+        for j, (_, _, sid, _, _, _, shape, source, where) in enumerate(refs):
 
             def error(what, expected, actual, sid=sid, source=source):
                 return shards.shape_error(bucket, sid, source, what, expected, actual)
@@ -87,21 +89,21 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             if got != want:
                 raise error("latent shape", want, got)
             lat.append(_array(latents[(b, j)], layout.dtype, want, error, "latent"))
-            loc = json.loads(text)
-            cid, (t5_len, t5_dim, clip_dim) = loc[9], loc[6:9]
+            loc = json.loads(where)
+            cid = loc[2]
             if cid not in local:
-                if t5_len != layout.t5_len:
-                    raise error("t5 length", layout.t5_len, t5_len)
-                t5 = _array(raw_text[(cid, "t5")], layout.dtype, (t5_len, t5_dim), error, "t5")
-                clip = _array(raw_text[(cid, "clip")], layout.dtype, (clip_dim,), error, "clip_pooled")
-                local[cid] = (t5, clip)
-                _keep_text(cid, t5, clip)
-            t5, clip = local[cid]
-            if t5s and (t5.shape, clip.shape) != (t5s[0].shape, clips[0].shape):
-                raise error("text shape", (t5s[0].shape, clips[0].shape), (t5.shape, clip.shape))
-            t5s.append(t5)
-            clips.append(clip)
+                arrays = {}
+                for t, (_, _, dims) in zip(layout.text, loc[3]):
+                    if t.length and dims[0] != t.length:
+                        raise error(f"{t.name} length", t.length, dims[0])
+                    arrays[t.name] = _array(raw_text[(cid, t.name)], layout.dtype, dims, error, t.name)
+                local[cid] = arrays
+                _keep_text(cid, arrays)
+            for name, arr in local[cid].items():
+                if text[name] and arr.shape != text[name][0].shape:
+                    raise error(f"{name} shape", text[name][0].shape, arr.shape)
+                text[name].append(arr)
             sids.append(sid)
         weights = json.loads(item["weights"]) if "weights" in item else None
-        out.append(stack(item, generations.generation_number(item["generation_dir"]), sids, lat, t5s, clips, weights))
+        out.append(stack(item, generations.generation_number(item["generation_dir"]), sids, lat, text, weights))
     return out

@@ -28,7 +28,7 @@ class Previous:
     """The previous generation's directory; empty when there is none."""
     samples: dict[str, str] = field(default_factory=dict)
     """rel_path -> that sample's index row as JSON: what a preparation task needs to reuse it (see ``prepare_row``)."""
-    captions: pa.Table = field(default_factory=lambda: index.CAPTION_INDEX.empty_table())
+    captions: pa.Table = field(default_factory=lambda: pa.table({"caption_id": pa.array([], pa.string())}))
     """The previous caption index: known captions are referenced, not encoded again."""
 
     def known_captions(self, ids: list[str]) -> pa.Table:

@@ -1,9 +1,11 @@
 """Parquet shards: one sample per row, explicit shape columns, validated per bucket as they are written and read.
 
 Any pyarrow reader can rebuild every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to
-``(latent_c, latent_h, latent_w)``; a text row's ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to
-``(clip_dim,)`` (``bfloat16`` is stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`).
-Text embeddings live once per caption in the text shards; a sample row names its caption by ``caption_id``.
+``(latent_c, latent_h, latent_w)``; a text row holds the named tensors its model family encodes (the layout's
+``text``), each reshaped by its own shape columns: FLUX.1's ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to
+``(clip_dim,)``, FLUX.2's ``prompt_embeds`` to ``(prompt_len, prompt_dim)`` (``bfloat16`` is stored as raw 16-bit
+patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Text embeddings live once per caption in the text
+shards; a sample row names its caption by ``caption_id``.
 
 Each row is its own Parquet row group, written uncompressed, without dictionaries, as one version-1 data page per
 tensor column, so a tensor's bytes are one contiguous range of the file. :func:`value_ranges` finds those ranges when
@@ -29,8 +31,11 @@ import pyarrow.parquet as pq
 
 from rayflux import buckets, storage
 from rayflux.cache import tensors
+from rayflux.families.base import TextTensor
 
-SCHEMA_VERSION = 4  # 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards
+# 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards; 5: text tensors by
+# the names and shape columns the model family gives them (the layout's ``text``); 6: edit pairs' reference latents
+SCHEMA_VERSION = 6
 _META_KEY = b"rayflux"
 
 
@@ -38,15 +43,6 @@ def _tensor(name: str) -> pa.Field:
     # Non-nullable: a missing tensor is an error at write time, and no definition levels are stored per value.
     return pa.field(name, pa.binary(), nullable=False)
 
-
-_TEXT_FIELDS = [
-    ("t5_len", pa.int32()),
-    ("t5_dim", pa.int32()),
-    ("clip_dim", pa.int32()),
-    ("text_dtype", pa.string()),
-    _tensor("t5"),
-    _tensor("clip_pooled"),
-]
 
 SAMPLE_SCHEMA = pa.schema(
     [
@@ -71,18 +67,27 @@ SAMPLE_SCHEMA = pa.schema(
         ("latent_w", pa.int32()),
         ("latent_dtype", pa.string()),
         _tensor("latent"),
+        # Edit pairs: ``ref_count`` reference latents of the row's own latent shape, back to back (empty bytes for a
+        # plain sample), and their content hashes, comma-joined in the same order (part of the sample id).
+        ("ref_count", pa.int32()),
+        ("ref_sha256", pa.string()),
+        _tensor("ref_latent"),
         ("generation", pa.int32()),
         ("encode_id", pa.string()),
     ]
 )
 
-TEXT_SCHEMA = pa.schema(
-    [("caption_id", pa.string()), ("caption", pa.string()), *_TEXT_FIELDS, ("encode_id", pa.string())]
-)
+
+def text_schema(text: tuple[TextTensor, ...]) -> pa.Schema:
+    """A text shard's columns for the named tensors ``text``: their shape columns, then their bytes."""
+    dims = [(d, pa.int32()) for t in text for d in t.dims]
+    tensors_ = [_tensor(t.name) for t in text]
+    return pa.schema([("caption_id", pa.string()), ("caption", pa.string()), *dims, ("text_dtype", pa.string()),
+                      *tensors_, ("encode_id", pa.string())])  # fmt: skip
+
 
 # The only columns worth a dictionary or statistics; on tensor columns both would store each tensor again.
-_STRING_COLUMNS = sorted({f.name for s in (SAMPLE_SCHEMA, TEXT_SCHEMA) for f in s if f.type == pa.string()})
-TENSOR_COLUMNS = {"samples": ["latent"], "text": ["t5", "clip_pooled"]}
+_STRING_COLUMNS = sorted({f.name for f in SAMPLE_SCHEMA if f.type == pa.string()} | {"text_dtype"})
 _STATS_COLUMNS = ["sample_id", "caption_id"]
 
 
@@ -98,16 +103,27 @@ class ShardLayout:
     """VAE latent channels; with ``vae_scale_factor`` and a bucket key it fixes the latent shape."""
     vae_scale_factor: int
     """Pixel-to-latent downscale of the VAE."""
-    t5_len: int
-    """T5 sequence length (the model's full ``max_sequence_length``)."""
+    text: tuple[TextTensor, ...] = ()
+    """The named text tensors of every caption, as the model family encodes them (see
+    :class:`rayflux.families.base.TextTensor`)."""
     schema_version: int = SCHEMA_VERSION
     """Version of the column layout above."""
+
+    def __post_init__(self):
+        # A layout read back from JSON (a manifest, a shard's metadata) carries plain dicts and lists.
+        text = tuple(t if isinstance(t, TextTensor) else TextTensor(**t) for t in self.text)
+        object.__setattr__(self, "text", text)
+
+    @property
+    def tensor_columns(self) -> list[str]:
+        """The binary tensor columns of this kind of shard."""
+        return ["latent", "ref_latent"] if self.kind == "samples" else [t.name for t in self.text]
 
     def latent_shape(self, bucket: str) -> tuple[int, int, int]:
         return buckets.latent_shape_of(bucket, self.latent_channels, self.vae_scale_factor)
 
     def schema(self) -> pa.Schema:
-        base = SAMPLE_SCHEMA if self.kind == "samples" else TEXT_SCHEMA
+        base = SAMPLE_SCHEMA if self.kind == "samples" else text_schema(self.text)
         return base.with_metadata({_META_KEY: json.dumps(asdict(self), sort_keys=True).encode()})
 
 
@@ -138,10 +154,10 @@ def check_text(row: dict, layout: ShardLayout, error, values: bool = True) -> No
     """Check a row's text columns (a sample row's copy or a text-table row) against ``layout``."""
     if row["text_dtype"] != layout.dtype:
         raise error("text dtype", layout.dtype, row["text_dtype"])
-    if row["t5_len"] != layout.t5_len:
-        raise error("t5 length", layout.t5_len, row["t5_len"])
-    _check_tensor(row, "t5", (row["t5_len"], row["t5_dim"]), layout.dtype, error, values)
-    _check_tensor(row, "clip_pooled", (row["clip_dim"],), layout.dtype, error, values)
+    for t in layout.text:
+        if t.length and row[t.dims[0]] != t.length:
+            raise error(f"{t.name} length", t.length, row[t.dims[0]])
+        _check_tensor(row, t.name, tuple(row[d] for d in t.dims), layout.dtype, error, values)
 
 
 def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values: bool = True) -> None:
@@ -163,6 +179,11 @@ def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values:
     if row["latent_dtype"] != layout.dtype:
         raise error("latent dtype", layout.dtype, row["latent_dtype"])
     _check_tensor(row, "latent", want, layout.dtype, error, values)
+    refs = int(row["ref_count"])
+    hashes = [h for h in (row["ref_sha256"] or "").split(",") if h]
+    if refs < 0 or len(hashes) != refs:
+        raise error("reference hashes for ref_count", refs, len(hashes))
+    _check_tensor(row, "ref_latent", (refs, *want), layout.dtype, error, values)
 
 
 def encode_table(table: pa.Table, layout: ShardLayout | None = None) -> bytes:

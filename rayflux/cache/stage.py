@@ -52,6 +52,7 @@ def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets
         min_image_size=d.min_image_size,
         vae_scale_factor=facts.vae_scale_factor,
         latent_channels=facts.latent_channels,
+        pack=facts.pack,
     )
     try:
         buckets.check_spec(spec)
@@ -75,7 +76,7 @@ def store_dtype(cfg: JobConfig, use_gpu: bool = False) -> str:
 
 def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", use_gpu: bool = False) -> shards.ShardLayout:
     dtype = store_dtype(cfg, use_gpu)
-    return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.t5_max_length)
+    return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.text)
 
 
 def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketSpec]:
@@ -172,7 +173,7 @@ def _build_text(b: _Build, captions: list[str], sink: index.Sink) -> list[dict]:
         fn_constructor_kwargs={
             "model": b.cfg.model,
             "store_dtype": store_dtype(b.cfg, b.use_gpu),
-            "t5_max_length": b.facts.t5_max_length,
+            "facts": b.facts,
             "encode_id": b.encode_id,
         },
         batch_size=c.text_batch_size,
@@ -263,7 +264,7 @@ def build_generation(
     run_cfg, resources = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, resources, use_gpu, prev)
 
-    sample_index, caption_index = index.Sink("samples"), index.Sink("captions")
+    sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
     try:
         # The empty caption is always encoded: training uses it for caption dropout.
         captions = sorted({s.caption for s in discovery.sources} | {""})
@@ -342,7 +343,8 @@ def inputs_signature(discovery: Discovery) -> str:
     """Hash of what was discovered (paths, sizes, mtimes, chosen captions): equal means nothing to re-encode."""
     h = hashlib.sha256()
     for s in discovery.sources:
-        h.update(f"{s.rel_path}|{s.size}|{s.mtime_ns}|{s.caption}\n".encode())
+        refs = f"|{','.join(s.references)}|{s.references_stamp}" if s.references else ""
+        h.update(f"{s.rel_path}|{s.size}|{s.mtime_ns}|{s.caption}{refs}\n".encode())
     for s in discovery.skipped:
         h.update(f"skip|{s['source_uri']}|{s['reason']}\n".encode())
     return h.hexdigest()[:16]

@@ -196,14 +196,15 @@ class _Checker:
                 md, names = f.metadata, f.schema_arrow.names
                 for e in entries:
                     row = f.read_row_group(e["row"]).to_pylist()[0]
-                    text = "t5_offset" in e
+                    text = "sample_id" not in e
                     key = "caption_id" if text else "sample_id"
                     where = f"index: {file} row {e['row']}"
                     if row[key] != e[key]:
                         self.problem(f"{where}: holds {key} {row[key]}, index says {e[key]}")
                         continue
                     rg = md.row_group(e["row"])
-                    cols = {"t5_": "t5", "clip_": "clip_pooled"} if text else {"": "latent"}
+                    samples = {"": "latent", "ref_": "ref_latent"}
+                    cols = {f"{t.key}_": t.name for t in self.layout.text} if text else samples
                     for prefix, col in cols.items():
                         chunk = rg.column(names.index(col))
                         end = chunk.data_page_offset + chunk.total_compressed_size
@@ -238,8 +239,9 @@ class _Checker:
         geometry = (row["bucket"], row["crop_left"], row["crop_top"], row["crop_w"], row["crop_h"])
         if geometry != (p.key, p.crop_left, p.crop_top, p.crop_width, p.crop_height):
             self.problem(f"{where}: sample {sid}: bucket/crop {geometry} but the bucket function gives {p}")
-        if sid != sample_id(row["rel_path"], row["source_sha256"], p):
-            self.problem(f"{where}: sample id {sid} does not match its path, content hash and crop")
+        refs = tuple(h for h in row["ref_sha256"].split(",") if h)
+        if sid != sample_id(row["rel_path"], row["source_sha256"], p, refs):
+            self.problem(f"{where}: sample id {sid} does not match its path, content hash, crop and references")
         if row["generation"] != self.m["generation"]:
             self.problem(f"{where}: sample {sid}: generation {row['generation']}, manifest says {self.m['generation']}")
 

@@ -35,7 +35,7 @@ def _write(rows: list[dict], out_dir: str, layout: shards.ShardLayout) -> tuple[
     table = pa.Table.from_pylist(rows, schema=layout.schema())
     rel = f"{layout.kind}/{shards.new_shard_name(layout.kind)}"
     data = shards.encode_table(table, layout)
-    ranges = shards.value_ranges(data, shards.TENSOR_COLUMNS[layout.kind])
+    ranges = shards.value_ranges(data, layout.tensor_columns)
     # Kill points: a write task's worker killed mid-write or right after its rename leaves a file no result lists,
     # which commit removes (see rayflux.cache.generations.commit).
     storage.write_bytes_atomic(storage.join(out_dir, rel), data, lambda: kill_point(f"{layout.kind}-before-rename"))
@@ -67,22 +67,22 @@ def _text_error(row: dict):
 def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int) -> dict:
     """Write a batch of freshly encoded captions (the text encoder's output rows) as one text shard; return its
     metadata and the captions' index rows."""
-    rows = [{k: _plain(batch[k][i]) for k in shards.TEXT_SCHEMA.names} for i in range(len(batch["caption_id"]))]
+    names = layout.schema().names
+    rows = [{k: _plain(batch[k][i]) for k in names} for i in range(len(batch["caption_id"]))]
     error = _checked(rows, layout)
     if error:
         return _meta(error=error, encoded=0, index=b"")
     path, nbytes, _, ranges = _write(rows, out_dir, layout)
     file = index.relative(out_dir, path)
-    entries = [
-        {
-            **{k: r[k] for k in ("caption_id", "caption", "t5_len", "t5_dim", "clip_dim", "encode_id")},
-            "file": file, "file_bytes": nbytes, "row": i, "generation": generation,
-            "t5_offset": ranges["t5"][i][0], "t5_length": ranges["t5"][i][1],
-            "clip_offset": ranges["clip_pooled"][i][0], "clip_length": ranges["clip_pooled"][i][1],
-        }  # fmt: skip
-        for i, r in enumerate(rows)
-    ]
-    table = pa.Table.from_pylist(entries, schema=index.CAPTION_INDEX)
+    dims = [d for t in layout.text for d in t.dims]
+    entries = []
+    for i, r in enumerate(rows):
+        entry = {k: r[k] for k in ("caption_id", "caption", *dims, "encode_id")}
+        entry.update(file=file, file_bytes=nbytes, row=i, generation=generation)
+        for t in layout.text:
+            entry[f"{t.key}_offset"], entry[f"{t.key}_length"] = ranges[t.name][i]
+        entries.append(entry)
+    table = pa.Table.from_pylist(entries, schema=index.caption_index(layout.text))
     return _meta(path, len(rows), nbytes, encoded=len(rows), index=index.to_ipc(table))
 
 
@@ -103,8 +103,8 @@ def _index_row(batch: dict, i: int) -> dict:
     }
 
 
-_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "generation",
-             "encode_id")  # fmt: skip
+_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "ref_count",
+             "ref_offset", "ref_length", "generation", "encode_id")  # fmt: skip
 
 
 def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
@@ -112,7 +112,7 @@ def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
     want = layout.latent_shape(entry["bucket"])
     got = (entry["latent_c"], entry["latent_h"], entry["latent_w"])
     nbytes = tensors.nbytes(want, layout.dtype)
-    if got != want or entry["length"] != nbytes:
+    if got != want or entry["length"] != nbytes or entry["ref_length"] != entry["ref_count"] * nbytes:
         err = shards.shape_error(entry["bucket"], entry["sample_id"], entry["source_uri"], "reused latent shape",
                                  (want, nbytes), (got, entry["length"]))  # fmt: skip
         return str(err)
@@ -154,12 +154,13 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
         file = index.relative(out_dir, path)
         for j, (i, row) in enumerate(zip(fresh, rows)):
             offset, length = ranges["latent"][j]
+            ref_offset, ref_length = ranges["ref_latent"][j]
             entries.append(
                 {
                     **_index_row(batch, i),
-                    **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "encode_id")},
+                    **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "ref_count", "encode_id")},
                     "file": file, "file_bytes": nbytes, "row": j, "offset": offset, "length": length,
-                    "generation": generation,
+                    "ref_offset": ref_offset, "ref_length": ref_length, "generation": generation,
                 }  # fmt: skip
             )
     table = pa.Table.from_pylist(entries, schema=index.SAMPLE_INDEX)

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 TINY_SEED = 1234
 # Bumped whenever the tiny configs change, so an old directory is rebuilt rather than silently reused.
@@ -33,30 +34,45 @@ def default_home() -> Path:
     return Path(os.environ.get("RAYFLUX_HOME", Path.home() / ".cache" / "rayflux")).expanduser()
 
 
-def _corpus() -> list[str]:
+def caption_corpus() -> list[str]:
+    """The small text corpus every tiny tokenizer is trained on: the demo captions' words plus filler."""
     lines = [f"a {c} {s} on a {b} background" for c in _COLOURS for s in _SHAPES for b in _COLOURS]
     lines.append(_CORPUS_EXTRA)
     return lines
 
 
-def _clip_tokenizer():
+def train_bpe(special_tokens: list[str], end_of_word_suffix: str | None = None, vocab_size: int = 400):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on :func:`caption_corpus`. ``end_of_word_suffix`` is
+    CLIP's ``</w>``; GPT-style tokenizers (Qwen, Mistral) use none."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import CLIPTokenizer
 
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    suffix = {"end_of_word_suffix": end_of_word_suffix} if end_of_word_suffix else {}
+    bpe = Tokenizer(models.BPE(**suffix))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|startoftext|>", "<|endoftext|>"],
-        end_of_word_suffix="</w>",
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
+        **suffix,
     )
-    bpe.train_from_iterator(_corpus(), trainer)
+    bpe.train_from_iterator(caption_corpus(), trainer)
+    return bpe
+
+
+def bpe_vocab_merges(bpe) -> tuple[dict, list[tuple[str, str]]]:
+    """``(vocab, merges)`` of a trained BPE, as the ``transformers`` tokenizer constructors take them."""
     state = json.loads(bpe.to_str())
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["model"]["merges"]]
-    return CLIPTokenizer(vocab=state["model"]["vocab"], merges=merges, model_max_length=77)
+    return state["model"]["vocab"], merges
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    vocab, merges = bpe_vocab_merges(train_bpe(["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>"))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
 
 def _t5_tokenizer():
@@ -68,7 +84,7 @@ def _t5_tokenizer():
     trainer = trainers.UnigramTrainer(
         vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
     )
-    uni.train_from_iterator(_corpus(), trainer)
+    uni.train_from_iterator(caption_corpus(), trainer)
     vocab = [(piece, score) for piece, score in json.loads(uni.to_str())["model"]["vocab"]]
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
 
@@ -185,44 +201,59 @@ def build_pipeline(spec: TinySpec = TinySpec()):
     )
 
 
-def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write the tiny model as a diffusers directory at ``path`` (atomically: temp dir, then rename)."""
+def write_pipeline_dir(path: str | Path, build: Callable[[], Any], info: dict) -> Path:
+    """Write ``build()``'s pipeline as a diffusers directory at ``path`` with ``info`` as its marker, atomically
+    (temp dir, then rename). Shared by every tiny model family so each is written and recognised the same way."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
     try:
-        build_pipeline(spec).save_pretrained(tmp)
-        (tmp / _MARKER).write_text(json.dumps({"version": TINY_VERSION, "seed": TINY_SEED, "spec": spec.__dict__}))
+        build().save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps(info))
         try:
             os.rename(tmp, path)
         except OSError:
             # Another process won the race and wrote the same seeded model; keep theirs.
-            if not _is_current(path, spec):
+            if not _is_current(path, info):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
-def _is_current(path: Path, spec: TinySpec) -> bool:
+def _is_current(path: Path, info: dict) -> bool:
     marker = path / _MARKER
     if not marker.is_file():
         return False
-    info = json.loads(marker.read_text())
-    return info.get("version") == TINY_VERSION and info.get("spec") == spec.__dict__
+    return json.loads(marker.read_text()) == info
 
 
-def ensure_tiny_model(path: str | Path | None = None, spec: TinySpec = TinySpec()) -> Path:
-    """Return a directory holding the current tiny model, building it once if it is missing or stale.
+def ensure_pipeline_dir(path: Path, build: Callable[[], Any], info: dict) -> Path:
+    """Return ``path`` holding the pipeline ``build()`` makes, building it once if it is missing or its marker
+    differs from ``info`` (an older version or other sizes).
 
     Every node that needs it can call this: the weights come from a fixed seed, so independent builds agree.
     """
-    path = Path(path) if path else default_home() / f"tiny-flux-v{TINY_VERSION}"
-    if _is_current(path, spec):
+    if _is_current(path, info):
         return path
     if path.exists():
         # Only a directory this module wrote (it carries the marker) is ever replaced.
         if not (path / _MARKER).is_file():
             raise FileExistsError(f"{path} exists and is not a rayflux tiny model; refusing to overwrite it")
         shutil.rmtree(path)
-    return write_tiny_model(path, spec)
+    return write_pipeline_dir(path, build, info)
+
+
+def _info(spec: TinySpec) -> dict:
+    return {"version": TINY_VERSION, "seed": TINY_SEED, "spec": spec.__dict__}
+
+
+def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write the tiny model as a diffusers directory at ``path`` (atomically: temp dir, then rename)."""
+    return write_pipeline_dir(path, lambda: build_pipeline(spec), _info(spec))
+
+
+def ensure_tiny_model(path: str | Path | None = None, spec: TinySpec = TinySpec()) -> Path:
+    """Return a directory holding the current tiny model, building it once if it is missing or stale."""
+    path = Path(path) if path else default_home() / f"tiny-flux-v{TINY_VERSION}"
+    return ensure_pipeline_dir(path, lambda: build_pipeline(spec), _info(spec))

@@ -48,8 +48,8 @@ class SampleRef:
     source: str = ""
     """The source image, for error messages."""
     text: str = ""
-    """Where its caption's embeddings are: JSON ``[file, file_bytes, t5_offset, t5_length, clip_offset, clip_length,
-    t5_len, t5_dim, clip_dim, caption_id]``; the same string object for every sample of one caption."""
+    """Where its caption's embeddings are: JSON ``[file, file_bytes, caption_id, [[offset, length, shape], ...]]``, one
+    entry per named text tensor in the layout's order; the same string object for every sample of one caption."""
     gen_dir: str = ""
     """The generation being read: a read task checks once that it is committed and not retired."""
     layout: str = ""
@@ -67,11 +67,13 @@ def index_samples(manifest: dict) -> list[SampleRef]:
     def full(f: str) -> str:
         return files.setdefault(f, index.resolve(manifest, f))
 
+    from rayflux.cache.shards import ShardLayout
+
+    specs = ShardLayout(**manifest["layout"]).text
     text = {}
     for c in index.read(manifest, "captions").to_pylist():
-        loc = [full(c["file"]), c["file_bytes"], c["t5_offset"], c["t5_length"], c["clip_offset"], c["clip_length"],
-               c["t5_len"], c["t5_dim"], c["clip_dim"], c["caption_id"]]  # fmt: skip
-        text[c["caption_id"]] = json.dumps(loc)
+        parts = [[c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims]] for t in specs]
+        text[c["caption_id"]] = json.dumps([full(c["file"]), c["file_bytes"], c["caption_id"], parts])
     cols = ["sample_id", "bucket", "file", "row", "dataset", "offset", "length", "file_bytes", "latent_c", "latent_h",
             "latent_w", "source_uri", "caption_id"]  # fmt: skip
     refs = []
@@ -193,12 +195,12 @@ def load_batches(items: list[dict]) -> list[dict]:
 
 
 def stack_batch(
-    item: dict, generation: int, sample_ids: list[str], latents: list, t5: list, clip: list, weights: list | None = None
+    item: dict, generation: int, sample_ids: list[str], latents: list, text: dict[str, list], weights: list | None = None
 ) -> dict:
-    """One training row: the plan fields of ``item``, the cache generation, the stacked float32 tensors, and each
-    sample's loss weight."""
-    lat, t5, clip = (np.stack([np.asarray(x, np.float32) for x in xs]) for xs in (latents, t5, clip))
-    return {
+    """One training row: the plan fields of ``item``, the cache generation, the stacked float32 tensors (the latents
+    and each named text tensor, ``text_<name>`` with its ``text_<name>_shape``), and each sample's loss weight."""
+    lat = np.stack([np.asarray(x, np.float32) for x in latents])
+    row = {
         "epoch": item["epoch"],
         "index": item["index"],
         "seed": item["seed"],
@@ -210,9 +212,11 @@ def stack_batch(
         "sample_ids": json.dumps(sample_ids),
         "latent": lat.tobytes(),
         "latent_shape": json.dumps(list(lat.shape)),
-        "t5": t5.tobytes(),
-        "t5_shape": json.dumps(list(t5.shape)),
-        "clip": clip.tobytes(),
-        "clip_dim": int(clip.shape[1]),
-        "weights": json.dumps(weights or [1.0] * len(sample_ids)),
+        "text_names": json.dumps(list(text)),
     }
+    for name, xs in text.items():
+        arr = np.stack([np.asarray(x, np.float32) for x in xs])
+        row[f"text_{name}"] = arr.tobytes()
+        row[f"text_{name}_shape"] = json.dumps(list(arr.shape))
+    row["weights"] = json.dumps(weights or [1.0] * len(sample_ids))
+    return row

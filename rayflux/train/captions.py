@@ -10,19 +10,21 @@ from __future__ import annotations
 import torch
 
 from rayflux.cache import ranges, tensors
+from rayflux.families.base import TextTensor
 from rayflux.train.step import EmptyCaption
 
 
 def load_empty(where: dict) -> EmptyCaption:
-    """Rebuild the empty caption's tensors (float32) from its index entry (see
-    :func:`rayflux.cache.index.empty_caption`), plus the layout's ``text_dtype``."""
-    if not isinstance(where, dict) or "t5_offset" not in where:
+    """Rebuild the empty caption's named tensors (float32) from its index entry (see
+    :func:`rayflux.cache.index.empty_caption`), with the layout's ``text_dtype`` and ``text`` tensors."""
+    if not isinstance(where, dict) or "text" not in where:
         raise ValueError(f"no empty-caption entry in the cache's index (got {type(where).__name__})")
-    t5_raw, clip_raw = ranges.read_ranges(
-        where["file"], where["file_bytes"],
-        [(where["t5_offset"], where["t5_length"]), (where["clip_offset"], where["clip_length"])],
-    )  # fmt: skip
+    specs = [t if isinstance(t, TextTensor) else TextTensor(**t) for t in where["text"]]
+    raw = ranges.read_ranges(
+        where["file"], where["file_bytes"], [(where[f"{t.key}_offset"], where[f"{t.key}_length"]) for t in specs]
+    )
     dtype = where["text_dtype"]
-    t5 = tensors.from_bytes_numpy(t5_raw, dtype, (where["t5_len"], where["t5_dim"]))
-    clip = tensors.from_bytes_numpy(clip_raw, dtype, (where["clip_dim"],))
-    return EmptyCaption(torch.from_numpy(t5.copy()), torch.from_numpy(clip.copy()))
+    return EmptyCaption({
+        t.name: torch.from_numpy(tensors.from_bytes_numpy(data, dtype, tuple(where[d] for d in t.dims)).copy())
+        for t, data in zip(specs, raw)
+    })  # fmt: skip

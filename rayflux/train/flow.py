@@ -145,11 +145,12 @@ def caption_dropout_mask(n: int, p: float, generator: torch.Generator) -> torch.
     return torch.rand(n, generator=generator) < p
 
 
-def drop_captions(t5, clip, mask, empty_t5, empty_clip):
-    """Swap the text embeddings of the masked samples for the empty caption's (``[L, D]`` and ``[D]``)."""
+def drop_text(text: dict, mask, empty: dict) -> dict:
+    """Swap the named text tensors (``[B, ...]``) of the masked samples for the empty caption's (``[...]``)."""
     if not bool(mask.any()):
-        return t5, clip
-    m = mask.to(t5.device)
-    t5 = torch.where(m.view(-1, 1, 1), empty_t5.to(t5.device, t5.dtype).expand_as(t5), t5)
-    clip = torch.where(m.view(-1, 1), empty_clip.to(clip.device, clip.dtype).expand_as(clip), clip)
-    return t5, clip
+        return text
+    out = {}
+    for name, x in text.items():
+        m = mask.to(x.device).view(-1, *([1] * (x.dim() - 1)))
+        out[name] = torch.where(m, empty[name].to(x.device, x.dtype).expand_as(x), x)
+    return out

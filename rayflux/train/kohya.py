@@ -1,4 +1,5 @@
-"""diffusers/peft LoRA -> kohya (sd-scripts, ComfyUI) ``lora_unet_*`` keys for FLUX.
+"""diffusers/peft LoRA -> kohya (sd-scripts, ComfyUI) ``lora_unet_*`` keys, by the model family's key map (FLUX.1
+and FLUX.2 share the scheme; their tables are in :mod:`rayflux.families`).
 
 kohya names modules after Black Forest Labs' original FLUX code, which fuses layers diffusers keeps apart:
 ``img_attn.qkv`` is ``to_q, to_k, to_v`` stacked along the output, and a single block's ``linear1`` is
@@ -22,39 +23,10 @@ import torch
 PREFIX = "lora_unet_"
 KOHYA_NAME = "pytorch_lora_weights_kohya.safetensors"
 
-# diffusers module inside a block -> (kohya name, part, parts); part is None for an unfused layer.
-DOUBLE = {
-    "attn.to_q": ("img_attn_qkv", 0, 3),
-    "attn.to_k": ("img_attn_qkv", 1, 3),
-    "attn.to_v": ("img_attn_qkv", 2, 3),
-    "attn.to_out.0": ("img_attn_proj", None, 1),
-    "attn.add_q_proj": ("txt_attn_qkv", 0, 3),
-    "attn.add_k_proj": ("txt_attn_qkv", 1, 3),
-    "attn.add_v_proj": ("txt_attn_qkv", 2, 3),
-    "attn.to_add_out": ("txt_attn_proj", None, 1),
-    "ff.net.0.proj": ("img_mlp_0", None, 1),
-    "ff.net.2": ("img_mlp_2", None, 1),
-    "ff_context.net.0.proj": ("txt_mlp_0", None, 1),
-    "ff_context.net.2": ("txt_mlp_2", None, 1),
-    "norm1.linear": ("img_mod_lin", None, 1),
-    "norm1_context.linear": ("txt_mod_lin", None, 1),
-}
-SINGLE = {
-    "attn.to_q": ("linear1", 0, 4),
-    "attn.to_k": ("linear1", 1, 4),
-    "attn.to_v": ("linear1", 2, 4),
-    "proj_mlp": ("linear1", 3, 4),
-    "proj_out": ("linear2", None, 1),
-    "norm.linear": ("modulation_lin", None, 1),
-}
-
-
-def locate(module: str) -> tuple[str, int | None, int, list[str]]:
-    """(kohya name, part, parts, sibling modules in part order) of a diffusers module name; KeyError if unmapped."""
-    for prefix, table, kohya_block in (
-        ("transformer_blocks.", DOUBLE, "double_blocks"),
-        ("single_transformer_blocks.", SINGLE, "single_blocks"),
-    ):
+def locate(module: str, blocks: dict) -> tuple[str, int | None, int, list[str]]:
+    """(kohya name, part, parts, sibling modules in part order) of a diffusers module name, by a family's key map
+    (:attr:`rayflux.families.base.Family.kohya_blocks`); KeyError if unmapped."""
+    for prefix, (table, kohya_block) in blocks.items():
         if module.startswith(prefix):
             index, inner = module[len(prefix) :].split(".", 1)
             name, part, parts = table[inner]
@@ -63,20 +35,21 @@ def locate(module: str) -> tuple[str, int | None, int, list[str]]:
     raise KeyError(module)
 
 
-def check_targets(modules: list[str]) -> None:
-    """Fail before training, not at export, when a targeted module has no kohya name."""
+def check_targets(modules: list[str], blocks: dict) -> None:
+    """Fail before training, not at export, when a targeted module has no kohya name in the key map ``blocks``."""
     unmapped = []
     for m in modules:
         try:
-            locate(m)
+            locate(m, blocks)
         except (KeyError, ValueError):
             unmapped.append(m)
     if unmapped:
         raise ValueError(f"train.output_format=kohya: no kohya name for {unmapped[:5]}; use diffusers or other targets")
 
 
-def from_peft(state: dict, scale: float, out_features: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Convert peft's ``<module>.lora_A.weight``/``lora_B`` tensors (strength ``scale``) to kohya keys.
+def from_peft(state: dict, scale: float, out_features: dict[str, int], blocks: dict) -> dict[str, torch.Tensor]:
+    """Convert peft's ``<module>.lora_A.weight``/``lora_B`` tensors (strength ``scale``) to kohya keys by the family
+    key map ``blocks``.
 
     ``out_features`` gives every sibling's output size, so an untrained part of a fused layer gets zero rows of the
     right height.
@@ -84,7 +57,7 @@ def from_peft(state: dict, scale: float, out_features: dict[str, int]) -> dict[s
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
     groups: dict[str, list] = {}
     for m in modules:
-        name, part, parts, siblings = locate(m)
+        name, part, parts, siblings = locate(m, blocks)
         groups.setdefault(name, [parts, siblings])
     out: dict[str, torch.Tensor] = {}
     for name, (parts, siblings) in groups.items():
@@ -113,14 +86,16 @@ def save(transformer, directory, scale: float) -> str:
 
     from safetensors.torch import save_file
 
+    from rayflux.families import of_transformer
     from rayflux.train.lora import lora_state_dict
 
+    blocks = of_transformer(transformer).kohya_blocks
     state = {k: v.detach().float().cpu() for k, v in lora_state_dict(transformer).items()}
     modules = {k.rsplit(".lora_", 1)[0] for k in state}
-    siblings = {s for m in modules for s in locate(m)[3]}
+    siblings = {s for m in modules for s in locate(m, blocks)[3]}
     out_features = {s: _base_out_features(transformer.get_submodule(s)) for s in siblings}
     path = os.path.join(str(directory), KOHYA_NAME)
-    save_file(from_peft(state, scale, out_features), path, metadata={"format": "pt"})
+    save_file(from_peft(state, scale, out_features, blocks), path, metadata={"format": "pt"})
     return path
 
 

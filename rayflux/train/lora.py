@@ -1,4 +1,5 @@
-"""LoRA adapters through peft (``add_adapter``): target presets, saving and loading in diffusers' format.
+"""LoRA adapters through peft (``add_adapter``): target presets, saving and loading in diffusers' format, through
+the model family's pipeline (the family is the transformer's, see :func:`rayflux.families.of_transformer`).
 
 Targets resolve to full module names before peft sees them. Presets only reach into the transformer blocks: a bare
 suffix such as ``proj_out`` would otherwise also catch the model's final projection, which no FLUX recipe trains.
@@ -13,15 +14,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-FFS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
-PRESETS = {
-    "attention": ATTENTION,
-    "attention+ffs": ATTENTION + FFS,
-    # Every linear layer of the blocks, including modulation (norm) projections.
-    "all": ATTENTION + FFS + ["norm1.linear", "norm1_context.linear", "norm.linear"],
-}
-BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
+PRESETS = ("attention", "attention+ffs", "all")
+"""``train.targets`` presets; each model family says which modules of its blocks they hold
+(:attr:`rayflux.families.base.Family.lora_presets`)."""
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 ADAPTER = "default"
 METADATA_KEY = "lora_adapter_metadata"
@@ -36,9 +31,12 @@ def resolve_targets(transformer, spec: str) -> list[str]:
     """Full names of the Linear modules a preset or comma-separated list selects; an unmatched name is an error."""
     import torch
 
+    from rayflux import families
+
+    family = families.of_transformer(transformer)
     linear = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
     if spec in PRESETS:
-        suffixes, pool = PRESETS[spec], [n for n in linear if n.startswith(BLOCKS)]
+        suffixes, pool = family.lora_presets[spec], [n for n in linear if n.startswith(family.lora_blocks)]
     else:
         suffixes, pool = [s.strip() for s in spec.split(",") if s.strip()], linear
         missing = [s for s in suffixes if not any(_matches(n, s) for n in pool)]
@@ -85,21 +83,23 @@ def scale(transformer) -> float:
 
 
 def save_diffusers(transformer, directory: str | Path) -> Path:
-    """Write ``pytorch_lora_weights.safetensors`` with ``transformer.*`` keys via ``FluxPipeline.save_lora_weights``.
+    """Write ``pytorch_lora_weights.safetensors`` with ``transformer.*`` keys via the family pipeline's
+    ``save_lora_weights``.
 
     ``alpha / rank`` is baked into every ``lora_B`` and the metadata says ``lora_alpha == r``: a loader that reads the
     peft metadata, one that finds none (stripped, or a ComfyUI-style loader that defaults to strength 1) and one
     that assumes ``alpha == rank`` all load the trained strength. (diffusers refuses a file with both ``.alpha``
     tensors and adapter metadata, so per-module alpha tensors are no option.) :func:`load_into` undoes the baking.
     """
-    from diffusers import FluxPipeline
+    from rayflux import families
 
     config = transformer.peft_config[ADAPTER].to_dict()
     config["target_modules"] = sorted(config["target_modules"])  # a set in peft; metadata must be JSON
     config["lora_alpha"] = config["r"]
     factor = scale(transformer)
     state = {k: (v * factor if ".lora_B." in k else v) for k, v in lora_state_dict(transformer).items()}
-    FluxPipeline.save_lora_weights(str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=config)
+    pipeline = families.of_transformer(transformer).pipeline_class()
+    pipeline.save_lora_weights(str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=config)
     return Path(directory) / WEIGHT_NAME
 
 
@@ -149,9 +149,9 @@ def init_from_file(transformer, path: str) -> int:
     """
     import tempfile
 
-    from diffusers import FluxPipeline
+    from rayflux import families, storage
 
-    from rayflux import storage
+    family = families.of_transformer(transformer)
 
     with tempfile.TemporaryDirectory(prefix="rayflux-init-lora-") as tmp:
         local = path
@@ -159,9 +159,10 @@ def init_from_file(transformer, path: str) -> int:
             local = str(Path(tmp) / Path(path).name)
             Path(local).write_bytes(storage.read_bytes(path))
         # Folder and file name apart: older diffusers insist on a weight_name for a local file when offline.
-        state, _, metadata = FluxPipeline.lora_state_dict(
-            str(Path(local).parent), weight_name=Path(local).name, return_alphas=True, return_lora_metadata=True
+        out = family.pipeline_class().lora_state_dict(
+            str(Path(local).parent), weight_name=Path(local).name, return_lora_metadata=True, **family.lora_read_kwargs
         )
+        state, metadata = out[0], out[-1]
     meta = metadata or {}  # diffusers flattens it to "transformer.<LoraConfig field>"
     alpha, r = meta.get("transformer.lora_alpha"), meta.get("transformer.r")
     if meta.get("transformer.alpha_pattern") or meta.get("transformer.rank_pattern"):

@@ -48,13 +48,15 @@ def _checkpoint_file(cfg: JobConfig) -> str:
 
 
 @cache
-def _architecture(model_path: str, revision: str) -> str:
-    """sd-scripts' architecture name: guidance-distilled FLUX.1 is ``dev``, the other ``schnell``."""
+def _architecture(model_path: str, revision: str) -> tuple[str, str, str]:
+    """sd-scripts' architecture, base model version and implementation of the model's family (``flux-1-dev``,
+    ``flux1``, BFL's repository)."""
+    from rayflux import models
     from rayflux.config import ModelConfig
-    from rayflux.models import model_facts
 
-    guided = model_facts(ModelConfig(path=model_path, revision=revision)).guidance_embeds
-    return "flux-1-dev" if guided else "flux-1-schnell"
+    cfg = ModelConfig(path=model_path, revision=revision)
+    family = models.family(cfg)
+    return models.model_facts(cfg).architecture, family.base_model_version, family.implementation
 
 
 @cache
@@ -76,19 +78,19 @@ def tag_frequency(text_files: tuple[str, ...]) -> dict[str, int]:
 
 
 def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) -> dict[str, str]:
-    """sd-scripts' ``ss_*`` keys and ``modelspec.*`` for a FLUX LoRA trained by ``cfg``, saved at ``step``."""
+    """sd-scripts' ``ss_*`` keys and ``modelspec.*`` for a LoRA trained by ``cfg``, saved at ``step``."""
     from rayflux import datasets
     from rayflux.models import resolve_path
 
     t, d = cfg.train, cfg.data
     base = resolve_path(cfg.model)
-    arch = _architecture(cfg.model.path, cfg.model.revision)
+    arch, version, implementation = _architecture(cfg.model.path, cfg.model.revision)
     now = datetime.datetime.now(datetime.timezone.utc)
     dirs = {datasets.label(ds): {"n_repeats": ds.repeats} for ds in datasets.datasets_of(d)}
     res = f"{d.resolution}x{d.resolution}"
     meta = {
         "ss_output_name": output_name(cfg),
-        "ss_base_model_version": "flux1",
+        "ss_base_model_version": version,
         "ss_sd_model_name": os.path.basename(base.rstrip("/")) or base,
         "ss_network_module": "networks.lora_flux",
         "ss_network_dim": t.rank,
@@ -121,7 +123,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_training_finished_at": now.timestamp(),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": f"{arch}/lora",
-        "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+        "modelspec.implementation": implementation,
         "modelspec.title": f"{output_name(cfg)} (step {step})",
         "modelspec.resolution": res,
         "modelspec.date": now.date().isoformat(),

@@ -1,4 +1,5 @@
-"""One FLUX flow-matching forward pass and loss on a planned batch (the backward pass is the trainer's).
+"""One flow-matching forward pass and loss on a planned batch (the backward pass is the trainer's); what differs
+between FLUX.1 and FLUX.2 (packing, ids, forward arguments) is the model family's.
 
 Every random choice of a batch (noise, σ, guidance, caption dropout) is drawn from a generator seeded with that
 batch's planned ``seed``, in that order, so a batch trains the same way on whichever rank and in whichever run.
@@ -13,16 +14,17 @@ import numpy as np
 import torch
 
 from rayflux.config import TrainConfig
+from rayflux.families.base import Family
 from rayflux.train import flow
 
 
 @dataclass
 class Batch:
-    """One planned batch as float32 tensors: latents ``[B, C, H, W]``, T5 ``[B, L, D]``, CLIP pooled ``[B, D]``."""
+    """One planned batch as float32 tensors: latents ``[B, C, H, W]`` and the named text tensors ``[B, ...]`` of the
+    model's family (FLUX.1: ``t5`` ``[B, L, D]`` and ``clip_pooled`` ``[B, D]``)."""
 
     latents: torch.Tensor
-    t5: torch.Tensor
-    clip: torch.Tensor
+    text: dict[str, torch.Tensor]
     seed: int
     weights: torch.Tensor | None = None
     """Per-sample loss weights ``[B]`` (regularisation datasets); None weighs every sample 1."""
@@ -30,10 +32,9 @@ class Batch:
 
 @dataclass
 class EmptyCaption:
-    """The cached embedding of the empty caption ``""``: what caption dropout trains on."""
+    """The cached embedding of the empty caption ``""``: what caption dropout trains on (one tensor per name)."""
 
-    t5: torch.Tensor
-    clip: torch.Tensor
+    text: dict[str, torch.Tensor]
 
 
 def _array(data: bytes, shape) -> torch.Tensor:
@@ -43,18 +44,18 @@ def _array(data: bytes, shape) -> torch.Tensor:
 def from_item(item: dict) -> Batch:
     """Rebuild the tensors of a row made by :func:`rayflux.train.batching.stack_batch`."""
     lat = _array(item["latent"], json.loads(item["latent_shape"]))
-    t5 = _array(item["t5"], json.loads(item["t5_shape"]))
-    clip = _array(item["clip"], (lat.shape[0], int(item["clip_dim"])))
+    text = {n: _array(item[f"text_{n}"], json.loads(item[f"text_{n}_shape"])) for n in json.loads(item["text_names"])}
     weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None
-    return Batch(lat, t5, clip, int(item["seed"]), weights)
+    return Batch(lat, text, int(item["seed"]), weights)
 
 
 def flow_loss(
     model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty: EmptyCaption | None, device, dtype,
-    shift_config: dict | None = None,
+    family: Family, shift_config: dict | None = None,
 ):  # fmt: skip
     """Noise the latents, predict ``ε - x`` and return the weighted loss (float32 scalar). ``shift_config``: the
-    model's ``flux_shift`` constants (:func:`rayflux.models.shift_config`)."""
+    model's ``flux_shift`` constants (:func:`rayflux.models.shift_config`); ``family``: the model's family (packing,
+    ids and forward arguments)."""
     generator = torch.Generator().manual_seed(batch.seed)
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
@@ -67,31 +68,22 @@ def flow_loss(
         logit_mean=t.logit_mean,
         logit_std=t.logit_std,
         shift=t.shift,
-        seq_len=(h // 2) * (w // 2),
+        seq_len=family.seq_len(h, w),
         shift_config=shift_config,
     ).to(device)
-    kwargs = {}
+    guidance = None
     if guidance_embeds:
-        kwargs["guidance"] = flow.sample_guidance(b, t.guidance, t.guidance_max, generator).to(device, dtype)
-    t5, clip = batch.t5.to(device, dtype), batch.clip.to(device, dtype)
+        guidance = flow.sample_guidance(b, t.guidance, t.guidance_max, generator).to(device, dtype)
+    text = {n: x.to(device, dtype) for n, x in batch.text.items()}
     if t.caption_dropout > 0:
         if empty is None:
             raise ValueError("train.caption_dropout needs the cached empty-caption embedding")
         mask = flow.caption_dropout_mask(b, t.caption_dropout, generator)
-        t5, clip = flow.drop_captions(t5, clip, mask, empty.t5, empty.clip)
+        text = flow.drop_text(text, mask, empty.text)
     # Noisy input and target stay float32; only the model input is cast to the weights' dtype.
-    noisy = flow.pack(flow.noisy_input(latents, noise, sigmas)).to(dtype)
-    target = flow.pack(flow.flow_target(latents, noise))
-    pred = model(
-        hidden_states=noisy,
-        encoder_hidden_states=t5,
-        pooled_projections=clip,
-        timestep=sigmas.to(dtype),
-        img_ids=flow.image_ids(h, w, device, dtype),
-        txt_ids=flow.text_ids(t5.shape[1], device, dtype),
-        return_dict=False,
-        **kwargs,
-    )[0]
+    noisy = family.pack(flow.noisy_input(latents, noise, sigmas)).to(dtype)
+    target = family.pack(flow.flow_target(latents, noise))
+    pred = model(**family.forward_args(noisy, text, sigmas, h, w, guidance), return_dict=False)[0]
     weights = flow.loss_weights(sigmas, t.loss_weighting)
     if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
         weights = weights * batch.weights.to(weights.device, weights.dtype)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, models, plan
+from rayflux import datasets, families, models, plan
 from rayflux.config import JobConfig
 from rayflux.train import kohya, lora, optim, step
 from rayflux.train.step import EmptyCaption
@@ -63,9 +63,11 @@ class LoraTrainer:
         if transformer is None:
             transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
         self.transformer = transformer
+        self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
         if t.output_format == "kohya":
-            kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules))
+            kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules),
+                                self.family.kohya_blocks)  # fmt: skip
         if t.init_lora:
             lora.init_from_file(self.transformer, t.init_lora)
         self.checkpointing = self._plan_memory(rank)
@@ -109,7 +111,7 @@ class LoraTrainer:
         """Forward and backward every batch (gradients averaged over them), clip, then one optimizer step."""
         t = self.cfg.train
         lr = self.optimizer.param_groups[0]["lr"]
-        step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype)
+        step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype, self.family)
         losses = []
         for i, batch in enumerate(batches):
             # DDP all-reduces gradients only on the last batch of the group; earlier ones just accumulate.

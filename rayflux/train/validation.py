@@ -1,4 +1,5 @@
-"""Validation images: rank 0 renders the configured prompts with ``FluxPipeline`` and the LoRA being trained.
+"""Validation images: rank 0 renders the configured prompts with the model family's pipeline and the LoRA being
+trained.
 
 The pipeline borrows the training transformer (adapter attached, so the images show the current LoRA). The first
 render loads both text encoders once, encodes the prompts and drops them again: that is the one moment a training
@@ -47,37 +48,33 @@ text_encoder_loads = 0
 
 
 def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
-    """The validation prompts' (T5, CLIP pooled) embeddings. The first call loads the text encoders, encodes every
-    prompt and drops them; later renders never touch them again."""
+    """Each validation prompt's embedding arguments for the family's pipeline. The first call loads the text
+    encoders, encodes every prompt and drops them; later renders never touch them again."""
     global text_encoder_loads
-    from diffusers import FluxPipeline
-
     t = cfg.train
-    length = models.model_facts(cfg.model).t5_max_length
+    facts = models.model_facts(cfg.model)
     path = models.resolve_path(cfg.model)
-    key = (path, cfg.model.revision, tuple(t.validation_prompts), str(device), str(dtype), length)
+    key = (path, cfg.model.revision, tuple(t.validation_prompts), str(device), str(dtype), facts.text_length)
     if key not in _PREPARED:
-        extra = {"revision": cfg.model.revision} if cfg.model.revision else {}
-        pipe = FluxPipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **extra).to(device)
+        family = models.family(cfg.model)
+        embeds = family.prompt_embeddings(path, models.revision_kw(cfg.model), list(t.validation_prompts), facts,
+                                          device, dtype)  # fmt: skip
         text_encoder_loads += 1
-        with torch.inference_mode():
-            embeds = [pipe.encode_prompt(p, p, device=device, max_sequence_length=length)[:2]
-                      for p in t.validation_prompts]  # fmt: skip
-        del pipe
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         _PREPARED.clear()
-        _PREPARED[key] = [(e.clone(), p.clone()) for e, p in embeds]
+        _PREPARED[key] = embeds
     return _PREPARED[key]
 
 
 def render(transformer, cfg: JobConfig, device, dtype) -> list:
     """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     t = cfg.train
-    extra = {"subfolder": "scheduler", **({"revision": cfg.model.revision} if cfg.model.revision else {})}
+    kw = models.revision_kw(cfg.model)
+    path = models.resolve_path(cfg.model)
     device = torch.device(device)
     size = image_size(cfg)
     was_training = transformer.training
@@ -86,23 +83,22 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         embeds = _prompt_embeddings(cfg, device, dtype)
         # The VAE (small, from local files after the first load) is loaded per render and freed after it, so
         # training never holds an encoder between renders.
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(models.resolve_path(cfg.model), **extra)
-        pipe = FluxPipeline(scheduler=scheduler, vae=models.load_vae(cfg.model, str(device), dtype), text_encoder=None,
-                            tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)  # fmt: skip
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kw)
+        vae = models.load_vae(cfg.model, str(device), dtype)
+        pipe = models.family(cfg.model).render_pipeline(path, kw, scheduler, vae, transformer)
         pipe.set_progress_bar_config(disable=True)
         transformer.eval()
         try:
             images = [
                 pipe(
-                    prompt_embeds=prompt,
-                    pooled_prompt_embeds=pooled,
+                    **prompt,
                     height=size,
                     width=size,
                     num_inference_steps=t.validation_inference_steps,
                     guidance_scale=t.validation_guidance,
                     generator=torch.Generator().manual_seed(t.seed + i),
                 ).images[0]
-                for i, (prompt, pooled) in enumerate(embeds)
+                for i, prompt in enumerate(embeds)
             ]
         finally:
             transformer.train(was_training)

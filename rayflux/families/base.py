@@ -1,0 +1,156 @@
+"""The model-family interface: everything that differs between FLUX.1, FLUX.1 Kontext and FLUX.2, in one place.
+
+The cache, the feed, the training loop and the ledger never ask which model they run: they ask the model's
+:class:`Family` (chosen from ``model_index.json``'s ``_class_name``, see :mod:`rayflux.families`) for its encoders,
+its named text tensors, its stored latent, its packing and position ids, the transformer's forward arguments, its
+pipeline and its LoRA key names. Text tensors are stored and read by the names a family gives them
+(:class:`TextTensor`), each with its own shape columns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TextTensor:
+    """One named per-caption text tensor as the cache stores it: a binary column and one shape column per axis."""
+
+    name: str
+    """Column in the text shards holding the tensor's bytes (``t5``, ``clip_pooled``, ``prompt_embeds``)."""
+    dims: tuple[str, ...]
+    """Shape columns, one per axis, in order (``("t5_len", "t5_dim")``)."""
+    key: str
+    """Prefix of the tensor's byte-range columns in the caption index (``<key>_offset``, ``<key>_length``)."""
+    length: int = 0
+    """The model's fixed size of the first axis (the padded sequence length), checked on every row; 0: any."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "dims", tuple(self.dims))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the rest of the job needs to know about a model, read from its config files alone (no weights)."""
+
+    family: str
+    """The family's registry name (``flux1``, ``flux2``); what the job's workers look the family up by."""
+    vae_scale_factor: int
+    """Pixels per stored latent cell along each side (FLUX.2 stores 2x2-patchified latents: 16)."""
+    latent_channels: int
+    """Channels of a stored latent (FLUX.1: the VAE's 16; FLUX.2: 4 x 32 patchified)."""
+    pack: int
+    """Side of the patches the transformer packs stored latents into tokens with (FLUX.1: 2; FLUX.2: 1)."""
+    guidance_embeds: bool
+    """The transformer embeds a guidance value (FLUX.1 [dev], FLUX.2 [dev])."""
+    text_length: int
+    """Padded token length of every caption's text embedding (the model's ``max_sequence_length``)."""
+    text: tuple[TextTensor, ...] = field(default=())
+    """The named text tensors one caption encodes to, in storage order."""
+    identity: str = ""
+    """Hash of the VAE and text-encoder configs and weight file sizes/names (or the hub revision): part of the
+    cache key, so a different encoder never reuses old latents."""
+    architecture: str = ""
+    """What LoRA metadata calls the base model (``flux-1-dev``, ``flux-2-klein``)."""
+
+    @property
+    def alignment(self) -> int:
+        """Pixel sides must be multiples of this: latent cell size times the transformer's packing."""
+        return self.pack * self.vae_scale_factor
+
+
+class Family(ABC):
+    """One model family. Stateless: every method takes what it works on; encoders are returned, not kept."""
+
+    name: str
+    """Registry name, recorded in :class:`ModelFacts` (``flux1``)."""
+    pipelines: dict[str, str]
+    """``model_index.json`` classes of this family, with what users call them."""
+    parts: tuple[str, ...]
+    """Files and folders a local model directory of this family must hold."""
+    lora_presets: dict[str, list[str]]
+    """``train.targets`` presets: module-name suffixes inside the transformer's blocks."""
+    lora_blocks: tuple[str, ...]
+    """Module-name prefixes of the transformer's blocks, where presets apply."""
+    base_model_version: str
+    """sd-scripts' ``ss_base_model_version`` of this family's LoRAs."""
+    implementation: str
+    """Where the model's reference code lives (``modelspec.implementation`` of kohya files)."""
+    transformer_class: str
+    """The diffusers transformer class: how a loaded transformer names its family."""
+    lora_read_kwargs: dict = {}
+    """Extra keyword arguments of the pipeline's ``lora_state_dict`` for reading a LoRA file."""
+
+    # -- facts and loading -------------------------------------------------------------------------------------
+    @abstractmethod
+    def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
+        """Facts from the parts' ``config.json`` (``configs[subfolder]``, see :attr:`config_parts`); ``identity``
+        holds what the cache key hashes besides (weights signature, path, revision), to which a family adds."""
+
+    config_parts: tuple[str, ...] = ("vae", "transformer")
+    """Subfolders whose ``config.json`` :meth:`facts` reads."""
+    encoder_parts: tuple[str, ...] = ("vae",)
+    """Subfolders whose weights the cache's identity covers."""
+
+    @abstractmethod
+    def load_vae(self, path: str, kw: dict, device: str, dtype):
+        """The VAE, from a model directory or hub id (``kw``: subfolder-less ``from_pretrained`` kwargs)."""
+
+    @abstractmethod
+    def load_text_encoders(self, path: str, kw: dict, device: str, dtype):
+        """The text encoders with their tokenizers, as one opaque object for :meth:`encode_text`."""
+
+    @abstractmethod
+    def load_transformer(self, path: str, kw: dict, device: str, dtype):
+        """The denoising transformer."""
+
+    # -- cache --------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def encode_text(self, encoders, captions: list[str], facts: ModelFacts) -> dict:
+        """Named text tensors ``{name: [B, *shape]}`` for a batch of captions, as :attr:`ModelFacts.text` names."""
+
+    @abstractmethod
+    def stored_latent(self, vae, z):
+        """The latent to store for the VAE's sampled latents ``z`` ``[B, C, h, w]``, normalisation included."""
+
+    # -- training -------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def pack(self, latents):
+        """Stored latents ``[B, C, H, W]`` -> transformer tokens ``[B, N, D]``."""
+
+    @abstractmethod
+    def unpack(self, tokens, height: int, width: int):
+        """Inverse of :meth:`pack` for a stored latent of ``height`` x ``width``."""
+
+    @abstractmethod
+    def seq_len(self, height: int, width: int) -> int:
+        """Image tokens of a stored latent of ``height`` x ``width`` (drives ``flux_shift``)."""
+
+    @abstractmethod
+    def forward_args(self, tokens, text: dict, sigmas, height: int, width: int, guidance) -> dict:
+        """The transformer's keyword arguments for noisy ``tokens`` of a ``height`` x ``width`` latent, the batch's
+        named text tensors (already on the device, in the weights' dtype), ``sigmas`` and ``guidance`` (None when
+        the transformer embeds none)."""
+
+    # -- pipelines and LoRA files ----------------------------------------------------------------------------------
+    @abstractmethod
+    def pipeline_class(self):
+        """The diffusers pipeline class for validation renders, ``save_lora_weights`` and ``lora_state_dict``."""
+
+    @abstractmethod
+    def prompt_embeddings(self, path: str, kw: dict, prompts: list[str], facts: ModelFacts, device, dtype) -> list:
+        """For each prompt, the pipeline call's keyword arguments that carry its embeddings (text encoders loaded
+        here and dropped again)."""
+
+    @abstractmethod
+    def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
+        """A pipeline without text encoders around the training ``transformer``, for validation renders."""
+
+    kohya_blocks: dict[str, tuple[dict, str]]
+    """kohya/original key map: diffusers block prefix -> (module inside a block -> (original name, part, parts),
+    original block prefix). A fused original layer (``img_attn.qkv``) lists its diffusers parts in order; see
+    :mod:`rayflux.train.kohya`."""
+
+    def architecture(self, facts: ModelFacts) -> str:
+        return facts.architecture

@@ -1,0 +1,189 @@
+"""FLUX.1 [dev] and [schnell] (``FluxPipeline``): CLIP-L pooled + T5-XXL text, 16-channel shift/scale latents packed
+2x2, 3-axis ids, guidance embedded by [dev].
+
+T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are kept at
+the model's full ``max_sequence_length`` (512 for [dev], 256 for the distilled [schnell]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from rayflux.families.base import Family, ModelFacts, TextTensor
+from rayflux.train import flow
+
+CLIP_LENGTH = 77
+
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+FFS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
+
+# diffusers module inside a block -> (kohya name, part, parts); part is None for an unfused layer. FLUX.2's double
+# blocks name their attention the same way.
+DOUBLE_ATTENTION = {
+    "attn.to_q": ("img_attn_qkv", 0, 3),
+    "attn.to_k": ("img_attn_qkv", 1, 3),
+    "attn.to_v": ("img_attn_qkv", 2, 3),
+    "attn.to_out.0": ("img_attn_proj", None, 1),
+    "attn.add_q_proj": ("txt_attn_qkv", 0, 3),
+    "attn.add_k_proj": ("txt_attn_qkv", 1, 3),
+    "attn.add_v_proj": ("txt_attn_qkv", 2, 3),
+    "attn.to_add_out": ("txt_attn_proj", None, 1),
+}
+DOUBLE = {
+    **DOUBLE_ATTENTION,
+    "ff.net.0.proj": ("img_mlp_0", None, 1),
+    "ff.net.2": ("img_mlp_2", None, 1),
+    "ff_context.net.0.proj": ("txt_mlp_0", None, 1),
+    "ff_context.net.2": ("txt_mlp_2", None, 1),
+    "norm1.linear": ("img_mod_lin", None, 1),
+    "norm1_context.linear": ("txt_mod_lin", None, 1),
+}
+SINGLE = {
+    "attn.to_q": ("linear1", 0, 4),
+    "attn.to_k": ("linear1", 1, 4),
+    "attn.to_v": ("linear1", 2, 4),
+    "proj_mlp": ("linear1", 3, 4),
+    "proj_out": ("linear2", None, 1),
+    "norm.linear": ("modulation_lin", None, 1),
+}
+
+
+def text_tensors(t5_len: int) -> tuple[TextTensor, ...]:
+    """FLUX.1's named text tensors: the T5 sequence ``[t5_len, t5_dim]`` and CLIP's pooled vector ``[clip_dim]``."""
+    return TextTensor("t5", ("t5_len", "t5_dim"), "t5", t5_len), TextTensor("clip_pooled", ("clip_dim",), "clip")
+
+
+def _plain(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+class Flux1(Family):
+    name = "flux1"
+    pipelines = {"FluxPipeline": "FLUX.1 [dev] / [schnell]"}
+    parts = ("transformer/config.json", "vae/config.json", "text_encoder/config.json", "text_encoder_2/config.json",
+             "tokenizer", "tokenizer_2", "scheduler/scheduler_config.json")  # fmt: skip
+    config_parts = ("vae", "transformer", "text_encoder", "text_encoder_2")
+    encoder_parts = ("vae", "text_encoder", "text_encoder_2")
+    lora_presets = {
+        "attention": ATTENTION,
+        "attention+ffs": ATTENTION + FFS,
+        # Every linear layer of the blocks, including modulation (norm) projections.
+        "all": ATTENTION + FFS + ["norm1.linear", "norm1_context.linear", "norm.linear"],
+    }
+    lora_blocks = ("transformer_blocks.", "single_transformer_blocks.")
+    implementation = "https://github.com/black-forest-labs/flux"
+    transformer_class = "FluxTransformer2DModel"
+    lora_read_kwargs = {"return_alphas": True}
+    base_model_version = "flux1"
+    kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
+                    "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
+
+    def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
+        vae, transformer = configs["vae"], configs["transformer"]
+        # FLUX.1-schnell was distilled with 256 T5 tokens and dev with 512; guidance_embeds tells them apart.
+        guidance = bool(transformer.get("guidance_embeds", False))
+        t5_len = 512 if guidance else 256
+        blob = {"vae": _plain(vae), "clip": _plain(configs["text_encoder"]), "t5": _plain(configs["text_encoder_2"]),
+                **identity, "t5_len": t5_len}  # fmt: skip
+        return ModelFacts(
+            family=self.name,
+            vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
+            latent_channels=int(vae["latent_channels"]),
+            pack=2,
+            guidance_embeds=guidance,
+            text_length=t5_len,
+            text=text_tensors(t5_len),
+            identity=hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            architecture=self.architecture_name(guidance),
+        )
+
+    def architecture_name(self, guidance: bool) -> str:
+        """sd-scripts' name of the base model: guidance-distilled FLUX.1 is ``dev``, the other ``schnell``."""
+        return "flux-1-dev" if guidance else "flux-1-schnell"
+
+    def load_vae(self, path, kw, device, dtype):
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(path, torch_dtype=dtype, subfolder="vae", **kw)
+        return vae.to(device).eval().requires_grad_(False)
+
+    def load_text_encoders(self, path, kw, device, dtype):
+        """CLIP-L and T5-XXL with their tokenizers."""
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        clip_tok = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kw)
+        t5_tok = T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2", **kw)
+        clip = CLIPTextModel.from_pretrained(path, dtype=dtype, subfolder="text_encoder", **kw)
+        t5 = T5EncoderModel.from_pretrained(path, dtype=dtype, subfolder="text_encoder_2", **kw)
+        clip = clip.to(device).eval().requires_grad_(False)
+        t5 = t5.to(device).eval().requires_grad_(False)
+        return clip_tok, clip, t5_tok, t5
+
+    def load_transformer(self, path, kw, device, dtype):
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel.from_pretrained(path, torch_dtype=dtype, subfolder="transformer", **kw).to(device)
+
+    def encode_text(self, encoders, captions, facts):
+        import torch
+
+        clip_tok, clip, t5_tok, t5 = encoders
+        with torch.inference_mode():
+            clip_ids = clip_tok(
+                captions, padding="max_length", max_length=CLIP_LENGTH, truncation=True, return_tensors="pt"
+            ).input_ids.to(clip.device)
+            pooled = clip(clip_ids, output_hidden_states=False).pooler_output
+            t5_ids = t5_tok(
+                captions, padding="max_length", max_length=facts.text_length, truncation=True, return_tensors="pt"
+            ).input_ids.to(t5.device)
+            seq = t5(t5_ids, output_hidden_states=False)[0]
+        return {"t5": seq, "clip_pooled": pooled}
+
+    def stored_latent(self, vae, z):
+        """``(z - shift_factor) * scaling_factor``, both from the VAE's config."""
+        return (z - float(vae.config.shift_factor or 0.0)) * float(vae.config.scaling_factor)
+
+    def pack(self, latents):
+        return flow.pack(latents)
+
+    def unpack(self, tokens, height, width):
+        return flow.unpack(tokens, height, width)
+
+    def seq_len(self, height, width):
+        return (height // 2) * (width // 2)
+
+    def forward_args(self, tokens, text, sigmas, height, width, guidance):
+        t5 = text["t5"]
+        kwargs = {
+            "hidden_states": tokens,
+            "encoder_hidden_states": t5,
+            "pooled_projections": text["clip_pooled"],
+            "timestep": sigmas.to(tokens.dtype),
+            "img_ids": flow.image_ids(height, width, tokens.device, tokens.dtype),
+            "txt_ids": flow.text_ids(t5.shape[1], tokens.device, tokens.dtype),
+        }
+        if guidance is not None:
+            kwargs["guidance"] = guidance
+        return kwargs
+
+    def pipeline_class(self):
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+
+    def prompt_embeddings(self, path, kw, prompts, facts, device, dtype):
+        import torch
+
+        pipe = self.pipeline_class().from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **kw)
+        pipe = pipe.to(device)
+        with torch.inference_mode():
+            out = []
+            for p in prompts:
+                e, pooled = pipe.encode_prompt(p, p, device=device, max_sequence_length=facts.text_length)[:2]
+                out.append({"prompt_embeds": e.clone(), "pooled_prompt_embeds": pooled.clone()})
+        return out
+
+    def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
+        return self.pipeline_class()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                            tokenizer_2=None, transformer=transformer)  # fmt: skip

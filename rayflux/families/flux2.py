@@ -1,0 +1,160 @@
+"""FLUX.2 [dev] (``Flux2Pipeline``, Mistral Small 3.1) and [klein] (``Flux2KleinPipeline``, Qwen3).
+
+- Latents: ``AutoencoderKLFlux2``'s 32 channels, patchified 2x2 into 128 and normalised by the VAE's batch-norm
+  statistics; the cache stores them so, and the transformer packs them 1x1 (a token per latent cell).
+- Text: the hidden states of three encoder layers stacked along the channels, through the encoder's chat template,
+  padded to the pipeline's 512 tokens; no pooled vector. One named tensor, ``prompt_embeds``.
+- Ids: four axes (t, h, w, l), built with the pipeline's own helpers.
+- Guidance: only when the transformer embeds it ([dev]); [klein] base trains without.
+
+Prompt encoding is the pipeline's own ``encode_prompt``; patchify, normalisation, packing and ids are the pure
+functions of :mod:`rayflux.families.flux2_math`, checked bitwise against the pipelines' helpers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from rayflux.families import flux2_math
+from rayflux.families.base import Family, ModelFacts, TextTensor
+from rayflux.families.flux1 import DOUBLE_ATTENTION
+
+TEXT_LENGTH = 512
+"""The pipelines' ``max_sequence_length`` default, and so the padded length of every cached caption."""
+
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+             "attn.to_qkv_mlp_proj", "attn.to_out"]  # fmt: skip
+FFS = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
+
+DOUBLE = {
+    **DOUBLE_ATTENTION,
+    "ff.linear_in": ("img_mlp_0", None, 1),
+    "ff.linear_out": ("img_mlp_2", None, 1),
+    "ff_context.linear_in": ("txt_mlp_0", None, 1),
+    "ff_context.linear_out": ("txt_mlp_2", None, 1),
+}
+# diffusers keeps the single blocks' fused projections fused, as the original code does.
+SINGLE = {"attn.to_qkv_mlp_proj": ("linear1", None, 1), "attn.to_out": ("linear2", None, 1)}
+
+
+def _plain(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+class Flux2(Family):
+    name = "flux2"
+    pipelines = {"Flux2KleinPipeline": "FLUX.2 [klein]", "Flux2Pipeline": "FLUX.2 [dev]"}
+    parts = ("transformer/config.json", "vae/config.json", "text_encoder/config.json", "tokenizer",
+             "scheduler/scheduler_config.json")  # fmt: skip
+    config_parts = ("vae", "transformer", "text_encoder")
+    encoder_parts = ("vae", "text_encoder")
+    lora_presets = {"attention": ATTENTION, "attention+ffs": ATTENTION + FFS, "all": ATTENTION + FFS}
+    lora_blocks = ("transformer_blocks.", "single_transformer_blocks.")
+    implementation = "https://github.com/black-forest-labs/flux2"
+    transformer_class = "Flux2Transformer2DModel"
+    base_model_version = "flux2"
+    kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
+                    "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
+
+    def facts(self, configs, identity):
+        vae, transformer, encoder = configs["vae"], configs["transformer"], configs["text_encoder"]
+        guidance = bool(transformer.get("guidance_embeds", False))
+        blob = {"vae": _plain(vae), "text_encoder": _plain(encoder), **identity, "text_length": TEXT_LENGTH}
+        arch = encoder.get("model_type", "")
+        return ModelFacts(
+            family=self.name,
+            vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1) * 2,
+            latent_channels=int(vae["latent_channels"]) * 4,
+            pack=1,
+            guidance_embeds=guidance,
+            text_length=TEXT_LENGTH,
+            text=(TextTensor("prompt_embeds", ("prompt_len", "prompt_dim"), "prompt", TEXT_LENGTH),),
+            identity=hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            architecture="flux-2-klein" if arch.startswith("qwen") else "flux-2-dev",
+        )
+
+    def _pipeline(self, path: str, kw: dict):
+        from diffusers import Flux2KleinPipeline, Flux2Pipeline
+
+        from rayflux.families import class_name
+
+        return {"Flux2KleinPipeline": Flux2KleinPipeline, "Flux2Pipeline": Flux2Pipeline}[class_name(path, **kw)]
+
+    def load_vae(self, path, kw, device, dtype):
+        from diffusers import AutoencoderKLFlux2
+
+        vae = AutoencoderKLFlux2.from_pretrained(path, torch_dtype=dtype, subfolder="vae", **kw)
+        return vae.to(device).eval().requires_grad_(False)
+
+    def load_text_encoders(self, path, kw, device, dtype):
+        """The family's pipeline with its text encoder and tokenizer only: its ``encode_prompt`` is the encoding."""
+        pipe = self._pipeline(path, kw).from_pretrained(path, transformer=None, vae=None, torch_dtype=dtype, **kw)
+        pipe.text_encoder.eval().requires_grad_(False)
+        return pipe.to(device)
+
+    def load_transformer(self, path, kw, device, dtype):
+        from diffusers import Flux2Transformer2DModel
+
+        return Flux2Transformer2DModel.from_pretrained(path, torch_dtype=dtype, subfolder="transformer", **kw).to(device)
+
+    def encode_text(self, encoders, captions, facts):
+        import torch
+
+        with torch.inference_mode():
+            embeds, _ = encoders.encode_prompt(captions, device=encoders.text_encoder.device,
+                                               max_sequence_length=facts.text_length)  # fmt: skip
+        return {"prompt_embeds": embeds}
+
+    def stored_latent(self, vae, z):
+        """Patchify 2x2, then ``(z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps)``, as the pipelines'
+        ``_encode_vae_image``."""
+        return flux2_math.normalize_latent(z, *flux2_math.vae_bn_stats(vae))
+
+    def pack(self, latents):
+        return flux2_math.pack(latents)
+
+    def unpack(self, tokens, height, width):
+        return flux2_math.unpack(tokens, height, width)
+
+    def seq_len(self, height, width):
+        return height * width
+
+    def forward_args(self, tokens, text, sigmas, height, width, guidance):
+        embeds = text["prompt_embeds"]
+        b, device = tokens.shape[0], tokens.device
+        # Batched ids, as the pipelines pass them.
+        return {
+            "hidden_states": tokens,
+            "encoder_hidden_states": embeds,
+            "timestep": sigmas.to(tokens.dtype),
+            "img_ids": flux2_math.latent_ids(height, width, device).expand(b, -1, -1),
+            "txt_ids": flux2_math.text_ids(embeds.shape[1], device).expand(b, -1, -1),
+            "guidance": guidance,
+        }
+
+    def pipeline_class(self):
+        from diffusers import Flux2KleinPipeline
+
+        # Both FLUX.2 pipelines share Flux2LoraLoaderMixin: saving and reading LoRA files is the same.
+        return Flux2KleinPipeline
+
+    def prompt_embeddings(self, path, kw, prompts, facts, device, dtype):
+        import torch
+
+        pipe = self.load_text_encoders(path, kw, device, dtype)
+        # [klein] base renders with classifier-free guidance against the empty prompt; the pipeline would encode it
+        # itself, with the text encoder that the render no longer has.
+        negative = getattr(pipe.config, "is_distilled", True) is False
+        with torch.inference_mode():
+            empty = pipe.encode_prompt("", device=device, max_sequence_length=facts.text_length)[0] if negative else None
+            out = []
+            for p in prompts:
+                e = pipe.encode_prompt(p, device=device, max_sequence_length=facts.text_length)[0].clone()
+                out.append({"prompt_embeds": e, **({"negative_prompt_embeds": empty.clone()} if negative else {})})
+        return out
+
+    def render_pipeline(self, path, kw, scheduler, vae, transformer):
+        cls = self._pipeline(path, kw)
+        return cls.from_pretrained(path, scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
+                                   tokenizer=None, **kw)  # fmt: skip

@@ -1,0 +1,262 @@
+"""Edit pairs on the data side: references found by name or metadata column, missing ones skipped with the path
+they were looked for at, and each reference cut and resized with its target's own crop."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import cache_sets
+import numpy as np
+import pytest
+
+from rayflux import buckets, config
+from rayflux.cache.prepare import prepare_row
+from rayflux.sources import discover
+
+LIMIT = 10_000_000
+
+
+def _save(path, img):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+
+
+def _cfg(*sets: str) -> config.JobConfig:
+    return config.load(None, list(sets))
+
+
+def test_reference_dir_pairs_by_relative_name_and_skips_images_without_one(tmp_path):
+    images, refs = tmp_path / "images", tmp_path / "refs"
+    for i, rel in enumerate(["a.png", "b.png", "sub/c.png"]):
+        _save(images / rel, cache_sets.picture(80, 64, i))
+        (images / rel).with_suffix(".txt").write_text(f"make {rel} red")
+    _save(refs / "a.png", cache_sets.picture(80, 64, 10))
+    _save(refs / "b.jpg", cache_sets.picture(80, 64, 11))  # another format, same name
+    found = discover(_cfg(f"data.images_dir={images}", f"data.reference_dir={refs}").data)
+    by_rel = {s.rel_path: s for s in found.sources}
+    assert set(by_rel) == {"a.png", "b.png"}
+    assert by_rel["a.png"].references == (str(refs / "a.png"),)
+    assert by_rel["b.png"].references == (str(refs / "b.jpg"),)
+    assert by_rel["a.png"].caption == "make a.png red"
+    [skip] = found.skipped
+    assert skip["source_uri"] == str(images / "sub/c.png")
+    assert skip["reason"] == f"no reference image: {refs / 'sub/c.png'} does not exist"
+    assert found.discovered == 3
+
+
+def test_metadata_column_names_one_or_several_references_which_are_not_targets(tmp_path):
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png", "out3.png", "in1.png", "in2a.png", "in2b.png"]):
+        _save(root / name, cache_sets.picture(64, 64, i))
+    rows = [
+        {"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
+        {"file_name": "out2.png", "text": "put the cat on the sofa", "source": ["in2a.png", "in2b.png"]},
+        {"file_name": "out3.png", "text": "make it blue", "source": "gone.png"},
+    ]
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source"]
+    found = discover(_cfg(*sets).data)
+    by_rel = {s.rel_path: s for s in found.sources}
+    assert set(by_rel) == {"out1.png", "out2.png"}  # the named references are never training images
+    assert by_rel["out1.png"].references == (str(root / "in1.png"),)
+    assert by_rel["out2.png"].references == (str(root / "in2a.png"), str(root / "in2b.png"))
+    assert by_rel["out2.png"].caption == "put the cat on the sofa"
+    assert [s["reason"] for s in found.skipped] == [f"no reference image: {root / 'gone.png'} does not exist"]
+
+
+def test_metadata_references_outside_the_dataset_and_bad_cells_are_reported(tmp_path):
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png"]):
+        _save(root / name, cache_sets.picture(64, 64, i))
+    rows = [{"file_name": "out1.png", "text": "x", "source": "../secret.png"},
+            {"file_name": "out2.png", "text": "y", "source": 7}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source"]
+    found = discover(_cfg(*sets).data)
+    assert not found.sources
+    assert any("points outside the dataset" in p for p in found.problems)
+    assert any("'source' must be a file name or a list of file names, got 7" in p for p in found.problems)
+
+
+def test_reference_column_needs_metadata_captions(tmp_path):
+    with pytest.raises(config.ConfigError, match="reference_column names a metadata column"):
+        from rayflux import datasets
+
+        datasets.datasets_of(_cfg(f"data.images_dir={tmp_path}", "data.reference_column=source").data)
+
+
+def _spec(**kw) -> buckets.BucketSpec:
+    return buckets.BucketSpec(resolution=64, latent_channels=4, crop="random", **kw)
+
+
+def _row(target, refs, rel="t.png"):
+    return {"uri": str(target), "rel_path": rel, "references": [str(r) for r in refs]}
+
+
+def test_references_are_cut_with_their_target_crop(tmp_path):
+    # A wide image with a random crop: a reference cut anywhere else would differ.
+    target = cache_sets.picture(230, 100, 3)
+    _save(tmp_path / "t.png", target)
+    _save(tmp_path / "same.png", target)
+    _save(tmp_path / "big.png", target.resize((460, 200)))  # the same picture at twice the size
+    _save(tmp_path / "other.png", cache_sets.picture(230, 100, 4))
+    row = prepare_row(_row(tmp_path / "t.png", [tmp_path / "same.png", tmp_path / "big.png"]), _spec(), 7, LIMIT)
+    p = buckets.plan(230, 100, _spec(), seed=7, salt="t.png")
+    assert p.crop_left > 0, "the test needs a crop that is not the whole image"
+    assert (row["crop_left"], row["target_w"]) == (p.crop_left, p.target_width) and row["skip_reason"] == ""
+    assert row["ref_count"] == 2
+    n = p.target_width * p.target_height * 3
+    same, big = row["ref_pixels"][:n], row["ref_pixels"][n:]
+    assert len(row["ref_pixels"]) == 2 * n
+    assert same == row["pixels"]  # the same picture: cut and resized exactly as its target
+    diff = np.abs(np.frombuffer(big, np.uint8).astype(int) - np.frombuffer(row["pixels"], np.uint8).astype(int))
+    assert diff.mean() < 8  # scaled to the target's size first, then the same crop
+    other = prepare_row(_row(tmp_path / "t.png", [tmp_path / "other.png"]), _spec(), 7, LIMIT)
+    plain = prepare_row(_row(tmp_path / "t.png", []), _spec(), 7, LIMIT)
+    # The references' content is part of the sample's identity; a plain sample has no reference columns.
+    assert len({row["sample_id"], other["sample_id"], plain["sample_id"]}) == 3
+    assert plain["ref_count"] == 0 and plain["ref_pixels"] == b""
+
+
+def test_a_missing_or_broken_reference_skips_its_target_with_the_reason(tmp_path):
+    _save(tmp_path / "t.png", cache_sets.picture(96, 64, 1))
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    gone = prepare_row(_row(tmp_path / "t.png", [tmp_path / "gone.png"]), _spec(), 0, LIMIT)
+    assert gone["skip_reason"].startswith(f"reference {tmp_path / 'gone.png'}: unreadable")
+    broken = prepare_row(_row(tmp_path / "t.png", [tmp_path / "broken.png"]), _spec(), 0, LIMIT)
+    assert broken["skip_reason"].startswith(f"reference {tmp_path / 'broken.png'}: not a decodable image")
+    assert broken["pixels"] == b"" and broken["ref_pixels"] == b""
+
+
+def test_an_edit_pair_is_reused_only_while_its_reference_is_unchanged(tmp_path):
+    target, ref = tmp_path / "t.png", tmp_path / "r.png"
+    _save(target, cache_sets.picture(96, 64, 1))
+    _save(ref, cache_sets.picture(96, 64, 2))
+    st = target.stat()
+    src = {**_row(target, [ref]), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    fresh = prepare_row(src, _spec(), 0, LIMIT)
+    prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 96, "orig_h": 64,
+            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}  # fmt: skip
+    again = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
+    assert again["reuse"] and again["ref_count"] == 1 and again["ref_pixels"] == b""
+    _save(ref, cache_sets.picture(96, 64, 3))
+    changed = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
+    assert not changed["reuse"] and changed["sample_id"] != fresh["sample_id"] and changed["ref_pixels"]
+
+
+def _edit_dataset(root):
+    images, refs = root / "images", root / "refs"
+    for i, name in enumerate(["a", "b", "c"]):
+        _save(images / f"{name}.png", cache_sets.picture(144, 112, i))
+        (images / f"{name}.txt").write_text(f"make the {name} boxes red")
+    _save(refs / "a.png", cache_sets.picture(144, 112, 10))
+    _save(refs / "b.png", cache_sets.picture(288, 224, 11))  # twice its target's size
+    return images, refs  # c has no reference
+
+
+def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_model, tmp_path):
+    import torch
+
+    from rayflux import models
+    from rayflux.cache import index, shards, tensors, verify
+    from rayflux.cache.encoders import VaeEncoder
+
+    images, refs = _edit_dataset(tmp_path)
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, f"data.reference_dir={refs}", "data.resolution=64")
+    gen_dir, manifest = cache_sets.build(cfg)
+    assert (manifest["cached"], manifest["skipped"]) == (2, 1)
+    assert manifest["skipped_inputs"][0]["reason"] == f"no reference image: {refs / 'c.png'} does not exist"
+    rows = {r["rel_path"]: r for r in cache_sets.generation_rows(manifest)}
+    assert set(rows) == {"a.png", "b.png"}
+    layout = shards.ShardLayout(**manifest["layout"])
+    # What the references must encode to: each prepared with its target's crop, then the VAE's mode.
+    encoder = VaeEncoder(cfg.model, layout.dtype, "check")
+    spec = buckets.BucketSpec(**manifest["bucket_spec"])
+    for rel, row in rows.items():
+        shape = (int(row["latent_c"]), int(row["latent_h"]), int(row["latent_w"]))
+        assert row["ref_count"] == 1 and row["ref_sha256"]
+        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (1, *shape))
+        src = {"uri": str(images / rel), "rel_path": rel, "references": [str(refs / rel)]}
+        prepared = prepare_row(src, spec, manifest["seed"], cfg.data.max_image_pixels)
+        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(1, row["target_h"], row["target_w"], 3).copy()
+        assert prepared["sample_id"] == row["sample_id"]
+        # The actor ran with its own thread count: equal up to summation order.
+        assert torch.allclose(stored, encoder.encode_references(pixels).float(), atol=1e-4)
+        assert not torch.allclose(stored, tensors.from_bytes(row["latent"], layout.dtype, shape)[None], atol=1e-2)
+        # The index points at the reference bytes, for ranged reads in training.
+        with open(index.resolve(manifest, row["file"]), "rb") as f:
+            f.seek(row["ref_offset"])
+            assert f.read(row["ref_length"]) == row["ref_latent"]
+    assert models.family(cfg.model).name == "flux1"
+    assert verify.main([gen_dir], out=io.StringIO()) == 0
+
+    # A changed reference re-encodes its own sample only; the other is reused where it is.
+    _save(refs / "b.png", cache_sets.picture(288, 224, 12))
+    _, again = cache_sets.build(cfg, previous=manifest, generation=1)
+    assert (again["encoded"]["samples"], again["reused"]["samples"]) == (1, 1)
+
+    # A reference latent cut short is a shape error that cache verify names.
+    shard = cache_sets.first_shard(Path(gen_dir))
+    cache_sets.rewrite_rows(shard, lambda rs: rs[0].update(ref_latent=rs[0]["ref_latent"][:-4]))
+    out = io.StringIO()
+    assert verify.main([gen_dir], out=out) == 1
+    assert "ref_latent bytes for shape (1, " in out.getvalue()
+
+
+def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_session, tiny_flux2_klein, tmp_path):
+    """A metadata edit set with one and with two references per image, cached for FLUX.2 [klein]: each stored
+    reference latent is what the pipeline's own reference encoding makes of the same pixels."""
+    import pyarrow.parquet as pq
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    from rayflux.cache import index, shards, tensors
+
+    root = tmp_path / "edits"
+    for i, name in enumerate(["out1.png", "out2.png", "in1.png", "in2a.png"]):
+        _save(root / name, cache_sets.picture(144, 112, i))
+    _save(root / "in2b.png", cache_sets.picture(72, 56, 9))  # half its target's size
+    rows = [{"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
+            {"file_name": "out2.png", "text": "put them together", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # data.alignment=32: the bucket check still asks FLUX.1's 2 x vae_scale_factor of FLUX.2's patchified latents.
+    sets = ["data.caption_strategy=metadata", "data.reference_column=source", "data.resolution=64", "data.alignment=32"]
+    cfg = cache_sets.job_config(tiny_flux2_klein, root, tmp_path, *sets)
+    gen_dir, manifest = cache_sets.build(cfg)
+    assert (manifest["cached"], manifest["skipped"]) == (2, 0)
+    layout = shards.ShardLayout(**manifest["layout"])
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein, text_encoder=None, tokenizer=None, transformer=None)
+    spec = buckets.BucketSpec(**manifest["bucket_spec"])
+    found = {s.rel_path: s for s in discover(cfg.data).sources}
+    counts = {}
+    for e in index.read(manifest, "samples").to_pylist():
+        row = pq.ParquetFile(index.resolve(manifest, e["file"])).read_row_group(e["row"]).to_pylist()[0]
+        shape = (int(row["latent_c"]), int(row["latent_h"]), int(row["latent_w"]))
+        k = counts[row["rel_path"]] = row["ref_count"]
+        assert shape[0] == 4 * pipe.vae.config.latent_channels and e["ref_length"] == len(row["ref_latent"])
+        src = {"uri": row["source_uri"], "rel_path": row["rel_path"], "references": found[row["rel_path"]].references}
+        prepared = prepare_row(src, spec, manifest["seed"], cfg.data.max_image_pixels)
+        pixels = np.frombuffer(prepared["ref_pixels"], np.uint8).reshape(k, row["target_h"], row["target_w"], 3)
+        x = torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        with torch.no_grad():
+            expected = torch.cat([pipe._encode_vae_image(x[i : i + 1], generator=None) for i in range(k)])
+        stored = tensors.from_bytes(row["ref_latent"], layout.dtype, (k, *shape))
+        # The actor encodes both references in one batch on its own threads: equal up to summation order, far
+        # inside what a wrong crop, or a sampled instead of the mode latent, would change.
+        assert torch.allclose(stored, expected, atol=1e-3)
+    assert counts == {"out1.png": 1, "out2.png": 2}
+
+
+def test_the_job_refuses_to_train_edit_pairs_it_cannot_feed_and_overlapping_reference_dirs(tmp_path):
+    from rayflux import job, paths
+
+    images, refs = _edit_dataset(tmp_path)
+    cfg = _cfg(f"data.images_dir={images}", f"data.reference_dir={refs}", f"run.output_dir={tmp_path / 'run'}")
+    with pytest.raises(config.ConfigError, match="edit pairs .* can be cached \\(--only cache\\) but not trained"):
+        job.run(cfg)
+    inside = _cfg(f"data.images_dir={images}", f"data.reference_dir={tmp_path / 'run' / 'refs'}",
+                  f"run.output_dir={tmp_path / 'run'}")  # fmt: skip
+    with pytest.raises(paths.PathOverlapError, match="data.reference_dir"):
+        job.run(inside, only="cache")
