@@ -166,7 +166,8 @@ def _generation(gen_dir, parts) -> dict:
                  "size": [1] * n, "mtime_ns": [1] * n, "orig_w": [16] * n, "orig_h": [16] * n, "latent_c": [1] * n,
                  "latent_h": [2] * n, "latent_w": [2] * n, "latent_dtype": ["float32"] * n,
                  "latent": [np.full(4, fill, np.float32).tobytes()] * n, "encode_id": ["e"] * n,
-                 "skip_reason": [""] * n, "reuse": [False] * n}  # fmt: skip
+                 "skip_reason": [""] * n, "reuse": [False] * n, "ref_count": [0] * n, "ref_sha256": [""] * n,
+                 "ref_latent": [b""] * n}  # fmt: skip
         meta = writer.write_samples(batch, str(gen_dir), layout, 0)
         assert not meta["error"][0], meta["error"]
         samples.add(index.from_ipc(meta["index"][0]))

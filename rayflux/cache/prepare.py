@@ -164,4 +164,7 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
 def skip_reason(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int) -> str:
     """Why a listed image would not be cached ("" when it would): the same read, decode and plan as
     :func:`prepare_row`, for the ``max_samples`` draw, which must choose among usable images only."""
-    return prepare_row({**row, "prev": ""}, spec, seed, max_pixels)["skip_reason"]
+    refs = row.get("references")
+    if isinstance(refs, str):  # a listed row carries its references as JSON (see sources.list_dataset)
+        refs = json.loads(refs or "[]")
+    return prepare_row({**row, "references": refs, "prev": ""}, spec, seed, max_pixels)["skip_reason"]
