@@ -20,36 +20,48 @@ def test_module_help_lists_the_commands_on_stdout():
     assert bad.returncode == 2 and "commands:" in bad.stderr
 
 
-@pytest.fixture
-def klein_like(tiny_model, tmp_path):
-    """A model directory of another family: its own pipeline class and no second text encoder."""
-    root = tmp_path / "klein"
+def _copy(tiny_model, root: Path, class_name: str) -> Path:
     shutil.copytree(tiny_model, root)
-    shutil.rmtree(root / "text_encoder_2")
     index = json.loads((root / "model_index.json").read_text())
-    index["_class_name"] = "Flux2KleinPipeline"
+    index["_class_name"] = class_name
     (root / "model_index.json").write_text(json.dumps(index))
     return root
 
 
-def test_another_model_family_is_refused_in_one_line(klein_like):
+@pytest.fixture
+def foreign(tiny_model, tmp_path):
+    """A model directory of a family the job does not train (diffusers' Qwen-Image)."""
+    return _copy(tiny_model, tmp_path / "qwen-image", "QwenImagePipeline")
+
+
+def test_another_model_family_is_refused_in_one_line(foreign):
     with pytest.raises(ValueError) as err:
-        models.model_facts(config.ModelConfig(path=str(klein_like)))
+        models.model_facts(config.ModelConfig(path=str(foreign)))
     message = str(err.value)
     assert "\n" not in message
-    assert "Flux2KleinPipeline" in message and "FluxPipeline" in message and "text_encoder_2/config.json" in message
+    assert "QwenImagePipeline" in message
+    assert all(name in message for name in ("FluxPipeline", "FluxKontextPipeline", "Flux2KleinPipeline"))
 
 
-def test_a_failure_names_the_file_holding_its_traceback(klein_like, tmp_path):
+def test_a_model_missing_a_part_of_its_family_names_the_part(tiny_model, tmp_path):
+    root = _copy(tiny_model, tmp_path / "flux1", "FluxPipeline")
+    shutil.rmtree(root / "text_encoder_2")
+    with pytest.raises(ValueError) as err:
+        models.model_facts(config.ModelConfig(path=str(root)))
+    message = str(err.value)
+    assert "\n" not in message and "FluxPipeline" in message and "text_encoder_2/config.json" in message
+
+
+def test_a_failure_names_the_file_holding_its_traceback(foreign, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "rayflux"), "train", "--set", f"model.path={klein_like}",
+        [str(Path(sys.executable).parent / "rayflux"), "train", "--set", f"model.path={foreign}",
          "--set", f"run.output_dir={out}"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("rayflux: failed: ValueError:") and "Flux2KleinPipeline" in last
+    assert last.startswith("rayflux: failed: ValueError:") and "QwenImagePipeline" in last
     where = Path(last.rsplit("(traceback: ", 1)[1].rstrip(")"))
     assert where.parent == out / "logs"
     assert "Traceback (most recent call last)" in where.read_text() and "check_family" in where.read_text()
