@@ -26,6 +26,7 @@ import argparse
 from dataclasses import dataclass
 
 from rayflux import cli, config
+from rayflux.config.train import checkpointing_setting
 from rayflux.train import lora
 
 FLUX1_DEV = {
@@ -121,18 +122,6 @@ def gradient_checkpointing(setting, on_gpu: bool, pixels: int, need_without: int
     if setting != "auto":
         return bool(setting)
     return on_gpu and (pixels >= 768 or (device_bytes > 0 and need_without > 0.9 * device_bytes))
-
-
-def checkpointing_setting(value):
-    """Normalise ``train.gradient_checkpointing`` (``auto``, a bool, or its text from ``--set``)."""
-    if isinstance(value, bool) or value == "auto":
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise config.ConfigError(f"train.gradient_checkpointing must be auto, true or false; got {value!r}")
 
 
 def _gib(n: int) -> str:

@@ -120,6 +120,6 @@ def test_kohya_and_simpletuner_names_are_aliases(tmp_path):
     assert (cfg.data.bucket_step, cfg.train.checkpoint_every) == (32, 50)
     with pytest.raises(config.ConfigError, match="train.rank and train.lora_rank both set train.rank"):
         config.apply(config.JobConfig(), {"train": {"rank": 4, "lora_rank": 8}})
-    assert all(own in {f.name for f in dataclasses.fields(config._section_class(section))}
+    assert all(own in {f.name for f in dataclasses.fields(config.SECTIONS[section])}
                for (section, _), own in config.ALIASES.items())  # fmt: skip
     assert "train.network_dim -> train.rank" in config.help_text()

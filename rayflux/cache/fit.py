@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from rayflux.config import ConfigError, JobConfig, resource_map
+from rayflux.config.cache import actor_count, actor_cpus
 
 log = logging.getLogger(__name__)
 
@@ -75,47 +76,6 @@ def _autoscaler_max() -> dict | None:
     except Exception as exc:  # a private API: without it the check uses the cluster as it is now
         log.debug("autoscaler maximum unavailable: %s", exc)
         return None
-
-
-def actor_count(key: str, value) -> int | None:
-    """``auto`` -> None; otherwise a positive integer (from YAML or the text of ``--set``)."""
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-        if isinstance(value, bool) or float(value) != n:
-            raise ValueError(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be auto or a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ConfigError(f"{key} must be auto or a positive integer, got {value!r}")
-    return n
-
-
-def actor_cpus(value) -> float | None:
-    """``cache.actor_cpus``: ``auto`` -> None, otherwise a positive number."""
-    if value == "auto":
-        return None
-    try:
-        cpus = float(value)
-        if isinstance(value, bool) or not cpus > 0:
-            raise ValueError(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"cache.actor_cpus must be auto or a positive number, got {value!r}") from None
-    return cpus
-
-
-def check_config(cfg: JobConfig) -> None:
-    """The cache pool keys' own values, before any cluster is known."""
-    actor_count("cache.vae_actors", cfg.cache.vae_actors)
-    actor_count("cache.text_actors", cfg.cache.text_actors)
-    actor_cpus(cfg.cache.actor_cpus)
-    if not cfg.cache.gpus_per_actor > 0:
-        raise ConfigError(f"cache.gpus_per_actor must be positive, got {cfg.cache.gpus_per_actor}")
-    if cfg.cache.gpus_per_actor > 1 and not float(cfg.cache.gpus_per_actor).is_integer():
-        raise ConfigError(f"cache.gpus_per_actor above 1 must be a whole number, got {cfg.cache.gpus_per_actor}")
-    if not cfg.cache.stall_seconds > 0:
-        raise ConfigError(f"cache.stall_seconds must be positive, got {cfg.cache.stall_seconds}")
 
 
 def wants_gpu(cfg: JobConfig, cluster_has_gpus: bool) -> bool:

@@ -1,0 +1,92 @@
+"""Whole-job validation: each key's range and choice, and the checks that span sections."""
+
+from __future__ import annotations
+
+from rayflux.config.cache import check_pools, refresh_interval
+from rayflux.config.data import datasets_of
+from rayflux.config.job import JobConfig
+from rayflux.config.train import checkpointing_setting, worker_range
+from rayflux.config.values import ConfigError, resource_map
+
+
+_CHOICES = {
+    ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("model", "vae_dtype"): ("", "auto", "bfloat16", "float16", "float32"),
+    ("cache", "dtype"): ("auto", "float32", "float16", "bfloat16"),
+    ("train", "use_gpu"): ("auto", "true", "false"),
+    ("cache", "use_gpu"): ("auto", "true", "false"),
+    ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
+    ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
+    ("train", "lr_scheduler"): ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+                                "polynomial"),
+    ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
+    ("train", "output_format"): ("diffusers", "kohya"),
+}
+_POSITIVE = {
+    ("data", "max_image_pixels"),
+    ("cache", "batch_size"),
+    ("cache", "text_batch_size"),
+    ("cache", "rows_per_shard"),
+    ("train", "epochs"),
+    ("train", "batch_size"),
+    ("train", "rank"),
+    ("train", "alpha"),
+    ("train", "learning_rate"),
+    ("train", "lr_cycles"),
+    ("train", "lr_power"),
+    ("train", "gradient_accumulation"),
+    ("train", "batches_per_read"),
+    ("train", "log_every"),
+    ("train", "checkpoints_to_keep"),
+    ("train", "validation_inference_steps"),
+}
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check value ranges and choices; raise ConfigError naming the first bad key."""
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{section}.{key} must be one of {', '.join(choices)}; got {value!r}")
+    for section, key in _POSITIVE:
+        value = getattr(getattr(cfg, section), key)
+        if value <= 0:
+            raise ConfigError(f"{section}.{key} must be positive, got {value}")
+    if cfg.data.alignment < 0:
+        raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
+    for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm",
+                "prefetch_reads", "report_seconds"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0")
+    for key in ("lora_dropout", "caption_dropout"):
+        if not 0 <= getattr(cfg.train, key) < 1:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
+    if cfg.train.guidance_max and cfg.train.guidance_max < cfg.train.guidance:
+        raise ConfigError("train.guidance_max must be 0 (constant guidance) or >= train.guidance")
+    prompts = cfg.train.validation_prompts
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
+    if cfg.train.lr_scheduler == "constant" and cfg.train.warmup_steps:
+        raise ConfigError("train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
+                          f"{cfg.train.warmup_steps} use constant_with_warmup")  # fmt: skip
+    stem = cfg.train.output_name or cfg.run.name
+    if not stem or any(c in stem for c in '/\\:*?"<>|') or stem.startswith("."):
+        raise ConfigError(f"train.output_name (else run.name) must be a plain file-name stem; got {stem!r}")
+    if cfg.train.cpus_per_worker <= 0:
+        raise ConfigError("train.cpus_per_worker must be positive")
+    refresh_interval(cfg.cache.refresh)
+    worker_range(cfg.train.num_workers)
+    if cfg.train.max_failures < -1:
+        raise ConfigError("train.max_failures must be -1 (no limit) or >= 0")
+    if cfg.train.resize_check_seconds < 0:
+        raise ConfigError("train.resize_check_seconds must be >= 0")
+    resource_map("train.worker_resources", cfg.train.worker_resources)
+    resource_map("cache.actor_resources", cfg.cache.actor_resources)
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
+                          "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
+    check_pools(cfg.cache)
+    cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
+    if cfg.data.reg_loss_weight < 0:
+        raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
+    datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own

@@ -1,0 +1,20 @@
+"""The ``model`` section: which model to fine-tune, and in which dtypes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """Which FLUX model to fine-tune."""
+
+    path: str = ""
+    """A diffusers-format directory or hub id (e.g. black-forest-labs/FLUX.1-dev). Empty: the embedded tiny model."""
+    revision: str = ""
+    """Hub revision, when ``path`` is a hub id."""
+    dtype: str = "auto"
+    """Weight dtype for the frozen parts: ``auto`` (bf16 on GPU, fp32 on CPU), ``bfloat16`` or ``float32``. Not
+    ``float16``: FLUX's transformer and T5 overflow in it."""
+    vae_dtype: str = ""
+    """The VAE's dtype in the cache stage, when it should differ from ``dtype`` (``float16`` is allowed here)."""

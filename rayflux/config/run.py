@@ -1,0 +1,19 @@
+"""The ``run`` section: where the run writes its outputs and which Ray cluster it joins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes its outputs."""
+
+    output_dir: str = "runs/demo"
+    """Run directory: LoRA, checkpoints, ledger and logs. A rerun with the same directory continues the run."""
+    name: str = "rayflux"
+    """Ray Train run name under ``<output_dir>/checkpoints``."""
+    ray_address: str = ""
+    """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray."""
+    debug_slow_rank: str = ""
+    """``RANK:SECONDS`` delays every step of one training rank, to shake out ordering races. Empty: off."""

@@ -1,0 +1,150 @@
+"""The ``train`` section: the LoRA, the optimiser and schedule, the workers, checkpoints, export and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayflux.config.values import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """The LoRA training stage."""
+
+    epochs: int = 2
+    """Passes over the cached samples."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps per worker (0: run all epochs). Also the LR schedule's horizon."""
+    num_workers: Any = 2
+    """Ray Train workers: an integer, or ``[min, max]`` for an elastic run."""
+    cpus_per_worker: float = 0.5
+    """CPUs reserved per worker. Fractional values let two workers share a small machine."""
+    use_gpu: str = "auto"
+    """``auto`` (use GPUs when the cluster has them or ``train.accelerator_type`` is set), ``true`` or ``false``."""
+    accelerator_type: str = ""
+    """GPU type every train worker needs (e.g. ``H100``), so workers go only to such nodes. Empty: any. Implies GPU
+    training."""
+    worker_resources: dict = field(default_factory=dict)
+    """Extra Ray resources each train worker reserves, e.g. ``{train_node: 1}`` to keep training on a node type that
+    declares that custom resource."""
+    max_failures: int = 3
+    """Restarts after a worker or node failure before the job gives up (-1: no limit). Each resumes from the latest
+    checkpoint. Announced preemptions (node drains) are not counted here: Ray Train retries those without limit."""
+    resize_check_seconds: float = 60.0
+    """How often an elastic run (``num_workers: [min, max]``) looks for room for more workers. Growing restarts the
+    worker group from the latest checkpoint."""
+    batch_size: int = 1
+    """Samples per batch on each worker. A batch always holds one bucket."""
+    gradient_accumulation: int = 1
+    """Batches per optimizer step on each worker."""
+    batches_per_read: int = 8
+    """Planned batches that one Ray Data read task loads and stacks for a worker. Larger reads cost the worker less
+    scheduling per step (its share of the feed runs beside the step); the first step waits for one whole read."""
+    prefetch_reads: int = 2
+    """Reads each worker's feed keeps ahead of the step it is training (0: none), so the Parquet reads of the next
+    batches overlap the current step. Host memory held: about ``prefetch_reads × batches_per_read`` batches."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (the peak, after warmup)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule, by diffusers' names and meanings (``diffusers.optimization.get_scheduler``):
+    ``constant`` (no warmup), ``constant_with_warmup``, ``linear``, ``cosine`` (to 0 at the last step),
+    ``cosine_with_restarts`` or ``polynomial``."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 up to ``learning_rate`` (every schedule but ``constant``)."""
+    lr_cycles: int = 1
+    """Hard restarts of ``cosine_with_restarts`` (kohya's ``lr_scheduler_num_cycles``)."""
+    lr_power: float = 1.0
+    """Power of the ``polynomial`` decay (kohya's ``lr_scheduler_power``); 1 is linear."""
+    max_grad_norm: float = 1.0
+    """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
+    mixed_precision: str = "auto"
+    """``auto`` (bf16 autocast on GPU, fp32 on CPU), ``bf16`` (autocast everywhere) or ``fp32`` (no autocast)."""
+    gradient_checkpointing: Any = "auto"
+    """Recompute block activations in the backward pass: ``auto`` (on for GPU runs at 768 px or more, or when the
+    memory estimate printed at start exceeds 90% of the GPU), ``true`` or ``false``."""
+    rank: int = 4
+    """LoRA rank."""
+    alpha: float = 4.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch's input during training."""
+    targets: str = "attention"
+    """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
+    init_lora: str = ""
+    """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
+    guidance: float = 1.0
+    """Guidance value fed to guidance-distilled models (ignored when the model has no guidance embedding)."""
+    guidance_max: float = 0.0
+    """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
+    sigma_sampling: str = "logit_normal"
+    """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
+    logit_mean: float = 0.0
+    """Mean of the normal behind ``logit_normal``."""
+    logit_std: float = 1.0
+    """Standard deviation of the normal behind ``logit_normal``; the scale for ``sigmoid``."""
+    shift: float = 3.0
+    """The fixed shift for ``sigma_sampling=shift``."""
+    loss_weighting: str = "none"
+    """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
+    caption_dropout: float = 0.0
+    """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
+    seed: int = 0
+    """Seed for noise, σ and the batch order. Every rank derives its own stream from it."""
+    log_every: int = 1
+    """Report metrics to Ray Train no more often than every this many steps (and ``report_seconds``; the later of
+    the two wins). Per-step metrics go to TensorBoard and ``metrics/steps.jsonl`` at every step regardless."""
+    report_seconds: float = 30.0
+    """Wall-clock seconds between metrics reports to Ray Train (checkpoints report whenever they are due). Each
+    report is a barrier of all ranks that costs tens of milliseconds, and Ray Train collects reports only every 2 s,
+    so reporting every step would stall a fast step for up to 2 s; 30 s keeps the cost under 1% of the time at any
+    step time. 0: report every step."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many optimizer steps (0: only at the end; the last step always checkpoints)."""
+    checkpoints_to_keep: int = 2
+    """How many of the newest checkpoints to keep in storage."""
+    output_format: str = "diffusers"
+    """Exported LoRA keys: ``diffusers`` (``transformer.*``, in ``lora/pytorch_lora_weights.safetensors``) or
+    ``kohya`` (``lora_unet_*`` with sd-scripts' ``ss_*`` metadata, for ComfyUI, in ``lora/<output_name>.safetensors``).
+    Every checkpoint also leaves ``lora/<output_name>-step00000500.safetensors`` in this format."""
+    output_name: str = ""
+    """Stem of the exported LoRA file names (kohya's ``output_name``). Empty: ``run.name``."""
+    validation_prompts: list[str] = field(default_factory=list)
+    """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
+    validation_every: int = 0
+    """Render validation images every this many steps (0: only at the end)."""
+    validation_inference_steps: int = 20
+    """Denoising steps per validation image."""
+    validation_guidance: float = 3.5
+    """Guidance scale for validation images."""
+
+
+def worker_range(num_workers: Any) -> tuple[int, int]:
+    """Normalise ``train.num_workers`` (int or [min, max]) to a (min, max) pair."""
+    if isinstance(num_workers, bool):
+        raise ConfigError("train.num_workers must be an integer or [min, max]")
+    if isinstance(num_workers, int):
+        lo = hi = num_workers
+    elif isinstance(num_workers, (list, tuple)) and len(num_workers) == 2 and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in num_workers
+    ):
+        lo, hi = num_workers
+    else:
+        raise ConfigError(f"train.num_workers must be an integer or [min, max], got {num_workers!r}")
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"train.num_workers needs 1 <= min <= max, got {num_workers!r}")
+    return lo, hi
+
+
+def checkpointing_setting(value):
+    """Normalise ``train.gradient_checkpointing`` (``auto``, a bool, or its text from ``--set``)."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"train.gradient_checkpointing must be auto, true or false; got {value!r}")
