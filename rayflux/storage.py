@@ -37,11 +37,14 @@ def _s3_filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
 
 
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it). Local paths are made absolute with symlinks and ``..`` resolved.
+    """(filesystem, path inside it), for the :func:`canonical` form of ``path``.
 
+    Reads and writes thus reach exactly the place that overlap checks and cache identities compared: an object key
+    is opaque text, so ``s3://b/data/x/../y`` (or ``data//y``) would otherwise name an object of its own, or fail.
     ``s3://`` honours ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` (MinIO, Ceph, R2...); other schemes go to pyarrow
     (``gs://``, ``hdfs://``, ``abfs://``...), then to fsspec for anything pyarrow does not know.
     """
+    path = canonical(path)
     if is_uri(path):
         if path.startswith("s3://"):
             endpoint, region = _s3_settings()
@@ -55,7 +58,7 @@ def resolve(path: str) -> tuple[pafs.FileSystem, str]:
             ffs, inner = fsspec.core.url_to_fs(path)
             fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
         return fs, inner.rstrip("/")
-    return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
+    return pafs.LocalFileSystem(), path
 
 
 def for_ray_train(path: str) -> tuple[str, pafs.FileSystem | None]:

@@ -5,8 +5,10 @@ import subprocess
 import sys
 import textwrap
 
+import pyarrow.fs as pafs
 import pytest
 
+from rayflux import storage
 from rayflux.paths import PathOverlapError, check_disjoint
 from rayflux.storage import canonical
 
@@ -121,3 +123,21 @@ def test_a_listed_dataset_is_named_by_its_own_key(tmp_path, tiny_model):
     with pytest.raises(PathOverlapError, match=r"lies inside data\.datasets\[1\]\.images_dir"):
         job.run(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_io_goes_where_the_canonical_form_says(where, tmp_path, request):
+    """Reads and writes resolve ``..``, ``.`` and ``//`` exactly as the overlap checks and cache identities do: an S3
+    key is opaque text, so ``data/x/../y`` would otherwise be an object of its own, beside the ``data/y`` that the
+    checks compared."""
+    base = str(tmp_path) if where == "local" else request.getfixturevalue("s3_bucket")
+    odd = f"{base}/data/x/../y/.//f.txt"
+    assert canonical(odd) == canonical(f"{base}/data/y/f.txt")
+    storage.write_bytes_atomic(odd, b"one")
+    storage.upload_atomic(__file__, f"{base}/data/y/../z/copy.py")
+    assert storage.read_bytes(f"{base}/data/y/f.txt") == b"one" and storage.exists(f"{base}/data/z/copy.py")
+    fs, root = storage.resolve(base)
+    files = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    written = sorted(f.path[len(root) + 1 :] for f in files if f.type == pafs.FileType.File)
+    assert written == ["data/y/f.txt", "data/z/copy.py"]
