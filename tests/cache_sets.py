@@ -202,7 +202,7 @@ def first_shard(gen_dir: Path) -> Path:
 def generation_rows(manifest: dict) -> list[dict]:
     """Every sample of a committed generation as its shard row, overlaid with its index row (which caption this
     generation gives it, and where its latent lives), plus that caption's text and embeddings, read with plain pyarrow
-    the way the README shows."""
+    the way docs/cache-shards.md shows."""
     import pyarrow.parquet as pq
 
     from rayflux.cache import index

@@ -51,7 +51,7 @@ def test_a_killed_write_task_leaves_nothing_unlisted(ray_session, tiny_model, tm
     assert not [p for p in Path(gen_dir).rglob("*") if p.name.startswith(".tmp-")]
     out = io.StringIO()
     assert verify.main([gen_dir], out=out) == 0, out.getvalue()
-    # Plain pyarrow over the directories, as the README invites: every sample and caption once.
+    # Plain pyarrow over the directories, as docs/cache-shards.md invites: every sample and caption once.
     samples = pq.ParquetDataset(str(Path(gen_dir) / "samples")).read()
     assert sorted(samples["rel_path"].to_pylist()) == sorted(f"img{k}.png" for k in range(10)) and manifest["cached"] == 10
     text = pq.ParquetDataset(str(Path(gen_dir) / "text")).read()["caption"].to_pylist()

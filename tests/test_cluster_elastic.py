@@ -149,8 +149,8 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
         RAY_ADDRESS=cluster.address,
         RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5",  # Ray Train's drain watcher; propagated to its controller
         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="1",
-        # After a node loss Ray Train may first retry the old size (README); as runtime_env/cloud.yaml, give up on it
-        # sooner than the default 60 s. A start that takes longer only retries, without counting as a failure.
+        # After a node loss Ray Train may first retry the old size (docs/elastic.md); as runtime_env/cloud.yaml, give up
+        # on it sooner than the default 60 s. A start that takes longer only retries, without counting as a failure.
         RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="30",
     )
     cmd = train_job_cmd(
