@@ -1,4 +1,4 @@
-"""The README's quickstart is exactly two commands, and CI runs the second one verbatim."""
+"""The README's quickstart is exactly two commands, CI runs the second one verbatim, and its links resolve."""
 
 import re
 from pathlib import Path
@@ -24,3 +24,12 @@ def test_quickstart_has_exactly_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert f'bash -c "{_quickstart_commands()[1]}"' in ci
+
+
+def test_the_readme_links_the_reference_pages_and_every_link_resolves():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages and all(f"](docs/{p.name})" in readme for p in pages)
+    for doc in [ROOT / "README.md", *pages]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name} links {target}, which does not exist"
