@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from rayflux import buckets, datasets, storage
-from rayflux.cache import fit, generations, index, reuse, shards, stall, writer
+from rayflux.cache import fit, generations, index, reuse, shards, sidecars, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -274,6 +274,8 @@ def build_generation(
         manifest["unique_captions"] = len(captions)
         manifest["reused"]["captions"] = len(captions) - manifest["encoded"]["captions"]
         manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
+        if discovery.sidecars.num_rows:  # the caption files read, for the next discovery (see cache.sidecars)
+            manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars)
     finally:
         sample_index.discard()
         caption_index.discard()
