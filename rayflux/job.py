@@ -334,6 +334,8 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
 
 def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
     """Per-dataset counts and grouped skip reasons, from the committed generation's skip list."""
+    import pyarrow.compute as pc
+
     from rayflux.cache import generations
 
     summary.skipped_report = storage.join(gen_dir, generations.SKIPPED)
@@ -344,7 +346,7 @@ def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
         summary.skip_reasons[reason] = summary.skip_reasons.get(reason, 0) + 1
     for ds in datasets.datasets_of(cfg.data):
         key = datasets.key(cfg.data, ds)
-        found = sum(1 for s in discovery.sources if s.dataset == key)
+        found = discovery.table.filter(pc.equal(discovery.table["dataset"], key)).num_rows
         found += sum(1 for s in discovery.skipped if s.get("dataset") == key)
         lost = sum(1 for s in skipped if s.get("dataset") == key)
         summary.datasets.append(

@@ -43,11 +43,21 @@ class Source:
     """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
 
 
+SOURCES = pa.schema(
+    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+     ("caption", pa.string()), ("dataset", pa.string()), ("references", pa.list_(pa.string())),
+     ("references_stamp", pa.string())]
+)  # fmt: skip
+"""The :class:`Source` fields as Arrow columns: how a discovery holds its images (bytes per image on the driver,
+not a Python object each), in relative-path order per dataset."""
+
+
 @dataclass
 class Discovery:
     """Everything discovery found: usable sources, skipped inputs with reasons, and dataset-level problems."""
 
-    sources: list[Source] = field(default_factory=list)
+    table: pa.Table = field(default_factory=lambda: SOURCES.empty_table())
+    """The usable images, one :data:`SOURCES` row each."""
     skipped: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     """Trouble that costs no image by itself but needs a look: orphan caption files, bad metadata rows..."""
@@ -58,11 +68,17 @@ class Discovery:
     :data:`SIDECARS` rows: the generation records it, so the next discovery reads only the files that changed."""
 
     @property
+    def sources(self) -> list[Source]:
+        """The usable images as :class:`Source` objects, built on each call: for small uses (a report, a test);
+        the cache stage reads :attr:`table`."""
+        return [Source(**{**r, "references": tuple(r["references"] or ())}) for r in self.table.to_pylist()]
+
+    @property
     def discovered(self) -> int:
-        return len(self.sources) + len(self.skipped)
+        return self.table.num_rows + len(self.skipped)
 
     def extend(self, other: Discovery) -> None:
-        self.sources.extend(other.sources)
+        self.table = pa.concat_tables([self.table, other.table])
         self.skipped.extend(other.skipped)
         self.problems.extend(other.problems)
         self.unsampled.update(other.unsampled)
@@ -264,11 +280,12 @@ def gather(listing: Listing, settled: list[dict], left_out: int = 0) -> Discover
     for r in sorted(settled, key=lambda r: r["rel_path"]):
         if r["skip_reason"]:
             found.skipped.append({"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]})
-    found.sources = [
-        Source(r["uri"], r["rel_path"], r["size"], r["mtime_ns"], r["caption"], r["dataset"],
-               tuple(json.loads(r.get("references") or "[]")), r.get("references_stamp") or "")  # fmt: skip
-        for r in sorted(good, key=lambda r: r["rel_path"])
-    ]
+    good.sort(key=lambda r: r["rel_path"])
+    found.table = pa.table(
+        [[r[c] for r in good] for c in ("uri", "rel_path", "size", "mtime_ns", "caption", "dataset")]
+        + [[json.loads(r.get("references") or "[]") for r in good], [r.get("references_stamp") or "" for r in good]],
+        schema=SOURCES,
+    )
     known = [r for r in settled if r.get("sidecar") and r.get("sidecar_lines") is not None]
     found.sidecars = pa.table(
         [[r["sidecar"] for r in known], [r["sidecar_stamp"] for r in known], [r["sidecar_lines"] for r in known]],
@@ -280,9 +297,9 @@ def gather(listing: Listing, settled: list[dict], left_out: int = 0) -> Discover
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
             f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0]})"
         )
-    if ds.max_samples and len(found.sources) < ds.max_samples and found.discovered:
+    if ds.max_samples and found.table.num_rows < ds.max_samples and found.discovered:
         found.problems.append(
-            f"dataset {name}: max_samples={ds.max_samples}, but only {len(found.sources)} of its images are usable "
+            f"dataset {name}: max_samples={ds.max_samples}, but only {found.table.num_rows} of its images are usable "
             f"({len(found.skipped)} skipped); all of them are used"
         )
     return found

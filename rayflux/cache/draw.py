@@ -77,16 +77,17 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         for ls in listings:
             sidecars.attach(ls.rows, table)
         del table
-    remote = [row for ls in listings for row in ls.rows if _needs_task(ls.ds, row)]
+    # Rows that need no read settle here; the others travel to the tasks as Arrow blocks, and the listing's own
+    # rows are dropped before the settled ones come back (the driver never holds both).
+    here = {ls.key: sources.settle([r for r in ls.rows if not _needs_task(ls.ds, r)], ls.ds, seed) for ls in listings}
+    blocks = _blocks([row for ls in listings for row in ls.rows if _needs_task(ls.ds, row)])
+    for ls in listings:
+        ls.rows = []
     settled: dict[str, list[dict]] = {ls.key: [] for ls in listings}
     left_out = dict.fromkeys(settled, 0)
-    if remote:
-        items = [
-            {**r, "sidecar": r.get("sidecar", ""), "sidecar_stamp": r.get("sidecar_stamp", ""),
-             "sidecar_lines": r.get("sidecar_lines"), "options": json.dumps(r.get("options", []))}
-            for r in remote
-        ]  # fmt: skip
-        ds = ray.data.from_items(items, override_num_blocks=-(-len(items) // _IMAGES_PER_TASK))
+    if blocks:
+        ds = ray.data.from_arrow(blocks)
+        del blocks
         ds = ds.map_batches(
             _settle_block,
             fn_kwargs={"by_key": {ls.key: ls.ds for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
@@ -102,6 +103,22 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
                     settled[r["dataset"]].append(r)
     found = sources.Discovery()
     for ls in listings:
-        here = sources.settle([r for r in ls.rows if not _needs_task(ls.ds, r)], ls.ds, seed)
-        found.extend(sources.gather(ls, settled[ls.key] + here, left_out[ls.key]))
+        found.extend(sources.gather(ls, settled.pop(ls.key) + here.pop(ls.key), left_out[ls.key]))
     return found
+
+
+_LISTED = [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+           ("dataset", pa.string()), ("file_name", pa.string()), ("sidecar", pa.string()),
+           ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string()), ("references", pa.string()),
+           ("references_stamp", pa.string()), ("missing_reference", pa.string())]  # fmt: skip
+
+
+def _blocks(rows: list[dict]) -> list[pa.Table]:
+    """Listed rows as Arrow blocks of ``_IMAGES_PER_TASK`` rows (``options`` as JSON): one settling task each."""
+    out = []
+    for i in range(0, len(rows), _IMAGES_PER_TASK):
+        part = rows[i : i + _IMAGES_PER_TASK]
+        cols = {name: pa.array([r.get(name) for r in part], t) for name, t in _LISTED}
+        cols["options"] = pa.array([json.dumps(r.get("options", [])) for r in part], pa.string())
+        out.append(pa.table(cols))
+    return out
