@@ -15,9 +15,10 @@ from the server's own log:
 - ``refresh``: one more generation with a new seed (centre crops, one caption per image, so nothing changes): what
   it writes against what generation 0 wrote.
 
-Per phase, the driver's peak RSS within the phase (``VmHWM``, reset when the phase starts) and, unless ``--no-heap``,
-the peak of its own Python allocations above what it held before (``tracemalloc``, which itself costs memory per
-allocation: run the RSS slope with ``--no-heap``). The request log is streamed, never held, so counting does not
+Per phase, the driver's peak RSS within the phase (``VmHWM``, reset when the phase starts) and how far it rose above
+the RSS the phase started with (what the upload and earlier phases left is not the phase's own), and, unless
+``--no-heap``, the peak of its own Python allocations above what it held before (``tracemalloc``, which itself costs
+memory per allocation: run the RSS slope with ``--no-heap``). The request log is streamed, never held, so counting does not
 grow the driver with N. Results go to stdout as JSON lines.
 
     python benchmarks/bench_scale.py --images 500 --variant sidecar
@@ -137,10 +138,10 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _peak_rss_mb() -> float:
-    """The process's peak RSS since the last :func:`_reset_peak_rss` (VmHWM)."""
+def _status_mb(field: str) -> float:
+    """A /proc/self/status memory field: ``VmHWM`` (peak RSS since :func:`_reset_peak_rss`) or ``VmRSS`` (now)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) / 1024
 
 
 def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
@@ -207,13 +208,15 @@ def _run(server: Server, args) -> None:
         tracemalloc.reset_peak()
         held = tracemalloc.get_traced_memory()[0]
         _reset_peak_rss()
+        at_start = _status_mb("VmRSS")  # what earlier phases (and the upload) left: the growth is this phase's own
         out = fn()
         seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
-        peak = _peak_rss_mb()
+        peak = _status_mb("VmHWM")
         total, by = _count(server, since, prefix)
         rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
                "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
-               "driver_phase_peak_rss_mb": round(peak, 1), "driver_heap_peak_mb": round(heap / 2**20, 1)}  # fmt: skip
+               "driver_phase_peak_rss_mb": round(peak, 1), "driver_phase_rss_growth_mb": round(peak - at_start, 1),
+               "driver_heap_peak_mb": round(heap / 2**20, 1)}  # fmt: skip
         print(json.dumps(rec), flush=True)
         return out, rec
 
