@@ -15,8 +15,11 @@ from the server's own log:
 - ``refresh``: one more generation with a new seed (centre crops, one caption per image, so nothing changes): what
   it writes against what generation 0 wrote.
 
-The driver's peak RSS (``ru_maxrss``) is recorded after each phase, and the peak of its own Python allocations
-during the phase (``tracemalloc``). Results go to stdout as JSON lines.
+Per phase, the driver's peak RSS within the phase (``VmHWM``, reset when the phase starts) and how far it rose above
+the RSS the phase started with (what the upload and earlier phases left is not the phase's own), and, unless
+``--no-heap``, the peak of its own Python allocations above what it held before (``tracemalloc``, which itself costs
+memory per allocation: run the RSS slope with ``--no-heap``). The request log is streamed, never held, so counting does not
+grow the driver with N. Results go to stdout as JSON lines.
 
     python benchmarks/bench_scale.py --images 500 --variant sidecar
     python benchmarks/bench_scale.py --images 500 --variant metadata
@@ -68,13 +71,21 @@ class Server:
                           AWS_REGION="us-east-1")  # fmt: skip
         os.environ.pop("AWS_ENDPOINT_URL_S3", None)
 
-    def requests(self) -> list[tuple[str, str]]:
+    def mark(self) -> int:
+        """Where the log ends now: phases count the requests logged after their mark."""
         time.sleep(0.5)  # the server flushes its log line after answering
+        return os.path.getsize(self.log_path)
+
+    def requests(self, since: int = 0):
+        """(method, path) of each request logged after byte ``since``, streamed: nothing is kept, so the count
+        does not grow this process's memory with N. A GET with a list query is a LIST."""
+        time.sleep(0.5)
         with open(self.log_path, "rb") as f:
-            lines = f.read().decode(errors="replace").splitlines()
-        found = [m for m in (_REQUEST.search(_ANSI.sub("", line)) for line in lines) if m]
-        # A GET with a list query is a LIST; everything else is named by its method.
-        return [("LIST" if "list-type" in (m.group(3) or "") else m.group(1), m.group(2)) for m in found]
+            f.seek(since)
+            for raw in f:
+                m = _REQUEST.search(_ANSI.sub("", raw.decode(errors="replace")))
+                if m:
+                    yield ("LIST" if "list-type" in (m.group(3) or "") else m.group(1), m.group(2))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -121,14 +132,25 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _reset_peak_rss() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to clear_refs resets VmHWM), so each phase has its own peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status_mb(field: str) -> float:
+    """A /proc/self/status memory field: ``VmHWM`` (peak RSS since :func:`_reset_peak_rss`) or ``VmRSS`` (now)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) / 1024
+
+
 def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
-    reqs = server.requests()[since:]
-    mine = [(m, p) for m, p in reqs if p.startswith(prefix)]
-    by = {}
-    for m, p in mine:
-        where = "images" if "/images/" in p else ("cache" if "/cache/" in p else "run")
-        by[f"{m} {where}"] = by.get(f"{m} {where}", 0) + 1
-    return len(mine), dict(sorted(by.items()))
+    by: dict[str, int] = {}
+    for m, p in server.requests(since):
+        if p.startswith(prefix):
+            where = "images" if "/images/" in p else ("cache" if "/cache/" in p else "run")
+            by[f"{m} {where}"] = by.get(f"{m} {where}", 0) + 1
+    return sum(by.values()), dict(sorted(by.items()))
 
 
 def main(argv=None) -> None:
@@ -136,6 +158,7 @@ def main(argv=None) -> None:
     parser.add_argument("--images", type=int, default=500)
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
+    parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
     parser.add_argument("--batch-size", type=int, default=1, help="train.batch_size of the training phases")
     parser.add_argument("--kill-at", type=float, default=0.7,
                         help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
@@ -161,7 +184,8 @@ def _run(server: Server, args) -> None:
     n, bucket = args.images, f"s3://bench-{args.variant}-{os.getpid()}"
     t0 = time.perf_counter()
     _put_images(bucket, n, args.variant)
-    setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1), "requests": len(server.requests())}
+    setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1),
+             "requests": sum(1 for _ in server.requests())}  # fmt: skip
     print(json.dumps(setup), flush=True)
     sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", f"run.output_dir={bucket}/run",
             "data.resolution=64", "data.crop=center", "train.epochs=1", f"train.batch_size={args.batch_size}",
@@ -175,18 +199,23 @@ def _run(server: Server, args) -> None:
     progress.quiet_operator_bars()
     # The driver's own Python allocations per phase, above what it already held: the part that grows with N
     # (the process's RSS is mostly imported libraries at any N).
-    tracemalloc.start()
+    if not args.no_heap:
+        tracemalloc.start()
 
     def phase(name: str, fn, prefix: str = f"/{bucket[5:]}"):
-        since = len(server.requests())
+        since = server.mark()
         t = time.perf_counter()
         tracemalloc.reset_peak()
         held = tracemalloc.get_traced_memory()[0]
+        _reset_peak_rss()
+        at_start = _status_mb("VmRSS")  # what earlier phases (and the upload) left: the growth is this phase's own
         out = fn()
         seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
+        peak = _status_mb("VmHWM")
         total, by = _count(server, since, prefix)
         rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
                "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
+               "driver_phase_peak_rss_mb": round(peak, 1), "driver_phase_rss_growth_mb": round(peak - at_start, 1),
                "driver_heap_peak_mb": round(heap / 2**20, 1)}  # fmt: skip
         print(json.dumps(rec), flush=True)
         return out, rec
@@ -275,16 +304,16 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
                 proc.kill()
                 proc.wait()
 
-    since = len(server.requests())
+    since = server.mark()
     at, rec = phase("train-killed", killed)
-    reads = [r for r in server.requests()[since:] if "/cache/" in r[1]]
+    reads = [r for r in server.requests(since) if "/cache/" in r[1]]
     print(json.dumps({"phase": "train-killed-reads", "checkpoint_step": at, "epoch_steps_about": steps,
                       "cache_requests": len(reads),
                       "per_checkpointed_sample": round(len(reads) / max(at * args.batch_size, 1), 3)}), flush=True)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    since = len(server.requests())
+    since = server.mark()
     summary, rec = phase("resume", lambda: job.run(cfg))
-    reads = [r for r in server.requests()[since:] if "/cache/" in r[1]]
+    reads = [r for r in server.requests(since) if "/cache/" in r[1]]
     trained = (summary.steps - at) * args.batch_size
     print(json.dumps({"phase": "resume-reads", "resumed_from_step": at, "final_step": summary.steps,
                       "trained_samples": trained, "cache_requests": len(reads),

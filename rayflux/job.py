@@ -172,7 +172,10 @@ class _Stages:
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
         t0 = time.perf_counter()
-        discovery = draw.discover(self.cfg, self.facts, seed)
+        # The newest committed generation lends its caption files' lines to discovery and its encoded rows to the
+        # build. When that is generation g itself, it is reused below and nothing is built.
+        previous = generations.latest_committed(storage.join(self.cache_root, self.key))
+        discovery = draw.discover(self.cfg, self.facts, seed, previous)
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
                 log.warning("%s", problem)
@@ -196,8 +199,7 @@ class _Stages:
             self.ledger.finish(entry)
         entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
         t0 = time.perf_counter()
-        # Unchanged samples and captions are copied from the newest committed generation instead of encoded again.
-        previous = generations.latest_committed(storage.join(self.cache_root, self.key), exclude=gen_dir)
+        # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
         manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
         self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest["cached"])
@@ -339,6 +341,8 @@ def _check_edit_pairs(cfg: JobConfig, family) -> None:
 
 def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
     """Per-dataset counts and grouped skip reasons, from the committed generation's skip list."""
+    import pyarrow.compute as pc
+
     from rayflux.cache import generations
 
     summary.skipped_report = storage.join(gen_dir, generations.SKIPPED)
@@ -349,7 +353,7 @@ def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
         summary.skip_reasons[reason] = summary.skip_reasons.get(reason, 0) + 1
     for ds in datasets.datasets_of(cfg.data):
         key = datasets.key(cfg.data, ds)
-        found = sum(1 for s in discovery.sources if s.dataset == key)
+        found = discovery.table.filter(pc.equal(discovery.table["dataset"], key)).num_rows
         found += sum(1 for s in discovery.skipped if s.get("dataset") == key)
         lost = sum(1 for s in skipped if s.get("dataset") == key)
         summary.datasets.append(

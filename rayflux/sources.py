@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayflux import captions, datasets, edit_pairs, storage
@@ -15,6 +16,10 @@ from rayflux.config import DataConfig, DatasetConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _SIDECAR_READERS = 32  # concurrent listings and caption-file reads: hides object-store latency, not the request count
+
+SIDECARS = pa.schema([("path", pa.string()), ("stamp", pa.string()), ("lines", pa.string())])
+"""A caption file as discovery read it: its path on the dataset's filesystem, its ``size:mtime`` from the listing
+and its non-empty lines (a JSON list), before any caption policy: the same lines serve every seed and setting."""
 
 
 @dataclass(frozen=True)
@@ -38,26 +43,46 @@ class Source:
     """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
 
 
+SOURCES = pa.schema(
+    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+     ("caption", pa.string()), ("dataset", pa.string()), ("references", pa.list_(pa.string())),
+     ("references_stamp", pa.string())]
+)  # fmt: skip
+"""The :class:`Source` fields as Arrow columns: how a discovery holds its images (bytes per image on the driver,
+not a Python object each), in relative-path order per dataset."""
+
+
 @dataclass
 class Discovery:
     """Everything discovery found: usable sources, skipped inputs with reasons, and dataset-level problems."""
 
-    sources: list[Source] = field(default_factory=list)
+    table: pa.Table = field(default_factory=lambda: SOURCES.empty_table())
+    """The usable images, one :data:`SOURCES` row each."""
     skipped: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     """Trouble that costs no image by itself but needs a look: orphan caption files, bad metadata rows..."""
     unsampled: dict[str, int] = field(default_factory=dict)
     """Per dataset, usable images left out by its ``max_samples``; not counted as discovered."""
+    sidecars: pa.Table = field(default_factory=lambda: SIDECARS.empty_table())
+    """Every caption file whose lines are known (read now, or taken from the previous generation's table), as
+    :data:`SIDECARS` rows: the generation records it, so the next discovery reads only the files that changed."""
+
+    @property
+    def sources(self) -> list[Source]:
+        """The usable images as :class:`Source` objects, built on each call: for small uses (a report, a test);
+        the cache stage reads :attr:`table`."""
+        return [Source(**{**r, "references": tuple(r["references"] or ())}) for r in self.table.to_pylist()]
 
     @property
     def discovered(self) -> int:
-        return len(self.sources) + len(self.skipped)
+        return self.table.num_rows + len(self.skipped)
 
     def extend(self, other: Discovery) -> None:
-        self.sources.extend(other.sources)
+        self.table = pa.concat_tables([self.table, other.table])
         self.skipped.extend(other.skipped)
         self.problems.extend(other.problems)
         self.unsampled.update(other.unsampled)
+        self.sidecars = pa.concat_tables([self.sidecars, other.sidecars])
 
 
 def choose(options: list[str], seed: int, rel_path: str) -> str:
@@ -144,7 +169,8 @@ class Listing:
     key: str
     rows: list[dict] = field(default_factory=list)
     """uri, rel_path, size, mtime_ns, dataset, file_name, and either ``sidecar`` (the caption file's path on the
-    dataset's filesystem, "" when there is none) or ``options`` (the captions of the other strategies)."""
+    dataset's filesystem, "" when there is none) with its ``sidecar_stamp`` (``size:mtime`` from the listing), or
+    ``options`` (the captions of the other strategies)."""
     problems: list[str] = field(default_factory=list)
 
 
@@ -179,6 +205,7 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
         if ds.caption_strategy == "sidecar":
             # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
             row["sidecar"] = by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower(), "")
+            row["sidecar_stamp"] = _stamp(files[row["sidecar"]]) if row["sidecar"] else ""
         elif ds.caption_strategy == "metadata":
             row["options"] = list(metadata.captions.get(rel, []))
         elif ds.caption_strategy == "filename":
@@ -203,7 +230,10 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
     """Resolve listed rows: read their caption files (concurrently: on an object store each is a round trip),
     apply the missing-caption policy and pick one caption per image. Each row comes back with ``caption``,
     ``skip_reason`` and ``uncaptioned``. With ``usable`` (row -> skip reason, "" when the image can be cached),
-    the image itself is checked too: the ``max_samples`` draw needs to know which images are usable."""
+    the image itself is checked too: the ``max_samples`` draw needs to know which images are usable.
+
+    A row whose ``sidecar_lines`` are already known (see :mod:`rayflux.cache.sidecars`) is not read again; a caption
+    file read here comes back with its lines in ``sidecar_lines``, for the generation's sidecar table."""
     fs = storage.resolve(ds.images_dir)[0] if ds.caption_strategy == "sidecar" else None
 
     def one(row: dict) -> dict:
@@ -212,11 +242,15 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
             return row
         options = row.get("options") or []
         if fs is not None and row.get("sidecar"):
-            try:
-                options = captions.read_sidecar(fs, row["sidecar"])
-            except UnicodeDecodeError as exc:
-                row["skip_reason"] = f"caption file is not UTF-8 ({exc.reason})"
-                return row
+            if row.get("sidecar_lines") is not None:
+                options = json.loads(row["sidecar_lines"])
+            else:
+                try:
+                    options = captions.read_sidecar(fs, row["sidecar"])
+                except UnicodeDecodeError as exc:
+                    row["skip_reason"] = f"caption file is not UTF-8 ({exc.reason})"
+                    return row
+                row["sidecar_lines"] = json.dumps(options)
         row["uncaptioned"] = not options
         options, reason = captions.finish(options, ds, row["file_name"])
         if reason:
@@ -246,20 +280,26 @@ def gather(listing: Listing, settled: list[dict], left_out: int = 0) -> Discover
     for r in sorted(settled, key=lambda r: r["rel_path"]):
         if r["skip_reason"]:
             found.skipped.append({"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]})
-    found.sources = [
-        Source(r["uri"], r["rel_path"], r["size"], r["mtime_ns"], r["caption"], r["dataset"],
-               tuple(json.loads(r.get("references") or "[]")), r.get("references_stamp") or "")  # fmt: skip
-        for r in sorted(good, key=lambda r: r["rel_path"])
-    ]
+    good.sort(key=lambda r: r["rel_path"])
+    found.table = pa.table(
+        [[r[c] for r in good] for c in ("uri", "rel_path", "size", "mtime_ns", "caption", "dataset")]
+        + [[json.loads(r.get("references") or "[]") for r in good], [r.get("references_stamp") or "" for r in good]],
+        schema=SOURCES,
+    )
+    known = [r for r in settled if r.get("sidecar") and r.get("sidecar_lines") is not None]
+    found.sidecars = pa.table(
+        [[r["sidecar"] for r in known], [r["sidecar_stamp"] for r in known], [r["sidecar_lines"] for r in known]],
+        schema=SIDECARS,
+    )
     uncaptioned = sorted(r["rel_path"] for r in settled if r["uncaptioned"])
     if uncaptioned and ds.missing_caption != "skip":
         found.problems.append(
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
             f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0]})"
         )
-    if ds.max_samples and len(found.sources) < ds.max_samples and found.discovered:
+    if ds.max_samples and found.table.num_rows < ds.max_samples and found.discovered:
         found.problems.append(
-            f"dataset {name}: max_samples={ds.max_samples}, but only {len(found.sources)} of its images are usable "
+            f"dataset {name}: max_samples={ds.max_samples}, but only {found.table.num_rows} of its images are usable "
             f"({len(found.skipped)} skipped); all of them are used"
         )
     return found

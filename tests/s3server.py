@@ -10,6 +10,7 @@ the server itself starts only when a test asks for the ``s3_server`` fixture, an
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +23,8 @@ import pytest
 
 HOST = "127.0.0.1"
 _PORT = 0
+_REQUEST = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (/[^ ?]*)(\?[^ ]*)? HTTP')
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _free_port() -> int:
@@ -70,6 +73,26 @@ class S3Server:
                     self.stop()
                     raise RuntimeError(f"moto server did not answer on {self.url} within 60 s") from None
                 time.sleep(0.2)
+
+    def requests(self) -> list[tuple[str, str]]:
+        """Every request the server has logged so far, as (method, path); a GET with a list query is ``LIST``.
+
+        Requests made before this call are all in the list: a marker request is made and waited for, since the
+        server writes a request's log line just after answering it."""
+        from rayflux import storage
+
+        marker = f"/rayflux-log-marker/{os.urandom(6).hex()}"
+        storage.resolve(f"s3:/{marker}")[0].get_file_info(marker[1:])
+        deadline = time.monotonic() + 30
+        while True:
+            size = os.fstat(self.log.fileno()).st_size
+            text = os.pread(self.log.fileno(), size, 0).decode(errors="replace")  # the server shares the offset
+            found = [m for m in (_REQUEST.search(_ANSI.sub("", line)) for line in text.splitlines()) if m]
+            if any(m.group(2) == marker for m in found) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        out = [("LIST" if "list-type" in (m.group(3) or "") else m.group(1), m.group(2)) for m in found]
+        return [r for r in out if not r[1].startswith("/rayflux-log-marker/")]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -52,7 +52,7 @@ def runs(ray_session, tiny_model, tmp_path_factory):
         (gen / "samples").mkdir(parents=True)
         pq.write_table(junk, gen / "samples" / "samples-crashed.parquet")
 
-    out = {"key_dir": key_dir, "first_dir": first_dir, "images": images}
+    out = {"key_dir": key_dir, "first_dir": first_dir, "images": images, "cfg": cfg}
     out["first"] = job.run(cfg, only="cache")
     out["first_mtimes"] = _mtimes(out["first"].cache_dir)
     out["first_manifest"] = generations.load_manifest(out["first"].cache_dir)
@@ -145,3 +145,25 @@ def test_the_cache_key_follows_what_shapes_tensors_not_caption_rules(tiny_model,
     assert key("data.missing_caption=empty", "data.caption_ext=.caption") == base
     for changed in ("data.resolution=256", "data.crop=random", "data.alignment=32", "cache.dtype=bfloat16"):
         assert key(changed) != base, changed
+
+
+def test_unchanged_caption_files_are_taken_from_the_generation_not_read(runs, ray_session):
+    from rayflux.cache import draw
+
+    m = generations.load_manifest(runs["grown"].cache_dir)
+    assert m["index"]["sidecars"]["rows"] == 5
+    cfg = runs["cfg"]
+    # Same size, same mtime, other words: only a read could see the change, and discovery must not read it.
+    path = runs["images"] / "d.txt"
+    st = path.stat()
+    path.write_text("a green rung")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:
+        facts = models.model_facts(cfg.model)
+        kept = {s.rel_path: s.caption for s in draw.discover(cfg, facts, cfg.cache.seed, m).sources}
+        read = {s.rel_path: s.caption for s in draw.discover(cfg, facts, cfg.cache.seed).sources}
+    finally:
+        path.write_text(CAPTIONS["d"])
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert kept["d.png"] == "a green ring" and read["d.png"] == "a green rung"
+    assert kept["b.png"] == read["b.png"] == "a blue square, edited"

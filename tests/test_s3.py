@@ -118,7 +118,7 @@ def test_repeats_reach_training_and_checkpoints_land_in_the_bucket(s3_job, demo_
     assert set(summary.stage_seconds) == {"discover", "cache:g0", "train:seg0"}
 
 
-def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job):
+def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job, s3_server):
     bucket, cfg, first = s3_job
     committed = generations.load_manifest(first.cache_dir)["committed_at"]
     # Mark the checkpoint the rerun must resume from; a run that started over could not carry the mark.
@@ -130,7 +130,12 @@ def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job):
     # The same command asking for one more epoch (a run's length may change between reruns).
     longer = config.from_dict(cfg.to_dict())
     longer.train.epochs = 2
+    since = len(s3_server.requests())
     again = job.run(longer)
+    # The committed generation's sidecar table answers for every unchanged caption file: none is read again.
+    asked = [p for _, p in s3_server.requests()[since:]]
+    assert any(p.startswith(f"/{bucket[5:]}/run/cache/") for p in asked)  # training read its shards: the log counts
+    assert not [p for p in asked if p.startswith(f"/{bucket[5:]}/photos/") and p.endswith(".txt")]
     assert again.cache_dir == first.cache_dir
     assert generations.load_manifest(again.cache_dir)["committed_at"] == committed
     assert again.steps == 2 * first.steps
@@ -140,6 +145,18 @@ def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job):
     assert [h["step"] for h in again.history] == list(range(1, again.steps + 1))
     assert [h["loss"] for h in again.history[: first.steps]] == first.losses
     assert again.checkpoint.startswith(f"{bucket}/run/checkpoints/") and again.checkpoint != first.checkpoint
+
+
+def test_ranged_reads_open_each_object_once_per_process(s3_server, s3_bucket):
+    from rayflux.cache import ranges
+
+    uri = f"{s3_bucket}/shard.bin"
+    storage.write_bytes_atomic(uri, bytes(range(100)))
+    since = len(s3_server.requests())
+    assert ranges.read_ranges(uri, 100, [(10, 3), (0, 2)]) == [bytes([10, 11, 12]), bytes([0, 1])]
+    assert ranges.read_ranges(uri, 100, [(90, 10)]) == [bytes(range(90, 100))]
+    # One HEAD when the object is first opened (pyarrow asks its size), then only GETs of the ranges.
+    assert [m for m, p in s3_server.requests()[since:] if p.endswith("/shard.bin")] == ["HEAD", "GET", "GET"]
 
 
 def test_doctor_checks_a_dataset_in_a_bucket(s3_bucket, tiny_model, tmp_path):

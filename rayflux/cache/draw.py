@@ -6,6 +6,10 @@ few hundred images each: a dataset with sidecar captions has its caption files r
 keeps only images that will really be cached. Each task keeps its own ``max_samples`` lowest-ranked usable images
 (:func:`rayflux.sources.draw`) and counts the rest; the driver draws again among those few, which gives the same
 subset as one draw over the whole dataset. Bad images found on the way are recorded skips, like any other.
+
+A caption file the previous generation already read, listed unchanged, is not read again (see
+:mod:`rayflux.cache.sidecars`): a dataset whose caption files are all known, and that has no ``max_samples``,
+settles on the driver without a single read.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import pyarrow as pa
 
 from rayflux import datasets, sources
-from rayflux.cache import fit
+from rayflux.cache import fit, sidecars
 from rayflux.cache.prepare import skip_reason
 from rayflux.config import JobConfig
 from rayflux.models import ModelFacts
@@ -28,13 +32,14 @@ _SETTLED = pa.schema(
     [("kind", pa.string()), ("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()),
      ("mtime_ns", pa.int64()), ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()),
      ("uncaptioned", pa.bool_()), ("left_out", pa.int64()), ("references", pa.string()),
-     ("references_stamp", pa.string())]
+     ("references_stamp", pa.string()), ("sidecar", pa.string()), ("sidecar_stamp", pa.string()),
+     ("sidecar_lines", pa.string())]
 )  # fmt: skip
 
 
-def _needs_tasks(ds) -> bool:
-    """Does settling this dataset read anything per image? Other datasets settle on the driver without any read."""
-    return ds.caption_strategy == "sidecar" or ds.max_samples > 0
+def _needs_task(ds, row: dict) -> bool:
+    """Does settling this row read anything? A row that does not settles on the driver without any read."""
+    return ds.max_samples > 0 or (bool(row.get("sidecar")) and row.get("sidecar_lines") is None)
 
 
 def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pixels: int) -> pa.Table:
@@ -55,8 +60,11 @@ def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pix
     return pa.Table.from_pylist([{f: r.get(f) for f in _SETTLED.names} for r in out], schema=_SETTLED)
 
 
-def discover(cfg: JobConfig, facts: ModelFacts, seed: int) -> sources.Discovery:
-    """Discover every dataset of the job, in config order: listings here, per-image reads in Ray tasks."""
+def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None) -> sources.Discovery:
+    """Discover every dataset of the job, in config order: listings here, per-image reads in Ray tasks.
+
+    ``previous``: the manifest of the newest committed generation of the cache key, whose caption files listed
+    unchanged are not read again."""
     import ray.data
 
     from rayflux.cache.stage import bucket_specs
@@ -64,12 +72,22 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int) -> sources.Discovery:
     data = cfg.data
     prefix = datasets.prefixes_paths(data)
     listings = [sources.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
-    remote = [row for ls in listings if _needs_tasks(ls.ds) for row in ls.rows]
+    if any(ls.ds.caption_strategy == "sidecar" for ls in listings):
+        table = sidecars.known(previous)
+        for ls in listings:
+            sidecars.attach(ls.rows, table)
+        del table
+    # Rows that need no read settle here; the others travel to the tasks as Arrow blocks, and the listing's own
+    # rows are dropped before the settled ones come back (the driver never holds both).
+    here = {ls.key: sources.settle([r for r in ls.rows if not _needs_task(ls.ds, r)], ls.ds, seed) for ls in listings}
+    blocks = _blocks([row for ls in listings for row in ls.rows if _needs_task(ls.ds, row)])
+    for ls in listings:
+        ls.rows = []
     settled: dict[str, list[dict]] = {ls.key: [] for ls in listings}
     left_out = dict.fromkeys(settled, 0)
-    if remote:
-        items = [{**r, "sidecar": r.get("sidecar", ""), "options": json.dumps(r.get("options", []))} for r in remote]
-        ds = ray.data.from_items(items, override_num_blocks=-(-len(items) // _IMAGES_PER_TASK))
+    if blocks:
+        ds = ray.data.from_arrow(blocks)
+        del blocks
         ds = ds.map_batches(
             _settle_block,
             fn_kwargs={"by_key": {ls.key: ls.ds for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
@@ -85,6 +103,22 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int) -> sources.Discovery:
                     settled[r["dataset"]].append(r)
     found = sources.Discovery()
     for ls in listings:
-        rows = settled[ls.key] if _needs_tasks(ls.ds) else sources.settle(ls.rows, ls.ds, seed)
-        found.extend(sources.gather(ls, rows, left_out[ls.key]))
+        found.extend(sources.gather(ls, settled.pop(ls.key) + here.pop(ls.key), left_out[ls.key]))
     return found
+
+
+_LISTED = [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+           ("dataset", pa.string()), ("file_name", pa.string()), ("sidecar", pa.string()),
+           ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string()), ("references", pa.string()),
+           ("references_stamp", pa.string()), ("missing_reference", pa.string())]  # fmt: skip
+
+
+def _blocks(rows: list[dict]) -> list[pa.Table]:
+    """Listed rows as Arrow blocks of ``_IMAGES_PER_TASK`` rows (``options`` as JSON): one settling task each."""
+    out = []
+    for i in range(0, len(rows), _IMAGES_PER_TASK):
+        part = rows[i : i + _IMAGES_PER_TASK]
+        cols = {name: pa.array([r.get(name) for r in part], t) for name, t in _LISTED}
+        cols["options"] = pa.array([json.dumps(r.get("options", [])) for r in part], pa.string())
+        out.append(pa.table(cols))
+    return out

@@ -2,16 +2,49 @@
 
 Ranges of one file that lie close together are merged into one request (a hole of up to ``HOLE`` bytes is read and
 thrown away): a shard's neighbouring rows cost one GET, and the bytes read stay within a few percent of the
-tensors' own bytes, since a hole is a row's page headers and small columns. Opening a file on S3 costs one HEAD
-(pyarrow's S3 filesystem asks every object's size when it opens it, and its Python API takes no known size), so
-all the ranges of one file are read through one open.
+tensors' own bytes, since a hole is a row's page headers and small columns.
+
+Opening a file on an object store costs one HEAD: pyarrow's S3 filesystem asks every object's size when it opens
+it, and its Python API takes no known size (``open_input_file`` takes a path only, and a dataset fragment made with
+``file_size`` still opens by path). So each process keeps up to ``OPEN_FILES`` opened files, by path and size, and
+reads every later range of a file through the same handle: a worker pays one HEAD per shard it reads from, not one
+per read task. A shard's name is never reused for other bytes, and a deleted one fails its next read as it would
+fail an open. Local files are opened per call (an open costs no request, and a kept descriptor would keep reading a
+deleted file).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
+import pyarrow.fs as pafs
+
 from rayflux import storage
 
 HOLE = 16 << 10
+OPEN_FILES = 512
+_opened: OrderedDict[tuple[str, int], object] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _open(path: str, file_bytes: int):
+    """(random-access file, whether the caller closes it)."""
+    fs, inner = storage.resolve(path)
+    if isinstance(fs, pafs.LocalFileSystem):
+        return fs.open_input_file(inner), True
+    key = (path, file_bytes)
+    with _lock:
+        f = _opened.get(key)
+        if f is not None:
+            _opened.move_to_end(key)
+            return f, False
+    f = fs.open_input_file(inner)
+    with _lock:
+        _opened[key] = f
+        while len(_opened) > OPEN_FILES:
+            _opened.popitem(last=False)  # not closed here: another thread may still be reading through it
+    return f, False
 
 
 def read_ranges(path: str, file_bytes: int, ranges: list[tuple[int, int]], hole: int = HOLE) -> list[bytes]:
@@ -26,11 +59,18 @@ def read_ranges(path: str, file_bytes: int, ranges: list[tuple[int, int]], hole:
         else:
             spans.append([off, off + n, [i]])
     out: list[bytes] = [b""] * len(ranges)
-    fs, inner = storage.resolve(path)
-    with fs.open_input_file(inner) as f:
+    f, close = _open(path, file_bytes)
+    try:
         for start, end, members in spans:
             data = f.read_at(end - start, start)
             for i in members:
                 off, n = ranges[i]
                 out[i] = data[off - start : off - start + n]
+    except Exception:
+        with _lock:
+            _opened.pop((path, file_bytes), None)  # a failed file is opened afresh next time
+        raise
+    finally:
+        if close:
+            f.close()
     return out

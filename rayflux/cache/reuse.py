@@ -26,8 +26,9 @@ class Previous:
 
     dir: str = ""
     """The previous generation's directory; empty when there is none."""
-    samples: dict[str, str] = field(default_factory=dict)
-    """rel_path -> that sample's index row as JSON: what a preparation task needs to reuse it (see ``prepare_row``)."""
+    samples: pa.Table | None = None
+    """The previous sample index (None when there is none): a preparation task looks up its own rows' entries in it
+    (see :func:`rows_for`), so the driver holds it as Arrow bytes, never as an object per sample."""
     captions: pa.Table = field(default_factory=lambda: pa.table({"caption_id": pa.array([], pa.string())}))
     """The previous caption index: known captions are referenced, not encoded again."""
 
@@ -40,9 +41,13 @@ def load(manifest: dict | None) -> Previous:
     """Read a committed generation's index; an empty :class:`Previous` for None."""
     if manifest is None:
         return Previous()
-    samples = index.read(manifest, "samples").to_pylist()
-    return Previous(
-        dir=manifest["dir"],
-        samples={r["rel_path"]: json.dumps(r) for r in samples},
-        captions=index.read(manifest, "captions"),
-    )
+    return Previous(dir=manifest["dir"], samples=index.read(manifest, "samples"), captions=index.read(manifest, "captions"))
+
+
+def rows_for(samples: pa.Table | None, rel_paths: pa.Array) -> dict[str, str]:
+    """rel_path -> the previous index row as JSON, for those of ``rel_paths`` it holds: what ``prepare_row`` needs to
+    reuse a sample. Runs in the preparation tasks, one block of rows at a time."""
+    if samples is None:
+        return {}
+    found = samples.filter(pc.is_in(samples["rel_path"], rel_paths)).to_pylist()
+    return {r["rel_path"]: json.dumps(r) for r in found}

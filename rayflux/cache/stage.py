@@ -18,8 +18,11 @@ import logging
 import uuid
 from dataclasses import dataclass
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from rayflux import buckets, datasets, storage
-from rayflux.cache import fit, generations, index, reuse, shards, stall, writer
+from rayflux.cache import fit, generations, index, reuse, shards, sidecars, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -191,14 +194,16 @@ def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink) -> list[di
     import ray.data
 
     c = b.cfg.cache
-    prev = b.previous.samples
-    items = [
-        {**dataclasses.asdict(s), "caption_id": caption_id(s.caption), "prev": prev.get(s.rel_path, "")}
-        for s in discovery.sources
-    ]
-    if not items:
+    table = discovery.table
+    if not table.num_rows:
         return []
-    ds = ray.data.from_items(items, override_num_blocks=-(-len(items) // _IMAGES_PER_TASK))
+    # Blocks of the discovery's own Arrow columns: the driver builds no row objects; each task adds its rows'
+    # caption ids and previous index entries itself.
+    ds = ray.data.from_arrow([table.slice(i, _IMAGES_PER_TASK) for i in range(0, table.num_rows, _IMAGES_PER_TASK)])
+    ds = ds.map_batches(
+        _with_previous, fn_kwargs={"samples": b.previous.samples}, batch_size=None, batch_format="pyarrow",
+        num_cpus=fit.PREPARE_CPUS,
+    )  # fmt: skip
     ds = ds.map(
         _prepare_in_dataset,
         fn_kwargs={"specs": bucket_specs(b.cfg, b.facts), "seed": b.seed, "max_pixels": b.cfg.data.max_image_pixels},
@@ -234,6 +239,14 @@ def _pool(size: fit.PoolSize):
     return ActorPoolStrategy(min_size=size.min, max_size=size.max, initial_size=size.initial)
 
 
+def _with_previous(block, samples) -> object:
+    """Ray Data batch function: a block of discovered images with each one's ``caption_id`` and ``prev`` (its
+    previous index row as JSON, or "")."""
+    prev = reuse.rows_for(samples, block["rel_path"])
+    block = block.append_column("caption_id", pa.array([caption_id(t) for t in block["caption"].to_pylist()]))
+    return block.append_column("prev", pa.array([prev.get(r, "") for r in block["rel_path"].to_pylist()], pa.string()))
+
+
 def _prepare_in_dataset(row: dict, specs: dict, **kwargs) -> dict:
     """``prepare_row`` with the bucket spec of the row's own dataset (each dataset has its resolution and crop)."""
     return prepare_row(row, specs[row["dataset"]], **kwargs)
@@ -267,13 +280,15 @@ def build_generation(
     sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
     try:
         # The empty caption is always encoded: training uses it for caption dropout.
-        captions = sorted({s.caption for s in discovery.sources} | {""})
+        captions = sorted(set(pc.unique(discovery.table["caption"]).to_pylist()) | {""})
         text_meta = _build_text(b, captions, caption_index)
         sample_meta = _build_samples(b, discovery, sample_index)
         manifest = _manifest(b, discovery, spec, specs, text_meta, sample_meta, sample_index, caption_index)
         manifest["unique_captions"] = len(captions)
         manifest["reused"]["captions"] = len(captions) - manifest["encoded"]["captions"]
         manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
+        if discovery.sidecars.num_rows:  # the caption files read, for the next discovery (see cache.sidecars)
+            manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars)
     finally:
         sample_index.discard()
         caption_index.discard()
@@ -342,9 +357,10 @@ def _file_entry(meta: dict, with_buckets: bool = True) -> dict:
 def inputs_signature(discovery: Discovery) -> str:
     """Hash of what was discovered (paths, sizes, mtimes, chosen captions): equal means nothing to re-encode."""
     h = hashlib.sha256()
-    for s in discovery.sources:
-        refs = f"|{','.join(s.references)}|{s.references_stamp}" if s.references else ""
-        h.update(f"{s.rel_path}|{s.size}|{s.mtime_ns}|{s.caption}{refs}\n".encode())
+    for batch in discovery.table.to_batches(max_chunksize=4096):  # a few thousand rows as Python at a time
+        for s in batch.to_pylist():
+            refs = f"|{','.join(s['references'])}|{s['references_stamp']}" if s["references"] else ""
+            h.update(f"{s['rel_path']}|{s['size']}|{s['mtime_ns']}|{s['caption']}{refs}\n".encode())
     for s in discovery.skipped:
         h.update(f"skip|{s['source_uri']}|{s['reason']}\n".encode())
     return h.hexdigest()[:16]
