@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rayflux import config, plan  # noqa: E402
+from rayflux.families.flux1 import t5_length  # noqa: E402
 from rayflux.train import step  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
@@ -69,7 +70,7 @@ def _timed(fn, n: int, device: torch.device) -> float:
 def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> step.Batch:
     g = torch.Generator().manual_seed(seed)
     c, side = tc["in_channels"] // 4, px // 8
-    text = plan.text_tokens(tc)
+    text = t5_length(bool(tc.get("guidance_embeds")))
     latents = torch.randn(size, c, side, side, generator=g)
     t5 = torch.randn(size, text, tc["joint_attention_dim"], generator=g)
     return step.Batch(latents, {"t5": t5, "clip_pooled": torch.randn(size, tc["pooled_projection_dim"], generator=g)},
@@ -118,7 +119,7 @@ def lora_steps(tc: dict, device: torch.device, grid: list, steps: int, peak: flo
         batches = [_batch(tc, px, batch, device, s) for s in range(2)]
         seconds = _timed(lambda: trainer.train_step(batches[:1]), steps, device)
         params = sum(p.numel() for p in trainer.transformer.parameters())
-        tokens = plan.tokens(tc, px)
+        tokens = plan.tokens(px, t5_length(bool(tc.get("guidance_embeds"))))
         bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
         bare = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps,
                       device)  # fmt: skip

@@ -244,15 +244,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         if ds.reference_dir:
             ref_key = key.replace("images_dir", "reference_dir")
             paths.check_disjoint(ds.reference_dir, ref_key, **{"cache.dir": cache_root, "run.output_dir": output})
-        # The cache stores edit pairs' reference latents, but no training step feeds them yet: training such a
-        # dataset would silently learn plain text-to-image, so it is refused until the step takes references.
-        if (ds.reference_dir or ds.reference_column) and only != "cache":
-            raise ConfigError(
-                f"dataset {datasets.label(ds)}: edit pairs (reference_dir / reference_column) can be cached "
-                "(--only cache) but not trained yet; remove them to train on the images alone"
-            )
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
+    _check_edit_pairs(cfg, models.family(cfg.model))
     ledger = Ledger(output, run_identity(cfg))
     summary.ledger = ledger.path
 
@@ -330,6 +324,19 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         done = ledger.find("export")
         summary.checkpoint = done["inputs"] if done else ""
     return summary
+
+
+def _check_edit_pairs(cfg: JobConfig, family) -> None:
+    """Edit pairs (and edit renders) need a family that feeds reference images; a plain FLUX.1 model would learn them
+    as text-to-image and silently drop the references."""
+    if family.max_references != 0:
+        return
+    edits = [datasets.label(ds) for ds in datasets.datasets_of(cfg.data) if ds.reference_dir or ds.reference_column]
+    if edits or cfg.train.validation_references:
+        what = f"dataset {edits[0]} has edit pairs (reference_dir / reference_column)" if edits else \
+            "train.validation_references is set"
+        raise ConfigError(f"{what}, but {', '.join(family.pipelines.values())} takes no reference images: edit pairs "
+                          "train FLUX.1 Kontext or FLUX.2")  # fmt: skip
 
 
 def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:

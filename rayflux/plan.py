@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from rayflux import cli, config
 from rayflux.config.train import checkpointing_setting
+from rayflux.families.flux1 import t5_length
 from rayflux.train import lora
 
 FLUX1_DEV = {
@@ -51,14 +52,23 @@ LORA_BYTES_PER_PARAM = 16
 """fp32 weight, fp32 gradient and AdamW's two fp32 moments."""
 
 
-def text_tokens(transformer_config: dict) -> int:
-    """T5 tokens per sample: 512 for guidance-distilled models (dev), 256 otherwise (schnell)."""
-    return 512 if transformer_config.get("guidance_embeds") else 256
+FLUX1_DEV_TEXT_TOKENS = t5_length(guidance=True)
+"""Text tokens per sample of the built-in FLUX.1-dev configuration."""
 
 
-def tokens(transformer_config: dict, pixels: int) -> int:
-    """Sequence length of a square ``pixels`` image: image tokens plus text tokens."""
-    return (pixels // PIXELS_PER_TOKEN) ** 2 + text_tokens(transformer_config)
+def text_tokens(cfg: config.JobConfig) -> int:
+    """Text tokens per sample: the padded length the model's family encodes every caption to (FLUX.1 [dev]: 512 T5
+    tokens, [schnell]: 256; FLUX.2: 512), or FLUX.1-dev's when ``model.path`` is empty."""
+    if not cfg.model.path:
+        return FLUX1_DEV_TEXT_TOKENS
+    from rayflux.models import model_facts
+
+    return model_facts(cfg.model).text_length
+
+
+def tokens(pixels: int, text: int) -> int:
+    """Sequence length of a square ``pixels`` image: image tokens plus ``text`` tokens."""
+    return (pixels // PIXELS_PER_TOKEN) ** 2 + text
 
 
 def _widths(tc: dict) -> tuple[int, int]:
@@ -89,8 +99,10 @@ class Estimate:
 
 
 def estimate(tc: dict, total_params: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
-             weight_bytes: int = 2, activation_bytes: int = 2) -> Estimate:  # fmt: skip
-    acts = batch * tokens(tc, pixels) * per_token_elements(tc, checkpointing) * activation_bytes
+             weight_bytes: int = 2, activation_bytes: int = 2,
+             text: int = FLUX1_DEV_TEXT_TOKENS) -> Estimate:  # fmt: skip
+    """Memory of one process; ``text``: the model's text tokens per sample (:func:`text_tokens`)."""
+    acts = batch * tokens(pixels, text) * per_token_elements(tc, checkpointing) * activation_bytes
     return Estimate(total_params * weight_bytes, trainable * LORA_BYTES_PER_PARAM, acts)
 
 
@@ -132,9 +144,10 @@ def report(cfg: config.JobConfig) -> list[str]:
     """The plan's lines: parameters per preset, then memory at 512 and 1024 px, batch 1-4."""
     tc, name = transformer_config(cfg)
     t = cfg.train
+    text = text_tokens(cfg)
     weight_bytes = 4 if cfg.model.dtype == "float32" else 2
     lines = [f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
-             f"width {_widths(tc)[0]}, {text_tokens(tc)} text tokens; LoRA rank {t.rank}"]  # fmt: skip
+             f"width {_widths(tc)[0]}, {text} text tokens; LoRA rank {t.rank}"]  # fmt: skip
     counts = {}
     for preset in lora.PRESETS:
         counts[preset] = count_parameters(tc, preset, t.rank)
@@ -147,10 +160,10 @@ def report(cfg: config.JobConfig) -> list[str]:
     lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
     for px in (512, 1024):
         for batch in (1, 2, 3, 4):
-            off, on = (estimate(tc, total, trainable, px, batch, c, weight_bytes) for c in (False, True))
+            off, on = (estimate(tc, total, trainable, px, batch, c, weight_bytes, text=text) for c in (False, True))
             lines.append(f"  {px:<5} {batch:<6} {_gib(off.activations):>8} / {_gib(on.activations):<8}"
                          f"             {_gib(off.total):>8} / {_gib(on.total)}")  # fmt: skip
-    job = estimate(tc, total, trainable, cfg.data.resolution, t.batch_size, False, weight_bytes)
+    job = estimate(tc, total, trainable, cfg.data.resolution, t.batch_size, False, weight_bytes, text=text)
     ckpt = gradient_checkpointing(checkpointing_setting(t.gradient_checkpointing), True, cfg.data.resolution,
                                   job.total, 80 * 10**9)  # fmt: skip
     lines.append(f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "

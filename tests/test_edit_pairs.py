@@ -249,14 +249,108 @@ def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_sessio
     assert counts == {"out1.png": 1, "out2.png": 2}
 
 
-def test_the_job_refuses_to_train_edit_pairs_it_cannot_feed_and_overlapping_reference_dirs(tmp_path):
+def test_a_model_without_references_refuses_edit_pairs_and_reference_dirs_may_not_overlap(tmp_path):
     from rayflux import job, paths
 
     images, refs = _edit_dataset(tmp_path)
     cfg = _cfg(f"data.images_dir={images}", f"data.reference_dir={refs}", f"run.output_dir={tmp_path / 'run'}")
-    with pytest.raises(config.ConfigError, match="edit pairs .* can be cached \\(--only cache\\) but not trained"):
-        job.run(cfg)
+    with pytest.raises(config.ConfigError, match="has edit pairs .* takes no reference images: edit pairs train FLUX.1 "
+                                                 "Kontext or FLUX.2"):  # fmt: skip
+        job.run(cfg)  # the default model is the tiny FLUX.1
+    renders = _cfg(f"data.images_dir={images}", 'train.validation_prompts=["x"]',
+                   f'train.validation_references=["{refs / "a.png"}"]', f"run.output_dir={tmp_path / 'run'}")
+    with pytest.raises(config.ConfigError, match="validation_references is set, but"):
+        job.run(renders)
+    with pytest.raises(config.ConfigError, match="one reference image .* per validation prompt"):
+        _cfg('train.validation_prompts=["x", "y"]', f'train.validation_references=["{refs / "a.png"}"]')
     inside = _cfg(f"data.images_dir={images}", f"data.reference_dir={tmp_path / 'run' / 'refs'}",
                   f"run.output_dir={tmp_path / 'run'}")  # fmt: skip
     with pytest.raises(paths.PathOverlapError, match="data.reference_dir"):
         job.run(inside, only="cache")
+
+
+def test_plan_groups_edits_by_reference_count_and_a_batch_row_carries_its_references():
+    import torch
+
+    from rayflux.train import batching, step
+
+    refs = [batching.SampleRef(f"s{i}", "64x64", "f", i, ref_count=i % 3) for i in range(12)]
+    plan, dropped = batching.plan_epoch(refs, 4, seed=1, epoch=0, world_size=1)
+    assert dropped == 0 and len(plan) == 3
+    for b in plan:
+        assert len({r[9] for r in json.loads(b["refs"])}) == 1  # one reference count per batch
+    counts = batching.epoch_counts({"64x64": 4, "64x64+1ref": 4, "64x64+2ref": 4}, 4, 1, 0, 1)
+    assert counts == {"samples": 12, "dropped": 0, "batches": 3}
+    lat = [np.full((4, 2, 2), i, np.float32) for i in range(2)]
+    text = {"t5": [np.zeros((3, 2), np.float32)] * 2, "clip_pooled": [np.zeros(2, np.float32)] * 2}
+    item = {"epoch": 0, "index": 0, "seed": 5, "step": 0, "total_steps": 1, "bucket": "32x32"}
+    edit = step.from_item(batching.stack_batch(item, 0, ["a", "b"], lat, text, None, [x[None] + 10 for x in lat]))
+    assert edit.references.shape == (2, 1, 4, 2, 2) and torch.equal(edit.references[:, 0], edit.latents + 10)
+    assert step.from_item(batching.stack_batch(item, 0, ["a", "b"], lat, text)).references is None
+
+
+def test_an_edit_with_more_references_than_the_family_takes_is_refused():
+    from rayflux import families
+    from rayflux.train import batching
+
+    two = [batching.SampleRef("a", "64x64", "f", 0, ref_count=1),
+           batching.SampleRef("b", "64x64", "f", 1, ref_count=2, source="/data/b.png")]
+    with pytest.raises(ValueError, match="/data/b.png has 2 reference images, but FLUX.1 Kontext .* at most 1"):
+        batching.check_references(two, families.for_class("FluxKontextPipeline"))
+    batching.check_references(two, families.for_class("Flux2KleinPipeline"))
+    batching.check_references(two[:1], families.for_class("FluxKontextPipeline"))
+
+
+def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_path):
+    """Cache, train, validation (an edit of a given reference) and export for FLUX.1 Kontext on an edit set; the
+    feed reads each reference with its latent, the step's loss depends on it, and the LoRA loads with
+    FluxKontextPipeline and changes its edit."""
+    import torch
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    from rayflux import job, models
+    from rayflux.cache import generations, ranges, tensors
+    from rayflux.train import batching, step
+
+    images, refs = _edit_dataset(tmp_path)
+    out = tmp_path / "run"
+    cfg = _cfg(f"model.path={tiny_kontext}", f"data.images_dir={images}", f"data.reference_dir={refs}",
+               f"run.output_dir={out}", "data.resolution=64", "train.max_steps=2", "cache.batch_size=8",
+               'train.validation_prompts=["make the boxes red"]', f'train.validation_references=["{refs / "a.png"}"]',
+               "train.validation_inference_steps=2", "train.learning_rate=0.01")  # fmt: skip
+    summary = job.run(cfg)
+    assert (summary.cached, summary.steps) == (2, 2)
+    assert list((out / "validation").glob("step-*.png"))
+
+    # The feed: each sample's reference latents come back with its latent, from one range of its shard.
+    manifest = generations.load_manifest(summary.cache_dir)
+    samples = batching.index_samples(manifest)
+    assert all(r.ref_count == 1 and 0 <= r.ref_offset - (r.offset + r.length) <= ranges.HOLE for r in samples)
+    plan, _ = batching.plan_epoch(samples, 1, seed=0, epoch=0, world_size=1)
+    rows = {r["sample_id"]: r for r in cache_sets.generation_rows(manifest)}
+    layout_dtype = manifest["layout"]["dtype"]
+    transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
+    family = models.family(cfg.model)
+    for item in plan:
+        batch = step.from_item(batching.load_batch({**item, "step": 0, "total_steps": 1}))
+        row = rows[json.loads(item["refs"])[0][2]]
+        want = tensors.from_bytes_numpy(row["ref_latent"], layout_dtype, batch.references.shape[1:])
+        assert np.array_equal(batch.references.numpy()[0], want.astype(np.float32))
+        # The step feeds them: the same noise and sigma give another loss without them.
+        with torch.no_grad():
+            guidance = bool(transformer.config.guidance_embeds)
+            losses = [float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
+                      for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))]  # fmt: skip
+        assert losses[0] != losses[1]
+
+    pipe = FluxKontextPipeline.from_pretrained(tiny_kontext)
+    ref = Image.open(refs / "a.png").convert("RGB").resize((64, 64))
+
+    def edit():
+        return pipe(prompt="make the boxes red", **family.reference_kwargs([ref], 64, 64), height=64, width=64,
+                    num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+
+    base = edit()
+    pipe.load_lora_weights(str(out / "lora"), weight_name=summary.lora_path.rsplit("/", 1)[-1])
+    assert np.abs(edit() - base).max() > 1e-4

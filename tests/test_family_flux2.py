@@ -72,9 +72,9 @@ def test_facts_and_inputs_match_the_pipeline(variant, request):
     assert torch.equal(family.unpack(args["hidden_states"], h, w), ours)
 
 
-def _render(pipe, steps=4, output_type="np"):
+def _render(pipe, steps=4, output_type="np", **edit):
     return pipe(prompt=CAPTION, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=1.0,
-                generator=torch.Generator().manual_seed(0), output_type=output_type).images[0]  # fmt: skip
+                generator=torch.Generator().manual_seed(0), output_type=output_type, **edit).images[0]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -136,20 +136,48 @@ def test_kohya_and_diffusers_files_render_the_same_image(klein, trained):
     np.testing.assert_allclose(images[kohya.KOHYA_NAME], images[lora.WEIGHT_NAME], atol=1e-5)
 
 
-@pytest.mark.parametrize("variant,fmt", [("klein", "kohya"), ("dev", "diffusers")])
-def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_images, tmp_path, variant, fmt,
-                                                             request):  # fmt: skip
-    """Cache, train, validation and export with ``model.path`` at the tiny FLUX.2; the exported file loads with the
-    family pipeline's ``load_lora_weights`` and changes its output."""
+def _edit_set(root):
+    """Two edit pairs from a metadata table: one with a single reference, one with two (FLUX.2 takes several)."""
     import json
+
+    from rayflux.testing.images import draw
+
+    root.mkdir()
+    shapes = {"out1": ("red", "circle", "blue"), "out2": ("green", "square", "white"), "in1": ("blue", "circle", "red"),
+              "in2a": ("white", "square", "green"), "in2b": ("red", "square", "blue")}  # fmt: skip
+    for name, look in shapes.items():
+        draw(SIZE, SIZE, *look).save(root / f"{name}.png")
+    rows = [{"file_name": "out1.png", "text": "swap the colours", "source": "in1.png"},
+            {"file_name": "out2.png", "text": "merge them", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize("variant,fmt,edits", [("klein", "kohya", True), ("dev", "diffusers", False)])
+def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_images, tmp_path, variant, fmt, edits,
+                                                             request):  # fmt: skip
+    """Cache, train, validation and export with ``model.path`` at the tiny FLUX.2 ([klein] from an edit-pair set with
+    one and two references per edit, its validation an edit of two given references); the exported file loads with
+    the family pipeline's ``load_lora_weights`` and changes its output."""
+    import json
+
+    from PIL import Image
 
     from rayflux import job
     from rayflux.cache import generations
 
     path = request.getfixturevalue(variant)
     out = tmp_path / "run"
-    cfg = config.load(None, [f"model.path={path}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
-                             "data.resolution=64", "train.max_steps=2", f"train.output_format={fmt}",
+    data = [f"data.images_dir={demo_images}"]
+    renders = {}
+    if edits:
+        root = _edit_set(tmp_path / "edits")
+        data = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source",
+                f'train.validation_references=[["{root / "in2a.png"}", "{root / "in2b.png"}"]]',
+                "train.learning_rate=0.01"]  # two images, two steps: a rate that moves the tiny model visibly
+        renders = {"image": [Image.open(root / n).convert("RGB") for n in ("in2a.png", "in2b.png")]}
+    cfg = config.load(None, [f"model.path={path}", *data, f"run.output_dir={out}", "data.resolution=64",
+                             "train.max_steps=2", f"train.output_format={fmt}",
                              f'train.validation_prompts=["{CAPTION}"]', "train.validation_inference_steps=2",
                              "cache.batch_size=8"])  # fmt: skip
     summary = job.run(cfg)
@@ -157,14 +185,17 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_i
     assert [t["name"] for t in manifest["layout"]["text"]] == ["prompt_embeds"]
     assert all(e["latent_shape"][0] == 16 for e in manifest["buckets"].values())  # 4 VAE channels, patchified 2x2
     assert list((out / "validation").glob("step-*.png"))
+    if edits:
+        assert summary.cached == 2 and summary.steps == 2
     if fmt == "kohya":
         meta = _metadata(summary.lora_path)
         assert meta["ss_base_model_version"] == "flux2" and meta["modelspec.architecture"] == "flux-2-klein/lora"
+        assert meta["ss_network_module"] == "networks.lora_flux_2"
         assert json.loads(meta["ss_network_dim"]) == cfg.train.rank
     pipe = _pipe(path)
-    base = _render(pipe, steps=2)
+    base = _render(pipe, steps=2, **renders)
     pipe.load_lora_weights(str(out / "lora"), weight_name=summary.lora_path.rsplit("/", 1)[-1])
-    assert np.abs(_render(pipe, steps=2) - base).max() > 1e-4
+    assert np.abs(_render(pipe, steps=2, **renders) - base).max() > 1e-4
 
 
 def _metadata(path) -> dict:

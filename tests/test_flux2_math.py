@@ -203,3 +203,65 @@ def test_cached_references_give_the_pipelines_tokens_and_ids():
     assert torch.equal(k_ids, expected_ids)
     with pytest.raises(ValueError, match="one reference image per edit, got 3"):
         kx.cached_references(_randn(1, 3, 4, 8, 6))
+
+
+def _pil(seed: int, height: int = 64, width: int = 64):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8))
+
+
+def test_flux2_forward_args_with_references_are_the_pipelines_transformer_inputs(klein):
+    """The training step's transformer inputs for a cached edit pair (two references, cut to the target's size, as
+    the cache stores them) equal what Flux2KleinPipeline(image=...) passes its transformer for the same latents."""
+    from rayflux.families import for_class
+
+    refs = [_pil(20), _pil(21)]
+    noise = _randn(1, 16, 4, 4, seed=22)
+    seen, handle = _capture_transformer_inputs(klein)
+    try:
+        klein(prompt="make it red", image=refs, latents=noise, height=64, width=64, num_inference_steps=1,
+              guidance_scale=1.0, max_sequence_length=TEXT_LEN, output_type="latent")  # fmt: skip
+    finally:
+        handle.remove()
+    call = seen[0]
+    pixels = [klein.image_processor.preprocess(r, height=64, width=64, resize_mode="crop") for r in refs]
+    cached = torch.stack([_encode(klein, x)[0] for x in pixels])[None]  # [B, k, C, h, w], the cache's ref_latent
+    text = {"prompt_embeds": call["encoder_hidden_states"]}
+    args = for_class("Flux2KleinPipeline").forward_args(f2.pack(noise), text, call["timestep"], 4, 4, None, cached)
+    for key in ("hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "timestep"):
+        assert torch.equal(args[key], call[key]), key
+    assert args["hidden_states"].shape[1] == 16 * 3 and args["guidance"] is None
+
+
+def test_kontext_forward_args_with_a_reference_are_the_pipelines_transformer_inputs(kontext):
+    """The same for FLUX.1 Kontext: the reference's tokens after the target's, with their own ids (first axis 1), as
+    FluxKontextPipeline(image=..., _auto_resize=False, max_area=H*W) builds them at the render's own size."""
+    from rayflux.families import for_class
+
+    family = for_class("FluxKontextPipeline")
+    image = _pil(23)
+    noise = flow.pack(_randn(1, 4, 8, 8, seed=24))
+    seen, handle = _capture_transformer_inputs(kontext)
+    try:
+        kontext(prompt="make it red", latents=noise, num_inference_steps=1, max_sequence_length=TEXT_LEN,
+                output_type="latent", **family.reference_kwargs([image], 64, 64), height=64, width=64)  # fmt: skip
+    finally:
+        handle.remove()
+    call = seen[0]
+    pixels = kontext.image_processor.preprocess(kontext.image_processor.resize(image, 64, 64), 64, 64)
+    with torch.no_grad():
+        cached = family.stored_latent(kontext.vae, kontext.vae.encode(pixels).latent_dist.mode())[:, None]
+    text = {"t5": call["encoder_hidden_states"], "clip_pooled": call["pooled_projections"]}
+    args = family.forward_args(noise, text, call["timestep"], 8, 8, call["guidance"], cached)
+    for key in ("hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "pooled_projections", "timestep",
+                "guidance"):  # fmt: skip
+        assert torch.equal(args[key], call[key]), key
+    assert args["hidden_states"].shape[1] == 16 + 16 and args["img_ids"][16:, 0].unique().tolist() == [1.0]
+    with pytest.raises(ValueError, match="one reference image per edit, got 2"):
+        family.forward_args(noise, text, call["timestep"], 8, 8, None, cached.expand(-1, 2, -1, -1, -1))
+    with pytest.raises(ValueError, match="edits one reference image, got 2"):
+        family.reference_kwargs([image, image], 64, 64)
+    with pytest.raises(ValueError, match="takes no reference images"):
+        for_class("FluxPipeline").reference_kwargs([image], 64, 64)

@@ -89,3 +89,12 @@ def test_checkpointing_and_dtype_keys():
     with pytest.raises(config.ConfigError, match="model.dtype=float16: FLUX's transformer and T5 overflow in fp16"):
         config.load(None, ["model.dtype=float16"])
     assert config.load(None, ["model.vae_dtype=float16"]).model.vae_dtype == "float16"
+
+
+def test_text_tokens_come_from_the_models_family(tiny_model, tiny_flux2_klein):
+    # FLUX.2 [klein] embeds no guidance, yet its captions are 512 tokens: FLUX.1's dev/schnell rule would say 256.
+    klein = config.load(None, [f"model.path={tiny_flux2_klein}"])
+    assert plan.text_tokens(klein) == 512
+    assert plan.text_tokens(config.load(None, [f"model.path={tiny_model}"])) == 512
+    assert plan.text_tokens(config.load(None, [])) == plan.FLUX1_DEV_TEXT_TOKENS == 512
+    assert plan.tokens(1024, 512) == 64 * 64 + 512

@@ -1,6 +1,7 @@
 """Training reads: the tensors of planned batches, by byte range from the generation index, checked per bucket.
 
-A latent is one ranged GET (ranges of one file that lie close together share one); a caption's named text tensors
+A latent is one ranged GET (ranges of one file that lie close together share one), an edit pair's reference latents
+included: they are the next tensor of the same row, so they share the latent's GET; a caption's named text tensors
 are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
 footer, no HEAD: the index gave the offsets and each file's size. Every row is checked against its batch's bucket
 before anything is stacked, so a bad cache raises a CacheShapeError naming bucket, sample, source and shapes.
@@ -50,7 +51,8 @@ def _array(data: bytes, dtype: str, shape, error, what: str) -> np.ndarray:
 
 def stack_all(items: list[dict], stack) -> list[dict]:
     """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, latents, text,
-    weights)`` for each, ``text`` holding each named text tensor's per-sample arrays (see
+    weights, references)`` for each, ``text`` holding each named text tensor's per-sample arrays and
+    ``references`` each sample's reference latents ``[k, C, H, W]`` (None for a plain batch; see
     :func:`rayflux.train.batching.stack_batch`)."""
     plans = [(item, json.loads(item["refs"]), shards.ShardLayout(**json.loads(item["layout"]))) for item in items]
     lat_asks: dict[str, list] = {}
@@ -59,8 +61,10 @@ def stack_all(items: list[dict], stack) -> list[dict]:
     texts: dict[str, list] = {}
     local: dict[str, dict[str, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
     for b, (_, refs, layout) in enumerate(plans):
-        for j, (file, _, _, offset, length, file_bytes, _, _, text) in enumerate(refs):
+        for j, (file, _, _, offset, length, file_bytes, _, _, text, ref_count, ref_off, ref_len) in enumerate(refs):
             lat_asks.setdefault(file, []).append(((b, j), offset, length))
+            if ref_count:
+                lat_asks[file].append(((b, j, "ref"), ref_off, ref_len))
             sizes[file] = file_bytes
             loc = json.loads(text)
             cid = loc[2]
@@ -78,9 +82,9 @@ def stack_all(items: list[dict], stack) -> list[dict]:
     for b, (item, refs, layout) in enumerate(plans):
         bucket = item["bucket"]
         want = layout.latent_shape(bucket)
-        lat, sids = [], []
+        lat, sids, references = [], [], []
         text: dict[str, list] = {t.name: [] for t in layout.text}
-        for j, (_, _, sid, _, _, _, shape, source, where) in enumerate(refs):
+        for j, (_, _, sid, _, _, _, shape, source, where, ref_count, _, _) in enumerate(refs):
 
             def error(what, expected, actual, sid=sid, source=source):
                 return shards.shape_error(bucket, sid, source, what, expected, actual)
@@ -89,6 +93,10 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             if got != want:
                 raise error("latent shape", want, got)
             lat.append(_array(latents[(b, j)], layout.dtype, want, error, "latent"))
+            if ref_count != refs[0][9]:
+                raise error("reference count (the batch's)", refs[0][9], ref_count)
+            if ref_count:
+                references.append(_array(latents[(b, j, "ref")], layout.dtype, (ref_count, *want), error, "ref_latent"))
             loc = json.loads(where)
             cid = loc[2]
             if cid not in local:
@@ -105,5 +113,6 @@ def stack_all(items: list[dict], stack) -> list[dict]:
                 text[name].append(arr)
             sids.append(sid)
         weights = json.loads(item["weights"]) if "weights" in item else None
-        out.append(stack(item, generations.generation_number(item["generation_dir"]), sids, lat, text, weights))
+        gen = generations.generation_number(item["generation_dir"])
+        out.append(stack(item, gen, sids, lat, text, weights, references or None))
     return out

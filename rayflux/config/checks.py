@@ -66,6 +66,11 @@ def validate(cfg: JobConfig) -> None:
     prompts = cfg.train.validation_prompts
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
+    refs = cfg.train.validation_references
+    if refs and (not isinstance(refs, list) or len(refs) != len(prompts) or not all(
+            isinstance(r, str) or (isinstance(r, list) and r and all(isinstance(x, str) for x in r)) for r in refs)):
+        raise ConfigError("train.validation_references must list one reference image (or a list of them) per "
+                          f"validation prompt; got {refs!r} for {len(prompts)} prompt(s)")  # fmt: skip
     if cfg.train.lr_scheduler == "constant" and cfg.train.warmup_steps:
         raise ConfigError("train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
                           f"{cfg.train.warmup_steps} use constant_with_warmup")  # fmt: skip

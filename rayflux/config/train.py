@@ -113,6 +113,9 @@ class TrainConfig:
     """Stem of the exported LoRA file names (kohya's ``output_name``). Empty: ``run.name``."""
     validation_prompts: list[str] = field(default_factory=list)
     """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
+    validation_references: list = field(default_factory=list)
+    """Edit models (FLUX.1 Kontext, FLUX.2): each validation prompt's reference image (a path or URI; for FLUX.2 also
+    a list of them), in the prompts' order; the renders are then edits of them. Empty: plain renders."""
     validation_every: int = 0
     """Render validation images every this many steps (0: only at the end)."""
     validation_inference_steps: int = 20

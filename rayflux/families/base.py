@@ -75,6 +75,10 @@ class Family(ABC):
     """Module-name prefixes of the transformer's blocks, where presets apply."""
     base_model_version: str
     """sd-scripts' ``ss_base_model_version`` of this family's LoRAs."""
+    network_module: str
+    """kohya's ``ss_network_module`` of this family's LoRAs (the trainer module that writes such files)."""
+    max_references: int | None = 0
+    """Most reference images one edit pair may have (0: the family trains no edit pairs; None: no limit)."""
     implementation: str
     """Where the model's reference code lives (``modelspec.implementation`` of kohya files)."""
     transformer_class: str
@@ -128,10 +132,13 @@ class Family(ABC):
         """Image tokens of a stored latent of ``height`` x ``width`` (drives ``flux_shift``)."""
 
     @abstractmethod
-    def forward_args(self, tokens, text: dict, sigmas, height: int, width: int, guidance) -> dict:
+    def forward_args(self, tokens, text: dict, sigmas, height: int, width: int, guidance, references=None) -> dict:
         """The transformer's keyword arguments for noisy ``tokens`` of a ``height`` x ``width`` latent, the batch's
         named text tensors (already on the device, in the weights' dtype), ``sigmas`` and ``guidance`` (None when
-        the transformer embeds none)."""
+        the transformer embeds none). ``references``: an edit batch's cached reference latents ``[B, k, C, height,
+        width]`` (the weights' dtype), fed after the target's tokens the way the family's pipeline feeds its
+        ``image=``; the transformer's prediction then covers them too, and only its first ``tokens.shape[1]``
+        tokens (:func:`rayflux.families.references.target_prediction`) are the target's."""
 
     # -- pipelines and LoRA files ----------------------------------------------------------------------------------
     @abstractmethod
@@ -142,6 +149,11 @@ class Family(ABC):
     def prompt_embeddings(self, path: str, kw: dict, prompts: list[str], facts: ModelFacts, device, dtype) -> list:
         """For each prompt, the pipeline call's keyword arguments that carry its embeddings (text encoders loaded
         here and dropped again)."""
+
+    def reference_kwargs(self, images: list, height: int, width: int) -> dict:
+        """The pipeline call's keyword arguments that make a ``height`` x ``width`` render an edit of the reference
+        ``images`` (PIL, already at the render's size)."""
+        raise ValueError(f"{', '.join(self.pipelines.values())} takes no reference images")
 
     @abstractmethod
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):

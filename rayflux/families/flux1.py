@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 
+from rayflux.families import kontext_math
 from rayflux.families.base import Family, ModelFacts, TextTensor
+from rayflux.families.references import with_references
 from rayflux.train import flow
 
 CLIP_LENGTH = 77
@@ -49,6 +51,11 @@ SINGLE = {
 }
 
 
+def t5_length(guidance: bool) -> int:
+    """FLUX.1's T5 tokens per caption: [schnell] was distilled with 256, guidance-embedding [dev] with 512."""
+    return 512 if guidance else 256
+
+
 def text_tensors(t5_len: int) -> tuple[TextTensor, ...]:
     """FLUX.1's named text tensors: the T5 sequence ``[t5_len, t5_dim]`` and CLIP's pooled vector ``[clip_dim]``."""
     return TextTensor("t5", ("t5_len", "t5_dim"), "t5", t5_len), TextTensor("clip_pooled", ("clip_dim",), "clip")
@@ -76,14 +83,14 @@ class Flux1(Family):
     transformer_class = "FluxTransformer2DModel"
     lora_read_kwargs = {"return_alphas": True}
     base_model_version = "flux1"
+    network_module = "networks.lora_flux"
     kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
                     "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
 
     def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
         vae, transformer = configs["vae"], configs["transformer"]
-        # FLUX.1-schnell was distilled with 256 T5 tokens and dev with 512; guidance_embeds tells them apart.
         guidance = bool(transformer.get("guidance_embeds", False))
-        t5_len = 512 if guidance else 256
+        t5_len = t5_length(guidance)
         blob = {"vae": _plain(vae), "clip": _plain(configs["text_encoder"]), "t5": _plain(configs["text_encoder_2"]),
                 **identity, "t5_len": t5_len}  # fmt: skip
         return ModelFacts(
@@ -153,14 +160,20 @@ class Flux1(Family):
     def seq_len(self, height, width):
         return (height // 2) * (width // 2)
 
-    def forward_args(self, tokens, text, sigmas, height, width, guidance):
+    def forward_args(self, tokens, text, sigmas, height, width, guidance, references=None):
+        """References ride as Kontext's image-conditioning tokens (:mod:`.kontext_math`); FLUX.1 and Kontext share
+        the transformer, and the job lets only a Kontext model train edit pairs (:attr:`max_references`)."""
         t5 = text["t5"]
+        hidden, img_ids = tokens, flow.image_ids(height, width, tokens.device, tokens.dtype)
+        if references is not None:
+            ref_tokens, ref_ids = kontext_math.cached_references(references, tokens.dtype)
+            hidden, img_ids = with_references(tokens, img_ids, ref_tokens, ref_ids)
         kwargs = {
-            "hidden_states": tokens,
+            "hidden_states": hidden,
             "encoder_hidden_states": t5,
             "pooled_projections": text["clip_pooled"],
             "timestep": sigmas.to(tokens.dtype),
-            "img_ids": flow.image_ids(height, width, tokens.device, tokens.dtype),
+            "img_ids": img_ids,
             "txt_ids": flow.text_ids(t5.shape[1], tokens.device, tokens.dtype),
         }
         if guidance is not None:

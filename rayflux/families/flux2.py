@@ -19,6 +19,7 @@ import json
 from rayflux.families import flux2_math
 from rayflux.families.base import Family, ModelFacts, TextTensor
 from rayflux.families.flux1 import DOUBLE_ATTENTION
+from rayflux.families.references import with_references
 
 TEXT_LENGTH = 512
 """The pipelines' ``max_sequence_length`` default, and so the padded length of every cached caption."""
@@ -54,6 +55,9 @@ class Flux2(Family):
     implementation = "https://github.com/black-forest-labs/flux2"
     transformer_class = "Flux2Transformer2DModel"
     base_model_version = "flux2"
+    # kohya's FLUX.2 trainer (musubi-tuner) writes its LoRAs with this network module.
+    network_module = "networks.lora_flux_2"
+    max_references = None
     kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
                     "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
 
@@ -120,15 +124,19 @@ class Flux2(Family):
     def seq_len(self, height, width):
         return height * width
 
-    def forward_args(self, tokens, text, sigmas, height, width, guidance):
+    def forward_args(self, tokens, text, sigmas, height, width, guidance, references=None):
         embeds = text["prompt_embeds"]
         b, device = tokens.shape[0], tokens.device
         # Batched ids, as the pipelines pass them.
+        hidden, img_ids = tokens, flux2_math.latent_ids(height, width, device).expand(b, -1, -1)
+        if references is not None:
+            ref_tokens, ref_ids = flux2_math.cached_references(references)
+            hidden, img_ids = with_references(tokens, img_ids, ref_tokens, ref_ids.expand(b, -1, -1))
         return {
-            "hidden_states": tokens,
+            "hidden_states": hidden,
             "encoder_hidden_states": embeds,
             "timestep": sigmas.to(tokens.dtype),
-            "img_ids": flux2_math.latent_ids(height, width, device).expand(b, -1, -1),
+            "img_ids": img_ids,
             "txt_ids": flux2_math.text_ids(embeds.shape[1], device).expand(b, -1, -1),
             "guidance": guidance,
         }
@@ -153,6 +161,9 @@ class Flux2(Family):
                 e = pipe.encode_prompt(p, device=device, max_sequence_length=facts.text_length)[0].clone()
                 out.append({"prompt_embeds": e, **({"negative_prompt_embeds": empty.clone()} if negative else {})})
         return out
+
+    def reference_kwargs(self, images, height, width):
+        return {"image": list(images)}
 
     def render_pipeline(self, path, kw, scheduler, vae, transformer):
         cls = self._pipeline(path, kw)

@@ -54,6 +54,18 @@ class SampleRef:
     """The generation being read: a read task checks once that it is committed and not retired."""
     layout: str = ""
     """The generation's :class:`~rayflux.cache.shards.ShardLayout` as JSON: what every row must look like."""
+    ref_count: int = 0
+    """Edit pairs: reference latents stored beside the latent (0 for a plain sample)."""
+    ref_offset: int = 0
+    """Byte offset of the reference latents' value in ``file`` (right after the latent's, so both are one read)."""
+    ref_length: int = 0
+    """Byte length of the reference latents' value."""
+
+
+def group(ref: SampleRef) -> str:
+    """What a batch must share: its bucket, and for edit pairs their reference count too (the references' tokens
+    join the target's in the transformer's sequence, so a batch stacks only edits with as many references)."""
+    return ref.bucket if not ref.ref_count else f"{ref.bucket}+{ref.ref_count}ref"
 
 
 def index_samples(manifest: dict) -> list[SampleRef]:
@@ -75,7 +87,7 @@ def index_samples(manifest: dict) -> list[SampleRef]:
         parts = [[c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims]] for t in specs]
         text[c["caption_id"]] = json.dumps([full(c["file"]), c["file_bytes"], c["caption_id"], parts])
     cols = ["sample_id", "bucket", "file", "row", "dataset", "offset", "length", "file_bytes", "latent_c", "latent_h",
-            "latent_w", "source_uri", "caption_id"]  # fmt: skip
+            "latent_w", "source_uri", "caption_id", "ref_count", "ref_offset", "ref_length"]  # fmt: skip
     refs = []
     for r in index.read(manifest, "samples", cols).to_pylist():
         refs.append(
@@ -83,10 +95,21 @@ def index_samples(manifest: dict) -> list[SampleRef]:
                 r["sample_id"], r["bucket"], full(r["file"]), r["row"], r["dataset"],
                 offset=r["offset"], length=r["length"], file_bytes=r["file_bytes"],
                 latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}", source=r["source_uri"],
-                text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout,
+                text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout, ref_count=r["ref_count"],
+                ref_offset=r["ref_offset"], ref_length=r["ref_length"],
             )  # fmt: skip
         )
     return refs
+
+
+def check_references(refs: list[SampleRef], family) -> None:
+    """Refuse an edit pair with more reference images than the model's family takes (its ``max_references``), before
+    any worker starts: one line naming the image."""
+    worst = max(refs, key=lambda r: r.ref_count, default=None)
+    limit = family.max_references
+    if worst is not None and limit is not None and worst.ref_count > limit:
+        raise ValueError(f"{worst.source} has {worst.ref_count} reference images, but "
+                         f"{', '.join(family.pipelines.values())} takes at most {limit}")  # fmt: skip
 
 
 def _rng(*parts) -> random.Random:
@@ -125,7 +148,7 @@ def plan_epoch(
     """
     by_bucket: dict[str, list[SampleRef]] = {}
     for r in refs:
-        by_bucket.setdefault(r.bucket, []).append(r)
+        by_bucket.setdefault(group(r), []).append(r)
     batches: list[list[SampleRef]] = []
     for bucket in sorted(by_bucket):
         members = sorted(by_bucket[bucket], key=lambda r: r.sample_id)
@@ -142,7 +165,7 @@ def plan_epoch(
             "bucket": b[0].bucket,
             "size": len(b),
             "refs": json.dumps([[r.file, r.row, r.sample_id, r.offset, r.length, r.file_bytes, r.latent_shape,
-                                 r.source, r.text] for r in b]),  # fmt: skip
+                                 r.source, r.text, r.ref_count, r.ref_offset, r.ref_length] for r in b]),  # fmt: skip
             "weights": json.dumps([r.weight for r in b]),
             "generation_dir": b[0].gen_dir,
             "layout": b[0].layout,
@@ -195,10 +218,12 @@ def load_batches(items: list[dict]) -> list[dict]:
 
 
 def stack_batch(
-    item: dict, generation: int, sample_ids: list[str], latents: list, text: dict[str, list], weights: list | None = None
+    item: dict, generation: int, sample_ids: list[str], latents: list, text: dict[str, list],
+    weights: list | None = None, references: list | None = None,
 ) -> dict:
     """One training row: the plan fields of ``item``, the cache generation, the stacked float32 tensors (the latents
-    and each named text tensor, ``text_<name>`` with its ``text_<name>_shape``), and each sample's loss weight."""
+    and each named text tensor, ``text_<name>`` with its ``text_<name>_shape``), each sample's loss weight, and an edit
+    batch's reference latents ``[B, k, C, H, W]`` (``references``; empty bytes for a plain batch)."""
     lat = np.stack([np.asarray(x, np.float32) for x in latents])
     row = {
         "epoch": item["epoch"],
@@ -219,4 +244,8 @@ def stack_batch(
         row[f"text_{name}"] = arr.tobytes()
         row[f"text_{name}_shape"] = json.dumps(list(arr.shape))
     row["weights"] = json.dumps(weights or [1.0] * len(sample_ids))
+    refs = np.stack([np.asarray(x, np.float32) for x in references]) if references else None
+    # Every row has both keys, so the rows of one read task (plain and edit batches alike) make one Arrow table.
+    row["references"] = b"" if refs is None else refs.tobytes()
+    row["references_shape"] = json.dumps([] if refs is None else list(refs.shape))
     return row

@@ -48,15 +48,16 @@ def _checkpoint_file(cfg: JobConfig) -> str:
 
 
 @cache
-def _architecture(model_path: str, revision: str) -> tuple[str, str, str]:
-    """sd-scripts' architecture, base model version and implementation of the model's family (``flux-1-dev``,
-    ``flux1``, BFL's repository)."""
+def _architecture(model_path: str, revision: str) -> tuple[str, str, str, str]:
+    """sd-scripts' architecture, base model version, implementation and network module of the model's family
+    (``flux-1-dev``, ``flux1``, BFL's repository, ``networks.lora_flux``)."""
     from rayflux import models
     from rayflux.config import ModelConfig
 
     cfg = ModelConfig(path=model_path, revision=revision)
     family = models.family(cfg)
-    return models.model_facts(cfg).architecture, family.base_model_version, family.implementation
+    facts = models.model_facts(cfg)
+    return facts.architecture, family.base_model_version, family.implementation, family.network_module
 
 
 @cache
@@ -84,7 +85,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
 
     t, d = cfg.train, cfg.data
     base = resolve_path(cfg.model)
-    arch, version, implementation = _architecture(cfg.model.path, cfg.model.revision)
+    arch, version, implementation, network_module = _architecture(cfg.model.path, cfg.model.revision)
     now = datetime.datetime.now(datetime.timezone.utc)
     dirs = {datasets.label(ds): {"n_repeats": ds.repeats} for ds in datasets.datasets_of(d)}
     res = f"{d.resolution}x{d.resolution}"
@@ -92,7 +93,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_output_name": output_name(cfg),
         "ss_base_model_version": version,
         "ss_sd_model_name": os.path.basename(base.rstrip("/")) or base,
-        "ss_network_module": "networks.lora_flux",
+        "ss_network_module": network_module,
         "ss_network_dim": t.rank,
         # The training alpha; the file's own alpha tensors equal their rank because alpha/rank is baked into up.
         "ss_network_alpha": t.alpha,

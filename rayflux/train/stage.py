@@ -7,7 +7,7 @@ import logging
 import tempfile
 from dataclasses import dataclass, field
 
-from rayflux import datasets, progress, storage
+from rayflux import datasets, models, progress, storage
 from rayflux.cache import index
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.models import ModelFacts
@@ -37,7 +37,7 @@ class TrainResult:
 
 def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
     """Per-epoch sample accounting for a world size: what the data feed's plan holds, from bucket sizes alone."""
-    sizes = collections.Counter(r.bucket for r in refs)
+    sizes = collections.Counter(batching.group(r) for r in refs)
     t = cfg.train
     return {
         epoch: batching.epoch_counts(sizes, t.batch_size, t.seed, epoch, world_size, t.gradient_accumulation)
@@ -96,6 +96,7 @@ def train(
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
     _, hi = worker_range(cfg.train.num_workers)
     refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
+    batching.check_references(refs, models.family(cfg.model))
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
         raise RuntimeError(

@@ -15,6 +15,7 @@ import torch
 
 from rayflux.config import TrainConfig
 from rayflux.families.base import Family
+from rayflux.families.references import target_prediction
 from rayflux.train import flow
 
 
@@ -28,6 +29,8 @@ class Batch:
     seed: int
     weights: torch.Tensor | None = None
     """Per-sample loss weights ``[B]`` (regularisation datasets); None weighs every sample 1."""
+    references: torch.Tensor | None = None
+    """Edit pairs: each sample's cached reference latents ``[B, k, C, H, W]``; None for a plain batch."""
 
 
 @dataclass
@@ -46,7 +49,8 @@ def from_item(item: dict) -> Batch:
     lat = _array(item["latent"], json.loads(item["latent_shape"]))
     text = {n: _array(item[f"text_{n}"], json.loads(item[f"text_{n}_shape"])) for n in json.loads(item["text_names"])}
     weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None
-    return Batch(lat, text, int(item["seed"]), weights)
+    refs = _array(item["references"], json.loads(item["references_shape"])) if item.get("references") else None
+    return Batch(lat, text, int(item["seed"]), weights, refs)
 
 
 def flow_loss(
@@ -83,7 +87,10 @@ def flow_loss(
     # Noisy input and target stay float32; only the model input is cast to the weights' dtype.
     noisy = family.pack(flow.noisy_input(latents, noise, sigmas)).to(dtype)
     target = family.pack(flow.flow_target(latents, noise))
-    pred = model(**family.forward_args(noisy, text, sigmas, h, w, guidance), return_dict=False)[0]
+    # An edit's reference latents are clean context after the target's tokens; the loss sees the target's only.
+    refs = None if batch.references is None else batch.references.to(device, dtype)
+    pred = model(**family.forward_args(noisy, text, sigmas, h, w, guidance, refs), return_dict=False)[0]
+    pred = target_prediction(pred, noisy.shape[1])
     weights = flow.loss_weights(sigmas, t.loss_weighting)
     if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
         weights = weights * batch.weights.to(weights.device, weights.dtype)

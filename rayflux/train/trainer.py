@@ -93,7 +93,9 @@ class LoraTrainer:
         frozen = sum(p.numel() for p in self.transformer.parameters()) - trainable
         tc = dict(self.transformer.config)
         sizes = (torch.finfo(self.dtype).bits // 8, torch.finfo(self.autocast or torch.float32).bits // 8)
-        without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes) for c in (False, True))
+        text = models.model_facts(self.cfg.model).text_length
+        without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes, text=text)
+                          for c in (False, True))  # fmt: skip
         on = plan.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         if rank == 0:
             used = with_ if on else without

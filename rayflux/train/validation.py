@@ -6,6 +6,10 @@ render loads both text encoders once, encodes the prompts and drops them again: 
 process holds text encoders, and later renders reuse the embeddings instead of loading them from ``model.path``
 again while the other ranks wait. The small VAE is loaded for each render and freed after it. Rendering runs under a forked RNG, so it never shifts the
 random stream training draws from (a run with validation images trains exactly like one without).
+
+With ``train.validation_references`` each prompt is an edit instruction: its reference images, cut to the render's
+square size as the cache cuts a reference to its target's, go to the pipeline's ``image=`` the way the family's
+pipeline takes them (:meth:`~rayflux.families.base.Family.reference_kwargs`).
 """
 
 from __future__ import annotations
@@ -68,6 +72,18 @@ def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     return _PREPARED[key]
 
 
+def reference_images(entry, size: int) -> list:
+    """The reference images of one validation prompt (a path or URI, or a list of them), center-cropped and resized
+    to the ``size`` x ``size`` render."""
+    from PIL import Image, ImageOps
+
+    out = []
+    for uri in [entry] if isinstance(entry, str) else entry:
+        with Image.open(io.BytesIO(storage.read_bytes(uri))) as img:
+            out.append(ImageOps.fit(img.convert("RGB"), (size, size), Image.Resampling.LANCZOS))
+    return out
+
+
 def render(transformer, cfg: JobConfig, device, dtype) -> list:
     """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -85,13 +101,16 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         # training never holds an encoder between renders.
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kw)
         vae = models.load_vae(cfg.model, str(device), dtype)
-        pipe = models.family(cfg.model).render_pipeline(path, kw, scheduler, vae, transformer)
+        family = models.family(cfg.model)
+        pipe = family.render_pipeline(path, kw, scheduler, vae, transformer)
+        edits = [family.reference_kwargs(reference_images(e, size), size, size) for e in t.validation_references]
         pipe.set_progress_bar_config(disable=True)
         transformer.eval()
         try:
             images = [
                 pipe(
                     **prompt,
+                    **(edits[i] if edits else {}),
                     height=size,
                     width=size,
                     num_inference_steps=t.validation_inference_steps,
