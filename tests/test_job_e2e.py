@@ -104,20 +104,31 @@ def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
     assert generations.load_manifest(again.cache_dir)["committed_at"] == manifest_before["committed_at"]
 
 
-@pytest.mark.parametrize("entry", ["jobs/train_flux.py", "rayflux train"])
-def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path, entry):
-    """The README's demo command and the installed ``rayflux train``, joined to the session's Ray through
-    RAY_ADDRESS, with stdout and stderr one pipe (not a terminal): stage lines, plain progress lines and the summary
-    last; Ray's chatter stays in its logs."""
+_ENTRIES = {
+    "jobs/train_flux.py": [sys.executable, str(ROOT / "jobs" / "train_flux.py")],
+    "rayflux train": [str(Path(sys.executable).parent / "rayflux"), "train"],
+}
+
+
+def test_both_entries_are_the_same_job():
+    """``jobs/train_flux.py`` (the README's entry, run in full by the ``ray job submit`` and driver-kill tests) and the
+    installed ``rayflux train`` parse the same options into the same job."""
+    helps = {}
+    for entry, command in _ENTRIES.items():
+        proc = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        helps[entry] = proc.stdout.split("\n", 1)[1]  # the usage line names the program; the rest must agree
+    assert "--set" in helps["rayflux train"] and helps["rayflux train"] == helps["jobs/train_flux.py"]
+
+
+def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
+    """The installed ``rayflux train``, joined to the session's Ray through RAY_ADDRESS, with stdout and stderr one
+    pipe (not a terminal): stage lines, plain progress lines and the summary last; Ray's chatter stays in its logs."""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     env.pop("RAYFLUX_VERBOSE", None)
     out = tmp_path / "cli-run"
-    command = {
-        "jobs/train_flux.py": [sys.executable, str(ROOT / "jobs" / "train_flux.py")],
-        "rayflux train": [str(Path(sys.executable).parent / "rayflux"), "train"],
-    }[entry]
     proc = subprocess.run(
-        [*command, "--set", f"run.output_dir={out}",
+        [*_ENTRIES["rayflux train"], "--set", f"run.output_dir={out}",
          "--set", f"model.path={tiny_model}", "--set", "data.resolution=64", "--set", "train.max_steps=2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600,
     )  # fmt: skip
