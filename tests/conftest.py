@@ -25,6 +25,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Token auth, as ``ray.init()`` turns on by default in Ray 2.60, for every Ray the tests start or join (clusters
 # started with ``ray start`` and the in-process GCS clients of tests/cluster_support.py included).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Ray Train's controller polls its workers (and drains their reports) every 2 s by default, so each short test run
+# waits up to 2 s to notice a finished worker and up to 2 s per checkpoint report: minutes over the suite. Tests poll
+# every 0.5 s; the job and the benchmarks keep Ray's default. Ray reads this in the controller's process, which
+# inherits it from the Ray the tests start (cluster tests pass os.environ on too).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")
