@@ -135,14 +135,7 @@ class Sink:
     def commit(self, gen_dir: str) -> dict:
         """Close, upload beside the manifest, and return the manifest's entry for it."""
         self.writer.close()
-        rel = SAMPLES if self.kind == "samples" else CAPTIONS
-        try:
-            nbytes = os.path.getsize(self.path)
-            storage.upload_atomic(self.path, storage.join(gen_dir, rel))
-        finally:
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-        return {"path": rel, "rows": self.rows, "bytes": nbytes}
+        return upload(self.path, gen_dir, SAMPLES if self.kind == "samples" else CAPTIONS, self.rows)
 
     def discard(self) -> None:
         self.writer.close()
@@ -150,8 +143,21 @@ class Sink:
             os.unlink(self.path)
 
 
+def upload(local: str, gen_dir: str, rel: str, rows: int) -> dict:
+    """Upload a finished local index file to ``rel`` inside ``gen_dir`` (atomically: the manifest, written last,
+    names it), remove the local file, and return the manifest's entry for it."""
+    try:
+        nbytes = os.path.getsize(local)
+        storage.upload_atomic(local, storage.join(gen_dir, rel))
+    finally:
+        if os.path.exists(local):
+            os.unlink(local)
+    return {"path": rel, "rows": rows, "bytes": nbytes}
+
+
 def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Table:
-    """One of a committed generation's index tables (``samples`` or ``captions``), whole or some columns."""
+    """One of a committed generation's index tables (``samples``, ``captions`` or ``sidecars``), whole or some
+    columns."""
     entry = manifest["index"][kind]
     fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
     # One file: a handful of requests however many rows it holds.

@@ -22,19 +22,17 @@ import tempfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rayflux import sources, storage
+from rayflux import sources
+from rayflux.cache import index
 
 PATH = "index/sidecars.parquet"
 
 
 def known(manifest: dict | None) -> dict[str, tuple[str, str]]:
     """Caption-file path -> (stamp, lines as JSON) from a committed generation's table; empty when it has none."""
-    entry = (manifest or {}).get("index", {}).get("sidecars")
-    if not entry:
+    if not (manifest or {}).get("index", {}).get("sidecars"):
         return {}
-    fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
-    with fs.open_input_file(inner) as f:
-        table = pq.read_table(f, columns=sources.SIDECARS.names)
+    table = index.read(manifest, "sidecars", columns=sources.SIDECARS.names)
     return {p: (st, lines) for p, st, lines in zip(*(table[c].to_pylist() for c in sources.SIDECARS.names))}
 
 
@@ -59,8 +57,7 @@ def write(gen_dir: str, table: pa.Table) -> dict:
     os.close(fd)
     try:
         pq.write_table(table.cast(sources.SIDECARS), tmp, compression="zstd")
-        nbytes = os.path.getsize(tmp)
-        storage.upload_atomic(tmp, storage.join(gen_dir, PATH))
-    finally:
+    except BaseException:
         os.unlink(tmp)
-    return {"path": PATH, "rows": table.num_rows, "bytes": nbytes}
+        raise
+    return index.upload(tmp, gen_dir, PATH, table.num_rows)
