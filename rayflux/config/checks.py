@@ -21,6 +21,8 @@ _CHOICES = {
                                 "polynomial"),
     ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("train", "output_format"): ("diffusers", "kohya"),
+    ("train", "base_sharding"): ("none", "node", "auto"),
+    ("train", "base_dtype"): ("bf16", "fp8", "nf4"),
 }
 _POSITIVE = {
     ("data", "max_image_pixels"),

@@ -65,6 +65,15 @@ class TrainConfig:
     gradient_checkpointing: Any = "auto"
     """Recompute block activations in the backward pass: ``auto`` (on for GPU runs at 768 px or more, or when the
     memory estimate printed at start exceeds 90% of the GPU), ``true`` or ``false``."""
+    base_sharding: str = "none"
+    """How the frozen transformer is held across workers: ``none`` (every worker holds all of it, as DDP does),
+    ``node`` (FSDP2 shards it across the workers of each node and replicates across nodes; the LoRA and its AdamW
+    state stay whole on every worker) or ``auto`` (``node`` when the memory plan says the whole base does not fit
+    beside the activations on one GPU)."""
+    base_dtype: str = "bf16"
+    """Storage of the frozen transformer's linear weights: ``bf16`` (``model.dtype``), ``fp8`` (torchao's float8
+    training, GPUs of compute capability 8.9 or more; extra ``rayflux[fp8]``) or ``nf4`` (bitsandbytes 4-bit, the
+    QLoRA recipe; extra ``rayflux[nf4]``). The LoRA trains and saves in full precision and loads on the bf16 base."""
     rank: int = 4
     """LoRA rank."""
     alpha: float = 4.0
