@@ -8,12 +8,7 @@ broadcast (rank 0's adapter everywhere) and its gradients averaged (same weights
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import train_data
 from rayflux.train import lora
@@ -22,48 +17,37 @@ from rayflux.train.trainer import LoraTrainer
 PERTURBED = "transformer_blocks.0.attn.to_q.base_layer.weight"  # a frozen weight under a LoRA target
 
 
-def _worker(rank: int, port: int, tiny_model: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        cfg = train_data.job(tiny_model, "train.learning_rate=0.01")
+def _worker(rank: int, tiny_model: str) -> dict:
+    torch.manual_seed(0)
+    cfg = train_data.job(tiny_model, "train.learning_rate=0.01")
 
-        def wrap(module):
-            params = dict(module.named_parameters())
-            with torch.no_grad():
-                params[PERTURBED].add_(float(rank))  # rank 1's frozen copy differs from rank 0's
-                if rank == 1:
-                    for p in module.parameters():
-                        if p.requires_grad:
-                            p.add_(1.0)  # and so does its fresh adapter, which DDP must replace with rank 0's
-            return torch.nn.parallel.DistributedDataParallel(module)
+    def wrap(module):
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            params[PERTURBED].add_(float(rank))  # rank 1's frozen copy differs from rank 0's
+            if rank == 1:
+                for p in module.parameters():
+                    if p.requires_grad:
+                        p.add_(1.0)  # and so does its fresh adapter, which DDP must replace with rank 0's
+        return torch.nn.parallel.DistributedDataParallel(module)
 
-        trainer = LoraTrainer(cfg, "cpu", total_steps=2, rank=rank, empty=train_data.empty_caption(), wrap=wrap)
-        reducer_params = trainer.model._get_ddp_logging_data().get("num_parameter_tensors")
-        lora_after_wrap = {k: v.clone() for k, v in lora.lora_state_dict(trainer.transformer).items()}
-        frozen_after_wrap = dict(trainer.transformer.named_parameters())[PERTURBED].detach().clone()
-        rows = train_data.items(4, seed=rank)  # different data per rank: only averaged gradients agree
-        trainer.train_step(train_data.groups(rows, 2)[0])
-        out[rank] = {
-            "reducer_params": reducer_params,
-            "trainable": len(trainer.params),
-            "lora_after_wrap": lora_after_wrap,
-            "frozen_after_wrap": frozen_after_wrap,
-            "lora_after_step": {k: v.clone() for k, v in lora.lora_state_dict(trainer.transformer).items()},
-        }
-    finally:
-        dist.destroy_process_group()
+    trainer = LoraTrainer(cfg, "cpu", total_steps=2, rank=rank, empty=train_data.empty_caption(), wrap=wrap)
+    reducer_params = trainer.model._get_ddp_logging_data().get("num_parameter_tensors")
+    lora_after_wrap = {k: v.clone() for k, v in lora.lora_state_dict(trainer.transformer).items()}
+    frozen_after_wrap = dict(trainer.transformer.named_parameters())[PERTURBED].detach().clone()
+    rows = train_data.items(4, seed=rank)  # different data per rank: only averaged gradients agree
+    trainer.train_step(train_data.groups(rows, 2)[0])
+    return {
+        "reducer_params": reducer_params,
+        "trainable": len(trainer.params),
+        "lora_after_wrap": lora_after_wrap,
+        "frozen_after_wrap": frozen_after_wrap,
+        "lora_after_step": {k: v.clone() for k, v in lora.lora_state_dict(trainer.transformer).items()},
+    }
 
 
 def test_ddp_syncs_only_the_lora(tiny_model):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(port, str(tiny_model), out), nprocs=2, join=True)
-        r0, r1 = out[0], out[1]
+    r0, r1 = train_data.two_ranks(_worker, str(tiny_model))
     # The reducer holds the LoRA tensors alone: no frozen parameter is all-reduced.
     assert r0["reducer_params"] == r0["trainable"] == r1["reducer_params"] > 0
     # Frozen weights were not broadcast: rank 1 keeps its own (rank 0 + 1.0).

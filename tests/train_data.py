@@ -6,7 +6,12 @@ trainer sees exactly what a worker sees; only the tensor values are drawn here i
 
 from __future__ import annotations
 
+import os
+import socket
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from rayflux import config
 from rayflux.train import batching, step
@@ -41,3 +46,23 @@ def job(tiny_model, *overrides: str) -> config.JobConfig:
 
 def groups(rows: list[dict], size: int) -> list[list[step.Batch]]:
     return [[step.from_item(r) for r in rows[i : i + size]] for i in range(0, len(rows), size)]
+
+
+def _gloo_rank(rank: int, port: int, worker, args: tuple, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        out[rank] = worker(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def two_ranks(worker, *args) -> tuple[dict, dict]:
+    """``worker(rank, *args)`` in two real processes joined in one gloo group; what each rank returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_gloo_rank, args=(port, worker, args, out), nprocs=2, join=True)
+        return dict(out[0]), dict(out[1])

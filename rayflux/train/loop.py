@@ -23,7 +23,8 @@ import torch
 
 from rayflux import config as config_mod
 from rayflux import memory, progress as progress_mod
-from rayflux.train import captions, checkpoint, commits, elastic, lora_files, metrics, optim, step, validation
+from rayflux.train import (captions, checkpoint, commits, elastic, lora_files, metrics, optim, sharding, step,
+                           validation)
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
@@ -141,7 +142,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     restored = commits.checkpoint_at(resume_from) if resume_from else None
     with restored.as_directory() if restored else contextlib.nullcontext() as d:
         total = optim.total_steps(int(first["total_steps"]), t.max_steps)
-        trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model)
+        topology = sharding.Topology(world, ctx.get_local_world_size(), ctx.get_node_rank())
+        trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model, topology=topology)
         if d:
             progress = checkpoint.restore(d, trainer, rank, world)
     if progress.step != int(first["resume_step"]):
@@ -206,7 +208,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             board.scalars(progress.step, record)
         due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
         if rank == 0 and t.validation_prompts and due_images:
-            images = validation.render(trainer.transformer, cfg, device, trainer.dtype)
+            images = validation.render_trained(trainer, cfg, device)
             record["validation_image"] = validation.save_grid(images, run_dir, progress.step)
             board.image(progress.step, "validation", validation.grid(images))
         if due_checkpoint or report_due:

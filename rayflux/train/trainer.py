@@ -18,7 +18,7 @@ import torch
 
 from rayflux import datasets, families, models, plan
 from rayflux.config import JobConfig
-from rayflux.train import kohya, lora, optim, step
+from rayflux.train import kohya, lora, optim, shard_load, sharding, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,12 @@ class LoraTrainer:
 
     ``wrap`` turns the transformer into the module the forward pass goes through (Ray Train's ``prepare_model``,
     i.e. DDP with several workers); in-process it is the transformer itself. ``transformer``, when given, is used
-    instead of loading ``model.path`` (already on ``device`` in the weight dtype).
+    instead of loading ``model.path`` (already on ``device`` in the weight dtype). ``topology`` (Ray Train's view of
+    the workers) lets ``train.base_sharding`` shard the frozen base; without it every process holds all of it.
     """
 
     def __init__(self, cfg: JobConfig, device, total_steps: int, rank: int = 0, empty: EmptyCaption | None = None,
-                 wrap=None, transformer=None):  # fmt: skip
+                 wrap=None, transformer=None, topology: sharding.Topology | None = None):  # fmt: skip
         t = cfg.train
         self.cfg, self.device, self.empty = cfg, torch.device(device), empty
         self.dtype = models.torch_dtype(cfg.model.dtype, self.device.type)
@@ -60,8 +61,9 @@ class LoraTrainer:
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
+        self.layout: sharding.Layout | None = None
         if transformer is None:
-            transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+            transformer = self._load_base(rank, topology)
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
@@ -76,27 +78,64 @@ class LoraTrainer:
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.shift_config = models.shift_config(cfg.model)
         self.optimizer, self.scheduler = optim.build(self.params, t, total_steps)
+        if self.layout:
+            sharding.broadcast_from_first(self.params)  # as DDP's wrap would: rank 0's adapter everywhere
+            wrap = None  # the LoRA's gradients are averaged in train_step instead of by DDP
         if wrap:
             exclude_frozen_from_ddp(self.transformer)
         self.model = wrap(self.transformer) if wrap else self.transformer
         self.model.train()
         seed_everything(worker_seed(t.seed, rank))
 
-    def _plan_memory(self, rank: int) -> bool:
-        """Decide ``train.gradient_checkpointing`` (``auto``: see :func:`rayflux.plan.gradient_checkpointing`) from
-        this run's memory estimate, and log the estimate once (rank 0)."""
+    def _load_base(self, rank: int, topology: sharding.Topology | None):
+        """The frozen transformer, whole or sharded as ``train.base_sharding`` decides; logs the choice (rank 0)."""
+        t, m = self.cfg.train, self.cfg.model
+        mode = t.base_sharding if topology and topology.world > 1 else "none"  # one worker: nothing to shard
+        if mode == "auto":
+            meta = shard_load.meta_transformer(m, self.dtype)
+            without, with_, on, device_bytes = self._estimates(dict(meta.config), _count(meta), 0)
+            mode = sharding.choose(mode, self.device.type == "cuda", topology.local_world,
+                                   (with_ if on else without).total, device_bytes)  # fmt: skip
+            # Uneven nodes may see different worker counts: shard if any rank must, so every rank agrees.
+            mode = "node" if sharding.any_rank(mode == "node", self.device) else "none"
+        if mode == "none":
+            transformer = models.load_transformer(m, str(self.device), self.dtype)
+            if rank == 0:
+                log.info("base sharding: none (train.base_sharding=%s); the whole base, %.2f GiB, on every worker",
+                         t.base_sharding, sharding.whole_bytes(transformer) / plan.GIB)  # fmt: skip
+            return transformer
+        self.layout = sharding.gather_layout(topology, self.device)
+        transformer = shard_load.load(m, self.device, self.dtype, sharding.build_mesh(self.layout, self.device.type))
+        if rank == 0:
+            whole, mine = sharding.whole_bytes(transformer) / plan.GIB, sharding.local_bytes(transformer) / plan.GIB
+            log.info("base sharding: node (train.base_sharding=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
+                     t.base_sharding, "x".join(map(str, self.layout.shape)), self.layout.reason, whole, mine)  # fmt: skip
+        torch.manual_seed(t.seed)  # the adapter's init draws as after a whole load
+        return transformer
+
+    def _estimates(self, tc: dict, frozen: int, trainable: int):
+        """This run's memory estimates per process without and with gradient checkpointing, whether
+        ``train.gradient_checkpointing`` turns it on (see :func:`rayflux.plan.gradient_checkpointing`), and the
+        device's bytes (0 on CPU)."""
         t = self.cfg.train
         on_gpu = self.device.type == "cuda"
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
-        trainable = sum(p.numel() for p in self.params)
-        frozen = sum(p.numel() for p in self.transformer.parameters()) - trainable
-        tc = dict(self.transformer.config)
         sizes = (torch.finfo(self.dtype).bits // 8, torch.finfo(self.autocast or torch.float32).bits // 8)
         text = models.model_facts(self.cfg.model).text_length
         without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes, text=text)
                           for c in (False, True))  # fmt: skip
         on = plan.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
+        return without, with_, on, device_bytes
+
+    def _plan_memory(self, rank: int) -> bool:
+        """Decide ``train.gradient_checkpointing`` from this run's memory estimate (a sharded base counts this
+        worker's share), and log the estimate once (rank 0)."""
+        t = self.cfg.train
+        trainable = sum(p.numel() for p in self.params)
+        frozen = (_count(self.transformer) - trainable) // (self.layout.shards if self.layout else 1)
+        without, with_, on, device_bytes = self._estimates(dict(self.transformer.config), frozen, trainable)
+        pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         if rank == 0:
             used = with_ if on else without
             log.info(
@@ -105,7 +144,7 @@ class LoraTrainer:
                 pixels, t.batch_size, used.weights / plan.GIB, used.lora_optimizer / plan.GIB,
                 used.activations / plan.GIB, without.activations / plan.GIB, with_.activations / plan.GIB,
                 "on" if on else "off",
-                t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if on_gpu else "",
+                t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if device_bytes else "",
             )  # fmt: skip
         return on
 
@@ -125,6 +164,8 @@ class LoraTrainer:
                     loss = step.flow_loss(self.model, batch, *step_args, shift_config=self.shift_config)
                 (loss / len(batches)).backward()
             losses.append(float(loss.detach()))
+        if self.layout:
+            sharding.all_reduce_mean(self.params)  # what DDP's reducer does after the last batch
         # With clipping off, an infinite limit still returns the norm and leaves the gradients alone.
         limit = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, limit))
@@ -140,6 +181,11 @@ class LoraTrainer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _count(module) -> int:
+    """Parameters of ``module`` (a sharded one counted whole)."""
+    return sum(p.numel() for p in module.parameters())
 
 
 def exclude_frozen_from_ddp(module) -> list[str]:

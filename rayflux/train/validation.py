@@ -128,6 +128,36 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
     return images
 
 
+def render_trained(trainer, cfg: JobConfig, device) -> list:
+    """:func:`render` with the trainer's LoRA. A sharded base (``train.base_sharding``) cannot run on rank 0 alone:
+    each block's forward is an all-gather that every rank must join. Rank 0 instead loads a whole copy from
+    ``model.path`` (node-local files), copies the adapter's current weights into it, renders and frees it. Gathering
+    the shards instead would stall every rank in collectives for the render's length and hold each gathered tensor
+    on all of them; the copy costs one read of local files and, during the render, rank 0's memory for the whole
+    base."""
+    if not trainer.layout:
+        return render(trainer.transformer, cfg, device, trainer.dtype)
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from rayflux.train import lora
+
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        whole = models.load_transformer(cfg.model, str(device), trainer.dtype)
+        whole.requires_grad_(False)
+        whole.add_adapter(trainer.transformer.peft_config[lora.ADAPTER])
+        for name, p in whole.named_parameters():
+            if ".lora_" in name:
+                p.data = p.data.to(torch.float32)  # as the trained adapter is held (lora.add_lora)
+    adapter = get_peft_model_state_dict(trainer.transformer)
+    set_peft_model_state_dict(whole, {k: v.to(device) for k, v in adapter.items()}, adapter_name=lora.ADAPTER)
+    try:
+        return render(whole, cfg, device, trainer.dtype)
+    finally:
+        del whole
+        gc.collect()
+
+
 def save_grid(images: list, run_dir: str, step: int) -> str:
     """Write ``<run_dir>/validation/step-<step>.png`` (local or URI). Returns its path."""
     buf = io.BytesIO()
