@@ -2,7 +2,8 @@
 
 - pure rules: ``auto``'s choice, the device mesh for a placement of workers, FSDP2's row split;
 - memory: two real processes (gloo) build the trainer with a sharded base, watched by a dispatch mode that records
-  every tensor an op touches: each rank holds half of the base, and no rank ever held a whole weight of it.
+  every tensor an op touches: each rank holds half of the base, and no rank ever held a whole weight of it; after a
+  step, rank 0 renders a validation image on its own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_data
 from rayflux import models
-from rayflux.train import sharding
+from rayflux.train import sharding, validation
 from rayflux.train.trainer import LoraTrainer
 
 GIB = 2**30
@@ -70,18 +71,23 @@ class LargestTensor(TorchDispatchMode):
 
 
 def _worker(rank: int, tiny_model: str) -> dict:
-    cfg = train_data.job(tiny_model, "train.base_sharding=node")
+    cfg = train_data.job(tiny_model, "train.base_sharding=node", 'train.validation_prompts=["a red circle"]',
+                         "train.validation_inference_steps=1", "data.resolution=64")  # fmt: skip
     empty = train_data.empty_caption()
     with LargestTensor() as watch:
         trainer = LoraTrainer(cfg, "cpu", 2, rank, empty,
                               topology=sharding.Topology(world=2, local_world=2, node_rank=0))  # fmt: skip
     base = [p for p in trainer.transformer.parameters() if not p.requires_grad]
+    loss = trainer.train_step(train_data.groups(train_data.items(2, seed=rank), 2)[0]).loss
+    # Rank 0 renders alone (rank 1 has left the group): a sharded forward would wait on rank 1 for ever.
+    image = validation.render_trained(trainer, cfg, "cpu")[0] if rank == 0 else None
     return {
         "local": sharding.local_bytes(torch.nn.ParameterList(base)),
         "whole": sharding.whole_bytes(torch.nn.ParameterList(base)),
         "largest_seen": watch.largest,
         "shape": trainer.layout.shape,
-        "loss": trainer.train_step(train_data.groups(train_data.items(2, seed=rank), 2)[0]).loss,
+        "loss": loss,
+        "image": (image.size, len(set(image.getdata()))) if image else None,
     }
 
 
@@ -98,3 +104,4 @@ def test_each_rank_loads_and_holds_only_its_half_of_the_base(tiny_model):
     # No rank ever touched a whole copy of the biggest weight (every whole-model load does): half of it at most.
     assert 0 < r0["largest_seen"] < biggest and r1["largest_seen"] < biggest, (r0["largest_seen"], biggest)
     assert r0["loss"] > 0 and r1["loss"] > 0
+    assert r0["image"][0] == (64, 64) and r0["image"][1] > 1  # rendered content, not a blank canvas

@@ -21,6 +21,13 @@ _text_cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
 _text_cache_bytes = 0
 
 
+def _text_key(loc: list) -> str:
+    """The process-wide text cache's key: a caption's id within its text file. The id alone names the caption, not
+    the model that embedded it: two caches (other models) of the same captions, read by one long-lived Ray worker,
+    must not share entries."""
+    return f"{loc[0]}#{loc[2]}"
+
+
 def _keep_text(caption_id: str, text: dict[str, np.ndarray]) -> None:
     global _text_cache_bytes
     _text_cache[caption_id] = text
@@ -67,7 +74,7 @@ def stack_all(items: list[dict], stack) -> list[dict]:
                 lat_asks[file].append(((b, j, "ref"), ref_off, ref_len))
             sizes[file] = file_bytes
             loc = json.loads(text)
-            cid = loc[2]
+            cid = _text_key(loc)
             if cid in _text_cache:
                 _text_cache.move_to_end(cid)
                 local[cid] = _text_cache[cid]
@@ -98,7 +105,7 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             if ref_count:
                 references.append(_array(latents[(b, j, "ref")], layout.dtype, (ref_count, *want), error, "ref_latent"))
             loc = json.loads(where)
-            cid = loc[2]
+            cid = _text_key(loc)
             if cid not in local:
                 arrays = {}
                 for t, (_, _, dims) in zip(layout.text, loc[3]):

@@ -95,12 +95,11 @@ def fill(transformer, files: dict[str, Path], mesh) -> None:
                 for name in names:
                     target = targets[name]
                     local = target.to_local() if hasattr(target, "to_local") else target
-                    part = f.get_slice(name)
-                    if local is target or target.dim() == 0:  # a buffer (or scalar) is held whole
-                        local.copy_(part[...] if target.dim() else f.get_tensor(name))
+                    if local is target or target.dim() == 0:  # a buffer (or a scalar) is held whole
+                        local.copy_(f.get_tensor(name))
                         continue
                     start, stop = sharding.shard_rows(target.shape[0], shards, index)
                     if local.shape[0] != stop - start:
                         raise RuntimeError(f"{name}: local shard has {local.shape[0]} rows, expected {stop - start}")
                     if stop > start:
-                        local.copy_(part[start:stop])
+                        local.copy_(f.get_slice(name)[start:stop])

@@ -136,8 +136,8 @@ def all_reduce_mean(params: list) -> None:
 
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = _flatten_dense_tensors(grads)
+    flat /= dist.get_world_size()  # before the sum, as DDP's default hook does: the same rounding as DDP
     dist.all_reduce(flat)
-    flat /= dist.get_world_size()
     for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
         p.grad = g.view_as(p)
 
