@@ -77,7 +77,7 @@ def option_lines(counts: BaseCounts, fixed_bytes: int, activations: Callable[[in
     gradient checkpointing off / on. ``fixed_bytes``: the LoRA with its AdamW state; ``activations(px, batch,
     checkpointing)``: bytes of one process's activations."""
     lines = [f"per-GPU memory by option (GiB, gradient checkpointing off / on; node: {workers} workers a node)",
-             "  sharding dtype px    " + "".join(f"batch {b:<9}" for b in (1, 2, 3, 4))]  # fmt: skip
+             "  sharding dtype px    " + "".join(f"batch {b:<9}" for b in (1, 2, 3, 4)).rstrip()]  # fmt: skip
     refused = {}
     for sharding in SHARDINGS:
         for dtype in DTYPES:
@@ -87,8 +87,8 @@ def option_lines(counts: BaseCounts, fixed_bytes: int, activations: Callable[[in
                 continue
             base = per_gpu_weight_bytes(counts, dtype, sharding, workers, float_bytes) + fixed_bytes
             for px in (512, 1024):
-                cells = [f"{(base + activations(px, b, False)) / GIB:5.1f} / {(base + activations(px, b, True)) / GIB:<5.1f}"
-                         for b in (1, 2, 3, 4)]  # fmt: skip
-                lines.append(f"  {sharding:<8} {dtype:<5} {px:<5} " + " ".join(cells))
+                off_on = [[(base + activations(px, b, c)) / GIB for c in (False, True)] for b in (1, 2, 3, 4)]
+                cells = [f"{off:5.1f} / {on:<5.1f}" for off, on in off_on]
+                lines.append((f"  {sharding:<8} {dtype:<5} {px:<5} " + " ".join(cells)).rstrip())
     lines += [f"  {key}: refused ({reason})" for key, reason in refused.items()]
     return lines

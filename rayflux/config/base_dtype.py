@@ -34,7 +34,8 @@ def refusal(base_dtype: str, *, gpu: bool, capability: tuple[int, int] | None = 
     if sharding == "node":
         return f"{key} with train.base_sharding=node: {NODE_SHARDING[base_dtype]}"
     if not gpu:
-        return f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.use_gpu=false, or no GPU in the cluster)"
+        return (f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.use_gpu=false, no GPU in the "
+                "cluster, or none on this worker)")  # fmt: skip
     least = MIN_CAPABILITY.get(base_dtype)
     if capability is not None and least and tuple(capability) < least:
         return (f"{key} needs a GPU of compute capability {least[0]}.{least[1]} or more (fp8 tensor cores: Ada, "
