@@ -137,3 +137,40 @@ def test_the_job_prints_its_base_dtype_at_start(tiny_model, caplog):
         LoraTrainer(cfg, "cpu", total_steps=1)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("frozen base:"))
     assert "train.base_dtype=bf16 (4.00 bytes a parameter" in line and "train.base_sharding=none" in line
+
+
+def test_an_fp8_base_trains_the_lora_alone_and_saves_the_bf16_runs_file(tiny_model, tmp_path):
+    """torchao's fp8 emulation on CPU: the swapped base stays frozen, the LoRA layers stay fp32 Linear layers and get
+    gradients, and the LoRA file has the keys and dtypes of the same adapter on a plain base."""
+    pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed here")
+    from safetensors.torch import load_file
+
+    from rayflux import families
+    from rayflux.train import step
+
+    torch.manual_seed(0)
+    plain = _tiny_with_lora(tiny_model)
+    torch.manual_seed(0)
+    fp8 = _tiny_with_lora(tiny_model)
+    swapped = base_weights.convert(fp8, "fp8", emulate=True)
+    assert swapped == sum(base_weights.fp8_target(m, n) for n, m in plain.named_modules()) > 0
+    kinds = {type(m).__name__ for n, m in fp8.named_modules() if ".lora_A." in n or ".lora_B." in n}
+    assert kinds == {"Linear"}
+
+    family, (c, side) = families.of_transformer(fp8), (4, 8)
+    text = {"t5": torch.randn(1, 512, 32), "clip_pooled": torch.randn(1, 32)}
+    batch = step.Batch(torch.randn(1, c, side, side), text, 0)
+    cfg = config.load(None, ["train.sigma_sampling=uniform"]).train
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = step.flow_loss(fp8, batch, cfg, True, None, "cpu", torch.float32, family)
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = {n: p.grad for n, p in fp8.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for n, g in grads.items() if ".lora_A." in n)
+    assert all(p.grad is None for p in fp8.parameters() if not p.requires_grad)
+
+    saved = {name: load_file(str(lora.save_diffusers(model, tmp_path / name)))
+             for name, model in (("plain", plain), ("fp8", fp8))}  # fmt: skip
+    assert saved["plain"].keys() == saved["fp8"].keys()
+    assert {v.dtype for v in saved["fp8"].values()} == {torch.float32}
+    lora.load_into(_tiny_with_lora(tiny_model), tmp_path / "fp8" / lora.WEIGHT_NAME)

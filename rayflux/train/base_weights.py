@@ -72,16 +72,20 @@ def fp8_target(module, name: str) -> bool:
     return module.in_features % FP8_ALIGN == 0 and module.out_features % FP8_ALIGN == 0
 
 
-def convert(transformer, base_dtype: str) -> int:
+def convert(transformer, base_dtype: str, emulate: bool = False) -> int:
     """Apply ``fp8`` to a transformer that already carries its LoRA; returns how many Linear layers were swapped
-    (0 for bf16 and nf4, which are settled at load)."""
+    (0 for bf16 and nf4, which are settled at load). ``emulate``: torchao's emulation of the fp8 matmuls, which
+    runs on CPU (tests)."""
     if base_dtype != "fp8":
         return 0
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     # Dynamic tensorwise scales (torchao's default recipe): each matmul casts its weight and input to fp8 with one
     # scale each; the bf16 weight itself is kept, so this speeds the matmuls rather than shrinking the base.
-    convert_to_float8_training(transformer, module_filter_fn=fp8_target, config=Float8LinearConfig())
+    # Its backward also computes each frozen weight's gradient (torchao 0.18 always does; autograd drops it): the
+    # fp8 step pays three GEMMs per frozen Linear where bf16 pays two.
+    config = Float8LinearConfig(emulate=emulate)
+    convert_to_float8_training(transformer, module_filter_fn=fp8_target, config=config)
     swapped = sum(type(m).__name__ == "Float8Linear" for m in transformer.modules())
     log.info("train.base_dtype=fp8: %d frozen Linear layers run torchao float8 matmuls", swapped)
     return swapped
