@@ -74,8 +74,12 @@ def fp8_target(module, name: str) -> bool:
 
 def convert(transformer, base_dtype: str, emulate: bool = False) -> int:
     """Apply ``fp8`` to a transformer that already carries its LoRA; returns how many Linear layers were swapped
-    (0 for bf16 and nf4, which are settled at load). ``emulate``: torchao's emulation of the fp8 matmuls, which
+    (0 for bf16, and for nf4, which is settled at load and only checked here). ``emulate``: torchao's emulation of the fp8 matmuls, which
     runs on CPU (tests)."""
+    if base_dtype == "nf4" and not getattr(transformer, "is_quantized", False):
+        # A transformer built elsewhere (not through load_kwargs) would otherwise train as bf16 under an nf4 label.
+        raise ValueError("train.base_dtype=nf4 quantizes the transformer as it loads (models.load_transformer with "
+                         "base_weights.load_kwargs); this one was given unquantized")  # fmt: skip
     if base_dtype != "fp8":
         return 0
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
