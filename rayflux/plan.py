@@ -1,9 +1,11 @@
 """The memory plan of a training run: parameter counts on the meta device, and what weights, the LoRA with AdamW,
 and activations (with and without gradient checkpointing) take on a GPU.
 
-``python -m rayflux plan [--config FILE] [--set KEY=VALUE ...]`` prints it for the job's settings, reading only the
-transformer's ``config.json`` from ``model.path`` (FLUX.1-dev's own configuration when ``model.path`` is empty), so
-it needs no weights and no GPU.
+``python -m rayflux plan [--config FILE] [--set KEY=VALUE ...] [--model NAME] [--gpus-per-node N]`` prints it for
+the job's settings, reading only the transformer's ``config.json`` from ``model.path`` (FLUX.1-dev's own
+configuration when ``model.path`` is empty; a :data:`BUILT_IN` one with ``--model``, e.g. ``flux2-dev``), so it
+needs no weights and no GPU. It ends with each ``train.base_sharding`` x ``train.base_dtype`` option's memory per GPU
+(:mod:`rayflux.plan_base`).
 
 The activation estimate counts, per token and per block, the tensors autograd keeps for the backward pass, in the
 autocast dtype (bf16 on GPU), with ``h`` the hidden width (heads x head dim) and ``m`` the MLP width (ratio x h):

@@ -59,8 +59,8 @@ class LoraTrainer:
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
+        base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
-        base_weights.check_worker(t.base_dtype, self.device)
         if transformer is None:
             transformer = models.load_transformer(cfg.model, str(self.device), self.dtype,
                                                   base_weights.load_kwargs(t.base_dtype))  # fmt: skip
