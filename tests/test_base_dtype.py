@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayflux import config, job, models
-from rayflux.config.base_dtype import refusal
+from rayflux.config.base_dtype import refusal, shardable
 from rayflux.train import base_weights, lora
 from rayflux.train.stage import check_base_dtype
 from rayflux.train.trainer import LoraTrainer
@@ -25,6 +25,7 @@ def test_the_refusal_reasons(dtype):
     assert missing.startswith(f"train.base_dtype={dtype} needs ") and extra in missing
     assert "train.base_sharding=node" in refusal(dtype, gpu=True, sharding="node")
     assert refusal("bf16", gpu=False, sharding="node") == ""
+    assert not shardable(dtype) and shardable("bf16")
     for reason in (refusal(dtype, gpu=False), missing):
         assert "\n" not in reason
 

@@ -23,6 +23,11 @@ NODE_SHARDING = {
 """Why each lower-precision base does not combine with ``train.base_sharding=node``."""
 
 
+def shardable(base_dtype: str) -> bool:
+    """Whether ``train.base_sharding`` may shard this base (``auto`` must keep ``none`` where it may not)."""
+    return base_dtype not in NODE_SHARDING
+
+
 def refusal(base_dtype: str, *, gpu: bool, capability: tuple[int, int] | None = None, installed: bool = True,
             sharding: str = "none") -> str:  # fmt: skip
     """Why ``base_dtype`` cannot run here, in one line; empty when it can. ``gpu``: the run trains on CUDA GPUs;
@@ -31,7 +36,7 @@ def refusal(base_dtype: str, *, gpu: bool, capability: tuple[int, int] | None = 
         return ""
     key = f"train.base_dtype={base_dtype}"
     package, extra, what = NEEDS[base_dtype]
-    if sharding == "node":
+    if sharding == "node" and not shardable(base_dtype):
         return f"{key} with train.base_sharding=node: {NODE_SHARDING[base_dtype]}"
     if not gpu:
         return (f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.use_gpu=false, no GPU in the "
