@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, models, plan
+from rayflux import datasets, families, models, plan, plan_base
 from rayflux.config import JobConfig
-from rayflux.train import kohya, lora, optim, shard_load, sharding, step
+from rayflux.config import base_dtype as base_dtype_rules
+from rayflux.train import base_weights, kohya, lora, optim, shard_load, sharding, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class LoraTrainer:
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
+        base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
         self.layout: sharding.Layout | None = None
         if transformer is None:
@@ -67,6 +69,7 @@ class LoraTrainer:
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+        base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
         if t.output_format == "kohya":
             kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules),
                                 self.family.kohya_blocks)  # fmt: skip
@@ -91,15 +94,19 @@ class LoraTrainer:
         """The frozen transformer, whole or sharded as ``train.base_sharding`` decides; logs the choice (rank 0)."""
         t, m = self.cfg.train, self.cfg.model
         mode = t.base_sharding if topology and topology.world > 1 else "none"  # one worker: nothing to shard
+        if mode == "auto" and not base_dtype_rules.shardable(t.base_dtype):
+            mode = "none"  # an fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype)
         if mode == "auto":
             meta = shard_load.meta_transformer(m, self.dtype)
-            without, with_, on, device_bytes = self._estimates(dict(meta.config), _count(meta), 0)
+            without, with_, on, device_bytes = self._estimates(dict(meta.config), _count(meta), 0,
+                                                               self.dtype.itemsize)  # fmt: skip
             mode = sharding.choose(mode, self.device.type == "cuda", topology.local_world,
                                    (with_ if on else without).total, device_bytes)  # fmt: skip
             # Uneven nodes may see different worker counts: shard if any rank must, so every rank agrees.
             mode = "node" if sharding.any_rank(mode == "node", self.device) else "none"
         if mode == "none":
-            transformer = models.load_transformer(m, str(self.device), self.dtype)
+            transformer = models.load_transformer(m, str(self.device), self.dtype,
+                                                  base_weights.load_kwargs(t.base_dtype))  # fmt: skip
             if rank == 0:
                 log.info("base sharding: none (train.base_sharding=%s); the whole base, %.2f GiB, on every worker",
                          t.base_sharding, sharding.whole_bytes(transformer) / plan.GIB)  # fmt: skip
@@ -113,15 +120,15 @@ class LoraTrainer:
         torch.manual_seed(t.seed)  # the adapter's init draws as after a whole load
         return transformer
 
-    def _estimates(self, tc: dict, frozen: int, trainable: int):
-        """This run's memory estimates per process without and with gradient checkpointing, whether
-        ``train.gradient_checkpointing`` turns it on (see :func:`rayflux.plan.gradient_checkpointing`), and the
-        device's bytes (0 on CPU)."""
+    def _estimates(self, tc: dict, frozen: int, trainable: int, weight_size: float):
+        """This run's memory estimates per process (``frozen`` base parameters of ``weight_size`` bytes each) without
+        and with gradient checkpointing, whether ``train.gradient_checkpointing`` turns it on (see
+        :func:`rayflux.plan.gradient_checkpointing`), and the device's bytes (0 on CPU)."""
         t = self.cfg.train
         on_gpu = self.device.type == "cuda"
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
-        sizes = (torch.finfo(self.dtype).bits // 8, torch.finfo(self.autocast or torch.float32).bits // 8)
+        sizes = (weight_size, torch.finfo(self.autocast or torch.float32).bits // 8)
         text = models.model_facts(self.cfg.model).text_length
         without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes, text=text)
                           for c in (False, True))  # fmt: skip
@@ -133,8 +140,12 @@ class LoraTrainer:
         worker's share), and log the estimate once (rank 0)."""
         t = self.cfg.train
         trainable = sum(p.numel() for p in self.params)
-        frozen = (_count(self.transformer) - trainable) // (self.layout.shards if self.layout else 1)
-        without, with_, on, device_bytes = self._estimates(dict(self.transformer.config), frozen, trainable)
+        linear, other = base_weights.frozen_split(self.transformer)
+        frozen = linear + other
+        base = plan_base.weight_bytes(plan_base.BaseCounts(frozen, linear), t.base_dtype, self.dtype.itemsize)
+        mine = frozen // (self.layout.shards if self.layout else 1)  # a sharded base: this worker's share
+        without, with_, on, device_bytes = self._estimates(dict(self.transformer.config), mine, trainable,
+                                                           base / frozen)  # fmt: skip
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         if rank == 0:
             used = with_ if on else without
@@ -146,6 +157,8 @@ class LoraTrainer:
                 "on" if on else "off",
                 t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if device_bytes else "",
             )  # fmt: skip
+            log.info("frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s",
+                     t.base_dtype, base / frozen, base / plan.GIB, t.base_sharding)  # fmt: skip
         return on
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
