@@ -65,8 +65,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
     """(where, file_name, caption cell, ``extra`` column's cell) for every row of one metadata table."""
     name = path.rsplit("/", 1)[-1]
     if name.endswith(".jsonl"):
-        with fs.open_input_stream(path) as f:
-            raw = f.read()
+        raw = storage.read_object(fs, path)
         try:
             lines = raw.decode("utf-8-sig").splitlines()
         except UnicodeDecodeError as exc:
@@ -94,8 +93,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
     if name.endswith(".csv"):
         import pyarrow.csv as pacsv
 
-        with fs.open_input_stream(path) as f:
-            raw = f.read()
+        raw = storage.read_object(fs, path)
         try:
             lines = raw.decode("utf-8-sig").splitlines()
             # Strings stay strings: a caption like "1984" or a file named "001" must not become a number.
