@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from rayflux import storage
 from rayflux.config import DatasetConfig
 
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
@@ -39,8 +40,7 @@ class MetadataIndex:
 
 def read_sidecar(fs: pafs.FileSystem, path: str) -> list[str]:
     """Non-empty lines of a caption file. Raises UnicodeDecodeError for non-UTF-8 bytes (the caller records a skip)."""
-    with fs.open_input_stream(path) as f:
-        text = f.read().decode("utf-8-sig")
+    text = storage.read_object(fs, path).decode("utf-8-sig")
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
@@ -65,8 +65,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
     """(where, file_name, caption cell, ``extra`` column's cell) for every row of one metadata table."""
     name = path.rsplit("/", 1)[-1]
     if name.endswith(".jsonl"):
-        with fs.open_input_stream(path) as f:
-            raw = f.read()
+        raw = storage.read_object(fs, path)
         try:
             lines = raw.decode("utf-8-sig").splitlines()
         except UnicodeDecodeError as exc:
@@ -94,8 +93,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
     if name.endswith(".csv"):
         import pyarrow.csv as pacsv
 
-        with fs.open_input_stream(path) as f:
-            raw = f.read()
+        raw = storage.read_object(fs, path)
         try:
             lines = raw.decode("utf-8-sig").splitlines()
             # Strings stay strings: a caption like "1984" or a file named "001" must not become a number.

@@ -19,7 +19,7 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
-def _s3_settings() -> tuple[str, str]:
+def s3_settings() -> tuple[str, str]:
     """(endpoint URL, region) from the standard AWS variables; the S3-specific endpoint variable wins."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
@@ -47,7 +47,7 @@ def resolve(path: str) -> tuple[pafs.FileSystem, str]:
     path = canonical(path)
     if is_uri(path):
         if path.startswith("s3://"):
-            endpoint, region = _s3_settings()
+            endpoint, region = s3_settings()
             if endpoint:
                 return _s3_filesystem(endpoint, region), path[len("s3://") :].rstrip("/")
         try:
@@ -104,7 +104,15 @@ def join(base: str, *parts: str) -> str:
 
 
 def read_bytes(path: str) -> bytes:
-    fs, inner = resolve(path)
+    return read_object(*resolve(path))
+
+
+def read_object(fs: pafs.FileSystem, inner: str) -> bytes:
+    """A whole file of ``fs``: on S3 one GET (see :mod:`rayflux.s3_objects`), elsewhere an ordinary read."""
+    from rayflux import s3_objects
+
+    if s3_objects.direct(fs):
+        return s3_objects.get(fs, inner)
     with fs.open_input_stream(inner) as f:
         return f.read()
 

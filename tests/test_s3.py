@@ -147,16 +147,54 @@ def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job, s3_
     assert again.checkpoint.startswith(f"{bucket}/run/checkpoints/") and again.checkpoint != first.checkpoint
 
 
-def test_ranged_reads_open_each_object_once_per_process(s3_server, s3_bucket):
+def _requests_for(s3_server, since: int, name: str) -> list[str]:
+    return [m for m, p in s3_server.requests()[since:] if p.endswith(name)]
+
+
+def test_ranged_reads_are_one_get_each_through_boto3(s3_server, s3_bucket):
     from rayflux.cache import ranges
 
     uri = f"{s3_bucket}/shard.bin"
     storage.write_bytes_atomic(uri, bytes(range(100)))
     since = len(s3_server.requests())
     assert ranges.read_ranges(uri, 100, [(10, 3), (0, 2)]) == [bytes([10, 11, 12]), bytes([0, 1])]
+    assert ranges.read_ranges(uri, 100, [(90, 10), (40, 0)]) == [bytes(range(90, 100)), b""]
+    # The two close ranges merge into one span; the index knows the offsets, so no HEAD asks the size.
+    assert _requests_for(s3_server, since, "/shard.bin") == ["GET", "GET"]
+    storage.write_bytes_atomic(uri.replace("shard", "gone"), b"x")
+    fs, inner = storage.resolve(uri.replace("shard", "gone"))
+    fs.delete_file(inner)
+    with pytest.raises(FileNotFoundError, match="gone.bin"):
+        ranges.read_ranges(uri.replace("shard", "gone"), 1, [(0, 1)])
+
+
+def test_without_boto3_ranged_reads_open_each_object_once_per_process(s3_server, s3_bucket, monkeypatch):
+    from rayflux.cache import ranges
+
+    monkeypatch.setenv("RAYFLUX_S3_READS", "pyarrow")  # what a node without boto3 does
+    uri = f"{s3_bucket}/shard-pa.bin"
+    storage.write_bytes_atomic(uri, bytes(range(100)))
+    since = len(s3_server.requests())
+    assert ranges.read_ranges(uri, 100, [(10, 3), (0, 2)]) == [bytes([10, 11, 12]), bytes([0, 1])]
     assert ranges.read_ranges(uri, 100, [(90, 10)]) == [bytes(range(90, 100))]
     # One HEAD when the object is first opened (pyarrow asks its size), then only GETs of the ranges.
-    assert [m for m, p in s3_server.requests()[since:] if p.endswith("/shard.bin")] == ["HEAD", "GET", "GET"]
+    assert _requests_for(s3_server, since, "/shard-pa.bin") == ["HEAD", "GET", "GET"]
+
+
+@pytest.mark.parametrize("reads, expected", [("boto3", ["GET"]), ("pyarrow", ["HEAD", "GET"])])
+def test_a_whole_object_read_costs_one_get(s3_server, s3_bucket, monkeypatch, reads, expected):
+    from rayflux import captions
+
+    monkeypatch.setenv("RAYFLUX_S3_READS", reads)
+    uri = f"{s3_bucket}/whole-{reads}.txt"
+    storage.write_bytes_atomic(uri, "\ufeffa red fox\n\n  on snow \n".encode())
+    since = len(s3_server.requests())
+    assert storage.read_bytes(uri) == "\ufeffa red fox\n\n  on snow \n".encode()
+    assert _requests_for(s3_server, since, f"/whole-{reads}.txt") == expected
+    fs, inner = storage.resolve(uri)
+    assert captions.read_sidecar(fs, inner) == ["a red fox", "on snow"]
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes(f"{s3_bucket}/never-written-{reads}.txt")
 
 
 def test_doctor_checks_a_dataset_in_a_bucket(s3_bucket, tiny_model, tmp_path):

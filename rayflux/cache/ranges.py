@@ -4,11 +4,11 @@ Ranges of one file that lie close together are merged into one request (a hole o
 thrown away): a shard's neighbouring rows cost one GET, and the bytes read stay within a few percent of the
 tensors' own bytes, since a hole is a row's page headers and small columns.
 
-Opening a file on an object store costs one HEAD: pyarrow's S3 filesystem asks every object's size when it opens
-it, and its Python API takes no known size (``open_input_file`` takes a path only, and a dataset fragment made with
-``file_size`` still opens by path). So each process keeps up to ``OPEN_FILES`` opened files, by path and size, and
-reads every later range of a file through the same handle: a worker pays one HEAD per shard it reads from, not one
-per read task. A shard's name is never reused for other bytes, and a deleted one fails its next read as it would
+On S3 with boto3 (:mod:`rayflux.s3_objects`) each span is one ranged GET and nothing else: the index already knows
+every offset, so no size is asked. Through pyarrow's S3 filesystem, opening a file costs one HEAD (it asks every
+object's size when it opens it and cannot be told), so each process keeps up to ``OPEN_FILES`` opened files, by
+path and size, and reads every later range of a file through the same handle: one HEAD per shard and process, not
+one per read task. A shard's name is never reused for other bytes, and a deleted one fails its next read as it would
 fail an open. Local files are opened per call (an open costs no request, and a kept descriptor would keep reading a
 deleted file).
 """
@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import pyarrow.fs as pafs
 
-from rayflux import storage
+from rayflux import s3_objects, storage
 
 HOLE = 16 << 10
 OPEN_FILES = 512
@@ -28,9 +28,8 @@ _opened: OrderedDict[tuple[str, int], object] = OrderedDict()
 _lock = threading.Lock()
 
 
-def _open(path: str, file_bytes: int):
+def _open(path: str, file_bytes: int, fs: pafs.FileSystem, inner: str):
     """(random-access file, whether the caller closes it)."""
-    fs, inner = storage.resolve(path)
     if isinstance(fs, pafs.LocalFileSystem):
         return fs.open_input_file(inner), True
     key = (path, file_bytes)
@@ -59,10 +58,12 @@ def read_ranges(path: str, file_bytes: int, ranges: list[tuple[int, int]], hole:
         else:
             spans.append([off, off + n, [i]])
     out: list[bytes] = [b""] * len(ranges)
-    f, close = _open(path, file_bytes)
+    fs, inner = storage.resolve(path)
+    direct = s3_objects.direct(fs)
+    f, close = (None, False) if direct else _open(path, file_bytes, fs, inner)
     try:
         for start, end, members in spans:
-            data = f.read_at(end - start, start)
+            data = s3_objects.get(fs, inner, start, end - start) if direct else f.read_at(end - start, start)
             for i in members:
                 off, n = ranges[i]
                 out[i] = data[off - start : off - start + n]

@@ -1,0 +1,67 @@
+"""One request per S3 read: whole objects and byte ranges through boto3, when it is installed.
+
+pyarrow's S3 filesystem sends a HEAD for an object's size every time it opens one, and its Python API cannot be
+told a size already known. A cache build reads every image and every caption file once, so that HEAD doubles its
+requests; training reads byte ranges whose offsets and file sizes the generation index already holds. boto3 (the AWS
+SDK: ``cluster.yaml`` installs it on every node, and the ``rayflux[s3]`` extra adds it) fetches an object or a range
+with a single GET. Without boto3, or with ``RAYFLUX_S3_READS=pyarrow``, the same reads go through pyarrow and cost
+the HEAD. Endpoint, region and credentials are the ones pyarrow uses: the standard AWS environment and chain.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pyarrow.fs as pafs
+
+
+@functools.cache
+def _have_boto3() -> bool:
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def direct(fs: pafs.FileSystem) -> bool:
+    """Do reads from ``fs`` go to S3 through boto3 (one GET each)?"""
+    return (isinstance(fs, pafs.S3FileSystem) and os.environ.get("RAYFLUX_S3_READS", "boto3") != "pyarrow"
+            and _have_boto3())  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def _client(endpoint: str, region: str):
+    # One client per process and endpoint: boto3 clients are thread-safe and pool their connections, so the read
+    # threads of a task share its connections, as they share pyarrow's filesystem.
+    import boto3
+    from botocore.config import Config
+
+    config = Config(max_pool_connections=32, retries={"mode": "standard", "max_attempts": 5})
+    return boto3.session.Session().client("s3", endpoint_url=endpoint or None, region_name=region, config=config)
+
+
+def get(fs: pafs.S3FileSystem, inner: str, start: int | None = None, length: int = 0) -> bytes:
+    """The object ``inner`` (``bucket/key``) of ``fs``, or ``length`` bytes of it from ``start``, in one GET.
+
+    A missing object raises FileNotFoundError, as pyarrow does. Only for filesystems where :func:`direct` holds.
+    """
+    from botocore.exceptions import ClientError
+
+    from rayflux.storage import s3_settings
+
+    bucket, _, key = inner.partition("/")
+    args = {"Bucket": bucket, "Key": key}
+    if start is not None:
+        if length <= 0:
+            return b""
+        args["Range"] = f"bytes={start}-{start + length - 1}"
+    try:
+        body = _client(s3_settings()[0], fs.region).get_object(**args)["Body"]
+        with body:
+            return body.read()
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
+            raise FileNotFoundError(f"s3://{inner}: no such object") from None
+        raise
