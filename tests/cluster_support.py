@@ -174,6 +174,24 @@ def train_job_cmd(*sets: str, only: str = "") -> list[str]:
     return cmd + (["--only", only] if only else [])
 
 
+def own_actor_process(actor_class: str):
+    """The one process of this test's clusters that runs an actor of ``actor_class`` (Ray titles an actor's worker
+    process ``ray::<class>``), or None. Only this process's descendants are searched: a ``Cluster``'s nodes are its
+    children, so another Ray on the machine is never matched."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:  # exited while listed
+            continue
+        if title.startswith(f"ray::{actor_class}"):
+            found.append(proc)
+    assert len(found) <= 1, f"more than one {actor_class} process: {found}"
+    return found[0] if found else None
+
+
 def alive_nodes_or_none(address: str) -> dict[str, dict] | None:
     """:func:`alive_nodes`, or None while the GCS is not answering yet."""
     try:

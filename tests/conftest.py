@@ -99,8 +99,14 @@ def ray_dashboard(ray_session) -> str:
     return _DASHBOARD["url"]
 
 
+def _module_wants_dashboard(request) -> bool:
+    """Whether a test of this module asks for ``ray_dashboard``: only those modules start Ray's dashboard, whose
+    process start-up every other module's Ray would pay for nothing."""
+    return any("ray_dashboard" in item.fixturenames for item in request.session.items if item.module is request.module)
+
+
 @pytest.fixture(scope="module")
-def ray_session(tiny_model):
+def ray_session(request, tiny_model):
     """A local Ray for each test module (start-up costs seconds; a module's tests share it), stopped after it.
 
     Why not one Ray for the whole session: after about half an hour of actors and pipelines coming and going, a
@@ -116,19 +122,14 @@ def ray_session(tiny_model):
         ray.shutdown()
 
     # The dashboard serves Ray's state API (tests list live actors); a free port keeps it clear of any other head.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dashboard_port = s.getsockname()[1]
+    dashboard = {"include_dashboard": False}
+    if _module_wants_dashboard(request):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dashboard = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": s.getsockname()[1]}
     # address="local" always starts a fresh local Ray, even when another head runs on this machine.
-    context = ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port,
-        log_to_driver=False,
-    )
-    _DASHBOARD["url"] = f"http://{context.dashboard_url}"
+    context = ray.init(address="local", num_cpus=2, log_to_driver=False, **dashboard)
+    _DASHBOARD["url"] = f"http://{context.dashboard_url}" if dashboard["include_dashboard"] else ""
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -177,7 +178,7 @@ def _test_releases_its_cpus(request):
         time.sleep(0.5)
     after = _free_cpus(ray)
     if after < before - 1e-6:
-        from ray.util.state import list_actors
+        from ray._private.state import actors  # the GCS's table: no dashboard needed
 
-        alive = [f"{a.class_name}({a.actor_id[:8]})" for a in list_actors(filters=[("state", "=", "ALIVE")])]
+        alive = [f"{a['ActorClassName']}({a['ActorID'][:8]})" for a in actors(actor_state_name="ALIVE").values()]
         pytest.fail(f"the test left {before - after:g} CPU taken ({after:g} free, {before:g} before); alive actors: {alive}")

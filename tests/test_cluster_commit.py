@@ -1,10 +1,12 @@
 """A node lost after a checkpoint is whole in storage but before Ray Train registers it (multi-node local cluster).
 
-Ray Train's controller registers a checkpoint only when it next polls the workers. The job runs with that poll every
-10 s (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``; 2 s by default), so the window between rank 0's commit marker and the
-registration is wide enough to kill worker node B inside it. The restarted worker group must resume from that
-committed checkpoint (Ray offers none), record the restart with its cause, and leave no checkpoint directory beyond
-``train.checkpoints_to_keep``.
+Ray Train's controller registers a checkpoint only when it next polls the workers. The test holds that window open
+by construction: it suspends the controller's process (SIGSTOP) once rank 0 has entered the training loop, before
+any step can have been reported (rank 1 sleeps 2 s before each step, so step 2 cannot follow rank 0's start sooner),
+and resumes it only after worker node B is killed. A stopped controller cannot register anything, so B dies after
+rank 0's commit marker and before the registration every time, whatever the poll interval. The restarted worker
+group must resume from that committed checkpoint (Ray offers none), record the restart with its cause, and leave no
+checkpoint directory beyond ``train.checkpoints_to_keep``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 from cluster_support import cluster  # noqa: F401 - the fixture
-from cluster_support import ray_env, registered_checkpoint_dir, train_job_cmd, wait_for
+from cluster_support import own_actor_process, ray_env, registered_checkpoint_dir, train_job_cmd, wait_for
 
 from rayflux.train import commits
 from rayflux.train.metrics import read_steps
@@ -32,24 +34,38 @@ def test_a_node_lost_before_ray_registers_a_checkpoint_resumes_from_it(cluster, 
     node_b = cluster.add_node(num_cpus=1, resources={"trainer": 1})
     out = tmp_path / "run"
     storage = out / "checkpoints" / "rayflux"
-    env = dict(ray_env(), RAY_ADDRESS=cluster.address, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="10",
-               RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20")  # fmt: skip
+    # The suite's 0.5 s controller poll (conftest); the retry of the old size after B's loss gives up after 5 s (it
+    # bounds only the placement-group wait, ready at once when the nodes exist).
+    env = dict(ray_env(), RAY_ADDRESS=cluster.address, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5")
     cmd = train_job_cmd(
         f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
         "data.resolution=64", "train.epochs=1", "train.num_workers=[1, 2]", "train.worker_resources={trainer: 1}",
         "train.checkpoint_every=2", "train.checkpoints_to_keep=1", "train.resize_check_seconds=1000",
+        "train.report_seconds=1000000", "run.debug_slow_rank=1:2",
     )  # fmt: skip
     with open(tmp_path / "job.log", "wb") as log:
         job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    controller = None
     try:
-        # The step-2 checkpoint: every rank's files are in storage and rank 0 committed it; kill B at once.
+        # Rank 0 opens its TensorBoard file as it enters the training loop, before its first step: stop the
+        # controller then. Checkpoints are the only reports (report_seconds), so step 2's is the first.
+        wait_for(lambda: list((out / "tensorboard").glob("events.*")), PHASE_S, "rank 0 in the loop", 0.05, job)
+        controller = own_actor_process("TrainController")
+        assert controller is not None, "no TrainController process under this test's cluster"
+        controller.suspend()
+        assert registered_checkpoint_dir(storage) is None  # stopped before it could register anything
+        # The step-2 checkpoint: every rank's files are in storage and rank 0 committed it; kill B at once. (The
+        # ranks go on to step 4, whose report waits for the stopped controller to take step 2's: never committed.)
         [first] = wait_for(lambda: _committed_by_rank0(storage), PHASE_S, "a committed checkpoint", 0.05, job)
         assert registered_checkpoint_dir(storage) is None  # inside the window: Ray holds no checkpoint yet
         cluster.remove_node(node_b, allow_graceful=False)
         marker = json.loads((first / commits.COMMIT_FILE).read_text())
         killed = time.time()
+        controller.resume()
         assert job.wait(timeout=PHASE_S) == 0, (tmp_path / "job.log").read_text()[-4000:]
     finally:
+        if controller is not None and controller.is_running():
+            controller.resume()  # a failed step above must not leave a stopped process behind
         if job.poll() is None:
             job.kill()
             job.wait()

@@ -62,8 +62,8 @@ def _live_dirs(gen_dir: str) -> list[str]:
     return [d for d in generations.generation_dirs(key) if not generations.is_retired(d) and generations.load_manifest(d)]
 
 
-def _assert_refresh_protocol(summary, epochs: int, images: int):
-    stages = _stages(summary.ledger)
+def _assert_refresh_protocol(ledger_path, history: list[dict], epochs: int, images: int):
+    stages = _stages(ledger_path)
     for g in range(epochs):
         cache, train = stages[f"cache:g{g}"], stages[f"train:seg{g}"]
         assert cache["status"] == train["status"] == "done"
@@ -84,7 +84,7 @@ def _assert_refresh_protocol(summary, epochs: int, images: int):
 
     # Each epoch read exactly its own generation, and every sample exactly once (8 images, 2 ranks: no remainder).
     per_epoch: dict[int, dict] = {}
-    for h in summary.history:
+    for h in history:
         e = per_epoch.setdefault(h["epoch"], {"samples": 0, "generations": set()})
         e["samples"] += h["samples"]
         e["generations"].add(h["generation"])
@@ -93,15 +93,7 @@ def _assert_refresh_protocol(summary, epochs: int, images: int):
         assert e["generations"] == {epoch}
         assert e["samples"] == images
     # The step counter runs on across trainer runs (each segment resumed from the last checkpoint).
-    assert [h["step"] for h in summary.history] == list(range(1, len(summary.history) + 1))
-
-
-def test_refresh_every_epoch_builds_commits_and_retires_with_one_slow_worker(ray_session, tiny_model, demo_images,
-                                                                            tmp_path):  # fmt: skip
-    # Rank 1 lags every step, so a retire that waited only for rank 0 would start before the segment's end.
-    summary = job.run(_cfg(tiny_model, demo_images, tmp_path / "run", "train.epochs=3", "run.debug_slow_rank=1:0.4"))
-    _assert_refresh_protocol(summary, epochs=3, images=8)
-    assert summary.steps == 3 * 8 // 2
+    assert [h["step"] for h in history] == list(range(1, len(history) + 1))
 
 
 def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_path):
@@ -177,14 +169,24 @@ def test_changed_config_is_refused(ray_session, tiny_model, demo_images, tmp_pat
         job.run(_cfg(tiny_model, demo_images, out, "train.epochs=1", "train.learning_rate=0.5"), only="cache")
 
 
-def test_driver_killed_mid_training_resumes(ray_session, tiny_model, demo_images, tmp_path):
-    """SIGKILL the driver once its first segment is done; the same command then resumes without re-caching."""
-    out = tmp_path / "run"
+def _job_cmd(out: Path, tiny_model, demo_images, *extra: str) -> list[str]:
     cmd = [sys.executable, str(ROOT / "jobs" / "train_flux.py")]
     for item in (f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
                  "data.resolution=64", "data.max_aspect=1.0", "data.crop=random", "train.num_workers=2",
-                 "cache.refresh=every_epoch", "train.epochs=2", "run.debug_slow_rank=0:0.5"):  # fmt: skip
+                 "cache.refresh=every_epoch", *extra):  # fmt: skip
         cmd += ["--set", item]
+    return cmd
+
+
+def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(ray_session, tiny_model, demo_images,
+                                                                          tmp_path):  # fmt: skip
+    """Three epochs, one generation each, built, committed and retired in order; rank 1 lags every step, so a retire
+    that waited only for rank 0 would start before its segment's end. The driver is SIGKILLed once its second segment
+    is under way; the same command then resumes without caching again or redoing the first segment, and the finished
+    run passes every check of the refresh protocol. (One job for both: each alone cost a full three- or two-segment
+    run.)"""
+    out = tmp_path / "run"
+    cmd = _job_cmd(out, tiny_model, demo_images, "train.epochs=3", "run.debug_slow_rank=1:0.4")
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     ledger = out / "ledger.json"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -207,19 +209,19 @@ def test_driver_killed_mid_training_resumes(ray_session, tiny_model, demo_images
     killed_at = time.time()
     before = _stages(ledger)
     assert before["train:seg0"]["status"] == "done" and before["train:seg1"]["status"] == "running"
+    assert before["cache:g1"]["status"] == "done"  # the generation segment 1 reads was committed before the kill
 
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     after = _stages(ledger)
-    # nothing cached again: every cache stage in the ledger started before the kill
-    for name, stage in after.items():
-        if name.startswith("cache:"):
-            assert stage["start"] < killed_at, f"{name} was rebuilt"
+    # Nothing cached again: the generations committed before the kill keep their stages. (Generation 2 may have been
+    # under way at the kill; a half-built one is dropped and built anew, which the protocol check below covers.)
+    for g in (0, 1):
+        assert after[f"cache:g{g}"]["start"] == before[f"cache:g{g}"]["start"] < killed_at, f"cache:g{g} was rebuilt"
     assert after["train:seg0"]["start"] == before["train:seg0"]["start"]  # not redone
-    assert after["train:seg1"]["status"] == "done"
-    assert after["retire:g0"]["status"] == "done"
-    # the step counter continued: the run's step log holds steps 1..N once each, over both epochs
-    position = json.loads((Path(after["train:seg1"]["outputs"]["checkpoint"]) / "position.json").read_text())
+    assert after["train:seg1"]["start"] > killed_at and after["train:seg2"]["status"] == "done"
+    # The step counter continued: the run's step log holds steps 1..N once each, over all three epochs.
+    position = json.loads((Path(after["train:seg2"]["outputs"]["checkpoint"]) / "position.json").read_text())
     history = read_steps(str(out), last_step=position["step"])
-    assert [h["step"] for h in history] == list(range(1, 9)) and position["step"] == 8
-    assert {h["epoch"] for h in history} == {0, 1}
+    assert position["step"] == 3 * 8 // 2 and [h["step"] for h in history] == list(range(1, position["step"] + 1))
+    _assert_refresh_protocol(ledger, history, epochs=3, images=8)

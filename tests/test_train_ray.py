@@ -73,10 +73,13 @@ def full(cache):
 
 @pytest.fixture(scope="module")
 def resumed(cache):
+    """Step 1, then a second run that resumes there and trains steps 2-4. Ray keeps one checkpoint
+    (``checkpoints_to_keep=1``), so the run's four saves also show the step LoRAs outliving pruned checkpoints."""
     root, base, manifest, facts = cache
     out = root / "resumed"
-    first = stage.train(_cfg(base, "run.name=resumed", "train.max_steps=1"), manifest, facts, str(out), False)
-    second = stage.train(_cfg(base, "run.name=resumed"), manifest, facts, str(out), False)
+    keep_one = ("run.name=resumed", "train.checkpoints_to_keep=1")
+    first = stage.train(_cfg(base, *keep_one, "train.max_steps=1"), manifest, facts, str(out), False)
+    second = stage.train(_cfg(base, *keep_one), manifest, facts, str(out), False)
     return first, second
 
 
@@ -181,18 +184,18 @@ def test_every_checkpoint_leaves_a_named_kohya_lora(full):
     assert tags and all(count > 0 for count in tags.values())
 
 
-def test_step_loras_outlive_pruned_checkpoints(cache, tiny_model):
-    """checkpoints_to_keep=1 and three saves: Ray keeps one checkpoint, the run keeps all three LoRAs, loadable."""
+def test_step_loras_outlive_pruned_checkpoints(cache, resumed, tiny_model):
+    """checkpoints_to_keep=1 and four saves over two runs (the resumed fixture): Ray keeps one checkpoint, the run
+    keeps all four LoRAs, each its own step's weights, loadable."""
     from diffusers import FluxPipeline
 
-    root, base, manifest, facts = cache
-    out = root / "pruned"
-    cfg = _cfg(base, "run.name=pruned", "train.max_steps=3", "train.checkpoints_to_keep=1")
-    stage.train(cfg, manifest, facts, str(out), False)
-    assert len([p for p in (out / "checkpoints" / "pruned").glob("checkpoint_*") if p.is_dir()]) == 1
+    root = cache[0]
+    out = root / "resumed"
+    assert len([p for p in (out / "checkpoints" / "resumed").glob("checkpoint_*") if p.is_dir()]) == 1
     names = sorted(p.name for p in (out / "lora").iterdir())
-    assert names == [f"pruned-step{s:08d}.safetensors" for s in (1, 2, 3)]
+    assert names == [f"resumed-step{s:08d}.safetensors" for s in (1, 2, 3, 4)]
     files = [load_file(out / "lora" / n) for n in names]
-    assert any(not torch.equal(files[0][k], files[2][k]) for k in files[0])  # each is its own step's weights
+    for a, b in zip(files, files[1:]):  # each is its own step's weights
+        assert any(not torch.equal(a[k], b[k]) for k in a)
     pipe = FluxPipeline.from_pretrained(tiny_model)
     pipe.load_lora_weights(str(out / "lora"), weight_name=names[1])
