@@ -186,23 +186,32 @@ def draw_table(table: pa.Table, k: int) -> tuple[pa.Table, int]:
     return table.take(pa.array(kept, pa.int64())), table.num_rows - k
 
 
+def _where(table: pa.Table, mask) -> pa.Table:
+    """``table.filter(mask)``, without a copy when every row is kept."""
+    return table if pc.all(mask).as_py() in (True, None) else table.filter(mask)
+
+
 def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
     """A dataset's Discovery from its settled rows (:data:`SETTLED`): sources (drawn to ``max_samples`` among the
     usable ones), recorded skips and the dataset's problems, all as Arrow. ``left_out``: usable images already left
     out by earlier draws."""
     ds, name = listing.ds, datasets.label(listing.ds)
     found = Discovery(problems=list(listing.problems))
-    settled = settled.sort_by("rel_path")
+    # Each step copies only when it changes something: at the peak the driver holds few copies of the images.
+    paths = settled["rel_path"]
+    if len(paths) > 1 and not pc.all(pc.greater(paths.slice(1), paths.slice(0, len(paths) - 1))).as_py():
+        settled = settled.sort_by("rel_path")
+    del paths
     skipping = pc.not_equal(settled["skip_reason"], "")
-    good = settled.filter(pc.invert(skipping))
+    good = _where(settled, pc.invert(skipping))
     if ds.max_samples:
         good, more = draw_table(good, ds.max_samples)
         if more + left_out:
             found.unsampled[name] = more + left_out
-    skips = settled.filter(skipping)
+    skips = _where(settled, skipping)
     found.skips = pa.table([skips["uri"], skips["dataset"], skips["skip_reason"]], schema=SKIPS)
     found.table = good.select(SOURCES.names).cast(SOURCES)
-    known = settled.filter(pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
+    known = _where(settled, pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
     found.sidecars = pa.table([known["sidecar"], known["sidecar_stamp"], known["sidecar_lines"]], schema=SIDECARS)
     uncaptioned = settled["rel_path"].filter(settled["uncaptioned"])
     if len(uncaptioned) and ds.missing_caption != "skip":
