@@ -1,15 +1,17 @@
-"""GPU throughput at FLUX.1-dev's real configuration, with random weights (nothing is downloaded).
+"""GPU throughput at the real configurations of FLUX.1-dev, FLUX.2 [klein] 9B and FLUX.2 [dev], with random weights
+(nothing is downloaded).
 
-    python benchmarks/bench_gpu.py [--steps 10] [--json results.json]     # on a CUDA device
+    python benchmarks/bench_gpu.py [--steps 10] [--models flux2-dev ...] [--json results.json]   # on a CUDA device
     python benchmarks/bench_gpu.py --dry-run                              # CPU, tiny shapes: checks the script runs
 
 1. **LoRA step** (``LoraTrainer.train_step``, the job's own step: flow-matching loss, bf16 autocast, AdamW, clipping)
-   at 512 and 1024 px, batch 1 and 2, gradient checkpointing off and on: steps/s, samples/s, peak memory and MFU.
-   MFU = 6 x (transformer parameters) x (tokens per sample) x samples/s / the device's peak dense bf16 FLOP/s, where
-   tokens = (px/16)^2 image tokens + 512 text tokens: 2 FLOPs per parameter and token forward, 4 backward. It leaves
-   out attention's L^2 term and the recompute that checkpointing adds, so checkpointed runs read lower.
-2. **Job step vs bare step**: the same configuration through a plain hand-written loop (pack, noise, forward, MSE,
-   backward, ``AdamW.step``), as seconds per step of each and their ratio.
+   for each model of :data:`MODELS` in its ``train.base_dtype`` (FLUX.1-dev and FLUX.2 [klein] 9B in bf16 at 512 and
+   1024 px, batch 1 and 2, gradient checkpointing off and on; FLUX.2 [dev], 32B, in fp8 on one GPU with
+   checkpointing): steps/s, samples/s, peak memory and MFU by :func:`model_flops` (the README's formula: a frozen
+   base has no weight gradients) over the device's peak dense bf16 FLOP/s. A row that runs out of memory, or whose
+   base_dtype this device refuses, is recorded as such.
+2. **Job step vs bare step** (FLUX.1-dev): the same configuration through a plain hand-written loop (pack, noise,
+   forward, MSE, backward, ``AdamW.step``), as seconds per step of each and their ratio.
 3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16), alone and as ``--vae-procs`` processes
    sharing the GPU (what ``cache.gpus_per_actor=0.25`` gives four actors); T5-XXL + CLIP-L encoding captions of 512
    and 77 tokens (captions/s, bf16).
@@ -33,7 +35,8 @@ import torch  # noqa: E402
 
 from rayflux import config, plan  # noqa: E402
 from rayflux.families.flux1 import t5_length  # noqa: E402
-from rayflux.train import step  # noqa: E402
+from rayflux.families.flux2 import TEXT_LENGTH as FLUX2_TEXT  # noqa: E402
+from rayflux.train import base_weights, step  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
@@ -41,6 +44,20 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G":
 TINY = {**plan.FLUX1_DEV, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
         "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8],
         "in_channels": 16}  # fmt: skip
+TINY2 = {**plan.FLUX2_KLEIN_9B, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+         "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": [4, 4, 4, 4],
+         "in_channels": 16}  # fmt: skip
+FULL_GRID = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
+MODELS = {
+    "flux1-dev": (plan.FLUX1_DEV, "bf16", FULL_GRID),
+    "flux2-klein-9b": (plan.FLUX2_KLEIN_9B, "bf16", FULL_GRID),
+    # 32B: its bf16 weights (60 GiB) are kept under fp8 (torchao casts them per matmul), so only checkpointed steps fit.
+    "flux2-dev": (plan.FLUX2_DEV, "fp8", [(512, 1, True), (512, 2, True), (1024, 1, True)]),
+}
+"""name -> (transformer config, train.base_dtype, (px, batch, checkpointing) grid) of the LoRA-step section."""
+DRY = {"flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True)]), "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
+       "flux2-dev": ({**TINY2, "guidance_embeds": True}, "fp8", [(64, 1, True)])}  # fmt: skip
+"""The same sections at tiny widths for ``--dry-run`` (fp8 is refused on CPU, which the dry run records)."""
 FLUX_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
             "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
             "layers_per_block": 2, "norm_num_groups": 32, "scaling_factor": 0.3611, "shift_factor": 0.1159,
@@ -67,21 +84,48 @@ def _timed(fn, n: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _flux2(tc: dict) -> bool:
+    return plan.transformer_class(tc) == "Flux2Transformer2DModel"
+
+
+def _text_tokens(tc: dict) -> int:
+    return FLUX2_TEXT if _flux2(tc) else t5_length(bool(tc.get("guidance_embeds")))
+
+
 def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> step.Batch:
+    """A cached batch as the feed gives it: FLUX.1's 16-channel latents at px/8 with T5 + pooled CLIP, or FLUX.2's
+    2x2-patchified latents at px/16 with its stacked ``prompt_embeds``."""
     g = torch.Generator().manual_seed(seed)
-    c, side = tc["in_channels"] // 4, px // 8
-    text = t5_length(bool(tc.get("guidance_embeds")))
-    latents = torch.randn(size, c, side, side, generator=g)
-    t5 = torch.randn(size, text, tc["joint_attention_dim"], generator=g)
+    text, width = _text_tokens(tc), tc["joint_attention_dim"]
+    if _flux2(tc):
+        latents = torch.randn(size, tc["in_channels"], px // 16, px // 16, generator=g)
+        return step.Batch(latents, {"prompt_embeds": torch.randn(size, text, width, generator=g)}, seed)
+    latents = torch.randn(size, tc["in_channels"] // 4, px // 8, px // 8, generator=g)
+    t5 = torch.randn(size, text, width, generator=g)
     return step.Batch(latents, {"t5": t5, "clip_pooled": torch.randn(size, tc["pooled_projection_dim"], generator=g)},
                       seed)  # fmt: skip
 
 
 def _transformer(tc: dict, device: torch.device, dtype: torch.dtype):
-    from diffusers import FluxTransformer2DModel
+    """The family's transformer with random weights, built on the meta device and materialised on ``device`` in
+    ``dtype`` directly (FLUX.2 [dev] in fp32 would not fit an 80 GB GPU on the way to bf16)."""
+    model = plan.meta_transformer(tc).to(dtype).to_empty(device=device)
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+        for b in model.buffers():  # RoPE tables and the like: not learned, any finite values do
+            b.zero_()
+    return model
 
-    with torch.device(device):
-        return FluxTransformer2DModel(**tc).to(dtype)
+
+def model_flops(frozen: int, trainable: int, tokens: int, checkpointing: bool) -> int:
+    """Model FLOPs of one sample's training step (the README's formula). A frozen weight costs 2 FLOPs per token
+    forward and 2 backward (the input gradient only: it has no weight gradient); a LoRA weight 2 forward and 4
+    backward (input and weight gradients); checkpointing runs the forward again in the backward (2 more each).
+    Attention's L^2 term is left out."""
+    recompute = 2 if checkpointing else 0
+    return tokens * ((4 + recompute) * frozen + (6 + recompute) * trainable)
 
 
 def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtype: torch.dtype) -> None:
@@ -106,32 +150,51 @@ def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtyp
     opt.zero_grad(set_to_none=True)
 
 
-def lora_steps(tc: dict, device: torch.device, grid: list, steps: int, peak: float) -> list[dict]:
+def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid: list, steps: int,
+               peak: float) -> list[dict]:  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for px, batch, ckpt in grid:
+        row = {"model": name, "base_dtype": base_dtype, "px": px, "batch": batch, "checkpointing": ckpt}
+        rows.append(row)
+        try:
+            base_weights.check_worker(base_dtype, device)
+        except RuntimeError as refused:  # e.g. fp8 on CPU or an older GPU: one line, recorded
+            row["refused"] = str(refused)
+            print(json.dumps(row), flush=True)
+            continue
         cfg = config.load(None, ["train.rank=16", f"train.gradient_checkpointing={str(ckpt).lower()}",
-                                 f"data.resolution={px}", f"train.batch_size={batch}"])  # fmt: skip
+                                 f"data.resolution={px}", f"train.batch_size={batch}",
+                                 f"train.base_dtype={base_dtype}"])  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        trainer = LoraTrainer(cfg, device, total_steps=steps + 2, transformer=_transformer(tc, device, dtype))
-        batches = [_batch(tc, px, batch, device, s) for s in range(2)]
-        seconds = _timed(lambda: trainer.train_step(batches[:1]), steps, device)
-        params = sum(p.numel() for p in trainer.transformer.parameters())
-        tokens = plan.tokens(px, t5_length(bool(tc.get("guidance_embeds"))))
-        bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
-        bare = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps,
-                      device)  # fmt: skip
-        rows.append({
-            "px": px, "batch": batch, "checkpointing": ckpt, "steps_per_s": round(1 / seconds, 3),
-            "samples_per_s": round(batch / seconds, 3),
+        trainer = None
+        try:
+            trainer = LoraTrainer(cfg, device, total_steps=steps + 2, transformer=_transformer(tc, device, dtype))
+            batches = [_batch(tc, px, batch, device, s) for s in range(2)]
+            seconds = _timed(lambda: trainer.train_step(batches[:1]), steps, device)
+        except torch.OutOfMemoryError:
+            row["error"] = "out of memory"
+            print(json.dumps(row), flush=True)
+            del trainer
+            continue
+        trainable = sum(p.numel() for p in trainer.params)
+        frozen = sum(p.numel() for p in trainer.transformer.parameters()) - trainable
+        flops = model_flops(frozen, trainable, plan.tokens(px, _text_tokens(tc)), ckpt) * batch
+        row.update({
+            "steps_per_s": round(1 / seconds, 3), "samples_per_s": round(batch / seconds, 3),
             "peak_gib": round(torch.cuda.max_memory_allocated(device) / plan.GIB, 1) if device.type == "cuda" else None,
-            "mfu": round(6 * params * tokens * batch / seconds / (peak * 1e12), 3) if peak else None,
-            "job_s_per_step": round(seconds, 4), "bare_s_per_step": round(bare, 4), "job_over_bare": round(seconds / bare, 3),
+            "mfu": round(flops / seconds / (peak * 1e12), 3) if peak else None, "job_s_per_step": round(seconds, 4),
         })  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        del trainer, bare_opt
+        if name == "flux1-dev":
+            bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
+            bare = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps,
+                          device)  # fmt: skip
+            row.update({"bare_s_per_step": round(bare, 4), "job_over_bare": round(seconds / bare, 3)})
+            del bare_opt
+        print(json.dumps(row), flush=True)
+        del trainer
     return rows
 
 
@@ -183,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae-procs", type=int, default=4, help="VAE processes sharing the GPU (cache.gpus_per_actor=1/N)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s (default: by device name)")
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS),
+                    help="LoRA-step sections to run (default: all)")  # fmt: skip
     args = ap.parse_args(argv)
 
     if args.dry_run:
-        device, tc, steps = torch.device("cpu"), TINY, 2
-        grid = [(64, 1, False), (64, 2, True)]
+        device, models, steps = torch.device("cpu"), DRY, 2
         vae_cfg = {**FLUX_VAE, "block_out_channels": [32, 32, 32, 32], "latent_channels": 4}
         t5_cfg = {**T5_XXL, "d_model": 32, "d_ff": 37, "num_layers": 1, "num_heads": 2, "d_kv": 16, "vocab_size": 100}
         clip_cfg = {**CLIP_L, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1,
@@ -197,12 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("bench_gpu: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
             return 2
-        device, tc, steps = torch.device("cuda"), plan.FLUX1_DEV, args.steps
-        grid = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
+        device, models, steps = torch.device("cuda"), MODELS, args.steps
         vae_cfg, t5_cfg, clip_cfg, vae_px, vae_procs, text_len = FLUX_VAE, T5_XXL, CLIP_L, 1024, args.vae_procs, 512
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    results = {"device": name, "peak_tflops": peak, "lora_step": lora_steps(tc, device, grid, steps, peak)}
+    results = {"device": name, "peak_tflops": peak, "lora_step": []}
+    for model in args.models:
+        tc, base_dtype, grid = models[model]
+        results["lora_step"] += lora_steps(model, tc, base_dtype, device, grid, steps, peak)
+    if device.type == "cuda" and torch.cuda.device_count() > 1:
+        # One process drives one GPU here; a sharded base needs one Ray Train worker per GPU (the job itself).
+        results["skipped"] = ["flux2-dev with train.base_sharding=node: not measured by this one-process script"]
     results["vae"] = [vae_encode(vae_cfg, device, vae_px, 8, steps, p) for p in (1, vae_procs)]
     results["text"] = text_encode(t5_cfg, clip_cfg, device, 16, text_len, steps)
     print(json.dumps({k: results[k] for k in ("device", "vae", "text")}, indent=1))

@@ -233,7 +233,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
     from rayflux.cache import index
     from rayflux.train import lora_files
-    from rayflux.train.stage import train
+    from rayflux.train.stage import check_base_dtype, train
 
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
@@ -255,6 +255,8 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     progress.quiet_operator_bars()
     console.quiet_ray()
     summary.logs = _ray_logs_dir()
+    if only != "cache":
+        check_base_dtype(cfg, cluster_has_gpus())
     stages = _Stages(cfg, facts, ledger, cache_root, cluster_has_gpus(), summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 

@@ -179,5 +179,7 @@ def load_text_encoders(cfg: ModelConfig, device: str, dtype):
     return family(cfg).load_text_encoders(resolve_path(cfg), revision_kw(cfg), device, dtype)
 
 
-def load_transformer(cfg: ModelConfig, device: str, dtype):
-    return family(cfg).load_transformer(resolve_path(cfg), revision_kw(cfg), device, dtype)
+def load_transformer(cfg: ModelConfig, device: str, dtype, extra: dict | None = None):
+    """The denoising transformer; ``extra``: more ``from_pretrained`` arguments (``train.base_dtype=nf4``'s
+    quantization config)."""
+    return family(cfg).load_transformer(resolve_path(cfg), {**revision_kw(cfg), **(extra or {})}, device, dtype)

@@ -98,3 +98,65 @@ def test_text_tokens_come_from_the_models_family(tiny_model, tiny_flux2_klein):
     assert plan.text_tokens(config.load(None, [f"model.path={tiny_model}"])) == 512
     assert plan.text_tokens(config.load(None, [])) == plan.FLUX1_DEV_TEXT_TOKENS == 512
     assert plan.tokens(1024, 512) == 64 * 64 + 512
+
+
+def test_flux2_is_counted_on_its_own_transformer():
+    h = 48 * 128  # FLUX.2 [dev]: 48 heads x 128, mlp ratio 3 (SwiGLU), no biases
+    m = 3 * h
+    dev = plan.base_counts(plan.FLUX2_DEV)
+    assert dev.largest_linear == h * (3 * h + 2 * m)  # a single block's fused q/k/v + MLP-in projection
+    # A double block: 8 attention projections, two SwiGLU MLPs, four q/k norms over a head.
+    assert dev.largest_block == 8 * h * h + 2 * (h * 2 * m + m * h) + 4 * 128
+    assert 32.0e9 < dev.total < 32.5e9  # "32B"
+    assert 9.0e9 < plan.base_counts(plan.FLUX2_KLEIN_9B).total < 9.2e9
+    assert 3.8e9 < plan.base_counts(plan.FLUX2_KLEIN_4B).total < 4.0e9
+    assert plan.count_parameters(plan.FLUX2_KLEIN_9B, "attention", 16)[0] == plan.base_counts(plan.FLUX2_KLEIN_9B).total
+
+
+def test_the_plan_counts_a_flux2_model_path_on_flux2(tiny_flux2_klein):
+    import torch
+
+    from rayflux import models
+
+    cfg = config.load(None, [f"model.path={tiny_flux2_klein}"])
+    tc, _ = plan.transformer_config(cfg)
+    loaded = models.load_transformer(cfg.model, "cpu", torch.float32)
+    assert plan.count_parameters(tc, "attention", 4)[0] == sum(p.numel() for p in loaded.parameters())
+
+
+def test_flux2_activations_per_token():
+    h, m = 32 * 128, 3 * 32 * 128
+    tc = plan.FLUX2_KLEIN_9B
+    assert plan.per_token_elements(tc, False) == 8 * (11 * h + 3 * m) + 24 * (9 * h + 4 * m)
+    assert plan.per_token_elements(tc, True) == 32 * h + (9 * h + 4 * m)
+
+
+def test_base_dtype_and_sharding_bytes():
+    counts = plan.plan_base.BaseCounts(total=1000, linear=896, largest_linear=128, largest_block=100)
+    assert plan.plan_base.weight_bytes(counts, "bf16") == 2000
+    assert plan.plan_base.weight_bytes(counts, "fp8") == 2000 + 128 * 1 + 4  # bf16 kept + one layer's fp8 copy
+    assert plan.plan_base.NF4_BYTES == 0.5625
+    assert plan.plan_base.weight_bytes(counts, "nf4") == 896 * 0.5625 + 104 * 2
+    assert plan.plan_base.weight_bytes(counts, "bf16", float_bytes=4) == 4000
+    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "node", 8) == 2000 / 8 + 2 * 100 * 2
+    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "none", 8) == 2000
+
+
+def test_the_plan_prints_every_option_for_flux2(capsys):
+    assert plan.main(["--model", "flux2-klein-9b", "--gpus-per-node", "4", "--set", "train.rank=16"]) == 0
+    out = capsys.readouterr().out
+    assert "FLUX.2 [klein] 9B" in out and "node: 4 workers a node" in out
+    rows = {tuple(line.split()[:3]): line for line in out.splitlines() if line.startswith(("  none ", "  node "))}
+    assert set(rows) == {(s, d, px) for s, d in [("none", "bf16"), ("none", "fp8"), ("none", "nf4"), ("node", "bf16")]
+                         for px in ("512", "1024")}  # fmt: skip
+    assert "node/fp8: refused" in out and "node/nf4: refused" in out
+    tc = plan.FLUX2_KLEIN_9B
+    counts = plan.base_counts(tc)
+    trainable = plan.count_parameters(tc, "attention", 16)[1]
+    est = plan.estimate(tc, counts.total, trainable, 1024, 2, True)
+    nf4 = (plan.plan_base.weight_bytes(counts, "nf4") + est.lora_optimizer + est.activations) / plan.GIB
+    cells = rows[("none", "nf4", "1024")].split()[3:]
+    assert float(cells[5]) == pytest.approx(nf4, abs=0.051)  # "off / on" per batch: batch 2, checkpointing on
+    # Sharded over 4, the bf16 base is about a quarter (plus two gathered blocks).
+    none_bf16, node_bf16 = (float(rows[(s, "bf16", "512")].split()[5]) for s in ("none", "node"))
+    assert node_bf16 < none_bf16 / 2

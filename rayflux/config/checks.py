@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rayflux.config.base_dtype import refusal
 from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
 from rayflux.config.job import JobConfig
@@ -93,6 +94,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
                           "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
     check_pools(cfg.cache)
+    # What is known before any work: CPU training by setting, or a sharding it cannot combine with.
+    refused = refusal(cfg.train.base_dtype, gpu=cfg.train.use_gpu != "false", sharding=cfg.train.base_sharding)
+    if refused:
+        raise ConfigError(refused)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")

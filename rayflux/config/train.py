@@ -71,9 +71,11 @@ class TrainConfig:
     state stay whole on every worker) or ``auto`` (``node`` when the memory plan says the whole base does not fit
     beside the activations on one GPU)."""
     base_dtype: str = "bf16"
-    """Storage of the frozen transformer's linear weights: ``bf16`` (``model.dtype``), ``fp8`` (torchao's float8
-    training, GPUs of compute capability 8.9 or more; extra ``rayflux[fp8]``) or ``nf4`` (bitsandbytes 4-bit, the
-    QLoRA recipe; extra ``rayflux[nf4]``). The LoRA trains and saves in full precision and loads on the bf16 base."""
+    """How the frozen transformer's Linear layers are held and multiplied: ``bf16`` (``model.dtype``), ``fp8``
+    (torchao's float8 matmuls over the kept bf16 weights: faster, not smaller; GPUs of compute capability 8.9 or
+    more; extra ``rayflux[fp8]``) or ``nf4`` (bitsandbytes 4-bit at load, the QLoRA recipe: about a quarter of bf16;
+    extra ``rayflux[nf4]``). fp8 and nf4 need CUDA GPUs and ``base_sharding: none``; where they cannot run the job
+    stops with the reason. The LoRA trains and saves in full precision and loads on the bf16 base."""
     rank: int = 4
     """LoRA rank."""
     alpha: float = 4.0

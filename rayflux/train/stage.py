@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from rayflux import datasets, models, progress, storage
 from rayflux.cache import index
 from rayflux.config import JobConfig, resource_map, worker_range
+from rayflux.config.base_dtype import refusal
 from rayflux.models import ModelFacts
 from rayflux.train import batching, commits, metrics
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
@@ -49,6 +50,14 @@ def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
     # An accelerator type names a GPU, so it implies GPU workers even before the autoscaler has started any.
     auto = cluster_gpus or bool(cfg.train.accelerator_type)
     return {"auto": auto, "true": True, "false": False}[cfg.train.use_gpu]
+
+
+def check_base_dtype(cfg: JobConfig, cluster_gpus: bool) -> None:
+    """Refuse ``train.base_dtype`` on the driver, before any cache or training work, when this cluster would train
+    on CPU (no GPU in it and no ``train.accelerator_type``); each worker checks its own GPU again as it loads."""
+    reason = refusal(cfg.train.base_dtype, gpu=_use_gpu(cfg, cluster_gpus), sharding=cfg.train.base_sharding)
+    if reason:
+        raise ValueError(reason)
 
 
 def scaling_config(cfg: JobConfig, use_gpu: bool):

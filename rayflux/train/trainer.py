@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, models, plan
+from rayflux import datasets, families, models, plan, plan_base
 from rayflux.config import JobConfig
-from rayflux.train import kohya, lora, optim, step
+from rayflux.train import base_weights, kohya, lora, optim, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,15 @@ class LoraTrainer:
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
+        base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
         if transformer is None:
-            transformer = models.load_transformer(cfg.model, str(self.device), self.dtype)
+            transformer = models.load_transformer(cfg.model, str(self.device), self.dtype,
+                                                  base_weights.load_kwargs(t.base_dtype))  # fmt: skip
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+        base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
         if t.output_format == "kohya":
             kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules),
                                 self.family.kohya_blocks)  # fmt: skip
@@ -90,9 +93,11 @@ class LoraTrainer:
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         trainable = sum(p.numel() for p in self.params)
-        frozen = sum(p.numel() for p in self.transformer.parameters()) - trainable
+        linear, other = base_weights.frozen_split(self.transformer)
+        frozen = linear + other
         tc = dict(self.transformer.config)
-        sizes = (torch.finfo(self.dtype).bits // 8, torch.finfo(self.autocast or torch.float32).bits // 8)
+        base = plan_base.weight_bytes(plan_base.BaseCounts(frozen, linear), t.base_dtype, self.dtype.itemsize)
+        sizes = (base / frozen, torch.finfo(self.autocast or torch.float32).bits // 8)
         text = models.model_facts(self.cfg.model).text_length
         without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes, text=text)
                           for c in (False, True))  # fmt: skip
@@ -107,6 +112,8 @@ class LoraTrainer:
                 "on" if on else "off",
                 t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if on_gpu else "",
             )  # fmt: skip
+            log.info("frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s",
+                     t.base_dtype, base / frozen, base / plan.GIB, t.base_sharding)  # fmt: skip
         return on
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
