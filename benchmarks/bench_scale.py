@@ -159,6 +159,7 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
     parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
+    parser.add_argument("--discover-only", action="store_true", help="stop after the discovery phase")
     parser.add_argument("--batch-size", type=int, default=1, help="train.batch_size of the training phases")
     parser.add_argument("--kill-at", type=float, default=0.7,
                         help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
@@ -222,6 +223,8 @@ def _run(server: Server, args) -> None:
 
     facts = models.model_facts(cfg.model)
     phase("discover", lambda: draw.discover(cfg, facts, cfg.cache.seed))
+    if args.discover_only:
+        return
     first, _ = phase("cache", lambda: job.run(cfg, only="cache"))
     phase("rerun", lambda: job.run(cfg, only="cache"))
     if not args.skip_train:

@@ -356,7 +356,7 @@ def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
     for ds in datasets.datasets_of(cfg.data):
         key = datasets.key(cfg.data, ds)
         found = discovery.table.filter(pc.equal(discovery.table["dataset"], key)).num_rows
-        found += sum(1 for s in discovery.skipped if s.get("dataset") == key)
+        found += discovery.skips.filter(pc.equal(discovery.skips["dataset"], key)).num_rows
         lost = sum(1 for s in skipped if s.get("dataset") == key)
         summary.datasets.append(
             {

@@ -9,13 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.fs as pafs
+import pyarrow.compute as pc
 
-from rayflux import captions, datasets, edit_pairs, storage
+from rayflux import captions, datasets, storage
 from rayflux.config import DataConfig, DatasetConfig
+from rayflux.listing import IMAGE_EXTENSIONS, Listing, list_dataset  # noqa: F401 - discovery's public names
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-_SIDECAR_READERS = 32  # concurrent listings and caption-file reads: hides object-store latency, not the request count
+_SIDECAR_READERS = 32  # concurrent caption-file reads: hides object-store latency, not the request count
+_CHUNK = 4096  # listed rows settled through Python at a time in this process
 
 SIDECARS = pa.schema([("path", pa.string()), ("stamp", pa.string()), ("lines", pa.string())])
 """A caption file as discovery read it: its path on the dataset's filesystem, its ``size:mtime`` from the listing
@@ -43,6 +44,18 @@ class Source:
     """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
 
 
+SKIPS = pa.schema([("source_uri", pa.string()), ("dataset", pa.string()), ("reason", pa.string())])
+"""A skipped input: its URI, its dataset's key and why it is not used."""
+
+SETTLED = pa.schema(
+    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+     ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()), ("uncaptioned", pa.bool_()),
+     ("references", pa.list_(pa.string())), ("references_stamp", pa.string()), ("sidecar", pa.string()),
+     ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string())]
+)  # fmt: skip
+"""A listed image once settled (:func:`settle`): its caption or ``skip_reason``, whether it had no caption of its
+own, and its caption file's lines when they were read or known."""
+
 SOURCES = pa.schema(
     [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
      ("caption", pa.string()), ("dataset", pa.string()), ("references", pa.list_(pa.string())),
@@ -58,7 +71,8 @@ class Discovery:
 
     table: pa.Table = field(default_factory=lambda: SOURCES.empty_table())
     """The usable images, one :data:`SOURCES` row each."""
-    skipped: list[dict] = field(default_factory=list)
+    skips: pa.Table = field(default_factory=lambda: SKIPS.empty_table())
+    """The skipped inputs, one :data:`SKIPS` row each, in relative-path order per dataset."""
     problems: list[str] = field(default_factory=list)
     """Trouble that costs no image by itself but needs a look: orphan caption files, bad metadata rows..."""
     unsampled: dict[str, int] = field(default_factory=dict)
@@ -74,12 +88,17 @@ class Discovery:
         return [Source(**{**r, "references": tuple(r["references"] or ())}) for r in self.table.to_pylist()]
 
     @property
+    def skipped(self) -> list[dict]:
+        """The skipped inputs as ``{"source_uri", "dataset", "reason"}`` dicts, built on each call: for the report."""
+        return self.skips.to_pylist()
+
+    @property
     def discovered(self) -> int:
-        return self.table.num_rows + len(self.skipped)
+        return self.table.num_rows + self.skips.num_rows
 
     def extend(self, other: Discovery) -> None:
         self.table = pa.concat_tables([self.table, other.table])
-        self.skipped.extend(other.skipped)
+        self.skips = pa.concat_tables([self.skips, other.skips])
         self.problems.extend(other.problems)
         self.unsampled.update(other.unsampled)
         self.sidecars = pa.concat_tables([self.sidecars, other.sidecars])
@@ -93,62 +112,9 @@ def choose(options: list[str], seed: int, rel_path: str) -> str:
     return options[int.from_bytes(digest[:8], "little") % len(options)]
 
 
-def _hidden(rel: str) -> bool:
-    return any(part.startswith(".") for part in rel.split("/"))
-
-
-def _by_lower_case(files: dict, base: str, ds: DatasetConfig) -> dict[str, str]:
-    """Lower-cased path -> path. Two files that differ only by case are refused: case-insensitive sidecar matching
-    could not tell their captions apart, and copied to a case-insensitive disk they would overwrite each other."""
-    out: dict[str, str] = {}
-    for path in sorted(files):
-        other = out.setdefault(path.lower(), path)
-        if other != path:
-            names = f"{other[len(base) :]} and {path[len(base) :]}"
-            raise captions.CaptionError(f"dataset {datasets.label(ds)}: {names} differ only by case; rename one")
-    return out
-
-
-def _list(fs: pafs.FileSystem, root: str) -> list[pafs.FileInfo]:
-    """Every entry under ``root``: its top level, then each subfolder listed recursively, concurrently. An object
-    store lists one page of keys per request, so one folder per thread spreads the pages of a large dataset."""
-    top = fs.get_file_info(pafs.FileSelector(root))
-    subdirs = [e.path for e in top if e.type == pafs.FileType.Directory]
-
-    def below(path: str) -> list[pafs.FileInfo]:
-        return fs.get_file_info(pafs.FileSelector(path, recursive=True))
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
-        return [*top, *(e for part in pool.map(below, subdirs) for e in part)]
-
-
 def rank(rel_path: str) -> bytes:
     """Where an image stands in the ``max_samples`` draw: a hash of its path, the same on every run and node."""
     return hashlib.sha256(rel_path.encode()).digest()
-
-
-def _pairing(ds: DatasetConfig, metadata, base: str, files: dict) -> edit_pairs.Pairing:
-    """The dataset's edit pairing: ``reference_dir`` listed once (concurrently, like ``images_dir``)."""
-    if not (ds.reference_dir or ds.reference_column):
-        return edit_pairs.Pairing(ds)
-    refs: dict[str, str] = {}
-    if ds.reference_dir:
-        fs, root = storage.resolve(ds.reference_dir)
-        if fs.get_file_info(root).type != pafs.FileType.Directory:
-            name = datasets.label(ds)
-            raise FileNotFoundError(f"reference_dir {ds.reference_dir!r} is not a directory (dataset {name})")
-        prefix = root.rstrip("/") + "/"
-        for e in _list(fs, root):
-            rel = e.path[len(prefix) :]
-            if e.type == pafs.FileType.File and not _hidden(rel) and rel.lower().endswith(IMAGE_EXTENSIONS):
-                refs[rel] = _stamp(e)
-    named = metadata.references if metadata else {}
-    own = {p[len(base) :]: _stamp(e) for p, e in files.items() if p.startswith(base)}
-    return edit_pairs.pairing(ds, refs, named, own)
-
-
-def _stamp(e: pafs.FileInfo) -> str:
-    return f"{e.size or 0}:{e.mtime_ns or 0}"
 
 
 def draw(rows: list[dict], k: int) -> tuple[list[dict], int]:
@@ -159,71 +125,6 @@ def draw(rows: list[dict], k: int) -> tuple[list[dict], int]:
     """
     ranked = sorted(rows, key=lambda r: rank(r["rel_path"]))
     return ranked[:k], max(len(ranked) - k, 0)
-
-
-@dataclass
-class Listing:
-    """One dataset listed (no caption file read yet): a row per image, in path order, and what the listing found."""
-
-    ds: DatasetConfig
-    key: str
-    rows: list[dict] = field(default_factory=list)
-    """uri, rel_path, size, mtime_ns, dataset, file_name, and either ``sidecar`` (the caption file's path on the
-    dataset's filesystem, "" when there is none) with its ``sidecar_stamp`` (``size:mtime`` from the listing), or
-    ``options`` (the captions of the other strategies)."""
-    problems: list[str] = field(default_factory=list)
-
-
-def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> Listing:
-    """List every image under ``ds.images_dir`` (recursively, sorted) with what its caption will come from.
-
-    Only listings (and a metadata table) are read here: caption files are read by :func:`settle`, which the cache
-    stage runs inside its preparation tasks. Raises FileNotFoundError or CaptionError when the dataset as a whole
-    is unusable.
-    """
-    fs, root = storage.resolve(ds.images_dir)
-    if fs.get_file_info(root).type != pafs.FileType.Directory:
-        raise FileNotFoundError(f"images_dir {ds.images_dir!r} is not a directory (dataset {datasets.label(ds)})")
-    files = {e.path: e for e in _list(fs, root) if e.type == pafs.FileType.File}
-    metadata = captions.load_metadata(fs, root, set(files), ds) if ds.caption_strategy == "metadata" else None
-    name = datasets.label(ds)
-    out = Listing(ds, key, problems=[f"dataset {name}: {p}" for p in (metadata.problems if metadata else [])])
-    base = root.rstrip("/") + "/"
-    by_lower = _by_lower_case(files, base, ds)
-    pairs = _pairing(ds, metadata, base, files)
-    reference_only = pairs.reference_only()
-    images = set()
-    for path in sorted(files):
-        rel = path[len(base) :] if path.startswith(base) else path
-        file_name = rel.rsplit("/", 1)[-1]
-        if _hidden(rel) or not file_name.lower().endswith(IMAGE_EXTENSIONS) or rel in reference_only:
-            continue
-        images.add(path[: path.rfind(".")].lower())
-        e = files[path]
-        row = dict(uri=storage.join(ds.images_dir, rel), rel_path=f"{key}/{rel}" if prefix else rel,
-                   size=e.size or 0, mtime_ns=e.mtime_ns or 0, dataset=key, file_name=file_name)  # fmt: skip
-        if ds.caption_strategy == "sidecar":
-            # Extensions match in any case, as image extensions do: IMG_0001.PNG takes IMG_0001.TXT.
-            row["sidecar"] = by_lower.get((path[: path.rfind(".")] + ds.caption_ext).lower(), "")
-            row["sidecar_stamp"] = _stamp(files[row["sidecar"]]) if row["sidecar"] else ""
-        elif ds.caption_strategy == "metadata":
-            row["options"] = list(metadata.captions.get(rel, []))
-        elif ds.caption_strategy == "filename":
-            row["options"] = [captions.from_filename(file_name)]
-        else:
-            row["options"] = [ds.instance_prompt]
-        # Edit pairs: the references travel with the row (JSON, like ``options``, so every row has the same
-        # columns in the preparation tasks); a missing one makes the row a recorded skip when it is settled.
-        references, stamps, missing = pairs.references(rel) if pairs.active else ((), "", "")
-        row.update(references=json.dumps(list(references)), references_stamp=stamps, missing_reference=missing)
-        out.rows.append(row)
-    if ds.caption_strategy == "sidecar":
-        ext = ds.caption_ext.lower()
-        orphans = [p for p in sorted(files) if p.lower().endswith(ext) and p[: -len(ext)].lower() not in images]
-        out.problems += [f"dataset {name}: caption file without an image: {p[len(base) :]}" for p in orphans]
-    if not images:
-        out.problems.append(f"dataset {name}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {ds.images_dir}")
-    return out
 
 
 def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dict], str] | None = None) -> list[dict]:
@@ -265,42 +166,63 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
         return list(pool.map(one, rows))
 
 
-def gather(listing: Listing, settled: list[dict], left_out: int = 0) -> Discovery:
-    """A dataset's Discovery from its settled rows: sources (drawn to ``max_samples`` among the usable ones),
-    recorded skips and the dataset's problems. ``left_out``: usable images already left out by earlier draws."""
+def settle_table(
+    listed: pa.Table, ds: DatasetConfig, seed: int, usable: Callable[[dict], str] | None = None
+) -> pa.Table:
+    """:func:`settle` over listed Arrow rows, a bounded chunk at a time: :data:`SETTLED` rows, in the same order."""
+    parts = [SETTLED.empty_table()]
+    for batch in listed.to_batches(max_chunksize=_CHUNK):
+        rows = settle(batch.to_pylist(), ds, seed, usable)
+        parts.append(pa.Table.from_pylist([{f: r.get(f) for f in SETTLED.names} for r in rows], schema=SETTLED))
+    return pa.concat_tables(parts)
+
+
+def draw_table(table: pa.Table, k: int) -> tuple[pa.Table, int]:
+    """:func:`draw` over Arrow rows: the ``k`` of lowest :func:`rank` (in their order) and how many were left out."""
+    if table.num_rows <= k:
+        return table, 0
+    ranks = [rank(p) for p in table["rel_path"].to_pylist()]
+    kept = sorted(sorted(range(len(ranks)), key=ranks.__getitem__)[:k])
+    return table.take(pa.array(kept, pa.int64())), table.num_rows - k
+
+
+def _where(table: pa.Table, mask) -> pa.Table:
+    """``table.filter(mask)``, without a copy when every row is kept."""
+    return table if pc.all(mask).as_py() in (True, None) else table.filter(mask)
+
+
+def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
+    """A dataset's Discovery from its settled rows (:data:`SETTLED`): sources (drawn to ``max_samples`` among the
+    usable ones), recorded skips and the dataset's problems, all as Arrow. ``left_out``: usable images already left
+    out by earlier draws."""
     ds, name = listing.ds, datasets.label(listing.ds)
     found = Discovery(problems=list(listing.problems))
-    good = [r for r in settled if not r["skip_reason"]]
+    # Each step copies only when it changes something: at the peak the driver holds few copies of the images.
+    paths = settled["rel_path"]
+    if len(paths) > 1 and not pc.all(pc.greater(paths.slice(1), paths.slice(0, len(paths) - 1))).as_py():
+        settled = settled.sort_by("rel_path")
+    del paths
+    skipping = pc.not_equal(settled["skip_reason"], "")
+    good = _where(settled, pc.invert(skipping))
     if ds.max_samples:
-        kept, more = draw(good, ds.max_samples)
-        keep = {r["rel_path"] for r in kept}
-        good = [r for r in good if r["rel_path"] in keep]
+        good, more = draw_table(good, ds.max_samples)
         if more + left_out:
             found.unsampled[name] = more + left_out
-    for r in sorted(settled, key=lambda r: r["rel_path"]):
-        if r["skip_reason"]:
-            found.skipped.append({"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]})
-    good.sort(key=lambda r: r["rel_path"])
-    found.table = pa.table(
-        [[r[c] for r in good] for c in ("uri", "rel_path", "size", "mtime_ns", "caption", "dataset")]
-        + [[json.loads(r.get("references") or "[]") for r in good], [r.get("references_stamp") or "" for r in good]],
-        schema=SOURCES,
-    )
-    known = [r for r in settled if r.get("sidecar") and r.get("sidecar_lines") is not None]
-    found.sidecars = pa.table(
-        [[r["sidecar"] for r in known], [r["sidecar_stamp"] for r in known], [r["sidecar_lines"] for r in known]],
-        schema=SIDECARS,
-    )
-    uncaptioned = sorted(r["rel_path"] for r in settled if r["uncaptioned"])
-    if uncaptioned and ds.missing_caption != "skip":
+    skips = _where(settled, skipping)
+    found.skips = pa.table([skips["uri"], skips["dataset"], skips["skip_reason"]], schema=SKIPS)
+    found.table = good.select(SOURCES.names).cast(SOURCES)
+    known = _where(settled, pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
+    found.sidecars = pa.table([known["sidecar"], known["sidecar_stamp"], known["sidecar_lines"]], schema=SIDECARS)
+    uncaptioned = settled["rel_path"].filter(settled["uncaptioned"])
+    if len(uncaptioned) and ds.missing_caption != "skip":
         found.problems.append(
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
-            f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0]})"
+            f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0].as_py()})"
         )
     if ds.max_samples and found.table.num_rows < ds.max_samples and found.discovered:
         found.problems.append(
             f"dataset {name}: max_samples={ds.max_samples}, but only {found.table.num_rows} of its images are usable "
-            f"({len(found.skipped)} skipped); all of them are used"
+            f"({found.skips.num_rows} skipped); all of them are used"
         )
     return found
 
@@ -314,7 +236,7 @@ def discover_dataset(
     Raises FileNotFoundError or CaptionError when the dataset as a whole is unusable.
     """
     listing = list_dataset(ds, key, prefix)
-    return gather(listing, settle(listing.rows, ds, seed, usable))
+    return gather(listing, settle_table(listing.table, ds, seed, usable))
 
 
 def discover(data: DataConfig, *, seed: int = 0) -> Discovery:

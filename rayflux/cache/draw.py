@@ -15,11 +15,11 @@ settles on the driver without a single read.
 from __future__ import annotations
 
 import functools
-import json
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from rayflux import datasets, sources
+from rayflux import datasets, listing, sources
 from rayflux.cache import fit, sidecars
 from rayflux.cache.prepare import skip_reason
 from rayflux.config import JobConfig
@@ -28,66 +28,75 @@ from rayflux.models import ModelFacts
 # Images per settling task: as for preparation, hundreds, so the tasks spread over the cluster.
 _IMAGES_PER_TASK = 256
 
-_SETTLED = pa.schema(
-    [("kind", pa.string()), ("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()),
-     ("mtime_ns", pa.int64()), ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()),
-     ("uncaptioned", pa.bool_()), ("left_out", pa.int64()), ("references", pa.string()),
-     ("references_stamp", pa.string()), ("sidecar", pa.string()), ("sidecar_stamp", pa.string()),
-     ("sidecar_lines", pa.string())]
-)  # fmt: skip
+_BLOCK = sources.SETTLED.append(pa.field("left_out", pa.int64()))
+"""What a settling task returns: its settled rows (``left_out`` 0), and per capped dataset one row with only
+``dataset`` and how many usable images its local draw left out."""
 
 
-def _needs_task(ds, row: dict) -> bool:
-    """Does settling this row read anything? A row that does not settles on the driver without any read."""
-    return ds.max_samples > 0 or (bool(row.get("sidecar")) and row.get("sidecar_lines") is None)
+def _needs_task(ds, listed: pa.Table) -> pa.ChunkedArray:
+    """Which listed rows read something to settle; the others settle on the driver without any read."""
+    if ds.max_samples > 0:
+        return pa.chunked_array([pa.repeat(True, listed.num_rows)], pa.bool_())
+    return pc.and_(pc.not_equal(listed["sidecar"], ""), pc.is_null(listed["sidecar_lines"]))
 
 
 def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pixels: int) -> pa.Table:
     """Ray Data batch function: settle one block of listed rows; per capped dataset, keep only its local draw."""
-    rows = batch.to_pylist()
-    out: list[dict] = []
-    for key in sorted({r["dataset"] for r in rows}):
+    parts = [_BLOCK.empty_table()]
+    for key in sorted(set(batch["dataset"].to_pylist())):
         ds = by_key[key]
-        group = [{**r, "options": json.loads(r["options"])} for r in rows if r["dataset"] == key]
+        group = batch.filter(pc.equal(batch["dataset"], key))
         usable = functools.partial(skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels)
-        settled = sources.settle(group, ds, seed, usable if ds.max_samples else None)
+        settled = sources.settle_table(group, ds, seed, usable if ds.max_samples else None)
+        left = 0
         if ds.max_samples:
-            kept, more = sources.draw([r for r in settled if not r["skip_reason"]], ds.max_samples)
-            settled = [r for r in settled if r["skip_reason"]] + kept
-            if more:
-                out.append({"kind": "left", "dataset": key, "left_out": more})
-        out += [{**r, "kind": "row", "left_out": 0} for r in settled]
-    return pa.Table.from_pylist([{f: r.get(f) for f in _SETTLED.names} for r in out], schema=_SETTLED)
+            skipping = pc.not_equal(settled["skip_reason"], "")
+            kept, left = sources.draw_table(settled.filter(pc.invert(skipping)), ds.max_samples)
+            settled = pa.concat_tables([settled.filter(skipping), kept])
+        parts.append(settled.append_column("left_out", pa.repeat(pa.scalar(0, pa.int64()), settled.num_rows)))
+        if left:
+            parts.append(pa.Table.from_pylist([{"dataset": key, "left_out": left}], schema=_BLOCK))
+    return pa.concat_tables(parts)
 
 
 def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None) -> sources.Discovery:
     """Discover every dataset of the job, in config order: listings here, per-image reads in Ray tasks.
 
     ``previous``: the manifest of the newest committed generation of the cache key, whose caption files listed
-    unchanged are not read again."""
+    unchanged are not read again. The driver holds the images as Arrow throughout: listed tables, slices of them
+    for the tasks, settled blocks concatenated."""
     import ray.data
 
     from rayflux.cache.stage import bucket_specs
 
     data = cfg.data
     prefix = datasets.prefixes_paths(data)
-    listings = [sources.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
+    listings = [listing.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
     if any(ls.ds.caption_strategy == "sidecar" for ls in listings):
         table = sidecars.known(previous)
         for ls in listings:
-            sidecars.attach(ls.rows, table)
+            ls.table = sidecars.attach(ls.table, table)
         del table
-    # Rows that need no read settle here; the others travel to the tasks as Arrow blocks, and the listing's own
-    # rows are dropped before the settled ones come back (the driver never holds both).
-    here = {ls.key: sources.settle([r for r in ls.rows if not _needs_task(ls.ds, r)], ls.ds, seed) for ls in listings}
-    blocks = _blocks([row for ls in listings for row in ls.rows if _needs_task(ls.ds, row)])
+    # Rows that need no read settle here, a bounded chunk at a time; the others travel to the tasks as Arrow
+    # slices, and the listing's own table is dropped before the settled ones come back.
+    here, remote = {}, []
     for ls in listings:
-        ls.rows = []
-    settled: dict[str, list[dict]] = {ls.key: [] for ls in listings}
-    left_out = dict.fromkeys(settled, 0)
-    if blocks:
+        needs = _needs_task(ls.ds, ls.table)
+        # No copy when every row goes one way (a first build: all to tasks; a rerun: all here).
+        n = pc.sum(needs).as_py() or 0
+        mine = ls.table if n == ls.table.num_rows else ls.table.filter(needs)
+        rest = ls.table if n == 0 else ls.table.filter(pc.invert(needs))
+        here[ls.key] = sources.settle_table(rest if n < ls.table.num_rows else rest.slice(0, 0), ls.ds, seed)
+        remote.append(mine if n else mine.slice(0, 0))
+        ls.table = listing.LISTED.empty_table()
+        del needs, mine, rest
+    remote = pa.concat_tables(remote)
+    settled: list[pa.Table] = [sources.SETTLED.empty_table()]
+    left_out = dict.fromkeys(here, 0)
+    if remote.num_rows:
+        blocks = [remote.slice(i, _IMAGES_PER_TASK) for i in range(0, remote.num_rows, _IMAGES_PER_TASK)]
         ds = ray.data.from_arrow(blocks)
-        del blocks
+        del blocks, remote
         ds = ds.map_batches(
             _settle_block,
             fn_kwargs={"by_key": {ls.key: ls.ds for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
@@ -96,29 +105,14 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         )  # fmt: skip
         ds.set_name(f"discover-s{seed}")
         for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            for r in block.to_pylist():
-                if r["kind"] == "left":
-                    left_out[r["dataset"]] += r["left_out"]
-                else:
-                    settled[r["dataset"]].append(r)
+            counts = pc.is_null(block["uri"])
+            for row in block.filter(counts).select(["dataset", "left_out"]).to_pylist():  # one per capped dataset
+                left_out[row["dataset"]] += row["left_out"]
+            settled.append(block.filter(pc.invert(counts)).drop_columns(["left_out"]))
+    settled_all = pa.concat_tables(settled)
+    del settled
     found = sources.Discovery()
     for ls in listings:
-        found.extend(sources.gather(ls, settled.pop(ls.key) + here.pop(ls.key), left_out[ls.key]))
+        mine = settled_all if len(listings) == 1 else settled_all.filter(pc.equal(settled_all["dataset"], ls.key))
+        found.extend(sources.gather(ls, pa.concat_tables([mine, here.pop(ls.key)]), left_out[ls.key]))
     return found
-
-
-_LISTED = [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
-           ("dataset", pa.string()), ("file_name", pa.string()), ("sidecar", pa.string()),
-           ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string()), ("references", pa.string()),
-           ("references_stamp", pa.string()), ("missing_reference", pa.string())]  # fmt: skip
-
-
-def _blocks(rows: list[dict]) -> list[pa.Table]:
-    """Listed rows as Arrow blocks of ``_IMAGES_PER_TASK`` rows (``options`` as JSON): one settling task each."""
-    out = []
-    for i in range(0, len(rows), _IMAGES_PER_TASK):
-        part = rows[i : i + _IMAGES_PER_TASK]
-        cols = {name: pa.array([r.get(name) for r in part], t) for name, t in _LISTED}
-        cols["options"] = pa.array([json.dumps(r.get("options", [])) for r in part], pa.string())
-        out.append(pa.table(cols))
-    return out

@@ -20,6 +20,7 @@ import os
 import tempfile
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayflux import sources
@@ -28,27 +29,24 @@ from rayflux.cache import index
 PATH = "index/sidecars.parquet"
 
 
-def known(manifest: dict | None) -> dict[str, tuple[str, str]]:
-    """Caption-file path -> (stamp, lines as JSON) from a committed generation's table; empty when it has none."""
+def known(manifest: dict | None) -> pa.Table:
+    """A committed generation's table (:data:`rayflux.sources.SIDECARS` rows); empty when it has none."""
     if not (manifest or {}).get("index", {}).get("sidecars"):
-        return {}
-    table = index.read(manifest, "sidecars", columns=sources.SIDECARS.names)
-    return {p: (st, lines) for p, st, lines in zip(*(table[c].to_pylist() for c in sources.SIDECARS.names))}
+        return sources.SIDECARS.empty_table()
+    return index.read(manifest, "sidecars", columns=sources.SIDECARS.names).cast(sources.SIDECARS)
 
 
-def attach(rows: list[dict], table: dict[str, tuple[str, str]]) -> int:
-    """Give each listed row whose caption file is unchanged its known lines (``sidecar_lines``), so settling does not
-    read it. Returns how many rows got them."""
-    n = 0
-    for row in rows:
-        path = row.get("sidecar")
-        if not path or path not in table:
-            continue
-        stamp, lines = table[path]
-        if stamp == row["sidecar_stamp"] and not stamp.endswith(":0"):
-            row["sidecar_lines"] = lines
-            n += 1
-    return n
+def attach(listed: pa.Table, table: pa.Table) -> pa.Table:
+    """The listed rows (:data:`rayflux.listing.LISTED`) with ``sidecar_lines`` set where the caption file is listed
+    unchanged in ``table`` (same path and ``size:mtime``, the mtime known), so settling does not read it."""
+    if not table.num_rows or not listed.num_rows:
+        return listed
+    at = pc.index_in(listed["sidecar"], value_set=table["path"].combine_chunks())
+    stamp = pc.take(table["stamp"], at)
+    same = pc.and_(pc.equal(stamp, listed["sidecar_stamp"]), pc.invert(pc.ends_with(stamp, ":0")))
+    same = pc.and_(pc.fill_null(same, False), pc.not_equal(listed["sidecar"], ""))
+    lines = pc.if_else(same, pc.take(table["lines"], at), listed["sidecar_lines"])
+    return listed.set_column(listed.schema.get_field_index("sidecar_lines"), "sidecar_lines", lines)
 
 
 def write(gen_dir: str, table: pa.Table) -> dict:

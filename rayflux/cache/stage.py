@@ -267,8 +267,8 @@ def build_generation(
     ``previous`` is the committed manifest of an earlier generation of the same cache key: whatever it already
     holds is referenced instead of encoded and written again.
     """
-    if cfg.cache.strict and discovery.skipped:
-        first = discovery.skipped[0]
+    if cfg.cache.strict and discovery.skips.num_rows:
+        first = discovery.skips.slice(0, 1).to_pylist()[0]
         raise BadInputError(f"cache.strict: {first['source_uri']}: {first['reason']}")
     spec = bucket_spec(cfg, facts)  # a bad knob fails here, before any Ray work
     specs = bucket_specs(cfg, facts)
@@ -361,6 +361,7 @@ def inputs_signature(discovery: Discovery) -> str:
         for s in batch.to_pylist():
             refs = f"|{','.join(s['references'])}|{s['references_stamp']}" if s["references"] else ""
             h.update(f"{s['rel_path']}|{s['size']}|{s['mtime_ns']}|{s['caption']}{refs}\n".encode())
-    for s in discovery.skipped:
-        h.update(f"skip|{s['source_uri']}|{s['reason']}\n".encode())
+    for batch in discovery.skips.to_batches(max_chunksize=4096):
+        for s in batch.to_pylist():
+            h.update(f"skip|{s['source_uri']}|{s['reason']}\n".encode())
     return h.hexdigest()[:16]

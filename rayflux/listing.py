@@ -1,0 +1,213 @@
+"""List a dataset into Arrow: one row per image with what its caption will come from, no caption file read yet.
+
+The listing is columnar from the start: each listed folder becomes an Arrow table inside the thread that listed it
+(pyarrow's ``FileInfo`` objects live only while their folder is converted), and matching images to caption files,
+hidden files, extensions and orphans are Arrow compute over whole columns. Nothing here builds a Python object per
+image, except for edit pairs and metadata captions, which map one image at a time in bounded chunks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from rayflux import captions, datasets, edit_pairs, storage
+from rayflux.config import DatasetConfig
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+_READERS = 32  # concurrent listings: hides object-store latency, not the request count
+_CHUNK = 4096  # rows mapped through Python at a time where a value needs Python (edit pairs, metadata captions)
+
+LISTED = pa.schema(
+    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+     ("dataset", pa.string()), ("file_name", pa.string()), ("sidecar", pa.string()), ("sidecar_stamp", pa.string()),
+     ("sidecar_lines", pa.string()), ("options", pa.list_(pa.string())), ("references", pa.list_(pa.string())),
+     ("references_stamp", pa.string()), ("missing_reference", pa.string())]
+)  # fmt: skip
+"""A listed image: its URI, path under the dataset root (prefixed by the dataset's key when the job lists several),
+size and mtime, ``file_name``; either its caption file (``sidecar``, "" when none, with the ``size:mtime`` stamp
+the listing gave it and, when known from the previous generation, its ``sidecar_lines``) or the caption
+``options`` of the other strategies; edit pairs' references (``missing_reference``: why they cannot be found)."""
+
+_STRINGS = pa.list_(pa.string())
+_REFERENCES = pa.struct([("r", _STRINGS), ("s", pa.string()), ("m", pa.string())])
+_FILES = pa.schema([("path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64())])
+
+
+@dataclass
+class Listing:
+    """One dataset listed: a :data:`LISTED` row per image, in path order, and what the listing found."""
+
+    ds: DatasetConfig
+    key: str
+    table: pa.Table = field(default_factory=LISTED.empty_table)
+    problems: list[str] = field(default_factory=list)
+
+
+def _arrow(infos: list[pafs.FileInfo]) -> pa.Table:
+    files = [e for e in infos if e.type == pafs.FileType.File]
+    return pa.table([[e.path for e in files], [e.size or 0 for e in files], [e.mtime_ns or 0 for e in files]],
+                    schema=_FILES)  # fmt: skip
+
+
+def files(fs: pafs.FileSystem, root: str) -> pa.Table:
+    """Every file under ``root`` (path, size, mtime_ns), sorted by path: the top level, then each subfolder listed
+    recursively, concurrently (an object store lists a page of keys per request, so one folder per thread spreads
+    the pages), each turned into Arrow by the thread that listed it."""
+    top = fs.get_file_info(pafs.FileSelector(root))
+    subdirs = [e.path for e in top if e.type == pafs.FileType.Directory]
+    parts = [_arrow(top)]
+    del top
+
+    def below(path: str) -> pa.Table:
+        return _arrow(fs.get_file_info(pafs.FileSelector(path, recursive=True)))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_READERS) as pool:
+        parts += pool.map(below, subdirs)
+    return pa.concat_tables(parts).sort_by("path")
+
+
+def stamps(table: pa.Table) -> pa.ChunkedArray:
+    """``size:mtime`` per file: the cheap change detector of caption files and references."""
+    return pc.binary_join_element_wise(pc.cast(table["size"], pa.string()), pc.cast(table["mtime_ns"], pa.string()),
+                                       ":")  # fmt: skip
+
+
+def per_row(values: pa.ChunkedArray, fn: Callable, type_: pa.DataType) -> pa.ChunkedArray:
+    """``fn`` of each value, through Python a bounded chunk at a time."""
+    parts = [pa.array([fn(v) for v in values.slice(i, _CHUNK).to_pylist()], type_)
+             for i in range(0, len(values), _CHUNK)]  # fmt: skip
+    return pa.chunked_array(parts, type_)
+
+
+def _repeat(value: str, n: int) -> pa.Array:
+    return pa.repeat(pa.scalar(value, pa.string()), n)
+
+
+def _lists(n: int, items: list[str]) -> pa.Array:
+    """``n`` copies of the same short list of strings (empty or one item), built without a Python list per row."""
+    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * len(items))
+    values = pa.repeat(pa.scalar(items[0] if items else "", pa.string()), n * len(items))
+    return pa.ListArray.from_arrays(offsets, values)
+
+
+def _check_case(table: pa.Table, lower: pa.ChunkedArray, base: str, ds: DatasetConfig) -> None:
+    """Two files that differ only by case are refused: case-insensitive sidecar matching could not tell their captions
+    apart, and copied to a case-insensitive disk they would overwrite each other."""
+    counts = pc.value_counts(lower)
+    twice = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+    if not len(twice):
+        return
+    first: dict[str, str] = {}
+    for path in table.filter(pc.is_in(lower, value_set=twice))["path"].to_pylist():  # in path order
+        other = first.setdefault(path.lower(), path)
+        if other != path:
+            names = f"{other[len(base) :]} and {path[len(base) :]}"
+            raise captions.CaptionError(f"dataset {datasets.label(ds)}: {names} differ only by case; rename one")
+
+
+def _pairing(ds: DatasetConfig, metadata, table: pa.Table, base: str) -> edit_pairs.Pairing:
+    """The dataset's edit pairing: ``reference_dir`` listed once (concurrently, like ``images_dir``)."""
+    if not (ds.reference_dir or ds.reference_column):
+        return edit_pairs.Pairing(ds)
+    refs: dict[str, str] = {}
+    if ds.reference_dir:
+        fs, root = storage.resolve(ds.reference_dir)
+        if fs.get_file_info(root).type != pafs.FileType.Directory:
+            name = datasets.label(ds)
+            raise FileNotFoundError(f"reference_dir {ds.reference_dir!r} is not a directory (dataset {name})")
+        listed = files(fs, root)
+        prefix = root.rstrip("/") + "/"
+        for path, stamp in zip(listed["path"].to_pylist(), stamps(listed).to_pylist()):
+            rel_ref = path[len(prefix) :]
+            if not _hidden(rel_ref) and rel_ref.lower().endswith(IMAGE_EXTENSIONS):
+                refs[rel_ref] = stamp
+    named = metadata.references if metadata else {}
+    inside = table.filter(pc.starts_with(table["path"], base))
+    own = {p[len(base) :]: st for p, st in zip(inside["path"].to_pylist(), stamps(inside).to_pylist())}
+    return edit_pairs.pairing(ds, refs, named, own)
+
+
+def _hidden(rel: str) -> bool:
+    return any(part.startswith(".") for part in rel.split("/"))
+
+
+def _image_mask(rel: pa.ChunkedArray, name: pa.ChunkedArray, excluded: set[str]) -> pa.ChunkedArray:
+    """Images: not hidden (no path part starting with a dot), an image extension in any case, not a reference."""
+    ext = "|".join(re.escape(e) for e in IMAGE_EXTENSIONS)
+    mask = pc.and_(pc.invert(pc.match_substring_regex(rel, r"(^|/)\.")),
+                   pc.match_substring_regex(pc.utf8_lower(name), f"({ext})$"))  # fmt: skip
+    if excluded:
+        mask = pc.and_(mask, pc.invert(pc.is_in(rel, value_set=pa.array(sorted(excluded), pa.string()))))
+    return mask
+
+
+def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> Listing:
+    """List every image under ``ds.images_dir`` (recursively, sorted) with what its caption will come from.
+
+    Only listings (and a metadata table) are read here: caption files are read by :func:`rayflux.sources.settle`,
+    which the cache stage runs inside its preparation tasks. Raises FileNotFoundError or CaptionError when the
+    dataset as a whole is unusable.
+    """
+    fs, root = storage.resolve(ds.images_dir)
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        raise FileNotFoundError(f"images_dir {ds.images_dir!r} is not a directory (dataset {datasets.label(ds)})")
+    listed = files(fs, root)
+    base = root.rstrip("/") + "/"
+    paths = listed["path"]
+    lower = pc.utf8_lower(paths)
+    _check_case(listed, lower, base, ds)
+    rel = pc.if_else(pc.starts_with(paths, base), pc.utf8_slice_codeunits(paths, len(base)), paths)
+    name = pc.replace_substring_regex(rel, r"^.*/", "")
+    metadata = None
+    if ds.caption_strategy == "metadata":
+        # The table's rows are checked against every listed file: a set of paths while it is read (a metadata
+        # dataset's captions are a Python dict per image anyway, see captions.MetadataIndex).
+        metadata = captions.load_metadata(fs, root, set(paths.to_pylist()), ds)
+    label = datasets.label(ds)
+    out = Listing(ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])])
+    pairs = _pairing(ds, metadata, listed, base)
+    mask = _image_mask(rel, name, pairs.reference_only())
+    images, rel, name = listed.filter(mask), rel.filter(mask), name.filter(mask)
+    n = images.num_rows
+    # An image's stem, lower-cased: IMG_0001.PNG takes IMG_0001.TXT (caption extensions match in any case too).
+    stem = pc.utf8_lower(pc.replace_substring_regex(images["path"], r"\.[^.]*$", ""))
+    cols = {
+        "uri": pc.binary_join_element_wise(storage.join(ds.images_dir, "x")[:-1], rel, ""),
+        "rel_path": pc.binary_join_element_wise(f"{key}/", rel, "") if prefix else rel,
+        "size": images["size"], "mtime_ns": images["mtime_ns"], "dataset": _repeat(key, n), "file_name": name,
+        "sidecar": _repeat("", n), "sidecar_stamp": _repeat("", n), "sidecar_lines": pa.nulls(n, pa.string()),
+    }  # fmt: skip
+    if ds.caption_strategy == "sidecar":
+        ext = ds.caption_ext.lower()
+        at = pc.index_in(pc.binary_join_element_wise(stem, ext, ""), value_set=lower.combine_chunks())
+        cols["sidecar"] = pc.fill_null(pc.take(paths, at), "")
+        cols["sidecar_stamp"] = pc.fill_null(pc.take(stamps(listed), at), "")
+        is_caption = pc.ends_with(lower, ext)
+        bare = pc.utf8_slice_codeunits(lower.filter(is_caption), 0, -len(ext))
+        orphans = paths.filter(is_caption).filter(pc.invert(pc.is_in(bare, value_set=stem.combine_chunks())))
+        problem = f"dataset {label}: caption file without an image: "
+        out.problems += [problem + p[len(base) :] for p in orphans.to_pylist()]
+    if ds.caption_strategy == "metadata":
+        cols["options"] = per_row(rel, lambda r: list(metadata.captions.get(r, [])), _STRINGS)
+    elif ds.caption_strategy == "filename":
+        cols["options"] = per_row(name, lambda f: [captions.from_filename(f)], _STRINGS)
+    else:
+        cols["options"] = _lists(n, [] if ds.caption_strategy == "sidecar" else [ds.instance_prompt])
+    # Edit pairs: the references travel with the row; a missing one makes the row a recorded skip when settled.
+    if pairs.active:
+        found = per_row(rel, lambda r: dict(zip(("r", "s", "m"), pairs.references(r))), _REFERENCES).combine_chunks()
+        cols.update(references=found.field("r"), references_stamp=found.field("s"), missing_reference=found.field("m"))
+    else:
+        cols.update(references=_lists(n, []), references_stamp=_repeat("", n), missing_reference=_repeat("", n))
+    out.table = pa.table(cols, schema=LISTED)
+    if not n:
+        out.problems.append(f"dataset {label}: no images ({', '.join(IMAGE_EXTENSIONS)}) under {ds.images_dir}")
+    return out
