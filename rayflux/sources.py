@@ -117,16 +117,6 @@ def rank(rel_path: str) -> bytes:
     return hashlib.sha256(rel_path.encode()).digest()
 
 
-def draw(rows: list[dict], k: int) -> tuple[list[dict], int]:
-    """The ``k`` usable rows of lowest :func:`rank` and how many usable rows were left out.
-
-    Applied to any part of a dataset it keeps a superset of that part's share of the whole draw, so preparation
-    tasks draw locally and the driver draws again among what they kept: the same result as one draw over all.
-    """
-    ranked = sorted(rows, key=lambda r: rank(r["rel_path"]))
-    return ranked[:k], max(len(ranked) - k, 0)
-
-
 def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dict], str] | None = None) -> list[dict]:
     """Resolve listed rows: read their caption files (concurrently: on an object store each is a round trip),
     apply the missing-caption policy and pick one caption per image. Each row comes back with ``caption``,
@@ -177,8 +167,12 @@ def settle_table(
     return pa.concat_tables(parts)
 
 
-def draw_table(table: pa.Table, k: int) -> tuple[pa.Table, int]:
-    """:func:`draw` over Arrow rows: the ``k`` of lowest :func:`rank` (in their order) and how many were left out."""
+def draw(table: pa.Table, k: int) -> tuple[pa.Table, int]:
+    """The ``k`` usable rows of lowest :func:`rank` (in their order) and how many usable rows were left out.
+
+    Applied to any part of a dataset it keeps a superset of that part's share of the whole draw, so preparation
+    tasks draw locally and the driver draws again among what they kept: the same result as one draw over all.
+    """
     if table.num_rows <= k:
         return table, 0
     ranks = [rank(p) for p in table["rel_path"].to_pylist()]
@@ -186,7 +180,7 @@ def draw_table(table: pa.Table, k: int) -> tuple[pa.Table, int]:
     return table.take(pa.array(kept, pa.int64())), table.num_rows - k
 
 
-def _where(table: pa.Table, mask) -> pa.Table:
+def where(table: pa.Table, mask) -> pa.Table:
     """``table.filter(mask)``, without a copy when every row is kept."""
     return table if pc.all(mask).as_py() in (True, None) else table.filter(mask)
 
@@ -203,15 +197,15 @@ def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
         settled = settled.sort_by("rel_path")
     del paths
     skipping = pc.not_equal(settled["skip_reason"], "")
-    good = _where(settled, pc.invert(skipping))
+    good = where(settled, pc.invert(skipping))
     if ds.max_samples:
-        good, more = draw_table(good, ds.max_samples)
+        good, more = draw(good, ds.max_samples)
         if more + left_out:
             found.unsampled[name] = more + left_out
-    skips = _where(settled, skipping)
+    skips = where(settled, skipping)
     found.skips = pa.table([skips["uri"], skips["dataset"], skips["skip_reason"]], schema=SKIPS)
     found.table = good.select(SOURCES.names).cast(SOURCES)
-    known = _where(settled, pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
+    known = where(settled, pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
     found.sidecars = pa.table([known["sidecar"], known["sidecar_stamp"], known["sidecar_lines"]], schema=SIDECARS)
     uncaptioned = settled["rel_path"].filter(settled["uncaptioned"])
     if len(uncaptioned) and ds.missing_caption != "skip":

@@ -51,7 +51,7 @@ def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pix
         left = 0
         if ds.max_samples:
             skipping = pc.not_equal(settled["skip_reason"], "")
-            kept, left = sources.draw_table(settled.filter(pc.invert(skipping)), ds.max_samples)
+            kept, left = sources.draw(settled.filter(pc.invert(skipping)), ds.max_samples)
             settled = pa.concat_tables([settled.filter(skipping), kept])
         parts.append(settled.append_column("left_out", pa.repeat(pa.scalar(0, pa.int64()), settled.num_rows)))
         if left:
@@ -83,13 +83,10 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
     for ls in listings:
         needs = _needs_task(ls.ds, ls.table)
         # No copy when every row goes one way (a first build: all to tasks; a rerun: all here).
-        n = pc.sum(needs).as_py() or 0
-        mine = ls.table if n == ls.table.num_rows else ls.table.filter(needs)
-        rest = ls.table if n == 0 else ls.table.filter(pc.invert(needs))
-        here[ls.key] = sources.settle_table(rest if n < ls.table.num_rows else rest.slice(0, 0), ls.ds, seed)
-        remote.append(mine if n else mine.slice(0, 0))
+        here[ls.key] = sources.settle_table(sources.where(ls.table, pc.invert(needs)), ls.ds, seed)
+        remote.append(sources.where(ls.table, needs))
         ls.table = listing.LISTED.empty_table()
-        del needs, mine, rest
+        del needs
     remote = pa.concat_tables(remote)
     settled: list[pa.Table] = [sources.SETTLED.empty_table()]
     left_out = dict.fromkeys(here, 0)
