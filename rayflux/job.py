@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from rayflux import console, datasets, models, paths, progress, refresh, storage
+from rayflux import console, datasets, families, models, paths, progress, refresh, storage
 from rayflux.config import ConfigError, JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
@@ -246,7 +246,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
             paths.check_disjoint(ds.reference_dir, ref_key, **{"cache.dir": cache_root, "run.output_dir": output})
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
-    _check_edit_pairs(cfg, models.family(cfg.model))
+    _check_edit_pairs(cfg, families.by_name(facts.family))  # facts already checked the model's family
     ledger = Ledger(output, run_identity(cfg))
     summary.ledger = ledger.path
 
@@ -255,9 +255,10 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     progress.quiet_operator_bars()
     console.quiet_ray()
     summary.logs = _ray_logs_dir()
+    gpus = cluster_has_gpus()
     if only != "cache":
-        check_base_dtype(cfg, cluster_has_gpus())
-    stages = _Stages(cfg, facts, ledger, cache_root, cluster_has_gpus(), summary)
+        check_base_dtype(cfg, gpus)
+    stages = _Stages(cfg, facts, ledger, cache_root, gpus, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 
     def seg_done(seg) -> bool:
