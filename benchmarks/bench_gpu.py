@@ -34,8 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rayflux import config, plan  # noqa: E402
-from rayflux.families.flux1 import t5_length  # noqa: E402
-from rayflux.families.flux2 import TEXT_LENGTH as FLUX2_TEXT  # noqa: E402
 from rayflux.train import base_weights, step  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
@@ -84,20 +82,14 @@ def _timed(fn, n: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _flux2(tc: dict) -> bool:
-    return plan.transformer_class(tc) == "Flux2Transformer2DModel"
-
-
-def _text_tokens(tc: dict) -> int:
-    return FLUX2_TEXT if _flux2(tc) else t5_length(bool(tc.get("guidance_embeds")))
 
 
 def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> step.Batch:
     """A cached batch as the feed gives it: FLUX.1's 16-channel latents at px/8 with T5 + pooled CLIP, or FLUX.2's
     2x2-patchified latents at px/16 with its stacked ``prompt_embeds``."""
     g = torch.Generator().manual_seed(seed)
-    text, width = _text_tokens(tc), tc["joint_attention_dim"]
-    if _flux2(tc):
+    text, width = plan.default_text_tokens(tc), tc["joint_attention_dim"]
+    if plan.is_flux2(tc):
         latents = torch.randn(size, tc["in_channels"], px // 16, px // 16, generator=g)
         return step.Batch(latents, {"prompt_embeds": torch.randn(size, text, width, generator=g)}, seed)
     latents = torch.randn(size, tc["in_channels"] // 4, px // 8, px // 8, generator=g)
@@ -181,7 +173,7 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
             continue
         trainable = sum(p.numel() for p in trainer.params)
         frozen = sum(p.numel() for p in trainer.transformer.parameters()) - trainable
-        flops = model_flops(frozen, trainable, plan.tokens(px, _text_tokens(tc)), ckpt) * batch
+        flops = model_flops(frozen, trainable, plan.tokens(px, plan.default_text_tokens(tc)), ckpt) * batch
         row.update({
             "steps_per_s": round(1 / seconds, 3), "samples_per_s": round(batch / seconds, 3),
             "peak_gib": round(torch.cuda.max_memory_allocated(device) / plan.GIB, 1) if device.type == "cuda" else None,

@@ -110,8 +110,15 @@ def transformer_class(tc: dict) -> str:
     return name
 
 
-def _flux2(tc: dict) -> bool:
+def is_flux2(tc: dict) -> bool:
     return transformer_class(tc) == "Flux2Transformer2DModel"
+
+
+def default_text_tokens(tc: dict) -> int:
+    """The text length the family's pipeline pads to, from the transformer config alone (no ``model.path``)."""
+    from rayflux.families.flux2 import TEXT_LENGTH
+
+    return TEXT_LENGTH if is_flux2(tc) else t5_length(bool(tc.get("guidance_embeds")))
 
 
 def _widths(tc: dict) -> tuple[int, int]:
@@ -122,7 +129,7 @@ def _widths(tc: dict) -> tuple[int, int]:
 def per_token_elements(tc: dict, checkpointing: bool) -> int:
     """Activation elements kept per token for one sample, summed over all blocks (see the module docstring)."""
     h, m = _widths(tc)
-    double, single = (11 * h + 3 * m, 9 * h + 4 * m) if _flux2(tc) else (11 * h + 2 * m, 9 * h + 3 * m)
+    double, single = (11 * h + 3 * m, 9 * h + 4 * m) if is_flux2(tc) else (11 * h + 2 * m, 9 * h + 3 * m)
     if checkpointing:
         return (tc["num_layers"] + tc["num_single_layers"]) * h + max(double, single)
     return tc["num_layers"] * double + tc["num_single_layers"] * single
@@ -209,11 +216,10 @@ def _gib(n: int) -> str:
 def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) -> list[str]:
     """The plan's lines: parameters per preset, memory at 512 and 1024 px, batch 1-4, then per GPU for each
     base_sharding x base_dtype option. ``model``: a :data:`BUILT_IN` config instead of the job's model."""
-    from rayflux.families.flux2 import TEXT_LENGTH as FLUX2_TEXT
 
     tc, name = transformer_config(cfg, model)
     t = cfg.train
-    text = (FLUX2_TEXT if _flux2(tc) else FLUX1_DEV_TEXT_TOKENS) if model else text_tokens(cfg)
+    text = default_text_tokens(tc) if model else text_tokens(cfg)
     float_bytes = 4 if cfg.model.dtype == "float32" else 2
     lines = [f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
              f"width {_widths(tc)[0]}, {text} text tokens; LoRA rank {t.rank}"]  # fmt: skip
