@@ -18,12 +18,18 @@ from the server's own log:
 Per phase, the driver's peak RSS within the phase (``VmHWM``, reset when the phase starts) and how far it rose above
 the RSS the phase started with (what the upload and earlier phases left is not the phase's own), and, unless
 ``--no-heap``, the peak of its own Python allocations above what it held before (``tracemalloc``, which itself costs
-memory per allocation: run the RSS slope with ``--no-heap``). The request log is streamed, never held, so counting does not
-grow the driver with N. Results go to stdout as JSON lines.
+memory per allocation: run the RSS slope with ``--no-heap``). The request log is streamed, never held, so counting
+does not grow the driver with N. Results go to stdout as JSON lines.
+
+Several ``--images`` values with ``--discover-only`` measure the driver's discovery RSS slope per image: each N (and
+each of ``--repeats``) runs in a fresh process, and a least-squares line through all points gives the slope and its
+standard error; ``--local`` puts the images in a local folder instead (large N without the upload).
 
     python benchmarks/bench_scale.py --images 500 --variant sidecar
     python benchmarks/bench_scale.py --images 500 --variant metadata
     python benchmarks/bench_scale.py --images 20000 --batch-size 32
+    python benchmarks/bench_scale.py --discover-only --local --images 2000 10000 40000 --repeats 3
+    python benchmarks/bench_scale.py --discover-only --local --per-folder 100 --images 4000 16000 40000 --repeats 3
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ class Server:
         os.unlink(self.log_path)
 
 
-def _put_images(bucket: str, n: int, variant: str) -> None:
+def _put_images(bucket: str, n: int, variant: str, per_folder: int = 1000) -> None:
     """N small PNGs (4 sizes, so several buckets), each with its own caption, written straight to the bucket."""
     import io
 
@@ -112,7 +118,7 @@ def _put_images(bucket: str, n: int, variant: str) -> None:
         img = Image.new("RGB", sizes[k % 4], ((k * 53) % 256, (k * 97) % 256, (k * 29) % 256))
         buf = io.BytesIO()
         img.save(buf, "PNG")
-        name = f"{k // 1000:03d}/img{k:06d}.png"
+        name = f"{k // per_folder:04d}/img{k:06d}.png"
         caption = f"photo {k} of a square, shade {k % 256}"
         with fs.open_output_stream(f"{bucket[5:]}/images/{name}") as f:
             f.write(buf.getvalue())
@@ -155,7 +161,12 @@ def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=500)
+    parser.add_argument("--images", type=int, nargs="+", default=[500],
+                        help="N; several values (with --discover-only) measure the driver's RSS slope per image")
+    parser.add_argument("--repeats", type=int, default=1, help="with several --images: fresh runs per N")
+    parser.add_argument("--per-folder", type=int, default=1000, help="images per folder")
+    parser.add_argument("--local", action="store_true",
+                        help="with --discover-only: images in a local folder instead of the S3 server (large N fast)")
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
     parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
@@ -164,6 +175,22 @@ def main(argv=None) -> None:
     parser.add_argument("--kill-at", type=float, default=0.7,
                         help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
     args = parser.parse_args(argv)
+    if len(args.images) > 1 or args.repeats > 1:
+        if not args.discover_only:
+            parser.error("several --images or --repeats measure discovery only: add --discover-only")
+        _slope(args)
+        return
+    args.images = args.images[0]
+    if args.local:
+        if not args.discover_only:
+            parser.error("--local runs discovery only: add --discover-only")
+        try:
+            _run(None, args)
+        finally:
+            import ray
+
+            ray.shutdown()
+        return
     server = Server()
     try:
         _run(server, args)
@@ -174,7 +201,60 @@ def main(argv=None) -> None:
         server.stop()
 
 
-def _run(server: Server, args) -> None:
+def _slope(args) -> None:
+    """The driver's discovery RSS growth per image: each (N, repeat) in a fresh process (the allocator keeps what
+    an earlier run freed, so one process cannot measure several N), then a least-squares line through all points.
+    The spread is the slope's standard error; each repeat's own slope (over all N) shows it too."""
+    import statistics
+
+    points: list[tuple[int, int, float]] = []
+    for rep in range(args.repeats):
+        for n in args.images:
+            cmd = [sys.executable, __file__, "--discover-only", "--no-heap", "--images", str(n),
+                   "--per-folder", str(args.per_folder)]  # fmt: skip
+            out = subprocess.run(cmd + (["--local"] if args.local else []), capture_output=True, text=True, check=True)
+            rec = next(json.loads(line) for line in out.stdout.splitlines() if '"phase": "discover"' in line)
+            points.append((rep, n, rec["driver_phase_rss_growth_mb"]))
+            print(json.dumps({"phase": "discover-point", "repeat": rep, "images": n, "seconds": rec["seconds"],
+                              "driver_phase_rss_growth_mb": rec["driver_phase_rss_growth_mb"]}), flush=True)
+
+    def fit(pts) -> tuple[float, float, float]:  # (KB per image, its standard error, MB at N = 0)
+        xs, ys = [p[1] for p in pts], [p[2] * 1024 for p in pts]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        a = my - b * mx
+        dof = len(pts) - 2
+        se = (sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / dof / sxx) ** 0.5 if dof > 0 else float("nan")
+        return b, se, a / 1024
+
+    b, se, a = fit(points)
+    each = [round(fit([p for p in points if p[0] == r])[0], 3) for r in range(args.repeats)]
+    print(json.dumps({"phase": "discover-slope", "where": "local" if args.local else "s3", "images": args.images,
+                      "per_folder": args.per_folder,
+                      "repeats": args.repeats, "kb_per_image": round(b, 3), "stderr_kb": round(se, 3),
+                      "per_repeat_kb": each, "intercept_mb": round(a, 1),
+                      "at_10m_gb": round(b * 10_000_000 / 2**20, 2)}), flush=True)  # fmt: skip
+
+
+def _put_local(root: str, n: int, per_folder: int = 1000) -> None:
+    """The same images and sidecar captions as :func:`_put_images`, in a local folder."""
+    import io
+
+    from PIL import Image
+
+    sizes = [(64, 64), (96, 64), (64, 96), (80, 80)]
+    for k in range(n):
+        img = Image.new("RGB", sizes[k % 4], ((k * 53) % 256, (k * 97) % 256, (k * 29) % 256))
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        path = Path(root, "images", f"{k // per_folder:04d}", f"img{k:06d}.png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(buf.getvalue())
+        path.with_suffix(".txt").write_text(f"photo {k} of a square, shade {k % 256}")
+
+
+def _run(server: Server | None, args) -> None:
     import ray
 
     from rayflux import config, job, models, progress
@@ -184,9 +264,14 @@ def _run(server: Server, args) -> None:
 
     n, bucket = args.images, f"s3://bench-{args.variant}-{os.getpid()}"
     t0 = time.perf_counter()
-    _put_images(bucket, n, args.variant)
+    if server is None:
+        local = tempfile.TemporaryDirectory(prefix="bench-scale-")
+        bucket = local.name
+        _put_local(bucket, n, args.per_folder)
+    else:
+        _put_images(bucket, n, args.variant, args.per_folder)
     setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1),
-             "requests": sum(1 for _ in server.requests())}  # fmt: skip
+             "requests": sum(1 for _ in server.requests()) if server else 0}  # fmt: skip
     print(json.dumps(setup), flush=True)
     sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", f"run.output_dir={bucket}/run",
             "data.resolution=64", "data.crop=center", "train.epochs=1", f"train.batch_size={args.batch_size}",
@@ -204,7 +289,7 @@ def _run(server: Server, args) -> None:
         tracemalloc.start()
 
     def phase(name: str, fn, prefix: str = f"/{bucket[5:]}"):
-        since = server.mark()
+        since = server.mark() if server else 0
         t = time.perf_counter()
         tracemalloc.reset_peak()
         held = tracemalloc.get_traced_memory()[0]
@@ -213,7 +298,7 @@ def _run(server: Server, args) -> None:
         out = fn()
         seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
         peak = _status_mb("VmHWM")
-        total, by = _count(server, since, prefix)
+        total, by = _count(server, since, prefix) if server else (0, {})
         rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
                "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
                "driver_phase_peak_rss_mb": round(peak, 1), "driver_phase_rss_growth_mb": round(peak - at_start, 1),
@@ -224,6 +309,8 @@ def _run(server: Server, args) -> None:
     facts = models.model_facts(cfg.model)
     phase("discover", lambda: draw.discover(cfg, facts, cfg.cache.seed))
     if args.discover_only:
+        if server is None:
+            local.cleanup()
         return
     first, _ = phase("cache", lambda: job.run(cfg, only="cache"))
     phase("rerun", lambda: job.run(cfg, only="cache"))

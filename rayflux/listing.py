@@ -26,15 +26,16 @@ _READERS = 32  # concurrent listings: hides object-store latency, not the reques
 _CHUNK = 4096  # rows mapped through Python at a time where a value needs Python (edit pairs, metadata captions)
 
 LISTED = pa.schema(
-    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
-     ("dataset", pa.string()), ("file_name", pa.string()), ("sidecar", pa.string()), ("sidecar_stamp", pa.string()),
-     ("sidecar_lines", pa.string()), ("options", pa.list_(pa.string())), ("references", pa.list_(pa.string())),
-     ("references_stamp", pa.string()), ("missing_reference", pa.string())]
+    [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()), ("dataset", pa.string()),
+     ("sidecar", pa.string()), ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string()),
+     ("options", pa.list_(pa.string())), ("references", pa.list_(pa.string())), ("references_stamp", pa.string()),
+     ("missing_reference", pa.string())]
 )  # fmt: skip
-"""A listed image: its URI, path under the dataset root (prefixed by the dataset's key when the job lists several),
-size and mtime, ``file_name``; either its caption file (``sidecar``, "" when none, with the ``size:mtime`` stamp
-the listing gave it and, when known from the previous generation, its ``sidecar_lines``) or the caption
-``options`` of the other strategies; edit pairs' references (``missing_reference``: why they cannot be found)."""
+"""A listed image: its path under the dataset root (prefixed by the dataset's key when the job lists several),
+size and mtime; either its caption file (``sidecar``, "" when none, with the ``size:mtime`` stamp the listing gave
+it and, when known from the previous generation, its ``sidecar_lines``) or the caption ``options`` of the other
+strategies; edit pairs' references (``missing_reference``: why they cannot be found). The image's URI and file name
+are not columns: both follow from the relative path (:func:`uris`), and the driver holds every listed row."""
 
 _STRINGS = pa.list_(pa.string())
 _REFERENCES = pa.struct([("r", _STRINGS), ("s", pa.string()), ("m", pa.string())])
@@ -49,29 +50,58 @@ class Listing:
     key: str
     table: pa.Table = field(default_factory=LISTED.empty_table)
     problems: list[str] = field(default_factory=list)
+    prefixed: bool = False
+    """Relative paths start with ``key/`` (see :func:`list_dataset`)."""
+
+    def uris(self, rel_path) -> pa.ChunkedArray:
+        """The images' URIs from their ``rel_path`` values: the dataset's root, then the path under it."""
+        rel = pc.utf8_slice_codeunits(rel_path, len(self.key) + 1) if self.prefixed else rel_path
+        return pc.binary_join_element_wise(storage.join(self.ds.images_dir, "x")[:-1], rel, "")
+
+    def with_uris(self, table: pa.Table) -> pa.Table:
+        """``table`` (with ``rel_path``) and a ``uri`` column: for the few steps that open the image itself."""
+        return table.append_column("uri", self.uris(table["rel_path"]))
 
 
 def _arrow(infos: list[pafs.FileInfo]) -> pa.Table:
-    files = [e for e in infos if e.type == pafs.FileType.File]
-    return pa.table([[e.path for e in files], [e.size or 0 for e in files], [e.mtime_ns or 0 for e in files]],
-                    schema=_FILES)  # fmt: skip
+    """One folder's listing as Arrow, converted a chunk at a time from the list's end, each chunk's ``FileInfo``
+    objects released as soon as they are converted (the whole list and three Python lists beside it would cost about
+    600 bytes per file; the rows are sorted later anyway)."""
+    parts = [_FILES.empty_table()]
+    while infos:
+        chunk = [e for e in infos[-_CHUNK:] if e.type == pafs.FileType.File]
+        del infos[-_CHUNK:]
+        parts.append(pa.table([[e.path for e in chunk], [e.size or 0 for e in chunk],
+                               [e.mtime_ns or 0 for e in chunk]], schema=_FILES))  # fmt: skip
+    return pa.concat_tables(parts)
 
 
 def files(fs: pafs.FileSystem, root: str) -> pa.Table:
     """Every file under ``root`` (path, size, mtime_ns), sorted by path: the top level, then each subfolder listed
     recursively, concurrently (an object store lists a page of keys per request, so one folder per thread spreads
-    the pages), each turned into Arrow by the thread that listed it."""
+    the pages), each turned into Arrow by the thread that listed it.
+
+    A subfolder's paths share its prefix, so they are one contiguous run of the sorted whole: the sorted parts are
+    put in order between the top-level files instead of being sorted again together (no second copy of the
+    listing)."""
     top = fs.get_file_info(pafs.FileSelector(root))
-    subdirs = [e.path for e in top if e.type == pafs.FileType.Directory]
-    parts = [_arrow(top)]
-    del top
+    subdirs = sorted((e.path for e in top if e.type == pafs.FileType.Directory), key=lambda p: p + "/")
+    flat = _arrow(top).sort_by("path")
 
     def below(path: str) -> pa.Table:
         return _arrow(fs.get_file_info(pafs.FileSelector(path, recursive=True)))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=_READERS) as pool:
-        parts += pool.map(below, subdirs)
-    return pa.concat_tables(parts).sort_by("path")
+        below_parts = list(pool.map(below, subdirs))
+    parts, done = [], 0
+    for i, path in enumerate(subdirs):
+        before = pc.sum(pc.less(flat["path"], path + "/")).as_py() or 0  # top-level files sorting before it
+        # Sorted here, one part at a time: its unsorted copy is released before the next part's sort.
+        part, below_parts[i] = below_parts[i].sort_by("path"), None
+        parts += [flat.slice(done, before - done), part]
+        done = max(done, before)
+    parts.append(flat.slice(done))
+    return pa.concat_tables(parts)
 
 
 def stamps(table: pa.Table) -> pa.ChunkedArray:
@@ -101,10 +131,15 @@ def _lists(n: int, items: list[str]) -> pa.Array:
 def _check_case(table: pa.Table, lower: pa.ChunkedArray, base: str, ds: DatasetConfig) -> None:
     """Two files that differ only by case are refused: case-insensitive sidecar matching could not tell their captions
     apart, and copied to a case-insensitive disk they would overwrite each other."""
-    counts = pc.value_counts(lower)
-    twice = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
-    if not len(twice):
+    # Found by sorting, not hashing: a hash table of every path (value_counts, count_distinct) costs about three
+    # times the paths' own bytes at the listing's peak; sorted, equal paths are neighbours.
+    ordered = pc.take(lower, pc.sort_indices(lower))
+    n = len(ordered)
+    same = pc.equal(ordered.slice(1), ordered.slice(0, n - 1)) if n > 1 else pa.array([], pa.bool_())
+    if not pc.any(same).as_py():
         return
+    twice = pc.unique(ordered.slice(1).filter(same))
+    del ordered, same
     first: dict[str, str] = {}
     for path in table.filter(pc.is_in(lower, value_set=twice))["path"].to_pylist():  # in path order
         other = first.setdefault(path.lower(), path)
@@ -172,29 +207,38 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
         # dataset's captions are a Python dict per image anyway, see captions.MetadataIndex).
         metadata = captions.load_metadata(fs, root, set(paths.to_pylist()), ds)
     label = datasets.label(ds)
-    out = Listing(ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])])
+    out = Listing(ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])],
+                  prefixed=prefix)  # fmt: skip
     pairs = _pairing(ds, metadata, listed, base)
     mask = _image_mask(rel, name, pairs.reference_only())
     images, rel, name = listed.filter(mask), rel.filter(mask), name.filter(mask)
     n = images.num_rows
+    if ds.caption_strategy == "sidecar":
+        # Matched among the caption files only (an image's stem + ext can only name one of them), so no column of
+        # every listed file is copied, stamped or hashed for it; every listed file's columns are released first.
+        ext = ds.caption_ext.lower()
+        is_caption = pc.ends_with(lower, ext)
+        caps, cap_lower = listed.filter(is_caption), lower.filter(is_caption).combine_chunks()
+        del is_caption
+    del mask, lower, paths, listed
     # An image's stem, lower-cased: IMG_0001.PNG takes IMG_0001.TXT (caption extensions match in any case too).
     stem = pc.utf8_lower(pc.replace_substring_regex(images["path"], r"\.[^.]*$", ""))
     cols = {
-        "uri": pc.binary_join_element_wise(storage.join(ds.images_dir, "x")[:-1], rel, ""),
         "rel_path": pc.binary_join_element_wise(f"{key}/", rel, "") if prefix else rel,
-        "size": images["size"], "mtime_ns": images["mtime_ns"], "dataset": _repeat(key, n), "file_name": name,
+        "size": images["size"], "mtime_ns": images["mtime_ns"], "dataset": _repeat(key, n),
         "sidecar": _repeat("", n), "sidecar_stamp": _repeat("", n), "sidecar_lines": pa.nulls(n, pa.string()),
     }  # fmt: skip
     if ds.caption_strategy == "sidecar":
-        ext = ds.caption_ext.lower()
-        at = pc.index_in(pc.binary_join_element_wise(stem, ext, ""), value_set=lower.combine_chunks())
-        cols["sidecar"] = pc.fill_null(pc.take(paths, at), "")
-        cols["sidecar_stamp"] = pc.fill_null(pc.take(stamps(listed), at), "")
-        is_caption = pc.ends_with(lower, ext)
-        bare = pc.utf8_slice_codeunits(lower.filter(is_caption), 0, -len(ext))
-        orphans = paths.filter(is_caption).filter(pc.invert(pc.is_in(bare, value_set=stem.combine_chunks())))
+        at = pc.index_in(pc.binary_join_element_wise(stem, ext, ""), value_set=cap_lower)
+        cols["sidecar"] = pc.fill_null(pc.take(caps["path"], at), "")
+        cols["sidecar_stamp"] = pc.fill_null(pc.take(stamps(caps), at), "")
+        del at
+        bare = pc.utf8_slice_codeunits(cap_lower, 0, -len(ext))
+        orphans = caps["path"].filter(pc.invert(pc.is_in(bare, value_set=stem.combine_chunks())))
+        del caps, cap_lower, bare
         problem = f"dataset {label}: caption file without an image: "
         out.problems += [problem + p[len(base) :] for p in orphans.to_pylist()]
+    del stem
     if ds.caption_strategy == "metadata":
         cols["options"] = per_row(rel, lambda r: list(metadata.captions.get(r, [])), _STRINGS)
     elif ds.caption_strategy == "filename":

@@ -48,13 +48,14 @@ SKIPS = pa.schema([("source_uri", pa.string()), ("dataset", pa.string()), ("reas
 """A skipped input: its URI, its dataset's key and why it is not used."""
 
 SETTLED = pa.schema(
-    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+    [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
      ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()), ("uncaptioned", pa.bool_()),
      ("references", pa.list_(pa.string())), ("references_stamp", pa.string()), ("sidecar", pa.string()),
      ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string())]
 )  # fmt: skip
 """A listed image once settled (:func:`settle`): its caption or ``skip_reason``, whether it had no caption of its
-own, and its caption file's lines when they were read or known."""
+own, and its caption file's lines when they were read or known. Like a listed row it has no URI column: the
+:class:`Discovery` tables get theirs from the relative path (:meth:`rayflux.listing.Listing.uris`)."""
 
 SOURCES = pa.schema(
     [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
@@ -143,7 +144,7 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
                     return row
                 row["sidecar_lines"] = json.dumps(options)
         row["uncaptioned"] = not options
-        options, reason = captions.finish(options, ds, row["file_name"])
+        options, reason = captions.finish(options, ds, row["rel_path"].rsplit("/", 1)[-1])
         if reason:
             row["skip_reason"] = reason
             return row
@@ -203,8 +204,11 @@ def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
         if more + left_out:
             found.unsampled[name] = more + left_out
     skips = where(settled, skipping)
-    found.skips = pa.table([skips["uri"], skips["dataset"], skips["skip_reason"]], schema=SKIPS)
-    found.table = good.select(SOURCES.names).cast(SOURCES)
+    found.skips = pa.table([listing.uris(skips["rel_path"]), skips["dataset"], skips["skip_reason"]], schema=SKIPS)
+    del skips
+    found.table = listing.with_uris(good.select([n for n in SOURCES.names if n != "uri"])).select(SOURCES.names)
+    found.table = found.table.cast(SOURCES)
+    del good
     known = where(settled, pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
     found.sidecars = pa.table([known["sidecar"], known["sidecar_stamp"], known["sidecar_lines"]], schema=SIDECARS)
     uncaptioned = settled["rel_path"].filter(settled["uncaptioned"])
@@ -230,7 +234,8 @@ def discover_dataset(
     Raises FileNotFoundError or CaptionError when the dataset as a whole is unusable.
     """
     listing = list_dataset(ds, key, prefix)
-    return gather(listing, settle_table(listing.table, ds, seed, usable))
+    listed = listing.with_uris(listing.table) if usable else listing.table  # usable() opens the image
+    return gather(listing, settle_table(listed, ds, seed, usable))
 
 
 def discover(data: DataConfig, *, seed: int = 0) -> Discovery:

@@ -14,6 +14,7 @@ settles on the driver without a single read.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pyarrow as pa
@@ -41,13 +42,17 @@ def _needs_task(ds, listed: pa.Table) -> pa.ChunkedArray:
 
 
 def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pixels: int) -> pa.Table:
-    """Ray Data batch function: settle one block of listed rows; per capped dataset, keep only its local draw."""
+    """Ray Data batch function: settle one block of listed rows; per capped dataset, keep only its local draw.
+    ``by_key``: each dataset's :class:`rayflux.listing.Listing`, without its rows."""
     parts = [_BLOCK.empty_table()]
     for key in sorted(set(batch["dataset"].to_pylist())):
-        ds = by_key[key]
+        ls = by_key[key]
+        ds = ls.ds
         group = batch.filter(pc.equal(batch["dataset"], key))
         usable = functools.partial(skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels)
-        settled = sources.settle_table(group, ds, seed, usable if ds.max_samples else None)
+        # A capped dataset's images are read here: their URIs are made for this block only.
+        settled = sources.settle_table(ls.with_uris(group) if ds.max_samples else group, ds, seed,
+                                       usable if ds.max_samples else None)  # fmt: skip
         left = 0
         if ds.max_samples:
             skipping = pc.not_equal(settled["skip_reason"], "")
@@ -96,13 +101,17 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         del blocks, remote
         ds = ds.map_batches(
             _settle_block,
-            fn_kwargs={"by_key": {ls.key: ls.ds for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
+            fn_kwargs={"by_key": {ls.key: ls for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
                        "max_pixels": data.max_image_pixels},
             batch_size=None, batch_format="pyarrow", num_cpus=fit.PREPARE_CPUS,
         )  # fmt: skip
         ds.set_name(f"discover-s{seed}")
+        # Blocks come back in listing order, so gathering them needs no sorted copy of every image.
+        options = copy.deepcopy(ds.context.execution_options)
+        options.preserve_order = True
+        ds.context.execution_options = options
         for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            counts = pc.is_null(block["uri"])
+            counts = pc.is_null(block["rel_path"])
             for row in block.filter(counts).select(["dataset", "left_out"]).to_pylist():  # one per capped dataset
                 left_out[row["dataset"]] += row["left_out"]
             settled.append(block.filter(pc.invert(counts)).drop_columns(["left_out"]))
