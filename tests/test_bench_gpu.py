@@ -46,3 +46,17 @@ def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
     assert rows[("flux2-dev", 64, 1, True)]["refused"].startswith("train.base_dtype=fp8 needs a CUDA GPU")
     assert [v["processes"] for v in results["vae"]] == [1, 2] and all(v["images_per_s"] > 0 for v in results["vae"])
     assert results["text"]["captions_per_s"] > 0
+    # The job section: the tiny model written, the job run twice on its cache, the same steps in-process.
+    job = results["job"]
+    assert job["px"] == 64 and job["batch"] == 1 and job["blocks"] == [1, 1] and job["max_steps"] == [2, 4]
+    assert job["model_gib"] > 0 and job["model_write_s"] >= 0
+    assert job["trainer_s_per_step"] > 0 and job["bare_s_per_step"] > 0 and job["checkpointing"] is False
+    assert len(job["job_train_s"]) == 2 and all(s > 0 for s in job["job_train_s"])
+    # Two runs' start-up dwarfs two steps on CPU, so the difference may come out either way: check only that the
+    # figures are the ones derived from the two runs.
+    short, long = job["job_train_s"]
+    assert abs(job["job_s_per_extra_step"] - (long - short) / 2) < 0.01
+    assert abs(job["job_over_trainer"] - job["job_s_per_extra_step"] / job["trainer_s_per_step"]) < 0.01 * max(
+        1, abs(job["job_over_trainer"]))
+    assert abs(job["job_over_bare"] - job["job_s_per_extra_step"] / job["bare_s_per_step"]) < 0.01 * max(
+        1, abs(job["job_over_bare"]))
