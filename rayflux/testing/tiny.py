@@ -260,7 +260,12 @@ def ensure_pipeline_dir(path: Path, build: Callable[[], Any], info: dict) -> Pat
 
 
 def _info(spec: TinySpec) -> dict:
-    return {"version": TINY_VERSION, "seed": TINY_SEED, "spec": spec.__dict__}
+    fields = dict(spec.__dict__)
+    if fields["dtype"] == "float32":
+        # The marker of an fp32 model stays as it was before ``dtype`` existed, so directories already written (and
+        # shared by every checkout on a machine) stay current instead of being rebuilt by one and then the other.
+        del fields["dtype"]
+    return {"version": TINY_VERSION, "seed": TINY_SEED, "spec": fields}
 
 
 def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
