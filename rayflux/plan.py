@@ -148,22 +148,31 @@ class Estimate:
         return self.weights + self.lora_optimizer + self.activations
 
 
-def estimate(tc: dict, total_params: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
-             weight_bytes: int = 2, activation_bytes: int = 2,
-             text: int = FLUX1_DEV_TEXT_TOKENS) -> Estimate:  # fmt: skip
-    """Memory of one process; ``text``: the model's text tokens per sample (:func:`text_tokens`)."""
+def estimate(tc: dict, weight_bytes: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
+             activation_bytes: int = 2, text: int = FLUX1_DEV_TEXT_TOKENS) -> Estimate:  # fmt: skip
+    """Memory of one process: ``weight_bytes`` of frozen base on its GPU
+    (:func:`rayflux.plan_base.per_gpu_weight_bytes`), ``trainable`` LoRA parameters, and ``text`` text tokens per
+    sample (:func:`text_tokens`)."""
     acts = batch * tokens(pixels, text) * per_token_elements(tc, checkpointing) * activation_bytes
-    # weight_bytes may be fractional (an NF4 base: rayflux.plan_base).
-    return Estimate(int(total_params * weight_bytes), trainable * LORA_BYTES_PER_PARAM, acts)
+    return Estimate(int(weight_bytes), trainable * LORA_BYTES_PER_PARAM, acts)
 
 
-def meta_transformer(tc: dict):
-    """The family's own transformer for config ``tc``, on the meta device: no memory, no weights."""
+def meta_transformer(tc: dict, dtype=None):
+    """The family's own transformer for config ``tc`` on the meta device: shapes, no memory, no weights. With
+    ``dtype``, held as ``from_pretrained(torch_dtype=dtype)`` holds it: the modules the class keeps in float32
+    (``_keep_in_fp32_modules``) stay float32."""
     import diffusers
     import torch
 
     with torch.device("meta"):
-        return getattr(diffusers, transformer_class(tc))(**{k: v for k, v in tc.items() if not k.startswith("_")})
+        model = getattr(diffusers, transformer_class(tc)).from_config(dict(tc))
+    if dtype is not None:
+        torch.nn.Module.to(model, dtype)
+        keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, module in model.named_modules():
+            if keep & set(name.split(".")):
+                module.float()
+    return model
 
 
 def count_parameters(tc: dict, targets: str, rank: int) -> tuple[int, int]:
@@ -179,14 +188,9 @@ def count_parameters(tc: dict, targets: str, rank: int) -> tuple[int, int]:
 
 def base_counts(tc: dict) -> plan_base.BaseCounts:
     """What the base_dtype and base_sharding options need to know of the frozen transformer (meta device)."""
-    import torch
+    from rayflux.train import base_weights
 
-    model = meta_transformer(tc)
-    linears = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    blocks = [sum(p.numel() for p in block.parameters()) for child in model.children()
-              if isinstance(child, torch.nn.ModuleList) for block in child]  # fmt: skip
-    return plan_base.BaseCounts(sum(p.numel() for p in model.parameters()), sum(linears), max(linears),
-                                max(blocks, default=0))  # fmt: skip
+    return base_weights.counts(meta_transformer(tc))
 
 
 def transformer_config(cfg: config.JobConfig, model: str = "") -> tuple[dict, str]:
@@ -229,18 +233,18 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
         total, trainable = counts[preset]
         lines.append(f"  targets={preset}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.3f}%)")
     job_targets = t.targets if t.targets in counts else None
-    total, trainable = counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank)
+    trainable = (counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank))[1]
     base = base_counts(tc)
-    weight_bytes = plan_base.weight_bytes(base, t.base_dtype, float_bytes) / base.total
+    weights = int(plan_base.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
     lines.append(f"memory per GPU process (GiB) for targets={t.targets}, base_dtype={t.base_dtype}: weights "
-                 f"{_gib(total * weight_bytes)}, LoRA + AdamW {_gib(trainable * LORA_BYTES_PER_PARAM)}")  # fmt: skip
+                 f"{_gib(weights)}, LoRA + AdamW {_gib(trainable * LORA_BYTES_PER_PARAM)}")  # fmt: skip
     lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
     for px in (512, 1024):
         for batch in (1, 2, 3, 4):
-            off, on = (estimate(tc, total, trainable, px, batch, c, weight_bytes, text=text) for c in (False, True))
+            off, on = (estimate(tc, weights, trainable, px, batch, c, text=text) for c in (False, True))
             lines.append(f"  {px:<5} {batch:<6} {_gib(off.activations):>8} / {_gib(on.activations):<8}"
                          f"             {_gib(off.total):>8} / {_gib(on.total)}")  # fmt: skip
-    job = estimate(tc, total, trainable, cfg.data.resolution, t.batch_size, False, weight_bytes, text=text)
+    job = estimate(tc, weights, trainable, cfg.data.resolution, t.batch_size, False, text=text)
     ckpt = gradient_checkpointing(checkpointing_setting(t.gradient_checkpointing), True, cfg.data.resolution,
                                   job.total, 80 * 10**9)  # fmt: skip
 

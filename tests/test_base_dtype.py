@@ -103,14 +103,19 @@ def test_the_fp8_filter_takes_frozen_base_linears_and_never_a_lora_layer(tiny_mo
         base_weights.convert(transformer, "nf4")  # never trained as bf16 under an nf4 label
 
 
-def test_frozen_split_counts_the_base_and_not_the_lora(tiny_model):
+def test_base_counts_count_the_base_and_not_the_lora(tiny_model):
     transformer = _tiny_with_lora(tiny_model)
-    linear, other = base_weights.frozen_split(transformer)
+    counts = base_weights.counts(transformer)
     trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    assert linear + other + trainable == sum(p.numel() for p in transformer.parameters())
-    base_linear = sum(m.weight.numel() for n, m in transformer.named_modules()
-                      if isinstance(m, torch.nn.Linear) and not base_weights.is_lora(n))  # fmt: skip
-    assert linear == base_linear and other > 0
+    assert counts.total + trainable == sum(p.numel() for p in transformer.parameters())
+    base_linear = [m.weight.numel() for n, m in transformer.named_modules()
+                   if isinstance(m, torch.nn.Linear) and not base_weights.is_lora(n)]  # fmt: skip
+    assert counts.linear == sum(base_linear) < counts.total and counts.largest_linear == max(base_linear)
+    blocks = [sum(p.numel() for p in b.parameters() if not p.requires_grad)
+              for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]]  # fmt: skip
+    assert counts.largest_block == max(blocks)
+    bare = models.load_transformer(config.ModelConfig(path=str(tiny_model)), "cpu", torch.float32)
+    assert base_weights.counts(bare) == counts  # the adapter changes none of them
 
 
 def test_the_lora_file_does_not_depend_on_the_base_dtype(tiny_model, tmp_path):

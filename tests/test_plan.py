@@ -14,14 +14,20 @@ def _linear(i: int, o: int) -> int:
     return i * o + o
 
 
+def _flux1_dev_blocks() -> tuple[int, int]:
+    """Parameters of one double-stream and one single-stream block of FLUX.1-dev."""
+    attn_double = 8 * _linear(H, H) + 4 * HEAD  # q k v out, added q k v out; four RMS norms over a head
+    double = 2 * _linear(H, 6 * H) + attn_double + 2 * (_linear(H, MLP) + _linear(MLP, H))
+    single = _linear(H, 3 * H) + _linear(H, MLP) + _linear(H + MLP, H) + 3 * _linear(H, H) + 2 * HEAD
+    return double, single
+
+
 def _flux1_dev_parameters() -> int:
     """FLUX.1-dev's transformer, layer by layer (diffusers' FluxTransformer2DModel)."""
     embed = _linear(IN, H) + _linear(CTX, H)
     embed += 2 * (_linear(256, H) + _linear(H, H))  # timestep and guidance embedders
     embed += _linear(POOLED, H) + _linear(H, H)  # pooled text projection
-    attn_double = 8 * _linear(H, H) + 4 * HEAD  # q k v out, added q k v out; four RMS norms over a head
-    double = 2 * _linear(H, 6 * H) + attn_double + 2 * (_linear(H, MLP) + _linear(MLP, H))
-    single = _linear(H, 3 * H) + _linear(H, MLP) + _linear(H + MLP, H) + 3 * _linear(H, H) + 2 * HEAD
+    double, single = _flux1_dev_blocks()
     out = _linear(H, 2 * H) + _linear(H, IN)
     return embed + DOUBLE * double + SINGLE * single + out
 
@@ -40,24 +46,37 @@ def _trainable(preset: str, r: int) -> int:
 def test_flux1_dev_parameter_counts_match_the_hand_count():
     total = _flux1_dev_parameters()
     assert total == 11_901_408_320  # FLUX.1-dev's published transformer size
+    meta = plan.meta_transformer(plan.FLUX1_DEV)
     for preset in plan.lora.PRESETS:
         base, trainable = plan.count_parameters(plan.FLUX1_DEV, preset, 16)
         assert base == total
         assert trainable == _trainable(preset, 16), preset
+        assert plan.lora.trainable_count(meta, 16, preset) == trainable  # counted without attaching the adapter
     assert _trainable("attention", 16) == 26_148_864
+
+
+def test_a_sharded_base_adds_the_blocks_fsdp2_gathers():
+    counts = plan.base_counts(plan.FLUX1_DEV)
+    double, single = _flux1_dev_blocks()
+    assert double > single and counts.largest_block == double and counts.total == _flux1_dev_parameters()
+    # bf16 over 8 workers of a node: an eighth of the base, plus the computing and the prefetched double block.
+    by_hand = _flux1_dev_parameters() * 2 / 8 + 2 * double * 2
+    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "node", 8) == by_hand
+    assert 4.0 < by_hand / plan.GIB < 4.3  # 2.77 GiB of shard + 2 x 0.63 GiB gathered
+    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "none", 8) == _flux1_dev_parameters() * 2
 
 
 def test_memory_estimate_matches_the_hand_count():
     tokens = (1024 // 16) ** 2 + 512
     per_token = DOUBLE * (11 * H + 2 * MLP) + SINGLE * (9 * H + 3 * MLP)
     total, lora = 11_901_408_320, _trainable("attention", 16)
-    est = plan.estimate(plan.FLUX1_DEV, total, lora, 1024, 2, checkpointing=False)
+    est = plan.estimate(plan.FLUX1_DEV, total * 2, lora, 1024, 2, checkpointing=False)
     assert est.weights == total * 2 and est.lora_optimizer == lora * 16
     assert est.activations == 2 * tokens * per_token * 2
-    ckpt = plan.estimate(plan.FLUX1_DEV, total, lora, 1024, 2, checkpointing=True)
+    ckpt = plan.estimate(plan.FLUX1_DEV, total * 2, lora, 1024, 2, checkpointing=True)
     assert ckpt.activations == 2 * tokens * ((DOUBLE + SINGLE) * H + 9 * H + 3 * MLP) * 2
     # Without checkpointing, one 1024 px sample's activations exceed the weights; with it, they are a few GiB.
-    assert 30 < plan.estimate(plan.FLUX1_DEV, total, lora, 1024, 1, False).activations / plan.GIB < 45
+    assert 30 < plan.estimate(plan.FLUX1_DEV, total * 2, lora, 1024, 1, False).activations / plan.GIB < 45
     assert ckpt.activations / plan.GIB < 5
 
 
@@ -153,8 +172,7 @@ def test_the_plan_prints_every_option_for_flux2(capsys):
     tc = plan.FLUX2_KLEIN_9B
     counts = plan.base_counts(tc)
     trainable = plan.count_parameters(tc, "attention", 16)[1]
-    est = plan.estimate(tc, counts.total, trainable, 1024, 2, True)
-    nf4 = (plan.plan_base.weight_bytes(counts, "nf4") + est.lora_optimizer + est.activations) / plan.GIB
+    nf4 = plan.estimate(tc, plan.plan_base.weight_bytes(counts, "nf4"), trainable, 1024, 2, True).total / plan.GIB
     cells = rows[("none", "nf4", "1024")].split()[3:]
     assert float(cells[5]) == pytest.approx(nf4, abs=0.051)  # "off / on" per batch: batch 2, checkpointing on
     # Sharded over 4, the bf16 base is about a quarter (plus two gathered blocks).

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_data
 from rayflux import models
-from rayflux.train import sharding, validation
+from rayflux.train import lora, sharding, validation
 from rayflux.train.trainer import LoraTrainer
 
 GIB = 2**30
@@ -81,6 +81,7 @@ def _worker(rank: int, tiny_model: str) -> dict:
     loss = trainer.train_step(train_data.groups(train_data.items(2, seed=rank), 2)[0]).loss
     # Rank 0 renders alone (rank 1 has left the group): a sharded forward would wait on rank 1 for ever.
     image = validation.render_trained(trainer, cfg, "cpu")[0] if rank == 0 else None
+    copy = validation.whole_copy(trainer, cfg, "cpu") if rank == 0 else None  # what render_trained renders with
     return {
         "local": sharding.local_bytes(torch.nn.ParameterList(base)),
         "whole": sharding.whole_bytes(torch.nn.ParameterList(base)),
@@ -88,7 +89,16 @@ def _worker(rank: int, tiny_model: str) -> dict:
         "shape": trainer.layout.shape,
         "loss": loss,
         "image": (image.size, len(set(image.getdata()))) if image else None,
+        "weights_estimate": trainer.memory.weights,
+        "copy": _adapter(copy) if copy else None,
+        "trained": _adapter(trainer.transformer),
     }
+
+
+def _adapter(transformer) -> tuple:
+    config = transformer.peft_config[lora.ADAPTER]
+    deltas = {n: d.to(torch.float64).numpy() for n, d in lora.delta_weights(transformer).items()}  # to pickle
+    return sorted(config.target_modules), config.r, config.lora_alpha, deltas
 
 
 def test_each_rank_loads_and_holds_only_its_half_of_the_base(tiny_model):
@@ -105,3 +115,13 @@ def test_each_rank_loads_and_holds_only_its_half_of_the_base(tiny_model):
     assert 0 < r0["largest_seen"] < biggest and r1["largest_seen"] < biggest, (r0["largest_seen"], biggest)
     assert r0["loss"] > 0 and r1["loss"] > 0
     assert r0["image"][0] == (64, 64) and r0["image"][1] > 1  # rendered content, not a blank canvas
+    # The render's whole copy carries the trained adapter: the same modules, rank, alpha and B @ A deltas.
+    copy, trained = r0["copy"], r0["trained"]
+    assert copy[:3] == trained[:3] and copy[3].keys() == trained[3].keys()
+    assert max(float(abs(d).max()) for d in trained[3].values()) > 0  # one step moved B off zero
+    for name, delta in trained[3].items():
+        torch.testing.assert_close(copy[3][name], delta)
+    # The memory estimate counts half the base plus the two blocks FSDP2 holds gathered (fp32 on CPU).
+    blocks = [*whole.transformer_blocks, *whole.single_transformer_blocks]
+    largest_block = max(sum(p.numel() for p in b.parameters()) for b in blocks) * 4
+    assert r0["weights_estimate"] == r1["weights_estimate"] == int(r0["whole"] / 2 + 2 * largest_block)

@@ -31,3 +31,33 @@ def test_text_encoders_load_once_and_renders_match_the_full_pipeline(tiny_model)
                     max_sequence_length=facts.text_length, generator=torch.Generator().manual_seed(i)).images[0]
         np.testing.assert_array_equal(np.asarray(first[i]), np.asarray(full))
         np.testing.assert_array_equal(np.asarray(second[i]), np.asarray(full))
+
+
+def test_reference_images_are_decoded_as_the_cache_decodes_them_and_read_once(tmp_path):
+    from PIL import Image
+
+    from rayflux.cache.decode import decode
+
+    upright = np.zeros((48, 32, 3), np.uint8)  # 32 wide, 48 tall: red over blue
+    upright[:24] = (255, 0, 0)
+    upright[24:] = (0, 0, 255)
+    rotated = tmp_path / "phone.png"  # stored on its side, upright only through EXIF orientation 6
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90).save(rotated, exif=exif.tobytes())
+    clear = tmp_path / "clear.png"  # fully transparent: the cache composites it onto white
+    Image.new("RGBA", (40, 40), (0, 0, 0, 0)).save(clear)
+    cfg = config.load(None, ["data.resolution=32", 'train.validation_prompts=["make it green"]',
+                             f'train.validation_references=[["{rotated}", "{clear}"]]'])  # fmt: skip
+
+    size = validation.image_size(cfg)
+    phone, white = (np.asarray(img) for img in validation._references(cfg, size)[0])
+    cached = decode(rotated.read_bytes(), cfg.data.max_image_pixels)
+    assert cached.size == (32, 48)  # the cache's decoder turns it upright
+    assert phone.shape == (size, size, 3)
+    assert (phone[0] == (255, 0, 0)).all() and (phone[-1] == (0, 0, 255)).all()  # upright: red on top, as cached
+    assert (white == 255).all()
+    rotated.unlink()
+    clear.unlink()
+    again = validation._references(cfg, size)[0]  # a later render: nothing read again
+    np.testing.assert_array_equal(np.asarray(again[0]), phone)

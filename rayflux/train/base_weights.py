@@ -23,6 +23,7 @@ import logging
 import math
 
 from rayflux.config.base_dtype import NEEDS, refusal
+from rayflux.plan_base import BaseCounts
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +103,18 @@ def elements(param) -> int:
     return math.prod(state.shape) if state is not None else param.numel()
 
 
-def frozen_split(transformer) -> tuple[int, int]:
-    """(elements of the frozen Linear weights, all other frozen elements): what ``base_dtype`` stores differently
-    from what stays in the model's dtype (biases, norms)."""
+def counts(transformer) -> BaseCounts:
+    """The frozen base's parameter counts (every parameter but the LoRA's), as the memory plan needs them
+    (:mod:`rayflux.plan_base`): all of them, the Linear weights (what ``base_dtype`` stores differently from the
+    biases and norms kept in the model's dtype), the largest Linear weight and the largest transformer block (what
+    FSDP2 gathers whole). A meta, loaded, quantized or sharded transformer counts the same (a shard counts whole)."""
     import torch
 
-    linear = 0
-    weights = set()
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and not is_lora(name) and not module.weight.requires_grad:
-            linear += elements(module.weight)
-            weights.add(id(module.weight))
-    other = sum(elements(p) for p in transformer.parameters() if not p.requires_grad and id(p) not in weights)
-    return linear, other
+    def frozen(module) -> int:
+        return sum(elements(p) for n, p in module.named_parameters() if not is_lora(n))
+
+    linears = [elements(m.weight) for n, m in transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and not is_lora(n)]  # fmt: skip
+    blocks = [frozen(block) for child in transformer.children() if isinstance(child, torch.nn.ModuleList)
+              for block in child]  # fmt: skip
+    return BaseCounts(frozen(transformer), sum(linears), max(linears, default=0), max(blocks, default=0))

@@ -143,7 +143,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     with restored.as_directory() if restored else contextlib.nullcontext() as d:
         total = optim.total_steps(int(first["total_steps"]), t.max_steps)
         topology = sharding.Topology(world, ctx.get_local_world_size(), ctx.get_node_rank())
-        trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model, topology=topology)
+        trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model, topology=topology,
+                              text_length=loop_config["text_length"])  # fmt: skip
         if d:
             progress = checkpoint.restore(d, trainer, rank, world)
     if progress.step != int(first["resume_step"]):

@@ -69,6 +69,13 @@ def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float 
     return params
 
 
+def trainable_count(transformer, rank: int, targets: str) -> int:
+    """The parameters :func:`add_lora` would attach at ``rank`` (``rank x (in + out)`` per targeted Linear), without
+    attaching them: the memory plan of a model that must stay bare (e.g. before it is sharded)."""
+    modules = dict(transformer.named_modules())
+    return sum(rank * (modules[n].in_features + modules[n].out_features) for n in resolve_targets(transformer, targets))
+
+
 def lora_state_dict(transformer) -> dict:
     """The adapter's weights with peft's names (``<module>.lora_A.weight`` / ``lora_B``), no ``transformer.``."""
     from peft.utils import get_peft_model_state_dict
@@ -114,7 +121,9 @@ def file_scale(path: str | Path) -> float:
     return alpha / r if alpha and r else 1.0
 
 
-def _set(transformer, state: dict, source: str) -> None:
+def set_state(transformer, state: dict, source: str) -> None:
+    """Copy ``state`` (peft names, no ``transformer.``) into the adapter; a shape or key that does not fit it is a
+    one-line error naming ``source``."""
     from peft.utils import set_peft_model_state_dict
 
     try:
@@ -137,7 +146,7 @@ def load_into(transformer, path: str | Path) -> None:
     state = {
         k.removeprefix("transformer."): (v * factor if ".lora_B." in k else v) for k, v in load_file(str(path)).items()
     }
-    _set(transformer, state, str(path))
+    set_state(transformer, state, str(path))
 
 
 def init_from_file(transformer, path: str) -> int:
@@ -174,7 +183,7 @@ def init_from_file(transformer, path: str) -> int:
         for k, v in state.items()
         if k.startswith("transformer.")
     }
-    _set(transformer, ours, path)
+    set_state(transformer, ours, path)
     loaded = len({k.split(".lora_")[0] for k in ours})
     log.info("initialised %d LoRA modules from %s", loaded, path)
     return loaded

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rayflux import models
+from rayflux import models, plan
 from rayflux.config import ModelConfig
 from rayflux.train import sharding
 
@@ -22,20 +22,9 @@ SUBFOLDER = "transformer"
 
 
 def meta_transformer(cfg: ModelConfig, dtype):
-    """The model's transformer class built from its config on the meta device, in ``dtype``: shapes, no weights."""
-    import diffusers
-
-    config = models.read_config(cfg, SUBFOLDER)
-    cls = getattr(diffusers, config["_class_name"])
-    with torch.device("meta"):
-        model = cls.from_config(config)
-    # As from_pretrained(torch_dtype=...) does: everything in dtype but the modules the class keeps in float32.
-    torch.nn.Module.to(model, dtype)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, module in model.named_modules():
-        if keep & set(name.split(".")):
-            module.float()
-    return model
+    """The model's transformer built from its ``config.json`` on the meta device, in ``dtype``: shapes, no weights
+    (:func:`rayflux.plan.meta_transformer`, the same model the memory plan counts)."""
+    return plan.meta_transformer(models.read_config(cfg, SUBFOLDER), dtype)
 
 
 def weights_dir(cfg: ModelConfig) -> Path:
@@ -67,9 +56,10 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-def load(cfg: ModelConfig, device, dtype, mesh) -> torch.nn.Module:
-    """The transformer sharded over ``mesh``, each rank holding only its rows of every parameter."""
-    transformer = meta_transformer(cfg, dtype)
+def load(cfg: ModelConfig, device, dtype, mesh, meta=None) -> torch.nn.Module:
+    """The transformer sharded over ``mesh``, each rank holding only its rows of every parameter. ``meta``: the
+    :func:`meta_transformer` this worker already built (``train.base_sharding=auto`` counts it first), used in place."""
+    transformer = meta if meta is not None else meta_transformer(cfg, dtype)
     sharding.shard(transformer, mesh)
     transformer.to_empty(device=device)
     fill(transformer, tensor_files(weights_dir(cfg)), mesh)

@@ -119,7 +119,7 @@ def train(
     run_dir = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_dir)
     with progress.TrainBar(counts, hi, cfg.train.max_steps) as bar:
-        result = _fit(cfg, manifest, output_dir, cluster_gpus, refs, epochs, bar.board)
+        result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board)
     if getattr(result, "error", None):
         raise RuntimeError(f"training failed: {result.error}")
     final = commits.latest(run_dir)
@@ -144,7 +144,8 @@ def train(
     )
 
 
-def _fit(cfg: JobConfig, manifest: dict, output_dir: str, cluster_gpus: bool, refs, epochs, board):
+def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
+         board):  # fmt: skip
     from ray.train.torch import TorchTrainer
 
     run_dir = commits.run_storage(output_dir, cfg.run.name)
@@ -158,6 +159,7 @@ def _fit(cfg: JobConfig, manifest: dict, output_dir: str, cluster_gpus: bool, re
             "progress": board,  # rank 0 tells the driver's bar about each step
             "checkpoints": run_dir,
             "epochs": list(epochs or (0, cfg.train.epochs)),
+            "text_length": facts.text_length,  # the driver read the model's configs once; workers need not
         },
         scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
         run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_dir)]),

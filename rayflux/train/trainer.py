@@ -51,17 +51,22 @@ class LoraTrainer:
     i.e. DDP with several workers); in-process it is the transformer itself. ``transformer``, when given, is used
     instead of loading ``model.path`` (already on ``device`` in the weight dtype). ``topology`` (Ray Train's view of
     the workers) lets ``train.base_sharding`` shard the frozen base; without it every process holds all of it.
+    ``text_length``: the model's text tokens per sample (the driver's ``ModelFacts``); read from ``model.path``'s
+    configs when not given.
     """
 
     def __init__(self, cfg: JobConfig, device, total_steps: int, rank: int = 0, empty: EmptyCaption | None = None,
-                 wrap=None, transformer=None, topology: sharding.Topology | None = None):  # fmt: skip
+                 wrap=None, transformer=None, topology: sharding.Topology | None = None,
+                 text_length: int | None = None):  # fmt: skip
         t = cfg.train
         self.cfg, self.device, self.empty = cfg, torch.device(device), empty
+        self.memory: plan.Estimate | None = None  # this process's estimate as the run uses it (see _plan_memory)
         self.dtype = models.torch_dtype(cfg.model.dtype, self.device.type)
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
         base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
+        self.text_length = text_length or models.model_facts(cfg.model).text_length
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
         self.layout: sharding.Layout | None = None
         if transformer is None:
@@ -96,10 +101,13 @@ class LoraTrainer:
         mode = t.base_sharding if topology and topology.world > 1 else "none"  # one worker: nothing to shard
         if mode == "auto" and not base_dtype_rules.shardable(t.base_dtype):
             mode = "none"  # an fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype)
+        meta = None
         if mode == "auto":
+            # Built once: counted here, and sharded and filled in place below when the choice is node.
             meta = shard_load.meta_transformer(m, self.dtype)
-            without, with_, on, device_bytes = self._estimates(dict(meta.config), _count(meta), 0,
-                                                               self.dtype.itemsize)  # fmt: skip
+            whole = self._weight_bytes(base_weights.counts(meta), None)
+            trainable = lora.trainable_count(meta, t.rank, t.targets)
+            without, with_, on, device_bytes = self._estimates(dict(meta.config), whole, trainable)
             mode = sharding.choose(mode, self.device.type == "cuda", topology.local_world,
                                    (with_ if on else without).total, device_bytes)  # fmt: skip
             # Uneven nodes may see different worker counts: shard if any rank must, so every rank agrees.
@@ -112,7 +120,8 @@ class LoraTrainer:
                          t.base_sharding, sharding.whole_bytes(transformer) / plan.GIB)  # fmt: skip
             return transformer
         self.layout = sharding.gather_layout(topology, self.device)
-        transformer = shard_load.load(m, self.device, self.dtype, sharding.build_mesh(self.layout, self.device.type))
+        mesh = sharding.build_mesh(self.layout, self.device.type)
+        transformer = shard_load.load(m, self.device, self.dtype, mesh, meta)
         if rank == 0:
             whole, mine = sharding.whole_bytes(transformer) / plan.GIB, sharding.local_bytes(transformer) / plan.GIB
             log.info("base sharding: node (train.base_sharding=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
@@ -120,35 +129,39 @@ class LoraTrainer:
         torch.manual_seed(t.seed)  # the adapter's init draws as after a whole load
         return transformer
 
-    def _estimates(self, tc: dict, frozen: int, trainable: int, weight_size: float):
-        """This run's memory estimates per process (``frozen`` base parameters of ``weight_size`` bytes each) without
-        and with gradient checkpointing, whether ``train.gradient_checkpointing`` turns it on (see
+    def _weight_bytes(self, counts, layout: sharding.Layout | None) -> int:
+        """Bytes of the frozen base on this worker's device: whole, or its share of a ``layout`` plus the blocks FSDP2
+        gathers (:func:`rayflux.plan_base.per_gpu_weight_bytes`, the figure ``python -m rayflux plan`` prints)."""
+        mode, shards = ("node", layout.shards) if layout else ("none", 1)
+        return int(plan_base.per_gpu_weight_bytes(counts, self.cfg.train.base_dtype, mode, shards,
+                                                  self.dtype.itemsize))  # fmt: skip
+
+    def _estimates(self, tc: dict, weight_bytes: int, trainable: int):
+        """This run's memory estimates per process (``weight_bytes`` of frozen base, ``trainable`` LoRA parameters)
+        without and with gradient checkpointing, whether ``train.gradient_checkpointing`` turns it on (see
         :func:`rayflux.plan.gradient_checkpointing`), and the device's bytes (0 on CPU)."""
         t = self.cfg.train
         on_gpu = self.device.type == "cuda"
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
-        sizes = (weight_size, torch.finfo(self.autocast or torch.float32).bits // 8)
-        text = models.model_facts(self.cfg.model).text_length
-        without, with_ = (plan.estimate(tc, frozen, trainable, pixels, t.batch_size, c, *sizes, text=text)
-                          for c in (False, True))  # fmt: skip
+        act_bytes = torch.finfo(self.autocast or torch.float32).bits // 8
+        without, with_ = (plan.estimate(tc, weight_bytes, trainable, pixels, t.batch_size, c, act_bytes,
+                                        text=self.text_length) for c in (False, True))  # fmt: skip
         on = plan.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         return without, with_, on, device_bytes
 
     def _plan_memory(self, rank: int) -> bool:
         """Decide ``train.gradient_checkpointing`` from this run's memory estimate (a sharded base counts this
-        worker's share), and log the estimate once (rank 0)."""
+        worker's share and the blocks it gathers), and log the estimate once (rank 0)."""
         t = self.cfg.train
         trainable = sum(p.numel() for p in self.params)
-        linear, other = base_weights.frozen_split(self.transformer)
-        frozen = linear + other
-        base = plan_base.weight_bytes(plan_base.BaseCounts(frozen, linear), t.base_dtype, self.dtype.itemsize)
-        mine = frozen // (self.layout.shards if self.layout else 1)  # a sharded base: this worker's share
-        without, with_, on, device_bytes = self._estimates(dict(self.transformer.config), mine, trainable,
-                                                           base / frozen)  # fmt: skip
+        counts = base_weights.counts(self.transformer)
+        whole, mine = self._weight_bytes(counts, None), self._weight_bytes(counts, self.layout)
+        without, with_, on, device_bytes = self._estimates(dict(self.transformer.config), mine, trainable)
+        self.memory = with_ if on else without
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         if rank == 0:
-            used = with_ if on else without
+            used = self.memory
             log.info(
                 "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + AdamW %.2f GiB, activations "
                 "%.1f GiB (%.1f without checkpointing, %.1f with); gradient checkpointing %s (%s)%s",
@@ -157,8 +170,10 @@ class LoraTrainer:
                 "on" if on else "off",
                 t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if device_bytes else "",
             )  # fmt: skip
-            log.info("frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s",
-                     t.base_dtype, base / frozen, base / plan.GIB, t.base_sharding)  # fmt: skip
+            share = (f"{self.layout.shards} shards + {plan_base.GATHERED_BLOCKS} gathered blocks: "
+                     f"{mine / plan.GIB:.2f} GiB a worker" if self.layout else "whole on every worker")  # fmt: skip
+            log.info("frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s (%s)",
+                     t.base_dtype, whole / counts.total, whole / plan.GIB, t.base_sharding, share)  # fmt: skip
         return on
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
@@ -194,11 +209,6 @@ class LoraTrainer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _count(module) -> int:
-    """Parameters of ``module`` (a sharded one counted whole)."""
-    return sum(p.numel() for p in module.parameters())
 
 
 def exclude_frozen_from_ddp(module) -> list[str]:

@@ -7,9 +7,10 @@ process holds text encoders, and later renders reuse the embeddings instead of l
 again while the other ranks wait. The small VAE is loaded for each render and freed after it. Rendering runs under a forked RNG, so it never shifts the
 random stream training draws from (a run with validation images trains exactly like one without).
 
-With ``train.validation_references`` each prompt is an edit instruction: its reference images, cut to the render's
-square size as the cache cuts a reference to its target's, go to the pipeline's ``image=`` the way the family's
-pipeline takes them (:meth:`~rayflux.families.base.Family.reference_kwargs`).
+With ``train.validation_references`` each prompt is an edit instruction: its reference images, read once per run and
+decoded by the cache's decoder (upright by their EXIF orientation, any mode to RGB), cut to the render's square
+size, go to the pipeline's ``image=`` the way the family's pipeline takes them
+(:meth:`~rayflux.families.base.Family.reference_kwargs`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import math
 import torch
 
 from rayflux import models, storage
+from rayflux.cache.decode import BadImage, decode
 from rayflux.config import JobConfig
+from rayflux.train import lora
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +75,35 @@ def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     return _PREPARED[key]
 
 
-def reference_images(entry, size: int) -> list:
-    """The reference images of one validation prompt (a path or URI, or a list of them), center-cropped and resized
-    to the ``size`` x ``size`` render."""
+_REFERENCES: dict = {}
+"""This process's validation reference images, read and cut by the first render, keyed by what they depend on."""
+
+
+def reference_images(entry, size: int, max_pixels: int) -> list:
+    """The reference images of one validation prompt (a path or URI, or a list of them): decoded as the cache
+    decodes a reference (:func:`rayflux.cache.decode.decode`: EXIF orientation, any mode to RGB, the
+    ``data.max_image_pixels`` limit), center-cropped and resized to the ``size`` x ``size`` render."""
     from PIL import Image, ImageOps
 
     out = []
     for uri in [entry] if isinstance(entry, str) else entry:
-        with Image.open(io.BytesIO(storage.read_bytes(uri))) as img:
-            out.append(ImageOps.fit(img.convert("RGB"), (size, size), Image.Resampling.LANCZOS))
+        try:
+            img = decode(storage.read_bytes(uri), max_pixels)
+        except BadImage as exc:
+            raise ValueError(f"train.validation_references: {uri}: {exc}") from None
+        out.append(ImageOps.fit(img, (size, size), Image.Resampling.LANCZOS))
     return out
+
+
+def _references(cfg: JobConfig, size: int) -> list[list]:
+    """Every validation prompt's reference images (:func:`reference_images`), read once per run: later renders
+    reuse them instead of reading the files again."""
+    refs = cfg.train.validation_references
+    key = (repr(refs), size, cfg.data.max_image_pixels)
+    if key not in _REFERENCES:
+        _REFERENCES.clear()
+        _REFERENCES[key] = [reference_images(e, size, cfg.data.max_image_pixels) for e in refs]
+    return _REFERENCES[key]
 
 
 def render(transformer, cfg: JobConfig, device, dtype) -> list:
@@ -103,7 +125,7 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         vae = models.load_vae(cfg.model, str(device), dtype)
         family = models.family(cfg.model)
         pipe = family.render_pipeline(path, kw, scheduler, vae, transformer)
-        edits = [family.reference_kwargs(reference_images(e, size), size, size) for e in t.validation_references]
+        edits = [family.reference_kwargs(images, size, size) for images in _references(cfg, size)]
         pipe.set_progress_bar_config(disable=True)
         transformer.eval()
         try:
@@ -128,29 +150,30 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
     return images
 
 
+def whole_copy(trainer, cfg: JobConfig, device):
+    """A whole transformer from ``model.path`` carrying the trainer's current adapter: attached as the trainer
+    attached it (:func:`rayflux.train.lora.add_lora` with the same ``train`` settings) and filled with its weights
+    (:func:`rayflux.train.lora.set_state`), so the rendered adapter is the trained one."""
+    t = cfg.train
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):  # add_lora's init draws
+        whole = models.load_transformer(cfg.model, str(device), trainer.dtype)
+        lora.add_lora(whole, t.rank, t.alpha, t.targets, t.lora_dropout)
+    adapter = lora.lora_state_dict(trainer.transformer)
+    lora.set_state(whole, {k: v.to(device) for k, v in adapter.items()}, "the trained adapter")
+    return whole
+
+
 def render_trained(trainer, cfg: JobConfig, device) -> list:
     """:func:`render` with the trainer's LoRA. A sharded base (``train.base_sharding``) cannot run on rank 0 alone:
     each block's forward is an all-gather that every rank must join. Rank 0 instead loads a whole copy from
-    ``model.path`` (node-local files), copies the adapter's current weights into it, renders and frees it. Gathering
-    the shards instead would stall every rank in collectives for the render's length and hold each gathered tensor
-    on all of them; the copy costs one read of local files and, during the render, rank 0's memory for the whole
-    base."""
+    ``model.path`` (node-local files) with the adapter's current weights (:func:`whole_copy`), renders and frees it.
+    Gathering the shards instead would stall every rank in collectives for the render's length and hold each
+    gathered tensor on all of them; the copy costs one read of local files and, during the render, rank 0's memory
+    for the whole base."""
     if not trainer.layout:
         return render(trainer.transformer, cfg, device, trainer.dtype)
-    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-
-    from rayflux.train import lora
-
-    device = torch.device(device)
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        whole = models.load_transformer(cfg.model, str(device), trainer.dtype)
-        whole.requires_grad_(False)
-        whole.add_adapter(trainer.transformer.peft_config[lora.ADAPTER])
-        for name, p in whole.named_parameters():
-            if ".lora_" in name:
-                p.data = p.data.to(torch.float32)  # as the trained adapter is held (lora.add_lora)
-    adapter = get_peft_model_state_dict(trainer.transformer)
-    set_peft_model_state_dict(whole, {k: v.to(device) for k, v in adapter.items()}, adapter_name=lora.ADAPTER)
+    whole = whole_copy(trainer, cfg, device)
     try:
         return render(whole, cfg, device, trainer.dtype)
     finally:
