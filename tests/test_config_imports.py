@@ -66,3 +66,13 @@ def test_modules_that_build_on_the_config_import_in_any_order(order):
     """Each of these once sat on a cycle with the config (its checks imported them inside a function)."""
     loaded = _fresh_import(*order)
     assert set(order) <= set(loaded)
+
+
+def test_the_cache_stages_driver_modules_import_no_torch():
+    """The driver of a cache build reads model facts and runs Ray Data; only the encoder actors need torch, whose
+    import costs the job's start seconds it would wait for on every ``--only cache`` run."""
+    code = ("import sys, rayflux.job, rayflux.cache.stage, rayflux.models, rayflux.families; "
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
