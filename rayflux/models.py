@@ -6,6 +6,7 @@ model's family (:mod:`rayflux.families`), chosen from its ``model_index.json``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rayflux import storage
@@ -95,6 +96,9 @@ def default_device() -> str:
 
 
 def _load_config(path: str, cfg: ModelConfig, subfolder: str) -> dict:
+    local = Path(path).expanduser() / subfolder / "config.json"
+    if local.is_file():  # a directory on this machine: plain JSON, without importing diffusers (and torch) here
+        return json.loads(local.read_text())
     from diffusers import AutoencoderKL
 
     # Any diffusers ConfigMixin can read any subfolder's config.json, from a local dir or the hub cache.
