@@ -109,13 +109,17 @@ def connect(address: str = "") -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS", "")
+    # A Ray this job starts for itself lives as long as the job and runs without the dashboard: its dozen processes
+    # cost seconds of every start on a small machine, and the job prints its own progress. `ray start --head` gives
+    # a dashboard; the job joins such a head.
+    own = {"include_dashboard": False, **console.init_kwargs()}
     if address:
-        ray.init(address=address, **console.init_kwargs())
+        ray.init(address=address, **(own if address == "local" else console.init_kwargs()))
         return
     try:
         ray.init(address="auto", **console.init_kwargs())
     except ConnectionError:
-        ray.init(**console.init_kwargs())
+        ray.init(**own)
 
 
 def cluster_has_gpus() -> bool:
