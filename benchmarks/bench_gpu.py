@@ -10,22 +10,42 @@
    checkpointing): steps/s, samples/s, peak memory and MFU by :func:`model_flops` (the README's formula: a frozen
    base has no weight gradients) over the device's peak dense bf16 FLOP/s. A row that runs out of memory, or whose
    base_dtype this device refuses, is recorded as such.
-2. **Job step vs bare step** (FLUX.1-dev): the same configuration through a plain hand-written loop (pack, noise,
-   forward, MSE, backward, ``AdamW.step``), as seconds per step of each and their ratio.
+2. **Trainer step vs bare step** (FLUX.1-dev): the same configuration through a plain hand-written loop (pack, noise,
+   forward, MSE, backward, ``AdamW.step``), as seconds per step of each and their ratio, in this one process.
 3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16), alone and as ``--vae-procs`` processes
    sharing the GPU (what ``cache.gpus_per_actor=0.25`` gives four actors); T5-XXL + CLIP-L encoding captions of 512
    and 77 tokens (captions/s, bf16).
+4. **The job** (``--skip-job`` leaves it out): ``jobs/train_flux.py`` itself (Ray Train, its feed, checkpoints) on one
+   worker with the job's defaults (``train.use_gpu=auto``, checkpointing ``auto``), 512 px, batch 1, on 8 square images.
+   A FLUX.1-shaped model directory is written with ``rayflux.testing.tiny`` (random weights, saved in bf16):
+   FLUX.1-dev's transformer (24 heads x 128, 19 + 38 blocks; ``--job-blocks D,S`` for fewer), its real VAE, and shallow
+   T5 and CLIP at width 4096, which only encode captions in the cache stage. The pooled projection is so 4096 wide, not
+   FLUX.1-dev's 768: one extra 4096 x 3072 matmul per sample (not per token), nothing beside the step's 11.9B parameters
+   times 1,536 tokens. The directory takes 23 GiB of disk (22.2 GiB of it the transformer; ``--job-model DIR`` keeps it
+   for the next run, otherwise it is removed at the end) and a few minutes of CPU to build and write. The cache is built
+   once (``--only cache``, not timed); then, in this process, ``LoraTrainer.train_step`` (loading ``model.path`` as the
+   job's worker does) and the bare step of section 2 run on the cache's batches and are freed; only then is the job run
+   twice with different ``train.max_steps`` (``--job-steps``), so its worker and this process never hold the model on
+   the GPU together. The train stage's wall time from each run's ledger gives ``job_s_per_extra_step`` = (long - short)
+   / extra steps, in which start-up, model load and the first read cancel out; it is reported beside
+   ``trainer_s_per_step``, ``bare_s_per_step`` and the two ratios. All three runs join one local Ray started here and
+   stopped at the end.
 
 Weights are random: speed and memory do not depend on their values. ``--dry-run`` runs every section on the CPU with
-tiny widths and two steps, so the script cannot rot unnoticed where no GPU is at hand.
+tiny widths and two steps (the job section: the default tiny model at 64 px, ``train.max_steps`` 2 and 4), so the
+script cannot rot unnoticed where no GPU is at hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import multiprocessing as mp
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rayflux import config, plan  # noqa: E402
+from rayflux.testing.tiny import TinySpec, ensure_tiny_model  # noqa: E402
 from rayflux.train import base_weights, step  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
@@ -62,6 +83,8 @@ FLUX_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_o
             "use_quant_conv": False, "use_post_quant_conv": False}  # fmt: skip
 T5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "d_kv": 64, "vocab_size": 32128,
           "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}  # fmt: skip
+JOB_IMAGES = 8
+"""Square images the job section caches and trains on: 8 steps an epoch on one worker at batch 1."""
 CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
           "vocab_size": 49408, "max_position_embeddings": 77}  # fmt: skip
 
@@ -231,6 +254,79 @@ def text_encode(t5_cfg: dict, clip_cfg: dict, device: torch.device, batch: int, 
     return {"batch": batch, "t5_tokens": t5_len, "captions_per_s": round(batch / seconds, 2)}
 
 
+def job_spec(blocks: tuple[int, int], dry: bool) -> TinySpec:
+    """The job section's model: FLUX.1-dev's transformer widths (24 heads x 128, 19 + 38 blocks unless ``blocks``
+    says fewer) and real VAE in bf16, shallow text encoders; the default tiny model for ``--dry-run``."""
+    if dry:
+        return TinySpec()
+    return TinySpec(flux_vae=True, num_layers=blocks[0], num_single_layers=blocks[1], attention_head_dim=128,
+                    num_attention_heads=24, text_dim=4096, dtype="bfloat16")  # fmt: skip
+
+
+def _in_process(common: list[str], rows: list[dict], steps: int, device: torch.device) -> dict:
+    """Seconds per step of ``LoraTrainer.train_step`` (loading ``model.path`` as the job's worker does) and of the
+    bare step on the same model, over the cached batches the job trains on; the GPU is emptied afterwards."""
+    cfg = config.load(None, common)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = itertools.cycle([step.from_item(r) for r in rows])
+    trainer = LoraTrainer(cfg, device, total_steps=2 * steps + 2)
+    trainer_s = _timed(lambda: trainer.train_step([next(batches)]), steps, device)
+    bare_opt = torch.optim.AdamW(trainer.params, lr=cfg.train.learning_rate)
+    bare_s = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, next(batches), device, dtype), steps,
+                    device)  # fmt: skip
+    ckpt = trainer.checkpointing
+    del trainer, bare_opt
+    _free(device)
+    return {"checkpointing": ckpt, "trainer_s_per_step": trainer_s, "bare_s_per_step": bare_s}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()  # the trainer's modules hold reference cycles: freed only by a collection
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def job_section(spec: TinySpec, px: int, steps: tuple[int, int], device: torch.device, work: Path,
+                model_dir: Path | None) -> dict:  # fmt: skip
+    """The job (``jobs/train_flux.py``: Ray Train, its feed, checkpoints) on one worker at ``px`` px, batch 1, as wall
+    time per extra step between ``train.max_steps`` ``steps[0]`` and ``steps[1]``, against the in-process steps."""
+    import ray
+
+    from benchmarks.job_runs import build_cache, cached_batches, job_train_seconds
+    from rayflux.testing.images import write_images
+
+    _free(device)
+    t0 = time.perf_counter()
+    model = ensure_tiny_model(model_dir or work / "model", spec)
+    size = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
+    row = {"px": px, "batch": 1, "blocks": [spec.num_layers, spec.num_single_layers], "dtype": spec.dtype,
+           "model_write_s": round(time.perf_counter() - t0, 2), "model_gib": round(size / plan.GIB, 3)}  # fmt: skip
+    write_images(work / "images", sizes=[(px, px)] * JOB_IMAGES)
+    short, long = steps
+    # One Ray for the three runs (cache, short, long): each job joins it instead of starting its own.
+    ctx = ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        common = [f"model.path={model}", f"data.images_dir={work / 'images'}", f"data.resolution={px}",
+                  "train.num_workers=1", "train.batch_size=1", f"train.epochs={-(-long // JOB_IMAGES) + 1}",
+                  f"cache.dir={work / 'cache'}", f"run.ray_address={ctx.address_info['gcs_address']}"]  # fmt: skip
+        rows = cached_batches(common, build_cache(work, common))
+        # Before the job runs, so that its worker and this process never hold the model on the GPU together.
+        row.update(_in_process(common, rows, long - short, device))
+        if device.type == "cuda":
+            row["driver_gib_during_job"] = round(torch.cuda.memory_reserved(device) / plan.GIB, 2)
+        seconds = [job_train_seconds(work, f"job-{n}", n, common) for n in steps]
+    finally:
+        ray.shutdown()
+    job_s = (seconds[1] - seconds[0]) / (long - short)
+    trainer_s, bare_s = row["trainer_s_per_step"], row["bare_s_per_step"]
+    row.update({"max_steps": list(steps), "job_train_s": [round(x, 3) for x in seconds],
+                "job_s_per_extra_step": round(job_s, 5), "trainer_s_per_step": round(trainer_s, 5),
+                "bare_s_per_step": round(bare_s, 5), "job_over_trainer": round(job_s / trainer_s, 3),
+                "job_over_bare": round(job_s / bare_s, 3)})  # fmt: skip
+    print(json.dumps({"job": row}), flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, two steps: only checks that it runs")
@@ -240,7 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS),
                     help="LoRA-step sections to run (default: all)")  # fmt: skip
+    ap.add_argument("--skip-job", action="store_true", help="leave out the job section")
+    ap.add_argument("--job-blocks", default="19,38", metavar="D,S",
+                    help="double,single blocks of the job section's model (fewer: a smaller directory to write)")
+    ap.add_argument("--job-steps", default="10,60", metavar="SHORT,LONG", help="train.max_steps of the two job runs")
+    ap.add_argument("--job-model", metavar="DIR", type=Path,
+                    help="where the job section's model is written and kept (reused when current; default: a "
+                         "temporary directory, removed at the end)")  # fmt: skip
     args = ap.parse_args(argv)
+    try:  # checked before any section runs, not after an hour of them
+        blocks = tuple(int(n) for n in args.job_blocks.split(","))
+        job_steps = (2, 4) if args.dry_run else tuple(int(n) for n in args.job_steps.split(","))
+    except ValueError:
+        blocks = job_steps = ()
+    if len(blocks) != 2 or min(blocks) < 1 or len(job_steps) != 2 or not 0 < job_steps[0] < job_steps[1]:
+        ap.error("--job-blocks needs D,S (integers of at least 1); --job-steps SHORT,LONG with 0 < SHORT < LONG")
 
     if args.dry_run:
         device, models, steps = torch.device("cpu"), DRY, 2
@@ -266,7 +376,14 @@ def main(argv: list[str] | None = None) -> int:
         results["skipped"] = ["flux2-dev with train.base_sharding=node: not measured by this one-process script"]
     results["vae"] = [vae_encode(vae_cfg, device, vae_px, 8, steps, p) for p in (1, vae_procs)]
     results["text"] = text_encode(t5_cfg, clip_cfg, device, 16, text_len, steps)
-    print(json.dumps({k: results[k] for k in ("device", "vae", "text")}, indent=1))
+    if not args.skip_job:
+        work = Path(tempfile.mkdtemp(prefix="bench-gpu-job-"))
+        try:
+            results["job"] = job_section(job_spec(blocks, args.dry_run), 64 if args.dry_run else 512, job_steps,
+                                         device, work, args.job_model)  # fmt: skip
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({k: results[k] for k in ("device", "vae", "text", "job") if k in results}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -17,10 +17,8 @@ the job's own overhead can be told apart from the thread count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,19 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-
-def job_train_seconds(work: Path, name: str, steps: int, common: list[str]) -> float:
-    """Run the job with ``train.max_steps=steps`` into a fresh run directory; the train stage's wall seconds."""
-    out = work / name
-    args = [sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--set", f"run.output_dir={out}",
-            "--set", f"train.max_steps={steps}"]  # fmt: skip
-    for c in common:
-        args += ["--set", c]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"job failed: {proc.stderr[-2000:]}")
-    stages = {s["name"]: s for s in json.loads((out / "ledger.json").read_text())["stages"]}
-    return stages["train:seg0"]["end"] - stages["train:seg0"]["start"]
+from benchmarks.job_runs import build_cache, cached_batches, job_train_seconds  # noqa: E402
 
 
 def plain_seconds(cfg, batches: list[dict], steps: int) -> float:
@@ -70,8 +56,6 @@ def main() -> int:
     import torch
 
     from rayflux import config
-    from rayflux.cache import generations
-    from rayflux.train import batching
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     epochs = -(-args.long // 8) + 1  # the demo's 8 images are 8 steps per epoch on one worker
@@ -79,15 +63,8 @@ def main() -> int:
     common = ["train.num_workers=1", f"data.resolution={args.resolution}", f"train.epochs={epochs}",
               f"cache.dir={work / 'cache'}", "run.ray_address=local"]  # fmt: skip
     # Build the shared cache (not timed), and take its batches for the plain loop.
-    subprocess.run([sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--only", "cache",
-                    *[x for c in common + [f"run.output_dir={work / 'cache-run'}"] for x in ("--set", c)]],
-                   check=True, capture_output=True)  # fmt: skip
-    [gen_dir] = [p for p in (work / "cache").glob("*/g*") if (p / generations.MANIFEST).exists()]
-    manifest = generations.load_manifest(str(gen_dir))
+    batches = cached_batches(common, build_cache(work, common))
     cfg = config.load(None, common)
-    refs = batching.index_samples(manifest)
-    planned = batching.plan_epoch(refs, cfg.train.batch_size, cfg.train.seed, 0, 1)[0]
-    batches = [batching.load_batch({**b, "step": i + 1, "total_steps": len(planned)}) for i, b in enumerate(planned)]
 
     job, plain, one = [], [], []
     default_threads = torch.get_num_threads()

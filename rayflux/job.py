@@ -109,13 +109,17 @@ def connect(address: str = "") -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS", "")
+    # A Ray this job starts for itself lives as long as the job and runs without the dashboard: its dozen processes
+    # cost seconds of every start on a small machine, and the job prints its own progress. `ray start --head` gives
+    # a dashboard; the job joins such a head.
+    own = {"include_dashboard": False, **console.init_kwargs()}
     if address:
-        ray.init(address=address, **console.init_kwargs())
+        ray.init(address=address, **(own if address == "local" else console.init_kwargs()))
         return
     try:
         ray.init(address="auto", **console.init_kwargs())
     except ConnectionError:
-        ray.init(**console.init_kwargs())
+        ray.init(**own)
 
 
 def cluster_has_gpus() -> bool:
@@ -232,8 +236,6 @@ class _Stages:
 def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
     from rayflux.cache import index
-    from rayflux.train import lora_files
-    from rayflux.train.stage import check_base_dtype, train
 
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
@@ -257,6 +259,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     summary.logs = _ray_logs_dir()
     gpus = cluster_has_gpus()
     if only != "cache":
+        # The training modules import torch: a cache-only run's driver never loads it (seconds of its start).
+        from rayflux.train.stage import check_base_dtype
+
         check_base_dtype(cfg, gpus)
     stages = _Stages(cfg, facts, ledger, cache_root, gpus, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
@@ -286,6 +291,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         return summary
     if first["cached"] == 0:
         raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
+
+    from rayflux.train import lora_files
+    from rayflux.train.stage import train
 
     result = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:

@@ -14,7 +14,7 @@ from rayflux import config
 from rayflux.cache import fit
 from rayflux.cache.encoders import threads_for
 from rayflux.cache.stall import CacheStallError
-from rayflux.models import choose_device
+from rayflux.models import choose_device, vae_dtype
 
 TWO_CPUS = fit.Capacity(now={"CPU": 2.0}, most=None, largest_node_cpus=2.0)
 GPU_NODE = fit.Capacity(now={"CPU": 16.0, "GPU": 8.0}, most=None, largest_node_cpus=16.0)
@@ -109,6 +109,19 @@ def test_encoders_use_cuda_only_where_ray_gave_them_a_gpu():
     assert choose_device(cuda_available=True, in_ray_worker=True, ray_gpu_ids=[3]) == "cuda"
     assert choose_device(cuda_available=True, in_ray_worker=False, ray_gpu_ids=[]) == "cuda"
     assert choose_device(cuda_available=False, in_ray_worker=True, ray_gpu_ids=[0]) == "cpu"
+
+
+def test_the_vae_encodes_in_bf16_on_gpus_and_on_cpus_that_compute_it_natively():
+    import torch
+
+    model = config.ModelConfig()
+    assert vae_dtype(model, "cuda") == torch.bfloat16
+    assert vae_dtype(model, "cpu", fast_bf16=True) == torch.bfloat16
+    assert vae_dtype(model, "cpu", fast_bf16=False) == torch.float32
+    # An explicit dtype wins everywhere; model.dtype decides when vae_dtype is left empty.
+    assert vae_dtype(config.ModelConfig(vae_dtype="float32"), "cpu", fast_bf16=True) == torch.float32
+    assert vae_dtype(config.ModelConfig(dtype="float32"), "cuda") == torch.float32
+    assert vae_dtype(config.ModelConfig(vae_dtype="float16"), "cuda") == torch.float16
 
 
 def test_two_actors_that_cannot_fit_fail_before_any_work(ray_session, job_config):

@@ -164,7 +164,10 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
     from rayflux.cache.encoders import VaeEncoder
 
     images, refs = _edit_dataset(tmp_path)
-    cfg = cache_sets.job_config(tiny_model, images, tmp_path, f"data.reference_dir={refs}", "data.resolution=64")
+    # fp32: the check below re-encodes in this process, on its own thread count, and needs results equal up to
+    # summation order (bf16, the default on CPUs that compute it natively, rounds each layer differently per count).
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, f"data.reference_dir={refs}", "data.resolution=64",
+                                "model.vae_dtype=float32")  # fmt: skip
     gen_dir, manifest = cache_sets.build(cfg)
     assert (manifest["cached"], manifest["skipped"]) == (2, 1)
     assert manifest["skipped_inputs"][0]["reason"] == f"no reference image: {refs / 'c.png'} does not exist"
@@ -222,7 +225,9 @@ def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_sessio
             {"file_name": "out2.png", "text": "put them together", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
     (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # data.alignment=32: the bucket check still asks FLUX.1's 2 x vae_scale_factor of FLUX.2's patchified latents.
-    sets = ["data.caption_strategy=metadata", "data.reference_column=source", "data.resolution=64", "data.alignment=32"]
+    # model.vae_dtype=float32: compared below with the pipeline's own encoding, which runs in fp32.
+    sets = ["data.caption_strategy=metadata", "data.reference_column=source", "data.resolution=64", "data.alignment=32",
+            "model.vae_dtype=float32"]  # fmt: skip
     cfg = cache_sets.job_config(tiny_flux2_klein, root, tmp_path, *sets)
     gen_dir, manifest = cache_sets.build(cfg)
     assert (manifest["cached"], manifest["skipped"]) == (2, 0)

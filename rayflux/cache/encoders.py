@@ -60,20 +60,25 @@ class VaeEncoder:
         self.vae = None
 
     def _load(self) -> None:
+        import torch
+
         from rayflux import models
 
         self.device = models.default_device()
-        dtype = models.torch_dtype(self.model.vae_dtype or self.model.dtype, self.device)
         self.family = models.family(self.model)
         self.vae = self.family.load_vae(models.resolve_path(self.model), models.revision_kw(self.model), self.device,
-                                        dtype)  # fmt: skip
+                                        models.vae_dtype(self.model, self.device))  # fmt: skip
+        # Channels-last activations let oneDNN (CPU) and cuDNN pick their faster convolution kernels: measured 1.3x
+        # on FLUX.1's VAE on CPU, with fp32 results equal to 1e-5.
+        self.vae.to(memory_format=torch.channels_last)
 
     def _input(self, pixels: np.ndarray):
         import torch
 
         if self.vae is None:
             self._load()
-        return torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+        x = torch.from_numpy(pixels).to(self.device).permute(0, 3, 1, 2).to(self.vae.dtype) / 127.5 - 1.0
+        return x.contiguous(memory_format=torch.channels_last)
 
     def encode_references(self, pixels: np.ndarray):
         """Stored latents of a ``[N, H, W, 3]`` batch of edit references: the VAE's mode, not a sample, as the
@@ -82,7 +87,7 @@ class VaeEncoder:
 
         x = self._input(pixels)
         with torch.inference_mode():
-            return self.family.stored_latent(self.vae, self.vae.encode(x).latent_dist.mode())
+            return self.family.stored_latent(self.vae, self.vae.encode(x).latent_dist.mode().float())
 
     def encode(self, pixels: np.ndarray, sample_ids: list[str]):
         """Latents of a ``[N, H, W, 3]`` uint8 batch of one size, as the VAE returns them (not contiguous)."""
@@ -94,8 +99,9 @@ class VaeEncoder:
             shape = dist.mean.shape[1:]
             eps = torch.stack(
                 [torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(s))) for s in sample_ids]
-            ).to(dist.mean.device, dist.mean.dtype)
-            return self.family.stored_latent(self.vae, dist.mean + dist.std * eps)
+            ).to(dist.mean.device)
+            # The sample and the family's normalisation in fp32 whatever the VAE ran in, so a bf16 encode rounds once.
+            return self.family.stored_latent(self.vae, dist.mean.float() + dist.std.float() * eps)
 
     def _encode_references(self, batch: dict, idx: list[int], h: int, w: int, out: list[bytes]) -> None:
         """Each edit row's references (cut to its bucket, like the row) as its stored latents back to back."""

@@ -14,6 +14,7 @@ class RunConfig:
     name: str = "rayflux"
     """Ray Train run name under ``<output_dir>/checkpoints``."""
     ray_address: str = ""
-    """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray."""
+    """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray (without the
+    dashboard; ``local`` always starts one)."""
     debug_slow_rank: str = ""
     """``RANK:SECONDS`` delays every step of one training rank, to shake out ordering races. Empty: off."""

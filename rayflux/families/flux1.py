@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 
-from rayflux.families import kontext_math
 from rayflux.families.base import Family, ModelFacts, TextTensor
-from rayflux.families.references import with_references
-from rayflux.train import flow
+
+# The tensor helpers (kontext_math, references, train.flow) import torch, so they are imported where they are used:
+# the driver reads a model's facts through this module and, for the cache stage, never needs torch (seconds of start).
 
 CLIP_LENGTH = 77
 
@@ -152,9 +152,13 @@ class Flux1(Family):
         return (z - float(vae.config.shift_factor or 0.0)) * float(vae.config.scaling_factor)
 
     def pack(self, latents):
+        from rayflux.train import flow
+
         return flow.pack(latents)
 
     def unpack(self, tokens, height, width):
+        from rayflux.train import flow
+
         return flow.unpack(tokens, height, width)
 
     def seq_len(self, height, width):
@@ -163,6 +167,10 @@ class Flux1(Family):
     def forward_args(self, tokens, text, sigmas, height, width, guidance, references=None):
         """References ride as Kontext's image-conditioning tokens (:mod:`.kontext_math`); FLUX.1 and Kontext share
         the transformer, and the job lets only a Kontext model train edit pairs (:attr:`max_references`)."""
+        from rayflux.families import kontext_math
+        from rayflux.families.references import with_references
+        from rayflux.train import flow
+
         t5 = text["t5"]
         hidden, img_ids = tokens, flow.image_ids(height, width, tokens.device, tokens.dtype)
         if references is not None:

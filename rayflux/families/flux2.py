@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 
-from rayflux.families import flux2_math
 from rayflux.families.base import Family, ModelFacts, TextTensor
 from rayflux.families.flux1 import DOUBLE_ATTENTION
-from rayflux.families.references import with_references
+
+# flux2_math and references import torch: imported where used, so reading facts on the driver needs no torch.
 
 TEXT_LENGTH = 512
 """The pipelines' ``max_sequence_length`` default, and so the padded length of every cached caption."""
@@ -113,18 +113,27 @@ class Flux2(Family):
     def stored_latent(self, vae, z):
         """Patchify 2x2, then ``(z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps)``, as the pipelines'
         ``_encode_vae_image``."""
+        from rayflux.families import flux2_math
+
         return flux2_math.normalize_latent(z, *flux2_math.vae_bn_stats(vae))
 
     def pack(self, latents):
+        from rayflux.families import flux2_math
+
         return flux2_math.pack(latents)
 
     def unpack(self, tokens, height, width):
+        from rayflux.families import flux2_math
+
         return flux2_math.unpack(tokens, height, width)
 
     def seq_len(self, height, width):
         return height * width
 
     def forward_args(self, tokens, text, sigmas, height, width, guidance, references=None):
+        from rayflux.families import flux2_math
+        from rayflux.families.references import with_references
+
         embeds = text["prompt_embeds"]
         b, device = tokens.shape[0], tokens.device
         # Batched ids, as the pipelines pass them.

@@ -116,10 +116,25 @@ class TinySpec:
     """Transformer head width; its sum of ``axes_dims_rope`` must equal it."""
     num_attention_heads: int = 2
     """Transformer heads."""
+    dtype: str = "float32"
+    """Weight dtype the pipeline is built and written in (a ``torch`` dtype name). ``bfloat16`` halves the memory,
+    time and disk a model at real widths needs (FLUX.1-dev's transformer: 24 GB instead of 48)."""
 
 
 def build_pipeline(spec: TinySpec = TinySpec()):
-    """Build the tiny ``FluxPipeline`` in memory from a fixed seed."""
+    """Build the tiny ``FluxPipeline`` in memory from a fixed seed, in ``spec.dtype``."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    # Built straight in the target dtype: a real-width transformer never exists in fp32 on the way there.
+    torch.set_default_dtype(getattr(torch, spec.dtype))
+    try:
+        return _build_pipeline(spec)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _build_pipeline(spec: TinySpec):
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -245,7 +260,12 @@ def ensure_pipeline_dir(path: Path, build: Callable[[], Any], info: dict) -> Pat
 
 
 def _info(spec: TinySpec) -> dict:
-    return {"version": TINY_VERSION, "seed": TINY_SEED, "spec": spec.__dict__}
+    fields = dict(spec.__dict__)
+    if fields["dtype"] == "float32":
+        # The marker of an fp32 model stays as it was before ``dtype`` existed, so directories already written (and
+        # shared by every checkout on a machine) stay current instead of being rebuilt by one and then the other.
+        del fields["dtype"]
+    return {"version": TINY_VERSION, "seed": TINY_SEED, "spec": fields}
 
 
 def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
