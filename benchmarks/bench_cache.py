@@ -47,8 +47,8 @@ def plain_loop(model_dir: str, images_dir: str, resolution: int, batch_size: int
 
     cfg = ModelConfig(path=model_dir)
     vae = models.load_vae(cfg, "cpu", models.vae_dtype(cfg, "cpu") if tuned else torch.float32)
-    fmt = torch.channels_last if tuned else torch.contiguous_format
-    vae.to(memory_format=fmt)
+    if tuned:
+        vae.to(memory_format=torch.channels_last)
     clip_tok, clip, t5_tok, t5 = models.load_text_encoders(cfg, "cpu", torch.float32)
     spec = buckets.BucketSpec(resolution=resolution, latent_channels=16)
     paths = sorted(Path(images_dir).glob("*.png"))
@@ -61,8 +61,12 @@ def plain_loop(model_dir: str, images_dir: str, resolution: int, batch_size: int
     with torch.inference_mode():
         for arrays in groups.values():
             for i in range(0, len(arrays), batch_size):
+                # As users write it: the permuted view keeps NHWC strides, which PyTorch's convolutions already
+                # treat as channels-last input.
                 x = torch.from_numpy(np.stack(arrays[i : i + batch_size])).permute(0, 3, 1, 2).float() / 127.5 - 1
-                dist = vae.encode(x.to(vae.dtype).contiguous(memory_format=fmt)).latent_dist
+                if tuned:
+                    x = x.to(vae.dtype).contiguous(memory_format=torch.channels_last)
+                dist = vae.encode(x).latent_dist
                 z = (dist.sample().float() - vae.config.shift_factor) * vae.config.scaling_factor
                 [z[j].contiguous().numpy().tobytes() for j in range(z.shape[0])]
         captions = sorted({p.with_suffix(".txt").read_text().strip() for p in paths} | {""})

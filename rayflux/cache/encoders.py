@@ -68,8 +68,8 @@ class VaeEncoder:
         self.family = models.family(self.model)
         self.vae = self.family.load_vae(models.resolve_path(self.model), models.revision_kw(self.model), self.device,
                                         models.vae_dtype(self.model, self.device))  # fmt: skip
-        # Channels-last activations let oneDNN (CPU) and cuDNN pick their faster convolution kernels: measured 1.3x
-        # on FLUX.1's VAE on CPU, with fp32 results equal to 1e-5.
+        # Weights and input in channels-last let oneDNN (CPU) and cuDNN run their channels-last kernels throughout:
+        # 1.3x against NCHW on FLUX.1's VAE on CPU, with fp32 results equal to 1e-5.
         self.vae.to(memory_format=torch.channels_last)
 
     def _input(self, pixels: np.ndarray):
