@@ -12,9 +12,9 @@
    base_dtype this device refuses, is recorded as such.
 2. **Trainer step vs bare step** (FLUX.1-dev): the same configuration through a plain hand-written loop (pack, noise,
    forward, MSE, backward, ``AdamW.step``), as seconds per step of each and their ratio, in this one process.
-3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16), alone and as ``--vae-procs`` processes
-   sharing the GPU (what ``cache.gpus_per_actor=0.25`` gives four actors); T5-XXL + CLIP-L encoding captions of 512
-   and 77 tokens (captions/s, bf16).
+3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16 on channels-last tensors, as the cache's
+   encoder runs it), alone and as ``--vae-procs`` processes sharing the GPU (what ``cache.gpus_per_actor=0.25``
+   gives four actors); T5-XXL + CLIP-L encoding captions of 512 and 77 tokens (captions/s, bf16).
 4. **The job** (``--skip-job`` leaves it out): ``jobs/train_flux.py`` itself (Ray Train, its feed, checkpoints) on one
    worker with the job's defaults (``train.use_gpu=auto``, checkpointing ``auto``), 512 px, batch 1, on 8 square images.
    A FLUX.1-shaped model directory is written with ``rayflux.testing.tiny`` (random weights, saved in bf16):
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rayflux import config, plan  # noqa: E402
+from rayflux import config, models, plan  # noqa: E402
 from rayflux.testing.tiny import TinySpec, ensure_tiny_model  # noqa: E402
 from rayflux.train import base_weights, step  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
@@ -167,7 +167,7 @@ def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtyp
 
 def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid: list, steps: int,
                peak: float) -> list[dict]:  # fmt: skip
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = models.torch_dtype("auto", device.type)  # model.dtype's default: bf16 on GPU, fp32 on CPU
     rows = []
     for px, batch, ckpt in grid:
         row = {"model": name, "base_dtype": base_dtype, "px": px, "batch": batch, "checkpointing": ckpt}
@@ -217,9 +217,10 @@ def _vae_worker(vae_cfg: dict, px: int, batch: int, n: int, device: str, out) ->
     from diffusers import AutoencoderKL
 
     dev = torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    vae = AutoencoderKL(**vae_cfg).to(dev, dtype).eval()
-    x = torch.randn(batch, 3, px, px, device=dev, dtype=dtype)
+    # The dtype and memory format the cache's VaeEncoder uses (rayflux.models.vae_dtype, channels-last).
+    dtype = models.vae_dtype(config.ModelConfig(), device)
+    vae = AutoencoderKL(**vae_cfg).to(dev, dtype).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, px, px, device=dev, dtype=dtype).contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
         out.put(batch / _timed(lambda: vae.encode(x).latent_dist.mean, n, dev))
 
@@ -239,7 +240,7 @@ def vae_encode(vae_cfg: dict, device: torch.device, px: int, batch: int, n: int,
 def text_encode(t5_cfg: dict, clip_cfg: dict, device: torch.device, batch: int, t5_len: int, n: int) -> dict:
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = models.torch_dtype("auto", device.type)  # model.dtype's default: bf16 on GPU, fp32 on CPU
     t5 = T5EncoderModel(T5Config(**t5_cfg)).to(device, dtype).eval()
     clip = CLIPTextModel(CLIPTextConfig(**clip_cfg)).to(device, dtype).eval()
     t5_ids = torch.randint(0, t5_cfg["vocab_size"], (batch, t5_len), device=device)
@@ -267,7 +268,7 @@ def _in_process(common: list[str], rows: list[dict], steps: int, device: torch.d
     """Seconds per step of ``LoraTrainer.train_step`` (loading ``model.path`` as the job's worker does) and of the
     bare step on the same model, over the cached batches the job trains on; the GPU is emptied afterwards."""
     cfg = config.load(None, common)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = models.torch_dtype("auto", device.type)  # model.dtype's default: bf16 on GPU, fp32 on CPU
     batches = itertools.cycle([step.from_item(r) for r in rows])
     trainer = LoraTrainer(cfg, device, total_steps=2 * steps + 2)
     trainer_s = _timed(lambda: trainer.train_step([next(batches)]), steps, device)
