@@ -11,7 +11,9 @@ from the server's own log:
   own local Ray, SIGKILLed (the driver and every process it started) once a checkpoint past ``--kill-at`` of the
   epoch is committed; the requests on the cache's keys (the read path) and all requests;
 - ``resume``: the same command again, in this process: it resumes from that checkpoint and finishes the epoch. It
-  must seek: its reads on the cache's keys cover what it trains after the checkpoint, not the epoch;
+  must seek: its reads on the cache's keys cover what it trains after the checkpoint, not the epoch. For both, the
+  training loop's own figures from the run's step log (bytes fetched against the tensors' bytes, its GETs), and the
+  size of each checkpoint the killed run committed;
 - ``refresh``: one more generation with a new seed (centre crops, one caption per image, so nothing changes): what
   it writes against what generation 0 wrote.
 
@@ -370,6 +372,8 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     run_dir = commits.run_storage(cfg.run.output_dir, cfg.run.name)
     ray.shutdown()  # the killed run starts its own Ray, as a user's driver does
 
+    sizes: dict[int, int] = {}  # each checkpoint step of the killed run: the checkpoint's bytes in storage
+
     def killed():
         proc = subprocess.Popen([sys.executable, "-c", _TRAIN, *sets], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -377,6 +381,8 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
             while proc.poll() is None:
                 latest = commits.latest(run_dir)
                 step = commits.read_json(latest)["step"] if latest else 0
+                if latest and step not in sizes:
+                    sizes[step] = _tree_bytes(latest)
                 if step >= kill_after:
                     below = _descendants(proc.pid)
                     os.kill(proc.pid, signal.SIGKILL)
@@ -400,6 +406,8 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     print(json.dumps({"phase": "train-killed-reads", "checkpoint_step": at, "epoch_steps_about": steps,
                       "cache_requests": len(reads),
                       "per_checkpointed_sample": round(len(reads) / max(at * args.batch_size, 1), 3)}), flush=True)
+    print(json.dumps({"phase": "checkpoint-bytes", "by_step": {str(k): v for k, v in sorted(sizes.items())}}),
+          flush=True)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     since = server.mark()
     summary, rec = phase("resume", lambda: job.run(cfg))
@@ -408,6 +416,27 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     print(json.dumps({"phase": "resume-reads", "resumed_from_step": at, "final_step": summary.steps,
                       "trained_samples": trained, "cache_requests": len(reads),
                       "per_trained_sample": round(len(reads) / max(trained, 1), 3)}), flush=True)  # fmt: skip
+    # What the training loop itself counted (the step log): bytes fetched against the tensors' bytes, and its GETs.
+    from rayflux.train import metrics
+
+    history = metrics.read_steps(cfg.run.output_dir)
+    for name, part in (("killed", [h for h in history if h["step"] <= at]),
+                       ("resume", [h for h in history if h["step"] > at])):  # fmt: skip
+        total = {k: sum(h.get(k, 0) for h in part) for k in ("read_bytes", "tensor_bytes", "read_requests", "samples")}
+        print(json.dumps({"phase": f"{name}-read-bytes", "steps": len(part), **total,
+                          "bytes_over_tensor_bytes": round(total["read_bytes"] / max(total["tensor_bytes"], 1), 4),
+                          "loop_requests_per_sample": round(total["read_requests"] / max(total["samples"], 1), 4)}),
+              flush=True)  # fmt: skip
+
+
+def _tree_bytes(uri: str) -> int:
+    """The bytes of every file under ``uri`` (one listing)."""
+    import pyarrow.fs as pafs
+
+    from rayflux import storage
+
+    fs, inner = storage.resolve(uri)
+    return sum(i.size or 0 for i in fs.get_file_info(pafs.FileSelector(inner, recursive=True)) if i.is_file)
 
 
 if __name__ == "__main__":

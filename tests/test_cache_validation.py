@@ -68,6 +68,39 @@ def test_a_good_batch_loads_with_the_stored_values(built):
     assert sorted(json.loads(out["sample_ids"])) == sorted(r.sample_id for r in refs)
 
 
+def test_a_batch_says_what_reading_it_cost_and_a_run_of_neighbours_is_one_read(built):
+    from rayflux.cache import ranges, reads, tensors
+
+    refs = [r for r in batching.index_samples(generations.load_manifest(str(built.gen_dir))) if r.bucket == "128x128"]
+    refs.sort(key=lambda r: (r.file, r.row))
+    run = [r for r in refs if r.file == refs[0].file][:3]  # neighbouring rows of one shard: the writer keeps a
+    assert [r.row for r in run] == list(range(run[0].row, run[0].row + 3))  # bucket's rows together
+    scattered = [next(r for r in refs if r.file == f) for f in sorted({r.file for r in refs})][:3]
+    layout = generations.load_manifest(str(built.gen_dir))["layout"]
+    text_bytes = sum(tensors.nbytes([json.loads(r.text)[3][i][2] for r in run][0], layout["dtype"])
+                     for i in range(len(layout["text"])))  # fmt: skip
+    latent_bytes = tensors.nbytes((4, 16, 16), layout["dtype"])
+    captions = len({json.loads(r.text)[2] for r in run})
+    reads._text_cache.clear()  # what this process read before (other tests) must not hide the text's reads
+    reads._text_cache_bytes = 0
+    out = load_batch(_batch_item(run))
+    used = 3 * (latent_bytes + text_bytes)
+    assert out["tensor_bytes"] == used
+    asked = 3 * latent_bytes + captions * text_bytes  # a caption shared by two samples is read once
+    assert asked <= out["read_bytes"] <= asked * 1.05  # holes of a row's small columns, within ranges.WASTE
+    # One read for the three latents, and one per caption at most (their text rows may be neighbours too).
+    assert 2 <= out["read_requests"] <= 1 + captions
+    # Again, the captions now come from the process's cache: only the latents are read. The holes between them
+    # (the rows' other columns, about 1.3 KB here) are more than 5% of three 4 KiB latents, so each is its own GET;
+    # with the captions' bytes in the same read they were not (and at 1024 px a latent is 512 KiB).
+    holes = sum(b.offset - a.offset - a.length for a, b in zip(run, run[1:]))
+    assert holes > ranges.WASTE * 3 * latent_bytes
+    again = load_batch(_batch_item(run))
+    assert again["tensor_bytes"] == used and again["read_requests"] == 3 and again["read_bytes"] == 3 * latent_bytes
+    if len(scattered) == 3:  # one row of each of three shards: three reads, whatever the merge rule
+        assert load_batch(_batch_item(scattered))["read_requests"] >= 3
+
+
 def test_a_row_with_the_wrong_latent_shape_is_named_at_train_time(built, tmp_path):
     gen = cache_sets.copy_generation(built, tmp_path)
     refs = _refs(gen, "128x128", 3)

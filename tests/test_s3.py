@@ -155,12 +155,15 @@ def test_ranged_reads_are_one_get_each_through_boto3(s3_server, s3_bucket):
     from rayflux.cache import ranges
 
     uri = f"{s3_bucket}/shard.bin"
-    storage.write_bytes_atomic(uri, bytes(range(100)))
+    data = bytes(range(256)) * 40
+    storage.write_bytes_atomic(uri, data)
     since = len(s3_server.requests())
-    assert ranges.read_ranges(uri, 100, [(10, 3), (0, 2)]) == [bytes([10, 11, 12]), bytes([0, 1])]
-    assert ranges.read_ranges(uri, 100, [(90, 10), (40, 0)]) == [bytes(range(90, 100)), b""]
-    # The two close ranges merge into one span; the index knows the offsets, so no HEAD asks the size.
-    assert _requests_for(s3_server, since, "/shard.bin") == ["GET", "GET"]
+    asks = [(1000, 4000), (0, 900), (8000, 500), (9000, 0)]
+    assert ranges.read_ranges(uri, len(data), asks) == [data[o : o + n] for o, n in asks]
+    assert ranges.read_ranges(uri, len(data), [(90, 10)]) == [data[90:100]]
+    # The close ranges share one GET, the far one has its own, the empty one needs none; the index knows the
+    # offsets, so no HEAD asks the size.
+    assert _requests_for(s3_server, since, "/shard.bin") == ["GET", "GET", "GET"]
     storage.write_bytes_atomic(uri.replace("shard", "gone"), b"x")
     fs, inner = storage.resolve(uri.replace("shard", "gone"))
     fs.delete_file(inner)
@@ -175,7 +178,7 @@ def test_without_boto3_ranged_reads_open_each_object_once_per_process(s3_server,
     uri = f"{s3_bucket}/shard-pa.bin"
     storage.write_bytes_atomic(uri, bytes(range(100)))
     since = len(s3_server.requests())
-    assert ranges.read_ranges(uri, 100, [(10, 3), (0, 2)]) == [bytes([10, 11, 12]), bytes([0, 1])]
+    assert ranges.read_ranges(uri, 100, [(10, 30), (0, 9)]) == [bytes(range(10, 40)), bytes(range(9))]
     assert ranges.read_ranges(uri, 100, [(90, 10)]) == [bytes(range(90, 100))]
     # One HEAD when the object is first opened (pyarrow asks its size), then only GETs of the ranges.
     assert _requests_for(s3_server, since, "/shard-pa.bin") == ["HEAD", "GET", "GET"]

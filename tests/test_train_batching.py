@@ -100,10 +100,10 @@ def test_repeats_are_spread_so_no_batch_holds_a_sample_twice(unique, repeats, ba
     assert [b["size"] for b in plan].count(batch_size) >= len(plan) - 1  # full batches, one short at most
 
 
-def test_without_repeats_the_batches_are_unchanged_runs_of_the_shuffle():
+def test_read_run_one_is_a_per_sample_shuffle_of_the_storage_order():
     refs = _refs([9])
-    plan, _ = batching.plan_epoch(refs, 4, 3, 0, world_size=1)
-    members = sorted(refs, key=lambda r: r.sample_id)
+    plan, _ = batching.plan_epoch(refs, 4, 3, 0, world_size=1, read_run=1)
+    members = sorted(refs, key=lambda r: (r.file, r.row))
     batching._rng(3, 0, refs[0].bucket).shuffle(members)
-    runs = [[r.sample_id for r in members[i : i + 4]] for i in range(0, 9, 4)]
-    assert sorted([ref[2] for ref in json.loads(b["refs"])] for b in plan) == sorted(runs)
+    cut = [[r.sample_id for r in members[i : i + 4]] for i in range(0, 9, 4)]
+    assert sorted([ref[2] for ref in json.loads(b["refs"])] for b in plan) == sorted(cut)

@@ -111,6 +111,16 @@ def test_metrics_are_reported_and_checkpoints_rotated(full):
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time"):
         assert isinstance(result.metrics[key], float), key
     assert result.metrics["step"] == 4
+    # What the reads cost, per step and summed per epoch: fetched bytes stay within 5% over the tensors used (less
+    # once captions come from a worker's cache), and at least one request per step.
+    for epoch in (0, 1):
+        steps = [h for h in result.history if h["epoch"] == epoch]
+        assert all(h["tensor_bytes"] > 0 and h["read_requests"] >= 1 for h in steps)
+        assert steps[-1]["epoch_read_bytes"] == sum(h["read_bytes"] for h in steps)
+        assert steps[-1]["epoch_tensor_bytes"] == sum(h["tensor_bytes"] for h in steps)
+        assert 0 < steps[-1]["read_amplification"] <= 1.05
+        assert steps[-1]["requests_per_sample"] == round(sum(h["read_requests"] for h in steps) /
+                                                         sum(h["samples"] for h in steps), 4)  # fmt: skip
     kept = [p for p in (out / "checkpoints" / "full").glob("checkpoint_*") if p.is_dir()]
     assert len(kept) == 2  # checkpoint_every=1 wrote 4, checkpoints_to_keep=2 kept the newest
     state = torch.load(Path(result.checkpoint_dir) / checkpoint.STATE_FILE, weights_only=True)

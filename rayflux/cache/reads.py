@@ -1,10 +1,15 @@
 """Training reads: the tensors of planned batches, by byte range from the generation index, checked per bucket.
 
-A latent is one ranged GET (ranges of one file that lie close together share one), an edit pair's reference latents
+A latent is one ranged GET (ranges of one file that lie close together share one: a planned run of neighbouring
+rows is one, see :mod:`rayflux.train.runs`), an edit pair's reference latents
 included: they are the next tensor of the same row, so they share the latent's GET; a caption's named text tensors
 are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
 footer, no HEAD: the index gave the offsets and each file's size. Every row is checked against its batch's bucket
 before anything is stacked, so a bad cache raises a CacheShapeError naming bucket, sample, source and shapes.
+
+Each stacked batch also says what reading it cost: ``read_bytes`` fetched, ``read_requests`` sent (GETs; a span
+shared by two batches counts for the first) and ``tensor_bytes``, the stored bytes of every tensor it uses, a
+caption's found in the process's cache included; the training loop sums them per epoch (read amplification).
 """
 
 from __future__ import annotations
@@ -37,13 +42,22 @@ def _keep_text(caption_id: str, text: dict[str, np.ndarray]) -> None:
         _text_cache_bytes -= sum(a.nbytes for a in old.values())
 
 
-def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, int]) -> dict:
-    """``{file: [(key, offset, length)]}`` -> ``{key: bytes}``, one read per file (close ranges merged)."""
-    out = {}
+def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, int]) -> tuple[dict, dict, dict]:
+    """``{file: [(key, offset, length)]}`` -> ``({key: bytes}, {key: bytes fetched}, {key: requests})``: close
+    ranges merged (:func:`rayflux.cache.ranges.plan_spans`, over every file of the read). A span's bytes are shared
+    among its ranges by length, and its request goes to its first range, so the per-key figures add up to the
+    read's."""
+    spans = ranges.plan_spans({path: [(off, n) for _, off, n in asks] for path, asks in wanted.items()})
+    data, fetched, requests = {}, {}, {}
     for path, asks in wanted.items():
-        data = ranges.read_ranges(path, sizes[path], [(off, n) for _, off, n in asks])
-        out.update({key: d for (key, _, _), d in zip(asks, data)})
-    return out
+        got = ranges.read_spans(path, sizes[path], [(off, n) for _, off, n in asks], spans[path])
+        data.update({key: d for (key, _, _), d in zip(asks, got)})
+        for span in spans[path]:
+            used = sum(asks[i][2] for i in span.members)
+            for i in span.members:
+                fetched[asks[i][0]] = (span.end - span.start) * asks[i][2] / max(used, 1)
+            requests[asks[span.members[0]][0]] = 1
+    return data, fetched, requests
 
 
 def _array(data: bytes, dtype: str, shape, error, what: str) -> np.ndarray:
@@ -67,9 +81,11 @@ def stack_all(items: list[dict], stack) -> list[dict]:
     sizes: dict[str, int] = {}
     texts: dict[str, list] = {}
     local: dict[str, dict[str, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
+    owner: dict = {}  # each asked key's batch: a caption's text is fetched for the first batch that needs it
     for b, (_, refs, layout) in enumerate(plans):
         for j, (file, _, _, offset, length, file_bytes, _, _, text, ref_count, ref_off, ref_len) in enumerate(refs):
             lat_asks.setdefault(file, []).append(((b, j), offset, length))
+            owner[(b, j)] = owner[(b, j, "ref")] = b
             if ref_count:
                 lat_asks[file].append(((b, j, "ref"), ref_off, ref_len))
             sizes[file] = file_bytes
@@ -82,9 +98,14 @@ def stack_all(items: list[dict], stack) -> list[dict]:
                 texts[cid] = loc
                 asks = text_asks.setdefault(loc[0], [])
                 asks.extend(((cid, t.name), off, n) for t, (off, n, _) in zip(layout.text, loc[3]))
+                owner.update({(cid, t.name): b for t in layout.text})
                 sizes[loc[0]] = loc[1]
-    latents = _fetch(lat_asks, sizes)
-    raw_text = _fetch(text_asks, sizes)
+    raw, fetched, requests = _fetch({**text_asks, **lat_asks}, sizes)  # latent and text files never coincide
+    bytes_read, request_count = [0.0] * len(plans), [0] * len(plans)
+    for key, n in fetched.items():
+        bytes_read[owner[key]] += n
+    for key in requests:
+        request_count[owner[key]] += 1
     out = []
     for b, (item, refs, layout) in enumerate(plans):
         bucket = item["bucket"]
@@ -99,11 +120,11 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             got = tuple(int(x) for x in shape.split(","))
             if got != want:
                 raise error("latent shape", want, got)
-            lat.append(_array(latents[(b, j)], layout.dtype, want, error, "latent"))
+            lat.append(_array(raw[(b, j)], layout.dtype, want, error, "latent"))
             if ref_count != refs[0][9]:
                 raise error("reference count (the batch's)", refs[0][9], ref_count)
             if ref_count:
-                references.append(_array(latents[(b, j, "ref")], layout.dtype, (ref_count, *want), error, "ref_latent"))
+                references.append(_array(raw[(b, j, "ref")], layout.dtype, (ref_count, *want), error, "ref_latent"))
             loc = json.loads(where)
             cid = _text_key(loc)
             if cid not in local:
@@ -111,7 +132,7 @@ def stack_all(items: list[dict], stack) -> list[dict]:
                 for t, (_, _, dims) in zip(layout.text, loc[3]):
                     if t.length and dims[0] != t.length:
                         raise error(f"{t.name} length", t.length, dims[0])
-                    arrays[t.name] = _array(raw_text[(cid, t.name)], layout.dtype, dims, error, t.name)
+                    arrays[t.name] = _array(raw[(cid, t.name)], layout.dtype, dims, error, t.name)
                 local[cid] = arrays
                 _keep_text(cid, arrays)
             for name, arr in local[cid].items():
@@ -121,5 +142,10 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             sids.append(sid)
         weights = json.loads(item["weights"]) if "weights" in item else None
         gen = generations.generation_number(item["generation_dir"])
-        out.append(stack(item, gen, sids, lat, text, weights, references or None))
+        row = stack(item, gen, sids, lat, text, weights, references or None)
+        # What the batch fetched against the stored bytes of every tensor it uses (a cached caption's included).
+        used = [*lat, *references, *(a for arrays in text.values() for a in arrays)]
+        row.update(read_bytes=round(bytes_read[b]), read_requests=request_count[b],
+                   tensor_bytes=sum(tensors.nbytes(a.shape, layout.dtype) for a in used))  # fmt: skip
+        out.append(row)
     return out

@@ -130,7 +130,10 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
         for i in range(n)
         if batch["skip_reason"][i]
     ]
-    fresh = [i for i in kept if not batch["reuse"][i]]
+    # A bucket's rows lie together in the shard (in input order), so the runs of neighbouring rows that training
+    # batches are filled with (rayflux.train.runs) hold no other bucket's latents between them: one short read each.
+    fresh = sorted((i for i in kept if not batch["reuse"][i]),
+                   key=lambda i: (str(batch["bucket"][i]), int(batch["ref_count"][i]) if "ref_count" in batch else 0))
     rows = []
     for i in fresh:
         row = {k: _plain(batch[k][i]) for k in shards.SAMPLE_SCHEMA.names if k in batch}

@@ -39,6 +39,7 @@ _POSITIVE = {
     ("train", "lr_power"),
     ("train", "gradient_accumulation"),
     ("train", "batches_per_read"),
+    ("train", "read_run"),
     ("train", "log_every"),
     ("train", "checkpoints_to_keep"),
     ("train", "validation_inference_steps"),

@@ -1,8 +1,9 @@
 """Bucket-pure batches with equal steps on every rank.
 
-The driver plans every batch of an epoch before training: one bucket per batch, a shuffle seeded per
-(seed, epoch, bucket) over the bucket's *sorted* sample ids, then a seeded shuffle of the batch order. Every
-process that computes the plan gets the same answer, regardless of listing order.
+The data feed plans every batch of an epoch before training: one bucket per batch, filled from a shuffle seeded per
+(seed, epoch, bucket) of runs of storage neighbours taken in (file, row) order (:mod:`rayflux.train.runs`), then a
+seeded shuffle of the batch order. Every process that computes the plan gets the same answer, regardless of listing
+order.
 
 Remainder rule (the same on every rank): a bucket's last batch may be smaller than ``batch_size``; then the
 epoch's batch count is cut down to a multiple of ``world_size * accumulation`` by dropping batches from the *end*
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayflux import storage
+from rayflux.train import runs
 
 
 @dataclass(frozen=True)
@@ -117,43 +119,22 @@ def _rng(*parts) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
-def _fill(members: list[SampleRef], batch_size: int) -> list[list[SampleRef]]:
-    """Cut a bucket's shuffled samples into batches of ``batch_size`` (the last one may be short).
-
-    Repeated samples (``repeats``) are spread so that a batch holds each sample once whenever the bucket has enough
-    batches: the copies of a sample are dealt to consecutive batches, one each, largest groups first, instead of
-    landing wherever the shuffle put them. Without repeats the batches are the shuffled order cut in runs.
-    """
-    n = len(members)
-    if len({r.sample_id for r in members}) == n:
-        return [members[i : i + batch_size] for i in range(0, n, batch_size)]
-    groups: dict[str, list[SampleRef]] = {}
-    for r in members:  # first appearance in the shuffle orders the groups
-        groups.setdefault(r.sample_id, []).append(r)
-    dealt = [r for g in groups.values() for r in g]
-    sizes = [min(batch_size, n - i) for i in range(0, n, batch_size)]
-    slots = [b for k in range(batch_size) for b in range(len(sizes)) if k < sizes[b]]  # slot k of every batch, then k+1
-    batches: list[list[SampleRef]] = [[] for _ in sizes]
-    for r, b in zip(dealt, slots):
-        batches[b].append(r)
-    return batches
-
-
 def plan_epoch(
-    refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1
+    refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1,
+    read_run: int = 4,
 ) -> tuple[list[dict], int]:
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
 
-    Each batch carries its own noise ``seed``, so its noise and σ do not depend on which rank trains it.
+    A bucket's batches are filled with shuffled runs of up to ``read_run`` storage neighbours (``train.read_run``;
+    see :mod:`rayflux.train.runs`). Each batch carries its own noise ``seed``, so its noise and σ do not depend on
+    which rank trains it.
     """
     by_bucket: dict[str, list[SampleRef]] = {}
     for r in refs:
         by_bucket.setdefault(group(r), []).append(r)
     batches: list[list[SampleRef]] = []
     for bucket in sorted(by_bucket):
-        members = sorted(by_bucket[bucket], key=lambda r: r.sample_id)
-        _rng(seed, epoch, bucket).shuffle(members)
-        batches.extend(_fill(members, batch_size))
+        batches.extend(runs.fill(by_bucket[bucket], batch_size, read_run, _rng(seed, epoch, bucket)))
     _rng(seed, epoch, "order").shuffle(batches)
     keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])
@@ -181,10 +162,7 @@ def epoch_counts(
     """Samples, dropped samples and batches of the epoch :func:`plan_epoch` would plan, from the buckets' sample
     counts alone: the batches' order is the same shuffle of the same number of batches, so the remainder rule cuts
     the same sizes. The driver reports these per epoch without planning any epoch."""
-    sizes = [
-        min(batch_size, n - i) for bucket in sorted(bucket_sizes) for n in [bucket_sizes[bucket]]
-        for i in range(0, n, batch_size)
-    ]  # fmt: skip
+    sizes = [size for bucket in sorted(bucket_sizes) for size in runs.batch_sizes(bucket_sizes[bucket], batch_size)]
     _rng(seed, epoch, "order").shuffle(sizes)
     keep = len(sizes) - len(sizes) % (world_size * accumulation)
     return {"samples": sum(sizes[:keep]), "dropped": sum(sizes[keep:]), "batches": keep}

@@ -57,9 +57,10 @@ def plan_rows(
     world: int,
     accumulation: int = 1,
     position: dict | None = None,
+    read_run: int = 4,
 ) -> list[list[dict]]:
     """Each rank's planned rows for epochs ``[first, end)``, cut at the restored ``position`` (a checkpoint's
-    position record; None for a fresh start).
+    position record; None for a fresh start); ``read_run``: see :func:`rayflux.train.batching.plan_epoch`.
 
     Every row carries its global optimizer ``step`` (continuing the restored count), the run's ``total_steps`` and
     ``resume_step`` (the restored step, 0 for none), so every rank derives the same schedule without talking."""
@@ -68,7 +69,7 @@ def plan_rows(
     per_rank: list[list[dict]] = [[] for _ in range(world)]
     offset = None
     for epoch in range(*epochs):
-        planned = batching.plan_epoch(refs, batch_size, seed, epoch, world, accumulation)[0]
+        planned = batching.plan_epoch(refs, batch_size, seed, epoch, world, accumulation, read_run)[0]
         # The remainder rule makes each epoch's batch count a multiple of world * accumulation, so every rank gets
         # the same whole number of optimizer steps, each of `accumulation` consecutive batches.
         steps_per_epoch = len(planned) // (world * accumulation)

@@ -45,6 +45,7 @@ class PlannedDataConfig(DataConfig):
         read_cpus: float = 0.25,
         batches_per_read: int = 8,
         run_dir: str = "",
+        read_run: int = 4,
     ):
         super().__init__(datasets_to_split=[])
         self.run_dir = run_dir
@@ -55,6 +56,7 @@ class PlannedDataConfig(DataConfig):
         self.accumulation = accumulation
         self.read_cpus = read_cpus
         self.batches_per_read = batches_per_read
+        self.read_run = read_run
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         import ray.data
@@ -63,7 +65,7 @@ class PlannedDataConfig(DataConfig):
         resume_from = commits.latest(self.run_dir) if self.run_dir else ""
         position = commits.read_json(resume_from) if resume_from else None
         per_rank = elastic.plan_rows(refs, self.batch_size, self.seed, self.epochs, self.total_epochs, world_size,
-                                     self.accumulation, position)  # fmt: skip
+                                     self.accumulation, position, self.read_run)  # fmt: skip
         per_rank = [[{**row, "resume_from": resume_from} for row in mine] for mine in per_rank]
         output = []
         for mine in per_rank:

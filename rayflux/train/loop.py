@@ -60,14 +60,16 @@ def _debug_delay(cfg, rank: int) -> None:
             time.sleep(float(seconds))
 
 
-def _agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int):
-    """One step's all-rank view: ``(mean loss, total samples, report due, preempted)``, the flags true on every rank
-    when true on any (rank 0 alone decides when a report is due)."""
+def _agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int, reads=(0, 0, 0)):
+    """One step's all-rank view: ``(mean loss, total samples, report due, preempted, reads)``, the flags true on every
+    rank when true on any (rank 0 alone decides when a report is due), ``reads`` (bytes fetched, tensor bytes,
+    requests) summed over ranks."""
     if world == 1:
-        return loss, samples, report_due, preempted
-    t = torch.tensor([loss, float(samples), float(report_due), float(preempted)], dtype=torch.float64, device=device)
+        return loss, samples, report_due, preempted, tuple(reads)
+    t = torch.tensor([loss, float(samples), float(report_due), float(preempted), *map(float, reads)],
+                     dtype=torch.float64, device=device)  # fmt: skip
     torch.distributed.all_reduce(t)
-    return float(t[0]) / world, int(t[1]), bool(t[2] > 0), bool(t[3] > 0)
+    return float(t[0]) / world, int(t[1]), bool(t[2] > 0), bool(t[3] > 0), tuple(int(x) for x in t[4:].tolist())
 
 
 class ReportClock:
@@ -158,6 +160,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     steps_log = metrics.StepLog(run_dir) if rank == 0 else None
     bar = progress_mod.BoardSender(loop_config.get("progress") if rank == 0 else None)
     clock, window, preempted_once = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), False
+    reads = metrics.ReadTotals()
 
     def report(record: dict, with_checkpoint: bool) -> None:
         directory = None
@@ -191,13 +194,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
         stats = trainer.train_step([step.from_item(item) for item in group])
         position = elastic.step_position(group, rank, world)
         progress.advance(int(group[0]["step"]), position, group)
-        loss, samples, report_due, preempted = _agree(
-            stats.loss, stats.samples, rank == 0 and clock.due(progress.step), preemption.local(), device, world
+        loss, samples, report_due, preempted, step_reads = _agree(
+            stats.loss, stats.samples, rank == 0 and clock.due(progress.step), preemption.local(), device, world,
+            metrics.batch_reads(group),
         )
         record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "generation": int(group[0]["generation"]),
                   "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   **window.take(samples)}  # fmt: skip
         record.update(position)
+        record.update(reads.add(record["epoch"], samples, step_reads))
         last = progress.step >= total
         every = t.checkpoint_every and progress.step % t.checkpoint_every == 0
         preempted, preempted_once = preempted and not preempted_once, preempted_once or preempted

@@ -1,7 +1,8 @@
 """Training metrics: the per-step log, the throughput window, and TensorBoard event files (rank 0).
 
 Every optimizer step appends one JSON line to ``<run dir>/metrics/steps.jsonl`` (step, epoch, plan position, loss,
-lr, grad norm, samples/s, step time; memory facts and validation images at the steps that have them). The log only
+lr, grad norm, samples/s, step time, what its reads cost and the epoch's read amplification so far; memory facts and
+validation images at the steps that have them). The log only
 grows by appending, so a step costs one line buffered by the OS, and checkpoints need not carry the history. A
 restarted run logs the steps after its checkpoint again: readers keep the last line of each step
 (:func:`read_steps`). For an object-store run directory the log is written locally and uploaded whenever metrics are
@@ -26,7 +27,7 @@ from rayflux import storage
 
 log = logging.getLogger(__name__)
 
-REPORTED = ("loss", "lr", "grad_norm", "samples_per_s", "step_time")
+REPORTED = ("loss", "lr", "grad_norm", "samples_per_s", "step_time", "read_amplification", "requests_per_sample")
 STEPS_DIR = "metrics"
 PART_BYTES = 8 << 20
 """An object-store step log starts a new part after this many bytes."""
@@ -47,6 +48,35 @@ class Throughput:
     def restart(self) -> None:
         """Leave out time spent outside steps (rendering, checkpointing) from the next step's rates."""
         self.start = time.perf_counter()
+
+
+def batch_reads(group: list[dict]) -> tuple[int, int, int]:
+    """What reading one step's batches cost this rank: (bytes fetched, stored tensor bytes used, requests), from
+    the figures each read task puts in its rows (:mod:`rayflux.cache.reads`)."""
+    return tuple(sum(int(item.get(k, 0)) for item in group) for k in ("read_bytes", "tensor_bytes", "read_requests"))
+
+
+class ReadTotals:
+    """The epoch's read figures so far (all ranks), since the epoch began or this worker group started: a few
+    numbers, whatever the run's length."""
+
+    def __init__(self):
+        self.epoch, self.samples, self.fetched, self.used, self.requests = None, 0, 0, 0, 0
+
+    def add(self, epoch: int, samples: int, reads: tuple[int, int, int]) -> dict:
+        """Count one step (``samples`` and ``reads`` summed over ranks); return the record's read fields."""
+        if epoch != self.epoch:
+            self.epoch, self.samples, self.fetched, self.used, self.requests = epoch, 0, 0, 0, 0
+        self.samples += samples
+        self.fetched += reads[0]
+        self.used += reads[1]
+        self.requests += reads[2]
+        return {
+            "read_bytes": reads[0], "tensor_bytes": reads[1], "read_requests": reads[2],
+            "epoch_read_bytes": self.fetched, "epoch_tensor_bytes": self.used, "epoch_read_requests": self.requests,
+            "read_amplification": round(self.fetched / max(self.used, 1), 4),
+            "requests_per_sample": round(self.requests / max(self.samples, 1), 4),
+        }  # fmt: skip
 
 
 class StepLog:

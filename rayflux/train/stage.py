@@ -171,6 +171,7 @@ def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, clu
             cfg.train.epochs,
             cfg.train.gradient_accumulation,
             batches_per_read=cfg.train.batches_per_read,
+            read_run=cfg.train.read_run,
             run_dir=run_dir,
         ),
     )
