@@ -30,6 +30,7 @@ standard error; ``--local`` puts the images in a local folder instead (large N w
     python benchmarks/bench_scale.py --images 500 --variant sidecar
     python benchmarks/bench_scale.py --images 500 --variant metadata
     python benchmarks/bench_scale.py --images 20000 --batch-size 32
+    python benchmarks/bench_scale.py --images 2000 --batch-size 16 --read-run 1   # per-sample shuffle, to compare
     python benchmarks/bench_scale.py --discover-only --local --images 2000 10000 40000 --repeats 3
     python benchmarks/bench_scale.py --discover-only --local --per-folder 100 --images 4000 16000 40000 --repeats 3
 """
@@ -174,6 +175,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
     parser.add_argument("--discover-only", action="store_true", help="stop after the discovery phase")
     parser.add_argument("--batch-size", type=int, default=1, help="train.batch_size of the training phases")
+    parser.add_argument("--read-run", type=int, default=0,
+                        help="train.read_run of the training phases (0: its default); 1 is a per-sample shuffle")
     parser.add_argument("--kill-at", type=float, default=0.7,
                         help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
     args = parser.parse_args(argv)
@@ -280,6 +283,8 @@ def _run(server: Server | None, args) -> None:
             "train.num_workers=1", "cache.refresh=never"]  # fmt: skip
     if args.variant == "metadata":
         sets.append("data.caption_strategy=metadata")
+    if args.read_run:
+        sets.append(f"train.read_run={args.read_run}")
     # A checkpoint every tenth of the epoch: the killed run leaves one near its end to resume from.
     sets.append(f"train.checkpoint_every={max(-(-n // args.batch_size) // 10, 1)}")
     cfg = config.load(None, sets)

@@ -151,3 +151,12 @@ def test_summary_reports_what_the_remainder_rule_dropped(finished_run):
     assert sorted(summary.dropped) == [0, 1]  # one count per epoch, from the training plan
     line = [x for x in dataclasses.replace(summary, dropped={0: 3, 1: 0}).lines() if x.startswith("remainder:")]
     assert len(line) == 1 and line[0].endswith("per epoch: 3, 0 (data.bucket_step)")
+
+
+def test_summary_reports_what_the_last_epoch_s_reads_cost(finished_run):
+    summary, _ = finished_run
+    last = summary.history[-1]
+    assert last["epoch_tensor_bytes"] > 0 and last["requests_per_sample"] > 0
+    line = [x for x in summary.lines() if x.startswith("reads:")]
+    assert line == [f"reads:      {last['requests_per_sample']:.2f} requests per sample, "
+                    f"{last['read_amplification']:.2f}x the tensors' bytes (epoch {last['epoch'] + 1})"]  # fmt: skip

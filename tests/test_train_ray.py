@@ -112,10 +112,10 @@ def test_metrics_are_reported_and_checkpoints_rotated(full):
         assert isinstance(result.metrics[key], float), key
     assert result.metrics["step"] == 4
     # What the reads cost, per step and summed per epoch: fetched bytes stay within 5% over the tensors used (less
-    # once captions come from a worker's cache), and at least one request per step.
+    # once captions come from a worker's cache). A request shared by two batches counts for the first one.
     for epoch in (0, 1):
         steps = [h for h in result.history if h["epoch"] == epoch]
-        assert all(h["tensor_bytes"] > 0 and h["read_requests"] >= 1 for h in steps)
+        assert all(h["tensor_bytes"] > 0 for h in steps) and steps[-1]["epoch_read_requests"] >= 1
         assert steps[-1]["epoch_read_bytes"] == sum(h["read_bytes"] for h in steps)
         assert steps[-1]["epoch_tensor_bytes"] == sum(h["tensor_bytes"] for h in steps)
         assert 0 < steps[-1]["read_amplification"] <= 1.05

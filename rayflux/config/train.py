@@ -48,7 +48,8 @@ class TrainConfig:
     """Batches are filled with shuffled runs of up to this many neighbouring rows of one shard (a block shuffle, as
     MosaicML Streaming and WebDataset do), so a run's latents are one read: ``1 + 1/read_run`` requests per sample
     when every caption differs, against 2 for a per-sample shuffle (``1``). Larger runs mean fewer requests and less
-    varied batches (a batch holds ``batch_size / read_run`` groups of storage neighbours)."""
+    varied batches (a batch holds ``batch_size / read_run`` groups of storage neighbours). Runs save requests only
+    within a batch: they pay off when ``batch_size`` is at least ``read_run``."""
     learning_rate: float = 1e-4
     """AdamW learning rate (the peak, after warmup)."""
     weight_decay: float = 0.0
