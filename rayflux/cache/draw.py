@@ -119,6 +119,7 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
             settled.append(block.filter(pc.invert(counts)).drop_columns(["left_out"]))
     settled_all = pa.concat_tables(settled)
     del settled
+    listing.trim()
     found = sources.Discovery()
     for ls in listings:
         mine = settled_all if len(listings) == 1 else settled_all.filter(pc.equal(settled_all["dataset"], ls.key))
