@@ -80,9 +80,11 @@ def trim() -> None:
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
     try:
-        return ctypes.CDLL(None).malloc_trim
+        fn = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
 
 
 def stamps(table: pa.Table) -> pa.ChunkedArray:
