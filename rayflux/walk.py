@@ -89,8 +89,11 @@ def _local_below(folder: str) -> Iterator[Rows]:
         todo += subfolders
 
 
-def _s3_below(fs: pafs.S3FileSystem, folder: str) -> Iterator[Rows]:
-    for paths, sizes, mtimes, _ in s3_objects.list_pages(fs, folder, below=True):
+def _s3(fs: pafs.S3FileSystem, folder: str, below: bool, subfolders: list[str]) -> Iterator[Rows]:
+    """A folder of a bucket, a LIST page of rows at a time (see :func:`rayflux.s3_objects.list_pages`), its
+    subfolders appended to ``subfolders``."""
+    for paths, sizes, mtimes, folders in s3_objects.list_pages(fs, folder, below=below):
+        subfolders += folders
         yield paths, sizes, mtimes
 
 
@@ -109,11 +112,8 @@ def _top(fs: pafs.FileSystem, root: str) -> tuple[pa.Table, list[str]]:
         subfolders: list[str] = []
         return _table(_scan(root, subfolders)), subfolders
     if s3_objects.direct(fs):
-        subfolders, parts = [], []
-        for paths, sizes, mtimes, folders in s3_objects.list_pages(fs, root, below=False):
-            parts.append((paths, sizes, mtimes))
-            subfolders += folders
-        return _table(iter(parts)), subfolders
+        subfolders = []
+        return _table(_s3(fs, root, False, subfolders)), subfolders
     top = fs.get_file_info(pafs.FileSelector(root))
     return _table(_infos(list(top))), [e.path for e in top if e.type == pafs.FileType.Directory]
 
@@ -123,7 +123,7 @@ def _below(fs: pafs.FileSystem, folder: str) -> pa.Table:
     if isinstance(fs, pafs.LocalFileSystem):
         chunks = _local_below(folder)
     elif s3_objects.direct(fs):
-        chunks = _s3_below(fs, folder)
+        chunks = _s3(fs, folder, True, [])
     else:
         chunks = _infos(fs.get_file_info(pafs.FileSelector(folder, recursive=True)))
     return _table(chunks)
