@@ -14,9 +14,11 @@ import pytest
 from rayflux.cache import passes, stall
 
 
-def _endless(closed: dict, name: str):
-    """Rows that never end, as a pipeline still at work; records that it was closed."""
+def _endless(closed: dict, name: str, running: threading.Event | None = None):
+    """Rows that never end, as a pipeline still at work; records that it was closed (sets ``running`` once it runs)."""
     try:
+        if running is not None:
+            running.set()
         while True:
             time.sleep(0.02)
             yield 1
@@ -53,10 +55,15 @@ def test_a_failing_image_pass_stops_the_text_pass():
 
 
 def test_a_failing_text_pass_stops_the_image_pass():
-    closed, before = {}, _threads()
+    closed, before, running = {}, _threads(), threading.Event()
     error = RuntimeError("t5 length expected 8, got 7")
+
+    def text(stop):
+        running.wait(30)  # fail once the image pass is at work (a text pass failing earlier never starts it)
+        return _failing_after(3, stop, error)
+
     with pytest.raises(RuntimeError) as exc:
-        passes.run(lambda stop: _failing_after(3, stop, error), lambda stop: _drain(_endless(closed, "images"), stop))
+        passes.run(text, lambda stop: _drain(_endless(closed, "images", running), stop))
     assert exc.value is error and "the image pass was stopped because of this error" in exc.value.__notes__
     assert closed == {"images": True}
     assert _threads() == before

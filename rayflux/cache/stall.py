@@ -116,11 +116,20 @@ def watch(
     stop_message = f"{name}: stopped because another pipeline of the build failed"
     stopped = _interrupt(lambda: PipelineStopped(stop_message))
 
+    # Held while the monitor raises, and by the consumer while it marks itself done: once ``done`` is set, nothing
+    # more is raised, so the consumer's cleanup (closing Ray Data's iterator) is never interrupted.
+    lock = threading.Lock()
+
+    def interrupt(exc: type[Interrupted]) -> None:
+        with lock:
+            if not done.is_set():
+                _raise_in(consumer, exc)
+
     def monitor() -> None:
         mark, since = _progress(0), time.monotonic()
         while not done.wait(min(0.5, seconds / 4)):
             if stop is not None and stop.is_set():
-                _raise_in(consumer, stopped)
+                interrupt(stopped)
                 return
             now = _progress(state["rows"])
             if now != mark:
@@ -128,7 +137,7 @@ def watch(
             elif time.monotonic() - since >= seconds:
                 state["message"] = (f"{name}: no progress for {seconds:g} s (cache.stall_seconds); "
                                     f"pending: {pending_report()}")  # fmt: skip
-                _raise_in(consumer, stalled)
+                interrupt(stalled)
                 return
 
     it = iter(rows)
@@ -146,13 +155,16 @@ def watch(
     except Interrupted as exc:
         raise exc.error from None
     finally:
-        done.set()  # first, so that this watch's own monitor never stops this pipeline for the event set below
+        while not done.is_set():
+            try:
+                with lock:
+                    done.set()  # first, so that this watch's monitor never stops this pipeline for the event below
+                    _raise_in(consumer, None)  # drop one sent but not delivered yet
+            except Interrupted:  # delivered just now, as the pipeline was ending anyway
+                pass
         if not finished and stop is not None:
             stop.set()  # the other pipeline stops now, not once this one's executor has shut down (which can take long)
-        try:
-            thread.join()
-        except Interrupted:  # sent as the loop ended on its own: every row was read, nothing to stop
-            thread.join()
+        thread.join()
         # Close Ray Data's iterator now, not whenever the garbage collector reaches it: its ``finally`` shuts the
         # streaming executor down, and until then the stage's encoder actors keep their CPUs and GPUs, which the
         # next pipeline (or the trainer) then waits for.
