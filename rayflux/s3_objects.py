@@ -1,17 +1,22 @@
-"""One request per S3 read: whole objects and byte ranges through boto3, when it is installed.
+"""One request per S3 read: whole objects and byte ranges through boto3, when it is installed; listings a page
+at a time.
 
 pyarrow's S3 filesystem sends a HEAD for an object's size every time it opens one, and its Python API cannot be
 told a size already known. A cache build reads every image and every caption file once, so that HEAD doubles its
 requests; training reads byte ranges whose offsets and file sizes the generation index already holds. boto3 (the AWS
 SDK: ``cluster.yaml`` installs it on every node, and the ``rayflux[s3]`` extra adds it) fetches an object or a range
 with a single GET. Without boto3, or with ``RAYFLUX_S3_READS=pyarrow``, the same reads go through pyarrow and cost
-the HEAD. Endpoint, region and credentials are the ones pyarrow uses: the standard AWS environment and chain.
+the HEAD. Discovery lists through boto3 too (:func:`list_pages`, see :mod:`rayflux.walk`): the same LIST requests
+as pyarrow, without a ``FileInfo`` object per key. Endpoint, region and credentials are the ones pyarrow uses: the
+standard AWS environment and chain.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
+from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 
@@ -65,3 +70,28 @@ def get(fs: pafs.S3FileSystem, inner: str, start: int | None = None, length: int
         if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
             raise FileNotFoundError(f"s3://{inner}: no such object") from None
         raise
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_MICROSECOND = datetime.timedelta(microseconds=1)
+
+
+def list_pages(fs: pafs.S3FileSystem, inner: str, below: bool) -> Iterator[tuple[list, list, list, list]]:
+    """``ListObjectsV2`` under the folder ``inner`` (``bucket`` or ``bucket/key``), one response page (up to 1,000
+    keys, one request) at a time, as ``(paths, sizes, mtimes_ns, folders)``: the page's objects as pyarrow names
+    them (``bucket/key``) with their sizes and modification times in nanoseconds, and its subfolders (``bucket/key``,
+    no trailing slash). ``below``: every object at any depth (no delimiter: ``folders`` stay empty); otherwise the
+    folder's own objects and its subfolders. Keys ending in ``/`` are folder markers, not files, as for pyarrow.
+    Only for filesystems where :func:`direct` holds."""
+    from rayflux.storage import s3_settings
+
+    bucket, _, key = inner.partition("/")
+    prefix = key.strip("/") + "/" if key.strip("/") else ""
+    args = {"Bucket": bucket, "Prefix": prefix} if below else {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+    pages = _client(s3_settings()[0], fs.region).get_paginator("list_objects_v2").paginate(**args)
+    for page in pages:
+        objects = [o for o in page.get("Contents", ()) if not o["Key"].endswith("/")]
+        # Integer arithmetic: a float timestamp would lose the nanoseconds that pyarrow's stamps carry.
+        yield ([f"{bucket}/{o['Key']}" for o in objects], [o["Size"] for o in objects],
+               [(o["LastModified"] - _EPOCH) // _MICROSECOND * 1000 for o in objects],
+               [f"{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", ())])  # fmt: skip

@@ -26,13 +26,21 @@ def s3_settings() -> tuple[str, str]:
     return endpoint, region
 
 
+REQUEST_TIMEOUT_S = 60.0
+"""Seconds an S3 request may go without an answer before the SDK retries it (the SDK's own default is 3)."""
+
+
 @functools.lru_cache(maxsize=8)
 def _s3_filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
     # One client per (endpoint, region): a preparation task reads thousands of objects and need not reconnect for
     # each. Credentials are left to the AWS default chain (environment, profile, instance role).
     scheme = "https" if endpoint.startswith("https") else "http"
+    # The AWS SDK gives up on a request that sends nothing for 3 s, three times over: a store that is only busy
+    # (a self-hosted S3 under load, a listing of thousands of keys) would fail the stage. boto3's reads wait 60 s;
+    # pyarrow's requests wait as long.
     return pafs.S3FileSystem(
-        endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True
+        endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True,
+        request_timeout=REQUEST_TIMEOUT_S,
     )
 
 

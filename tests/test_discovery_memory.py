@@ -2,8 +2,8 @@
 
 ``tracemalloc`` counts the driver's own Python allocations and not Arrow buffers (pyarrow's memory pool), so a
 discovery that turned listed or settled rows into Python dicts again (about 1-2 KB per image with its strings) shows
-up as a heap peak growing with the number of images. The columnar one grows by what pyarrow's listing briefly holds
-per file of a folder, far below that. Both paths are measured: a first discovery, whose caption files are read in
+up as a heap peak growing with the number of images. The columnar one holds at most a bounded chunk of listed
+entries as Python objects at a time (:mod:`rayflux.walk`), far below that. Both paths are measured: a first discovery, whose caption files are read in
 real Ray Data tasks and come back as Arrow blocks, and a rerun whose caption files are all known from the previous
 generation's sidecar table, which settles on the driver a bounded chunk at a time.
 """

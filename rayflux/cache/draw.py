@@ -92,6 +92,7 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         remote.append(sources.where(ls.table, needs))
         ls.table = listing.LISTED.empty_table()
         del needs
+    listing.trim()
     remote = pa.concat_tables(remote)
     settled: list[pa.Table] = [sources.SETTLED.empty_table()]
     left_out = dict.fromkeys(here, 0)
@@ -99,6 +100,7 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         blocks = [remote.slice(i, _IMAGES_PER_TASK) for i in range(0, remote.num_rows, _IMAGES_PER_TASK)]
         ds = ray.data.from_arrow(blocks)
         del blocks, remote
+        listing.trim()
         ds = ds.map_batches(
             _settle_block,
             fn_kwargs={"by_key": {ls.key: ls for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
@@ -117,8 +119,11 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
             settled.append(block.filter(pc.invert(counts)).drop_columns(["left_out"]))
     settled_all = pa.concat_tables(settled)
     del settled
+    listing.trim()
     found = sources.Discovery()
     for ls in listings:
         mine = settled_all if len(listings) == 1 else settled_all.filter(pc.equal(settled_all["dataset"], ls.key))
         found.extend(sources.gather(ls, pa.concat_tables([mine, here.pop(ls.key)]), left_out[ls.key]))
+    del settled_all, mine
+    listing.trim()
     return found
