@@ -1,4 +1,6 @@
-"""Encoder pools sized to the cluster, a request that cannot fit refused before any work, and a stalled stage failed.
+"""Encoder pools sized to the cluster, a request that cannot fit refused before any work, a stalled stage failed,
+and the text and image passes sharing the cluster by the joint rule (at once, or the VAE after the text pool, or one
+after the other), an error in one stopping the other.
 
 The sizing tests give :mod:`rayflux.cache.fit` cluster capacities directly (a p5-like GPU node, an autoscaler's
 maximum); the others run the real job on the session's 2-CPU local Ray.
@@ -6,12 +8,18 @@ maximum); the others run the real job on the session's 2-CPU local Ray.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 
+from pathlib import Path
+
+import cache_sets
 import pytest
 
-from rayflux import config
-from rayflux.cache import fit
+from rayflux import config, models
+from rayflux.cache import fit, generations
+from rayflux.cache.shards import CacheShapeError
 from rayflux.cache.encoders import threads_for
 from rayflux.cache.stall import CacheStallError
 from rayflux.models import choose_device, vae_dtype
@@ -21,7 +29,12 @@ GPU_NODE = fit.Capacity(now={"CPU": 16.0, "GPU": 8.0}, most=None, largest_node_c
 
 
 def _plan(cap: fit.Capacity, *items: str, gpus: bool = False):
-    return fit.plan(config.load(None, list(items)), gpus, cap)
+    p = fit.plan(config.load(None, list(items)), gpus, cap)
+    return p.resources, p.vae, p.text
+
+
+def _joint(cap: fit.Capacity, *items: str, gpus: bool = False) -> str:
+    return fit.plan(config.load(None, list(items)), gpus, cap).encoders
 
 
 def test_auto_gives_cpu_encoders_what_preparation_and_writing_leave():
@@ -90,6 +103,20 @@ def test_the_autoscalers_maximum_decides_what_fits():
     assert vae == fit.PoolSize(1, 2, 2)
 
 
+def test_the_pools_share_the_cluster_by_the_joint_rule():
+    # Room for both pools' actors, one preparation task and both passes' writers (0.25 + 0.25 + 0.5 + 0.5 + 0.5).
+    assert _joint(TWO_CPUS, "cache.actor_cpus=0.25", "cache.vae_actors=1") == fit.SIDE_BY_SIDE
+    assert _joint(GPU_NODE, "cache.vae_actors=4", "cache.text_actors=4", gpus=True) == fit.SIDE_BY_SIDE
+    # No VAE actor ever fits beside the text pool: preparation overlaps the text encoders, the VAE waits.
+    assert _joint(TWO_CPUS) == fit.VAE_AFTER_TEXT  # 1.25 CPUs each
+    assert _joint(GPU_NODE, gpus=True) == fit.VAE_AFTER_TEXT  # eight text actors on eight GPUs
+    # Some VAE actors would fit beside the text pool, not all of them with the tasks: one pass after the other.
+    assert _joint(TWO_CPUS, "cache.vae_actors=2") == fit.SEQUENTIAL  # 3 x 0.625 + 1.0 > 2, but 2 x 0.625 fit
+    assert _joint(GPU_NODE, "cache.vae_actors=4", "cache.text_actors=5", gpus=True) == fit.SEQUENTIAL
+    big = fit.Capacity(now={"CPU": 64.0}, most=None, largest_node_cpus=64.0)
+    assert _joint(big) == fit.SEQUENTIAL  # 7 VAE + 1 text actors of 8 CPUs: 64 + 1.0 > 64
+
+
 @pytest.mark.parametrize(
     "item, message",
     [("cache.vae_actors=0", "cache.vae_actors must be auto or a positive integer"),
@@ -140,6 +167,71 @@ def test_two_auto_sized_actors_run_on_two_cpus(ray_session, job_config):
     job_config.cache.vae_actors = 2
     summary = run(job_config, only="cache")
     assert summary.cached == summary.discovered > 0
+    # Two 0.625-CPU VAE actors and the text actor do not all fit with the tasks, yet one VAE actor would fit beside
+    # the text actor: the passes run one after the other.
+    passes = generations.load_manifest(summary.cache_dir)["passes"]
+    assert passes["encoders"] == fit.SEQUENTIAL and passes["text"]["end"] <= passes["images"]["start"]
+
+
+def _pictures(tmp_path: Path, n: int, caption: str | None = None) -> Path:
+    """``n`` small pictures, each with its own caption (or all with ``caption``)."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for k in range(n):
+        cache_sets.picture(64, 64, k).save(images / f"img{k}.png")
+        (images / f"img{k}.txt").write_text(caption or f"caption number {k}")
+    return images
+
+
+def _encoder_actors(since_ms: float) -> dict[str, list[tuple[float, float]]]:
+    """Each encoder class's actors started since ``since_ms``, as (alive from, dead at) in ms, from the GCS."""
+    from ray._private.state import actors
+
+    out: dict[str, list] = {"VaeEncoder": [], "TextEncoder": []}
+    for a in actors().values():
+        for name, spans in out.items():
+            if name in a["ActorClassName"] and a["StartTime"] >= since_ms:
+                spans.append((a["StartTime"], a["EndTime"]))
+    return out
+
+
+def test_both_pools_run_at_once_when_they_fit_side_by_side(ray_session, tiny_model, tmp_path):
+    images = _pictures(tmp_path, 30)
+    cfg = cache_sets.job_config(
+        tiny_model, images, tmp_path, "data.resolution=64", "cache.actor_cpus=0.25", "cache.vae_actors=1",
+        "cache.text_batch_size=1",  # 31 encoder calls: the text pass outlasts the VAE actor's start
+    )  # fmt: skip
+    since = time.time() * 1000
+    _, manifest = cache_sets.build(cfg)
+    assert manifest["cached"] == 30 and manifest["encoded"]["captions"] == 31
+    passes = manifest["passes"]
+    assert passes["encoders"] == fit.SIDE_BY_SIDE
+    assert passes["images"]["start"] < passes["text"]["end"] and passes["text"]["start"] < passes["images"]["end"]
+    # The two pools' actors were alive at the same time (Ray's own record of them).
+    actors = _encoder_actors(since)
+    assert len(actors["VaeEncoder"]) == len(actors["TextEncoder"]) == 1
+    (vae_start, _), (_, text_end) = actors["VaeEncoder"][0], actors["TextEncoder"][0]
+    assert vae_start < text_end
+
+
+def test_a_text_pass_error_stops_the_waiting_image_pass(ray_session, tiny_model, tmp_path):
+    """On two CPUs the VAE waits for the text pool; a text shard that fails validation stops the image pass too,
+    with no actor (the CPU check after each test) or thread left, and nothing committed. Two captions are one encoder
+    call and two shards, queued before the VAE actor can start; 200 images one by one are 200 VAE calls and 200
+    shards after it, so the image pass is still at work when the text error comes."""
+    images = _pictures(tmp_path, 200, caption="the same caption")
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64", "cache.batch_size=1",
+                                "cache.rows_per_shard=1")  # fmt: skip
+    facts = models.model_facts(cfg.model)
+    t5 = facts.text[0]
+    wrong = dataclasses.replace(facts, text=(dataclasses.replace(t5, length=t5.length + 1), *facts.text[1:]))
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(CacheShapeError) as err:
+        cache_sets.build(cfg, facts=wrong)
+    assert f"{t5.name} length expected {t5.length + 1}, got {t5.length}" in str(err.value)
+    assert "the image pass was stopped because of this error" in getattr(err.value, "__notes__", [])
+    assert {t.name for t in threading.enumerate()} <= before
+    assert not list((tmp_path / "cache").rglob(generations.MANIFEST))
 
 
 def _pending_text_actors(dashboard: str) -> int:

@@ -8,6 +8,26 @@ autoscaler may add), and a request that cannot fit fails at once with the number
 ``cache.vae_actors`` / ``cache.text_actors`` ``auto`` size the pools to the cluster: one actor per
 ``cache.gpus_per_actor`` share of the GPUs when encoders run on GPUs (growing up to the autoscaler's maximum), and on a
 CPU-only cluster the CPUs that preparation and writing leave, in actors of up to ``CPU_THREADS_PER_ACTOR`` CPUs.
+
+The text and image passes run at the same time where that is safe (see :mod:`rayflux.cache.passes`). Each pool is
+sized as if it ran alone, so either pass can use the whole cluster once the other is done; then one of three joint
+rules decides how they share it, recorded in the manifest's ``passes.encoders``:
+
+- **side by side**: both pools' initial actors, one preparation task and two writer tasks (one per pass) fit the
+  cluster as it is now. Both passes start at once, both pools at full size.
+- **VAE after text**: not even one VAE actor fits beside the text pool's largest size, whatever the tasks hold (two
+  CPUs, where each pool takes what the tasks leave; one GPU per actor on as many GPUs as the text pool has). The
+  image pass starts as soon as the text pass has written its first shard (so the text actors hold their resources
+  and the VAE pool is the one that waits, not the other way round): its preparation (decode, crop, resize) runs
+  beside the text encoders, and the VAE actors wait in Ray's queue, holding nothing, until the text actors leave. Ray Data provisions a pool's
+  actors asynchronously (``DataContext.wait_for_min_actors_s`` is off), so a waiting pool never blocks the operators
+  in front of it, and the stall watch counts both pipelines' progress, so that wait is not taken for a stall.
+- **sequential**: anything in between (some VAE actors fit beside the text pool, but not all of them with the
+  tasks). A VAE actor started in CPUs freed by a finished task could then leave the text pass's writer none, while
+  the text actors wait for that writer: the text pass runs to its end first, then the image pass.
+
+The cluster-wide sums here do not see how resources split across nodes; where that packs worse than the sums, the
+stall watch (``cache.stall_seconds``) still turns a wait that never ends into an error.
 """
 
 from __future__ import annotations
@@ -29,6 +49,7 @@ CPU_THREADS_PER_ACTOR = 8
 """Most CPUs an ``auto`` CPU encoder actor takes: a conv net's intra-op speed-up flattens out around 8 threads, so a
 big node runs several such actors rather than one on every core."""
 _EPS = 1e-9
+SIDE_BY_SIDE, VAE_AFTER_TEXT, SEQUENTIAL = "side by side", "VAE after text", "sequential"
 
 
 class FitError(ConfigError):
@@ -42,6 +63,20 @@ class PoolSize:
     min: int
     initial: int
     max: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a cache build runs its encoders on this cluster."""
+
+    resources: dict
+    """Ray options of one encoder actor (the same for both pools)."""
+    vae: PoolSize
+    """The VAE pool, sized as if it ran alone."""
+    text: PoolSize
+    """The text-encoder pool, sized as if it ran alone."""
+    encoders: str
+    """The joint rule: :data:`SIDE_BY_SIDE`, :data:`VAE_AFTER_TEXT` or :data:`SEQUENTIAL` (see the module)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +128,8 @@ def _spare_cpus(cap: Capacity) -> float:
 
 
 def resources(cfg: JobConfig, gpu: bool, cap: Capacity) -> dict:
-    """Ray options of one encoder actor (both pools: they run one after the other, never side by side)."""
+    """Ray options of one encoder actor, the same for both pools: each pool is sized as if it ran alone, and
+    :func:`plan` decides whether they fit side by side."""
     c = cfg.cache
     cpus = actor_cpus(c.actor_cpus)
     if cpus is None:
@@ -190,8 +226,27 @@ def _overflow(key: str, n: int, res: dict, need: dict, cap: Capacity) -> str:
     return f"{key}={n} does not fit {where}: {need} per actor, {budget} in all"
 
 
-def plan(cfg: JobConfig, cluster_has_gpus: bool, cap: Capacity | None = None) -> tuple[dict, PoolSize, PoolSize]:
-    """Per-actor Ray options and the VAE and text pool sizes for this cluster; FitError when they cannot fit."""
+def _fits(need: dict[str, float], actors: int, budget: dict, cpus: float) -> bool:
+    """Do ``actors`` actors and ``cpus`` CPUs of tasks fit ``budget``?"""
+    return all(
+        name in budget and actors * amount + (cpus if name == "CPU" else 0.0) <= budget[name] + _EPS
+        for name, amount in need.items()
+    )
+
+
+def joint(res: dict, vae: PoolSize, text: PoolSize, cap: Capacity) -> str:
+    """How the two pools share the cluster (the module's three rules)."""
+    need = _needs(res)
+    if _fits(need, vae.initial + text.initial, cap.budget(now=True), PREPARE_CPUS + 2 * WRITE_CPUS):
+        return SIDE_BY_SIDE
+    if not _fits(need, text.max + 1, cap.budget(now=False), 0.0):
+        return VAE_AFTER_TEXT
+    return SEQUENTIAL
+
+
+def plan(cfg: JobConfig, cluster_has_gpus: bool, cap: Capacity | None = None) -> Plan:
+    """Per-actor Ray options, the VAE and text pool sizes, and how they share this cluster; FitError when a pool
+    cannot fit even alone."""
     cap = cap or Capacity.of_cluster()
     res = resources(cfg, wants_gpu(cfg, cluster_has_gpus), cap)
     vae = pool_size("cache.vae_actors", cfg.cache.vae_actors, res, cap)
@@ -199,5 +254,6 @@ def plan(cfg: JobConfig, cluster_has_gpus: bool, cap: Capacity | None = None) ->
     if actor_count("cache.text_actors", cfg.cache.text_actors) is None and "num_gpus" not in res:
         # On CPU, T5-XXL alone holds about 19 GB in fp32: more than one copy per node would not fit in memory.
         text = PoolSize(1, 1, 1)
-    log.info("cache encoders: %s per actor; VAE pool %s, text pool %s", res, vae, text)
-    return res, vae, text
+    out = Plan(res, vae, text, joint(res, vae, text, cap))
+    log.info("cache encoders: %s per actor; VAE pool %s, text pool %s; %s", res, vae, text, out.encoders)
+    return out

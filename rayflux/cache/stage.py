@@ -1,6 +1,7 @@
 """Build one cache generation with Ray Data: prepare on CPU, encode in actor pools, write validated shards.
 
-Text first, one encoder pass per unique caption; then samples. With a previous committed generation of the same
+A text pass (one encoder pass per unique caption) and an image pass run side by side (see :mod:`rayflux.cache.passes`;
+:mod:`rayflux.cache.fit` decides whether their pools start together). With a previous committed generation of the same
 cache key, unchanged samples and known captions are referenced where it holds them, and only new ones are encoded
 and written (see :mod:`rayflux.cache.reuse`). The driver reads the write tasks' metadata as it streams in, so a
 validation error or, with ``cache.strict``, the first bad input stops the build at once with a plain error, and the
@@ -15,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayflux import buckets, datasets, storage
-from rayflux.cache import fit, generations, index, reuse, shards, sidecars, stall, writer
+from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -106,15 +108,15 @@ def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _fit_encoders(cfg: JobConfig, use_gpu: bool) -> tuple[JobConfig, dict]:
+def _fit_encoders(cfg: JobConfig, use_gpu: bool) -> tuple[JobConfig, fit.Plan]:
     """Pre-flight: size the encoder pools to the cluster and refuse, at once, a request that can never fit. Returns
-    the config with ``cache.vae_actors``/``text_actors`` resolved to pool sizes, and each actor's Ray options."""
+    the config with ``cache.vae_actors``/``text_actors`` resolved to pool sizes, and the plan."""
     from ray.data import DataContext
 
-    res, vae, text = fit.plan(cfg, use_gpu)
+    plan = fit.plan(cfg, use_gpu)
     DataContext.get_current().set_config(stall.STALL_CONFIG, cfg.cache.stall_seconds)
-    cache = dataclasses.replace(cfg.cache, vae_actors=vae, text_actors=text)
-    return dataclasses.replace(cfg, cache=cache), res
+    cache = dataclasses.replace(cfg.cache, vae_actors=plan.vae, text_actors=plan.text)
+    return dataclasses.replace(cfg, cache=cache), plan
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ class _Build:
     """Whether the cluster has GPUs (decides ``cache.dtype: auto``)."""
     previous: reuse.Previous
     """What an earlier generation of the same cache key can lend."""
+    encoders: str
+    """How the two pools share the cluster (:attr:`rayflux.cache.fit.Plan.encoders`)."""
 
 
 # Images per preparation task: hundreds, so the tasks spread over every CPU of a large cluster and each one's
@@ -141,25 +145,35 @@ class _Build:
 _IMAGES_PER_TASK = 256
 
 
-def _collect(ds, strict: bool, sink: index.Sink) -> list[dict]:
+def _collect(
+    ds, name: str, strict: bool, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
+) -> list[dict]:
     """Stream the write tasks' metadata rows, their index rows into ``sink``; raise on the first validation error
-    (or bad input, when strict)."""
+    (or bad input, when strict), and PipelineStopped once ``stop`` is set (the build's other pipeline failed). Sets
+    ``flowing`` when the first row arrives."""
     out = []
-    # closing(): a validation error raised below stops the pipeline at once (see stall.watch) instead of leaving its
-    # actors running until the generator is garbage-collected.
-    with contextlib.closing(stall.watch(ds.iter_rows())) as rows:
-        for meta in rows:
-            if meta["error"]:
-                raise shards.CacheShapeError(meta["error"])
-            skipped = json.loads(meta.get("skipped") or "[]")
-            if strict and skipped:
-                raise BadInputError(f"cache.strict: {skipped[0]['source_uri']}: {skipped[0]['reason']}")
-            sink.add(index.from_ipc(meta.pop("index")))
-            out.append(meta)
+    try:
+        # closing(): a validation error raised below stops the pipeline at once (see stall.watch) instead of leaving
+        # its actors running until the generator is garbage-collected.
+        with contextlib.closing(stall.watch(ds.iter_rows(), name=name, stop=stop)) as rows:
+            for meta in rows:
+                if meta["error"]:
+                    raise shards.CacheShapeError(meta["error"])
+                skipped = json.loads(meta.get("skipped") or "[]")
+                if strict and skipped:
+                    raise BadInputError(f"cache.strict: {skipped[0]['source_uri']}: {skipped[0]['reason']}")
+                sink.add(index.from_ipc(meta.pop("index")))
+                out.append(meta)
+                if flowing is not None:
+                    flowing.set()
+    except stall.Interrupted as exc:  # a stall or stop that landed here, between two rows
+        raise exc.error from None
     return out
 
 
-def _build_text(b: _Build, captions: list[str], sink: index.Sink) -> list[dict]:
+def _build_text(
+    b: _Build, captions: list[str], sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
+) -> list[dict]:
     """Encode captions no earlier generation holds; reference the rest. Returns the text shards' metadata rows."""
     import ray.data
 
@@ -185,11 +199,12 @@ def _build_text(b: _Build, captions: list[str], sink: index.Sink) -> list[dict]:
     )
     out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text", b.use_gpu), "generation": b.generation}
     ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=fit.WRITE_CPUS)
-    ds.set_name(f"cache-text-g{b.generation}")
-    return _collect(ds, strict=False, sink=sink)
+    name = f"cache-text-g{b.generation}"
+    ds.set_name(name)
+    return _collect(ds, name, strict=False, sink=sink, stop=stop, flowing=flowing)
 
 
-def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink) -> list[dict]:
+def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink, stop: threading.Event) -> list[dict]:
     """Prepare, encode (or reference) and write every discovered image. Returns the sample shards' metadata rows."""
     import ray.data
 
@@ -226,8 +241,9 @@ def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink) -> list[di
         batch_size=c.rows_per_shard,
         num_cpus=fit.WRITE_CPUS,
     )
-    ds.set_name(f"cache-images-g{b.generation}")  # what the stage's progress bar is called
-    return _collect(ds, strict=c.strict, sink=sink)
+    name = f"cache-images-g{b.generation}"
+    ds.set_name(name)  # what the pipeline's progress bar is called
+    return _collect(ds, name, strict=c.strict, sink=sink, stop=stop)
 
 
 def _pool(size: fit.PoolSize):
@@ -274,16 +290,23 @@ def build_generation(
     specs = bucket_specs(cfg, facts)
     prev = reuse.load(previous)
     encode_id = uuid.uuid4().hex[:16]
-    run_cfg, resources = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
-    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, resources, use_gpu, prev)
+    run_cfg, plan = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
+    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, use_gpu, prev, plan.encoders)
 
     sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
     try:
         # The empty caption is always encoded: training uses it for caption dropout.
         captions = sorted(set(pc.unique(discovery.table["caption"]).to_pylist()) | {""})
-        text_meta = _build_text(b, captions, caption_index)
-        sample_meta = _build_samples(b, discovery, sample_index)
+        # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
+        flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
+        text_meta, sample_meta, times = passes.run(
+            lambda stop: _build_text(b, captions, caption_index, stop, flowing),
+            lambda stop: _build_samples(b, discovery, sample_index, stop),
+            together=b.encoders != fit.SEQUENTIAL,
+            text_flowing=flowing,
+        )
         manifest = _manifest(b, discovery, spec, specs, text_meta, sample_meta, sample_index, caption_index)
+        manifest["passes"] = {**times, "encoders": b.encoders}
         manifest["unique_captions"] = len(captions)
         manifest["reused"]["captions"] = len(captions) - manifest["encoded"]["captions"]
         manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}

@@ -5,6 +5,12 @@ iteration over the write tasks' results is wrapped by :func:`watch`: a monitor t
 executors' counters (task outputs, finished tasks, rows handed on) and, when none moves for ``seconds``, raises
 :class:`CacheStallError` in the iterating thread. Ray Data's own iterator then shuts its executor down, so the
 stage's actors and tasks are released.
+
+A build runs its text and image pipelines side by side, each iterated by its own thread under its own watch. Both
+watches follow every executor of the process, so a pipeline waiting for actors that the other pipeline's actors hold
+is not stalled while the other one moves. Both share a ``stop`` event: when one pipeline fails, the other's watch
+raises :class:`PipelineStopped` in its thread the same way, within a second (and, at the latest, instead of handing
+on its next row), and its executor shuts down too.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ DEFAULT_SECONDS = 600.0
 
 class CacheStallError(RuntimeError):
     """A cache pipeline made no progress for ``cache.stall_seconds``."""
+
+
+class PipelineStopped(RuntimeError):
+    """Another pipeline of the same build failed, so this one was stopped (its error is the one to report)."""
 
 
 def _executors() -> list:
@@ -64,13 +74,37 @@ def pending_report() -> str:
     return " | ".join(parts)
 
 
+class Interrupted(BaseException):
+    """What the monitor raises asynchronously in the iterating thread, carrying the error to report in ``error``.
+
+    A BaseException, so that no ``except Exception`` the thread happens to be in when it lands (in Ray Data's
+    iterator, in a logging handler) can swallow it; :func:`watch` raises ``error`` in its place, and a consumer that
+    catches it between two rows (outside the watch's frame) does the same."""
+
+    error: Exception
+
+
+def _interrupt(error) -> type[Interrupted]:
+    """An Interrupted class (async exceptions are raised as classes) whose instances carry ``error()``."""
+
+    class _Interrupt(Interrupted):
+        def __init__(self):
+            super().__init__()
+            self.error = error()
+
+    return _Interrupt
+
+
 def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
-def watch(rows: Iterable, seconds: float | None = None, name: str = "cache") -> Iterator:
+def watch(
+    rows: Iterable, seconds: float | None = None, name: str = "cache", stop: threading.Event | None = None
+) -> Iterator:
     """Yield from ``rows``; raise CacheStallError when nothing progresses for ``seconds`` (default: the value the
-    cache stage put in ``DataContext`` under :data:`STALL_CONFIG`)."""
+    cache stage put in ``DataContext`` under :data:`STALL_CONFIG`), and PipelineStopped once ``stop`` is set. When
+    the iteration ends early for any reason (an error raised by the consumer included), ``stop`` is set."""
     if seconds is None:
         from ray.data import DataContext
 
@@ -78,34 +112,58 @@ def watch(rows: Iterable, seconds: float | None = None, name: str = "cache") -> 
     consumer = threading.get_ident()
     done = threading.Event()
     state = {"rows": 0, "message": ""}
+    stalled = _interrupt(lambda: CacheStallError(state["message"]))
+    stop_message = f"{name}: stopped because another pipeline of the build failed"
+    stopped = _interrupt(lambda: PipelineStopped(stop_message))
 
-    class Stalled(CacheStallError):
-        """Raised asynchronously (as a class, so it carries its message itself) in the iterating thread."""
+    # Held while the monitor raises, and by the consumer while it marks itself done: once ``done`` is set, nothing
+    # more is raised, so the consumer's cleanup (closing Ray Data's iterator) is never interrupted.
+    lock = threading.Lock()
 
-        def __init__(self):
-            super().__init__(state["message"])
+    def interrupt(exc: type[Interrupted]) -> None:
+        with lock:
+            if not done.is_set():
+                _raise_in(consumer, exc)
 
     def monitor() -> None:
         mark, since = _progress(0), time.monotonic()
-        while not done.wait(min(1.0, seconds / 4)):
+        while not done.wait(min(0.5, seconds / 4)):
+            if stop is not None and stop.is_set():
+                interrupt(stopped)
+                return
             now = _progress(state["rows"])
             if now != mark:
                 mark, since = now, time.monotonic()
             elif time.monotonic() - since >= seconds:
                 state["message"] = (f"{name}: no progress for {seconds:g} s (cache.stall_seconds); "
                                     f"pending: {pending_report()}")  # fmt: skip
-                _raise_in(consumer, Stalled)
+                interrupt(stalled)
                 return
 
     it = iter(rows)
     thread = threading.Thread(target=monitor, name="rayflux-stall-watch", daemon=True)
     thread.start()
+    finished = False
     try:
         for row in it:
+            if stop is not None and stop.is_set():
+                # Also checked here: an asynchronous exception that lands in a finalizer (``__del__``) is swallowed.
+                raise PipelineStopped(stop_message)
             state["rows"] += 1
             yield row
+        finished = True
+    except Interrupted as exc:
+        raise exc.error from None
     finally:
-        done.set()
+        while not done.is_set():
+            try:
+                with lock:
+                    done.set()  # first, so that this watch's monitor never stops this pipeline for the event below
+                    _raise_in(consumer, None)  # drop one sent but not delivered yet
+            except Interrupted:  # delivered just now, as the pipeline was ending anyway
+                pass
+        if not finished and stop is not None:
+            stop.set()  # the other pipeline stops now, not once this one's executor has shut down (which can take long)
         thread.join()
         # Close Ray Data's iterator now, not whenever the garbage collector reaches it: its ``finally`` shuts the
         # streaming executor down, and until then the stage's encoder actors keep their CPUs and GPUs, which the
