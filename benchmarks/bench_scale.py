@@ -23,9 +23,10 @@ the RSS the phase started with (what the upload and earlier phases left is not t
 memory per allocation: run the RSS slope with ``--no-heap``). The request log is streamed, never held, so counting
 does not grow the driver with N. Results go to stdout as JSON lines.
 
-Several ``--images`` values with ``--discover-only`` measure the driver's discovery RSS slope per image: each N (and
-each of ``--repeats``) runs in a fresh process, and a least-squares line through all points gives the slope and its
-standard error; ``--local`` puts the images in a local folder instead (large N without the upload).
+Several ``--images`` values with ``--discover-only`` (or ``--skip-train``: discovery, the cache build, the rerun and
+the refresh) measure the driver's RSS slope per image in each phase: each N (and each of ``--repeats``) runs in a
+fresh process, and a least-squares line through each phase's points gives its slope and standard error;
+``--local`` puts the images in a local folder instead (large N without the upload; no requests counted).
 
     python benchmarks/bench_scale.py --images 500 --variant sidecar
     python benchmarks/bench_scale.py --images 500 --variant metadata
@@ -33,6 +34,7 @@ standard error; ``--local`` puts the images in a local folder instead (large N w
     python benchmarks/bench_scale.py --images 2000 --batch-size 16 --read-run 1   # per-sample shuffle, to compare
     python benchmarks/bench_scale.py --discover-only --local --images 2000 10000 40000 --repeats 3
     python benchmarks/bench_scale.py --discover-only --local --per-folder 100 --images 4000 16000 40000 --repeats 3
+    python benchmarks/bench_scale.py --skip-train --local --images 2000 10000 20000 --repeats 2
 """
 
 from __future__ import annotations
@@ -165,11 +167,13 @@ def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, nargs="+", default=[500],
-                        help="N; several values (with --discover-only) measure the driver's RSS slope per image")
+                        help="N; several values (with --discover-only or --skip-train) measure the driver's RSS "
+                             "slope per image in each phase")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="with several --images: fresh runs per N")
     parser.add_argument("--per-folder", type=int, default=1000, help="images per folder")
     parser.add_argument("--local", action="store_true",
-                        help="with --discover-only: images in a local folder instead of the S3 server (large N fast)")
+                        help="with --discover-only or --skip-train: images in a local folder instead of the S3 "
+                             "server (large N fast; no requests counted)")  # fmt: skip
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
     parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
@@ -181,14 +185,16 @@ def main(argv=None) -> None:
                         help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
     args = parser.parse_args(argv)
     if len(args.images) > 1 or args.repeats > 1:
-        if not args.discover_only:
-            parser.error("several --images or --repeats measure discovery only: add --discover-only")
+        if not (args.discover_only or args.skip_train):
+            parser.error("several --images or --repeats measure the driver's RSS slope, without training: add "
+                         "--discover-only or --skip-train")  # fmt: skip
         _slope(args)
         return
     args.images = args.images[0]
     if args.local:
-        if not args.discover_only:
-            parser.error("--local runs discovery only: add --discover-only")
+        if not (args.discover_only or args.skip_train):
+            parser.error("--local has no server to count requests on and no training phase: add --discover-only "
+                         "or --skip-train")  # fmt: skip
         try:
             _run(None, args)
         finally:
@@ -207,21 +213,26 @@ def main(argv=None) -> None:
 
 
 def _slope(args) -> None:
-    """The driver's discovery RSS growth per image: each (N, repeat) in a fresh process (the allocator keeps what
-    an earlier run freed, so one process cannot measure several N), then a least-squares line through all points.
-    The spread is the slope's standard error; each repeat's own slope (over all N) shows it too."""
+    """The driver's RSS growth per image in each phase run (discovery only, or every cache phase with
+    ``--skip-train``): each (N, repeat) in a fresh process (the allocator keeps what an earlier run freed, so one
+    process cannot measure several N), then a least-squares line per phase through all its points. The spread is
+    the slope's standard error; each repeat's own slope (over all N) shows it too."""
     import statistics
 
-    points: list[tuple[int, int, float]] = []
+    points: dict[str, list[tuple[int, int, float]]] = {}
     for rep in range(args.repeats):
         for n in args.images:
-            cmd = [sys.executable, __file__, "--discover-only", "--no-heap", "--images", str(n),
-                   "--per-folder", str(args.per_folder)]  # fmt: skip
-            out = subprocess.run(cmd + (["--local"] if args.local else []), capture_output=True, text=True, check=True)
-            rec = next(json.loads(line) for line in out.stdout.splitlines() if '"phase": "discover"' in line)
-            points.append((rep, n, rec["driver_phase_rss_growth_mb"]))
-            print(json.dumps({"phase": "discover-point", "repeat": rep, "images": n, "seconds": rec["seconds"],
-                              "driver_phase_rss_growth_mb": rec["driver_phase_rss_growth_mb"]}), flush=True)
+            cmd = [sys.executable, __file__, "--no-heap", "--images", str(n), "--per-folder", str(args.per_folder),
+                   "--discover-only" if args.discover_only else "--skip-train"]  # fmt: skip
+            cmd += ["--local"] if args.local else []
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            for line in out.stdout.splitlines():
+                rec = json.loads(line) if line.startswith("{") else {}
+                if rec.get("phase") in _RSS_PHASES:
+                    growth = rec["driver_phase_rss_growth_mb"]
+                    points.setdefault(rec["phase"], []).append((rep, n, growth))
+                    print(json.dumps({"phase": f"{rec['phase']}-point", "repeat": rep, "images": n,
+                                      "seconds": rec["seconds"], "driver_phase_rss_growth_mb": growth}), flush=True)
 
     def fit(pts) -> tuple[float, float, float]:  # (KB per image, its standard error, MB at N = 0)
         xs, ys = [p[1] for p in pts], [p[2] * 1024 for p in pts]
@@ -233,13 +244,17 @@ def _slope(args) -> None:
         se = (sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / dof / sxx) ** 0.5 if dof > 0 else float("nan")
         return b, se, a / 1024
 
-    b, se, a = fit(points)
-    each = [round(fit([p for p in points if p[0] == r])[0], 3) for r in range(args.repeats)]
-    print(json.dumps({"phase": "discover-slope", "where": "local" if args.local else "s3", "images": args.images,
-                      "per_folder": args.per_folder,
-                      "repeats": args.repeats, "kb_per_image": round(b, 3), "stderr_kb": round(se, 3),
-                      "per_repeat_kb": each, "intercept_mb": round(a, 1),
-                      "at_10m_gb": round(b * 10_000_000 / 2**20, 2)}), flush=True)  # fmt: skip
+    for name, pts in points.items():
+        b, se, a = fit(pts)
+        each = [round(fit([p for p in pts if p[0] == r])[0], 3) for r in range(args.repeats)]
+        print(json.dumps({"phase": f"{name}-slope", "where": "local" if args.local else "s3", "images": args.images,
+                          "per_folder": args.per_folder, "repeats": args.repeats, "kb_per_image": round(b, 3),
+                          "stderr_kb": round(se, 3), "per_repeat_kb": each, "intercept_mb": round(a, 1),
+                          "at_10m_gb": round(b * 10_000_000 / 2**20, 2)}), flush=True)  # fmt: skip
+
+
+_RSS_PHASES = ("discover", "cache", "rerun", "refresh")
+"""The phases whose driver RSS growth the slope mode fits."""
 
 
 def _put_local(root: str, n: int, per_folder: int = 1000) -> None:
@@ -333,6 +348,8 @@ def _run(server: Server | None, args) -> None:
     print(json.dumps({"phase": "refresh-bytes", "g0_shard_bytes": written(g0), "g1_shard_bytes": written(g1),
                       "g1_index_bytes": indexed(g1),
                       "ratio": round((written(g1) + indexed(g1)) / max(written(g0), 1), 4)}), flush=True)  # fmt: skip
+    if server is None:
+        local.cleanup()
 
 
 # The killed run: the job with its own fresh local Ray, as a user's driver process would run it.

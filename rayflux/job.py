@@ -187,7 +187,8 @@ class _Stages:
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
                 log.warning("%s", problem)
-        self.discoveries[g] = discovery
+        # What the summary needs, not the rows: the build consumes them (see build_generation).
+        self.discoveries[g] = {"found": discovery.found_by_dataset(), "unsampled": dict(discovery.unsampled)}
         seconds = self.summary.stage_seconds
         seconds["discover"] = seconds.get("discover", 0.0) + time.perf_counter() - t0
         inputs = inputs_signature(discovery)
@@ -354,10 +355,9 @@ def _check_edit_pairs(cfg: JobConfig, family) -> None:
                           "train FLUX.1 Kontext or FLUX.2")  # fmt: skip
 
 
-def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
-    """Per-dataset counts and grouped skip reasons, from the committed generation's skip list."""
-    import pyarrow.compute as pc
-
+def _account(summary: Summary, cfg: JobConfig, discovery: dict, gen_dir: str) -> None:
+    """Per-dataset counts and grouped skip reasons, from the committed generation's skip list. ``discovery``: what
+    :meth:`_Stages.generation` kept of the generation's discovery."""
     from rayflux.cache import generations
 
     summary.skipped_report = storage.join(gen_dir, generations.SKIPPED)
@@ -368,8 +368,7 @@ def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
         summary.skip_reasons[reason] = summary.skip_reasons.get(reason, 0) + 1
     for ds in datasets.datasets_of(cfg.data):
         key = datasets.key(cfg.data, ds)
-        found = discovery.table.filter(pc.equal(discovery.table["dataset"], key)).num_rows
-        found += discovery.skips.filter(pc.equal(discovery.skips["dataset"], key)).num_rows
+        found = discovery["found"].get(key, 0)
         lost = sum(1 for s in skipped if s.get("dataset") == key)
         summary.datasets.append(
             {
@@ -377,7 +376,7 @@ def _account(summary: Summary, cfg: JobConfig, discovery, gen_dir: str) -> None:
                 "discovered": found,
                 "cached": found - lost,
                 "skipped": lost,
-                "unsampled": discovery.unsampled.get(datasets.label(ds), 0),
+                "unsampled": discovery["unsampled"].get(datasets.label(ds), 0),
                 "repeats": ds.repeats,
                 "regularisation": ds.regularisation,
             }

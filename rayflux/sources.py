@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
+import os
+import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from rayflux import captions, datasets, storage
 from rayflux.config import DataConfig, DatasetConfig
@@ -21,7 +26,6 @@ _CHUNK = 4096  # listed rows settled through Python at a time in this process
 SIDECARS = pa.schema([("path", pa.string()), ("stamp", pa.string()), ("lines", pa.string())])
 """A caption file as discovery read it: its path on the dataset's filesystem, its ``size:mtime`` from the listing
 and its non-empty lines (a JSON list), before any caption policy: the same lines serve every seed and setting."""
-
 
 @dataclass(frozen=True)
 class Source:
@@ -58,12 +62,72 @@ own, and its caption file's lines when they were read or known. Like a listed ro
 :class:`Discovery` tables get theirs from the relative path (:meth:`rayflux.listing.Listing.uris`)."""
 
 SOURCES = pa.schema(
-    [("uri", pa.string()), ("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
+    [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
      ("caption", pa.string()), ("dataset", pa.string()), ("references", pa.list_(pa.string())),
      ("references_stamp", pa.string())]
 )  # fmt: skip
-"""The :class:`Source` fields as Arrow columns: how a discovery holds its images (bytes per image on the driver,
-not a Python object each), in relative-path order per dataset."""
+"""The :class:`Source` fields as Arrow columns but the URI: how a discovery holds its images (bytes per image on the
+driver, not a Python object each), in relative-path order per dataset. A URI is the dataset's root and the relative
+path, so it is made where it is needed (:func:`uris`), not held for every image."""
+
+
+def uris(table: pa.Table, roots: dict[str, tuple[str, int]]) -> pa.ChunkedArray:
+    """The URI of each row of ``table`` (``rel_path`` and ``dataset`` columns), from :attr:`Discovery.roots`."""
+    out = None
+    for key, (root, skip) in roots.items():
+        made = pc.binary_join_element_wise(root, pc.utf8_slice_codeunits(table["rel_path"], skip), "")
+        out = made if out is None else pc.if_else(pc.equal(table["dataset"], key), made, out)
+    return out if out is not None else pa.chunked_array([], pa.string())
+
+
+class Spool:
+    """The caption files a discovery knows, as :data:`SIDECARS` rows written to a local Parquet file as they are
+    settled: the driver does not hold their paths, stamps and lines (a third of a settled row's bytes) while the
+    rest of the discovery is gathered and the generation builds; the build uploads the file at commit. The file is
+    made on the first row and removed with the spool."""
+
+    def __init__(self) -> None:
+        self.path = ""
+        self.rows = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._closed = False
+
+    def add(self, settled: pa.Table) -> None:
+        """Write the caption files of settled rows (:data:`SETTLED`) whose lines are known."""
+        known = settled.filter(pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
+        self.write(pa.table([known["sidecar"], known["sidecar_stamp"], known["sidecar_lines"]], schema=SIDECARS))
+
+    def write(self, rows: pa.Table) -> None:
+        """Write :data:`SIDECARS` rows."""
+        if not rows.num_rows:
+            return
+        if self._closed:
+            raise RuntimeError("rows added to a closed sidecar spool")
+        if self._writer is None:
+            fd, self.path = tempfile.mkstemp(prefix="rayflux-sidecars-", suffix=".parquet")
+            os.close(fd)
+            weakref.finalize(self, _remove, self.path)
+            self._writer = pq.ParquetWriter(self.path, SIDECARS, compression="zstd")
+        self._writer.write_table(rows)
+        self.rows += rows.num_rows
+
+    def close(self) -> str:
+        """Finish the file and return its path ("" when no row was written); nothing can be added after."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._closed = True
+        return self.path
+
+    def table(self) -> pa.Table:
+        """Every row written, read back, the spool closed: for small uses (a test, merging another discovery)."""
+        path = self.close()
+        return pq.read_table(path) if self.rows else SIDECARS.empty_table()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @dataclass
@@ -78,15 +142,20 @@ class Discovery:
     """Trouble that costs no image by itself but needs a look: orphan caption files, bad metadata rows..."""
     unsampled: dict[str, int] = field(default_factory=dict)
     """Per dataset, usable images left out by its ``max_samples``; not counted as discovered."""
-    sidecars: pa.Table = field(default_factory=lambda: SIDECARS.empty_table())
+    roots: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Per ``dataset`` value: what its images' URIs start with, and how many leading characters of a relative path
+    (the dataset's key and a slash, when paths carry it) the URI leaves out (see :func:`uris`)."""
+    sidecars: Spool = field(default_factory=lambda: Spool())
     """Every caption file whose lines are known (read now, or taken from the previous generation's table), as
-    :data:`SIDECARS` rows: the generation records it, so the next discovery reads only the files that changed."""
+    :data:`SIDECARS` rows in a local file: the generation records it, so the next discovery reads only the files
+    that changed."""
 
     @property
     def sources(self) -> list[Source]:
         """The usable images as :class:`Source` objects, built on each call: for small uses (a report, a test);
         the cache stage reads :attr:`table`."""
-        return [Source(**{**r, "references": tuple(r["references"] or ())}) for r in self.table.to_pylist()]
+        table = self.table.append_column("uri", uris(self.table, self.roots)) if self.table.num_rows else self.table
+        return [Source(**{"uri": "", **r, "references": tuple(r["references"] or ())}) for r in table.to_pylist()]
 
     @property
     def skipped(self) -> list[dict]:
@@ -97,12 +166,23 @@ class Discovery:
     def discovered(self) -> int:
         return self.table.num_rows + self.skips.num_rows
 
+    def found_by_dataset(self) -> dict[str, int]:
+        """Images discovered (usable or skipped) per ``dataset`` column value: what the job's summary reports once
+        the rows themselves are gone."""
+        counts: dict[str, int] = {}
+        for t in (self.table, self.skips):
+            for r in t.group_by("dataset").aggregate([([], "count_all")]).to_pylist():
+                counts[r["dataset"]] = counts.get(r["dataset"], 0) + r["count_all"]
+        return counts
+
     def extend(self, other: Discovery) -> None:
         self.table = pa.concat_tables([self.table, other.table])
         self.skips = pa.concat_tables([self.skips, other.skips])
         self.problems.extend(other.problems)
         self.unsampled.update(other.unsampled)
-        self.sidecars = pa.concat_tables([self.sidecars, other.sidecars])
+        self.roots.update(other.roots)
+        if other.sidecars is not self.sidecars:
+            self.sidecars.write(other.sidecars.table())
 
 
 def choose(options: list[str], seed: int, rel_path: str) -> str:
@@ -186,10 +266,14 @@ def where(table: pa.Table, mask) -> pa.Table:
     return table if pc.all(mask).as_py() in (True, None) else table.filter(mask)
 
 
+GATHERED = [n for n in SETTLED.names if not n.startswith("sidecar")]
+"""The columns of settled rows that :func:`gather` reads: all but the caption file's, which go to a :class:`Spool`."""
+
+
 def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
-    """A dataset's Discovery from its settled rows (:data:`SETTLED`): sources (drawn to ``max_samples`` among the
-    usable ones), recorded skips and the dataset's problems, all as Arrow. ``left_out``: usable images already left
-    out by earlier draws."""
+    """A dataset's Discovery from its settled rows (:data:`GATHERED` columns of :data:`SETTLED` rows): sources
+    (drawn to ``max_samples`` among the usable ones), recorded skips and the dataset's problems, all as Arrow.
+    ``left_out``: usable images already left out by earlier draws. Its caption files are the caller's to spool."""
     ds, name = listing.ds, datasets.label(listing.ds)
     found = Discovery(problems=list(listing.problems))
     # Each step copies only when it changes something: at the peak the driver holds few copies of the images.
@@ -206,11 +290,9 @@ def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
     skips = where(settled, skipping)
     found.skips = pa.table([listing.uris(skips["rel_path"]), skips["dataset"], skips["skip_reason"]], schema=SKIPS)
     del skips
-    found.table = listing.with_uris(good.select([n for n in SOURCES.names if n != "uri"])).select(SOURCES.names)
-    found.table = found.table.cast(SOURCES)
+    found.table = good.select(SOURCES.names).cast(SOURCES)
+    found.roots[listing.key] = listing.root()
     del good
-    known = where(settled, pc.and_(pc.not_equal(settled["sidecar"], ""), pc.is_valid(settled["sidecar_lines"])))
-    found.sidecars = pa.table([known["sidecar"], known["sidecar_stamp"], known["sidecar_lines"]], schema=SIDECARS)
     uncaptioned = settled["rel_path"].filter(settled["uncaptioned"])
     if len(uncaptioned) and ds.missing_caption != "skip":
         found.problems.append(
@@ -235,7 +317,10 @@ def discover_dataset(
     """
     listing = list_dataset(ds, key, prefix)
     listed = listing.with_uris(listing.table) if usable else listing.table  # usable() opens the image
-    return gather(listing, settle_table(listed, ds, seed, usable))
+    settled = settle_table(listed, ds, seed, usable)
+    found = gather(listing, settled)
+    found.sidecars.add(settled)
+    return found
 
 
 def discover(data: DataConfig, *, seed: int = 0) -> Discovery:
@@ -250,3 +335,16 @@ def discover(data: DataConfig, *, seed: int = 0) -> Discovery:
 
 def caption_id(caption: str) -> str:
     return hashlib.sha256(caption.encode("utf-8")).hexdigest()[:24]
+
+
+def unique_captions(column: pa.ChunkedArray) -> pa.Array:
+    """A generation's captions, each once and sorted, with the empty caption among them, as Arrow."""
+    found = pa.concat_arrays([pc.unique(column), pa.array([""], pa.string())]).unique()
+    return found.take(pc.sort_indices(found))
+
+
+def caption_ids(captions: pa.Array) -> pa.Array:
+    """:func:`caption_id` of each caption, through Python a bounded chunk at a time."""
+    parts = [pa.array([caption_id(t) for t in captions.slice(i, _CHUNK).to_pylist()], pa.string())
+             for i in range(0, len(captions), _CHUNK)]  # fmt: skip
+    return pa.concat_arrays(parts) if parts else pa.array([], pa.string())

@@ -1,6 +1,9 @@
 """Caption strategies on real files: sidecars, file names, metadata tables (jsonl, csv, parquet), instance prompts."""
 
+import gc
 import json
+import os
+import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -34,6 +37,27 @@ def test_sidecar_lines_are_options_and_one_is_chosen_per_seed(tmp_path):
     again = {seed: _captions(discover_dataset(_dataset(tmp_path), seed=seed))["a.png"] for seed in range(40)}
     assert picked == again  # and the choice for a (seed, image) is stable
     assert all(picked[s] == choose(options, s, "a.png") for s in picked)
+
+
+@pytest.mark.parametrize("prepend", [False, True])
+def test_the_sidecar_table_holds_each_caption_files_own_lines(tmp_path, prepend):
+    """What a generation records of its caption files is every file's own lines, whichever caption the policy made
+    of them; the discovery spools them to a local file instead of holding them, and the file goes with it."""
+    lines = {"a": ["a red barn"], "b": ["first option", "second option"], "c": ["caf\xe9 \"quoted\" \\ cr\xe8me"]}
+    for stem, text in lines.items():
+        _image(tmp_path / "images" / f"{stem}.png")
+        (tmp_path / "images" / f"{stem}.txt").write_text("\n".join(text) + "\n")
+    ds = _dataset(tmp_path / "images", instance_prompt="sks", prepend_instance_prompt=prepend)
+    found = discover_dataset(ds, seed=1)
+    assert found.sidecars.rows == 3 and found.sidecars.path.startswith(tempfile.gettempdir())
+    written = found.sidecars.table().to_pylist()
+    assert {r["path"].rsplit("/", 1)[-1]: json.loads(r["lines"]) for r in written} == {
+        f"{k}.txt": v for k, v in lines.items()
+    }
+    spooled = found.sidecars.path
+    del found, written
+    gc.collect()
+    assert not os.path.exists(spooled)
 
 
 def test_filename_strategy_ignores_sidecars(tmp_path):

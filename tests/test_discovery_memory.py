@@ -4,7 +4,7 @@
 discovery that turned listed or settled rows into Python dicts again (about 1-2 KB per image with its strings) shows
 up as a heap peak growing with the number of images. The columnar one holds at most a bounded chunk of listed
 entries as Python objects at a time (:mod:`rayflux.walk`), far below that. Both paths are measured: a first discovery, whose caption files are read in
-real Ray Data tasks and come back as Arrow blocks, and a rerun whose caption files are all known from the previous
+real Ray tasks and come back as Arrow blocks, and a rerun whose caption files are all known from the previous
 generation's sidecar table, which settles on the driver a bounded chunk at a time.
 """
 
@@ -53,7 +53,7 @@ def _run(tmp_path, tiny_model, n: int) -> tuple[int, int]:
     cfg = config.load(None, [f"model.path={tiny_model}", f"data.images_dir={root}", "data.resolution=64"])
     facts = models.model_facts(cfg.model)
     first, found = _peak(lambda: draw.discover(cfg, facts, seed=3))
-    assert found.table.num_rows == n and found.skips.num_rows == 0 and found.sidecars.num_rows == n
+    assert found.table.num_rows == n and found.skips.num_rows == 0 and found.sidecars.rows == n
     gen = tmp_path / f"gen{n}"
     gen.mkdir()
     previous = {"dir": str(gen), "index": {"sidecars": sidecars.write(str(gen), found.sidecars)}}

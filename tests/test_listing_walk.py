@@ -131,3 +131,25 @@ def test_s3_dataset_listing_is_the_same_as_through_pyarrow(bucket_tree, s3_bucke
     one = direct.table.filter(pa.compute.equal(direct.table["rel_path"], "a/one.png")).to_pylist()[0]
     assert one["sidecar"].endswith("/images/a/one.txt") and one["sidecar_stamp"].startswith("10:")
     assert any("b/orphan.txt" in p for p in direct.problems)
+
+
+@pytest.mark.parametrize("part", [1, 2, 5])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_listing_made_a_few_rows_at_a_time_is_the_whole_listing(tmp_path, monkeypatch, part, prefix):
+    """Listed files become rows a bounded part at a time. An image and its caption file that land in different
+    parts (cut between them, or sorted apart because their case differs) still find each other, and a caption file
+    is an orphan only when no image of any part names it."""
+    root = tmp_path / "images"
+    _write(root, {**TREE, "c/IMG_1.PNG": b"1", "c/b.png": b"2", "c/img_1.txt": b"upper image\n", "c/b.txt": b"b\n"})
+    ds = datasets.datasets_of(config.load(None, [f"data.images_dir={root}"]).data)[0]
+    whole = listing.list_dataset(ds, "k", prefix)
+    monkeypatch.setattr(listing, "PART", part)
+    cut = listing.list_dataset(ds, "k", prefix)
+    assert cut.table.equals(whole.table) and cut.problems == whole.problems
+    lead = "k/" if prefix else ""
+    sidecar = {r["rel_path"]: r["sidecar"][len(str(root)) + 1 :] for r in cut.table.to_pylist()}
+    assert sidecar[lead + "a/Two.PNG"] == "a/two.txt" and sidecar[lead + "c/IMG_1.PNG"] == "c/img_1.txt"
+    assert sidecar[lead + "a/one.png"] == "a/one.txt" and sidecar[lead + "top.png"] == "top.txt"
+    assert sidecar[lead + "a0.png"] == "" and sidecar[lead + "c/b.png"] == "c/b.txt"
+    orphans = [p for p in cut.problems if "without an image" in p]
+    assert orphans == ["dataset images: caption file without an image: b/orphan.txt"]

@@ -10,12 +10,18 @@ subset as one draw over the whole dataset. Bad images found on the way are recor
 A caption file the previous generation already read, listed unchanged, is not read again (see
 :mod:`rayflux.cache.sidecars`): a dataset whose caption files are all known, and that has no ``max_samples``,
 settles on the driver without a single read.
+
+The driver holds each image about once. The listing is made a bounded part at a time (:mod:`rayflux.listing`);
+each part is then settled here or sent to settling tasks (a window of them in flight at a time) and released. The
+rows that come back keep only the columns the discovery needs, and their caption files' paths, stamps and lines go
+to a local file (:class:`rayflux.sources.Spool`) that the generation uploads at commit.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
+import json
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,9 +35,9 @@ from rayflux.models import ModelFacts
 # Images per settling task: as for preparation, hundreds, so the tasks spread over the cluster.
 _IMAGES_PER_TASK = 256
 
-_BLOCK = sources.SETTLED.append(pa.field("left_out", pa.int64()))
-"""What a settling task returns: its settled rows (``left_out`` 0), and per capped dataset one row with only
-``dataset`` and how many usable images its local draw left out."""
+_LEFT_OUT = b"rayflux.left_out"
+"""Schema metadata of a settling task's table: per capped dataset, how many usable images its local draw left out
+(JSON). In the metadata, so that no row carries a count."""
 
 
 def _needs_task(ds, listed: pa.Table) -> pa.ChunkedArray:
@@ -41,10 +47,12 @@ def _needs_task(ds, listed: pa.Table) -> pa.ChunkedArray:
     return pc.and_(pc.not_equal(listed["sidecar"], ""), pc.is_null(listed["sidecar_lines"]))
 
 
-def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pixels: int) -> pa.Table:
-    """Ray Data batch function: settle one block of listed rows; per capped dataset, keep only its local draw.
-    ``by_key``: each dataset's :class:`rayflux.listing.Listing`, without its rows."""
-    parts = [_BLOCK.empty_table()]
+def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
+    """Ray task: settle one block of listed rows (:data:`rayflux.sources.SETTLED` rows); per capped dataset, keep
+    only its local draw and say how many it left out (:data:`_LEFT_OUT`). ``shared``: each dataset's
+    :class:`rayflux.listing.Listing` without its rows (``by_key``), bucket specs, seed and pixel cap."""
+    by_key, specs, seed, max_pixels = shared["by_key"], shared["specs"], shared["seed"], shared["max_pixels"]
+    parts, left_out = [sources.SETTLED.empty_table()], {}
     for key in sorted(set(batch["dataset"].to_pylist())):
         ls = by_key[key]
         ds = ls.ds
@@ -58,22 +66,24 @@ def _settle_block(batch: pa.Table, by_key: dict, specs: dict, seed: int, max_pix
             skipping = pc.not_equal(settled["skip_reason"], "")
             kept, left = sources.draw(settled.filter(pc.invert(skipping)), ds.max_samples)
             settled = pa.concat_tables([settled.filter(skipping), kept])
-        parts.append(settled.append_column("left_out", pa.repeat(pa.scalar(0, pa.int64()), settled.num_rows)))
+        parts.append(settled)
         if left:
-            parts.append(pa.Table.from_pylist([{"dataset": key, "left_out": left}], schema=_BLOCK))
-    return pa.concat_tables(parts)
+            left_out[key] = left
+    return pa.concat_tables(parts).combine_chunks().replace_schema_metadata({_LEFT_OUT: json.dumps(left_out)})
 
 
 def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None) -> sources.Discovery:
     """Discover every dataset of the job, in config order: listings here, per-image reads in Ray tasks.
 
     ``previous``: the manifest of the newest committed generation of the cache key, whose caption files listed
-    unchanged are not read again. The driver holds the images as Arrow throughout: listed tables, slices of them
-    for the tasks, settled blocks concatenated."""
-    import ray.data
+    unchanged are not read again. The driver holds the images as Arrow throughout, and each at most once besides
+    a bounded window: a listed part is settled here or handed to tasks and then released, and only the settled
+    rows accumulate (see :func:`_settle_all`)."""
+    with listing.system_pool():
+        return _discover(cfg, facts, seed, previous)
 
-    from rayflux.cache.stage import bucket_specs
 
+def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None) -> sources.Discovery:
     data = cfg.data
     prefix = datasets.prefixes_paths(data)
     listings = [listing.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
@@ -82,48 +92,110 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         for ls in listings:
             ls.table = sidecars.attach(ls.table, table)
         del table
-    # Rows that need no read settle here, a bounded chunk at a time; the others travel to the tasks as Arrow
-    # slices, and the listing's own table is dropped before the settled ones come back.
-    here, remote = {}, []
-    for ls in listings:
-        needs = _needs_task(ls.ds, ls.table)
-        # No copy when every row goes one way (a first build: all to tasks; a rerun: all here).
-        here[ls.key] = sources.settle_table(sources.where(ls.table, pc.invert(needs)), ls.ds, seed)
-        remote.append(sources.where(ls.table, needs))
-        ls.table = listing.LISTED.empty_table()
-        del needs
+    spool = sources.Spool()
+    settled, left_out = _settle_all(cfg, facts, seed, listings, spool)
     listing.trim()
-    remote = pa.concat_tables(remote)
-    settled: list[pa.Table] = [sources.SETTLED.empty_table()]
-    left_out = dict.fromkeys(here, 0)
-    if remote.num_rows:
-        blocks = [remote.slice(i, _IMAGES_PER_TASK) for i in range(0, remote.num_rows, _IMAGES_PER_TASK)]
-        ds = ray.data.from_arrow(blocks)
-        del blocks, remote
+    found = sources.Discovery(sidecars=spool)
+    for ls in listings:
+        found.extend(sources.gather(ls, pa.concat_tables(settled.pop(ls.key)), left_out[ls.key]))
         listing.trim()
-        ds = ds.map_batches(
-            _settle_block,
-            fn_kwargs={"by_key": {ls.key: ls for ls in listings}, "specs": bucket_specs(cfg, facts), "seed": seed,
-                       "max_pixels": data.max_image_pixels},
-            batch_size=None, batch_format="pyarrow", num_cpus=fit.PREPARE_CPUS,
-        )  # fmt: skip
-        ds.set_name(f"discover-s{seed}")
-        # Blocks come back in listing order, so gathering them needs no sorted copy of every image.
-        options = copy.deepcopy(ds.context.execution_options)
-        options.preserve_order = True
-        ds.context.execution_options = options
-        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            counts = pc.is_null(block["rel_path"])
-            for row in block.filter(counts).select(["dataset", "left_out"]).to_pylist():  # one per capped dataset
-                left_out[row["dataset"]] += row["left_out"]
-            settled.append(block.filter(pc.invert(counts)).drop_columns(["left_out"]))
-    settled_all = pa.concat_tables(settled)
-    del settled
-    listing.trim()
-    found = sources.Discovery()
-    for ls in listings:
-        mine = settled_all if len(listings) == 1 else settled_all.filter(pc.equal(settled_all["dataset"], ls.key))
-        found.extend(sources.gather(ls, pa.concat_tables([mine, here.pop(ls.key)]), left_out[ls.key]))
-    del settled_all, mine
-    listing.trim()
     return found
+
+
+def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, spool: sources.Spool) -> tuple:
+    """Settle every listed row, in listing order: those that need no read here, the others in Ray tasks of
+    :data:`_IMAGES_PER_TASK` rows. Returns each dataset's settled parts (:data:`rayflux.sources.GATHERED` columns)
+    and how many usable images its local draws left out; the caption files go to ``spool`` as rows arrive.
+
+    Plain tasks, not a Ray Data pipeline, because the driver decides when each input is released: a part's rows
+    are sent to at most :func:`_window` tasks at a time and dropped here once sent, and a task's input is freed
+    when it finishes. (A dataset made ``from_arrow`` keeps every input block in the driver's object store until
+    the dataset is gone, so the listing was held twice at the end.)"""
+    import ray
+
+    from rayflux.cache.stage import bucket_specs
+
+    rowless = {ls.key: dataclasses.replace(ls, table=listing.LISTED.empty_table()) for ls in listings}
+    tasks = _Tasks(ray.put({"by_key": rowless, "specs": bucket_specs(cfg, facts), "seed": seed,
+                            "max_pixels": cfg.data.max_image_pixels}), listings, spool)  # fmt: skip
+    try:
+        for ls in listings:
+            parts = ls.table.to_batches(max_chunksize=listing.PART)
+            ls.table = listing.LISTED.empty_table()
+            while parts:
+                part = pa.Table.from_batches([parts.pop(0)])
+                needs = _needs_task(ls.ds, part)
+                tasks.keep(ls.key, sources.settle_table(sources.where(part, pc.invert(needs)), ls.ds, seed))
+                remote = sources.where(part, needs)
+                del part, needs
+                for i in range(0, remote.num_rows, _IMAGES_PER_TASK):
+                    tasks.send(ls.key, remote.slice(i, _IMAGES_PER_TASK))
+                del remote
+        tasks.collect(list(tasks.running))
+    except BaseException:
+        for ref in tasks.running:  # a failed read fails discovery: nothing more of it is needed
+            ray.cancel(ref)
+        raise
+    return tasks.settled, tasks.left_out
+
+
+class _Tasks:
+    """Settling tasks in flight, and every dataset's settled parts in listing order (a task's place is kept for
+    it until it returns)."""
+
+    def __init__(self, shared, listings: list, spool: sources.Spool):
+        import ray
+
+        self.spool = spool
+        self.settle = ray.remote(num_cpus=fit.PREPARE_CPUS)(_settle_block)
+        self.shared = shared
+        self.window = _window()
+        self.running: dict = {}
+        """Task -> (dataset key, its place in that dataset's parts)."""
+        self.settled: dict[str, list] = {ls.key: [sources.SETTLED.empty_table().select(sources.GATHERED)]
+                                         for ls in listings}  # fmt: skip
+        self.left_out = {ls.key: 0 for ls in listings}
+
+    def send(self, key: str, rows: pa.Table) -> None:
+        import ray
+
+        if len(self.running) >= self.window:  # wait for a quarter of the window: one wait per few tasks
+            self.collect(ray.wait(list(self.running), num_returns=max(1, self.window // 4))[0])
+        # combine_chunks: the task gets its own rows only, not the whole buffers the slice was cut from. Put, not
+        # passed inline: Ray's task events keep each task's specification, inlined arguments included; in a plain
+        # loop of 800 tasks with 36 KB of rows each, the driver kept 48 KB a task inlined and 11 KB put.
+        rows = ray.put(rows.combine_chunks())
+        self.running[self.settle.remote(rows, self.shared)] = (key, len(self.settled[key]))
+        self.settled[key].append(None)
+
+    def keep(self, key: str, settled: pa.Table, at: int | None = None) -> None:
+        """Spool settled rows' caption files, and keep a copy of the rest of their columns (the rows received from
+        a task are a view of their serialized message, which holds more)."""
+        self.spool.add(settled)
+        slim = settled.select(sources.GATHERED)
+        slim = slim.take(pa.array(range(slim.num_rows), pa.int32())) if at is not None else slim
+        if at is None:
+            self.settled[key].append(slim)
+        else:
+            self.settled[key][at] = slim
+
+    def collect(self, refs: list) -> None:
+        import ray
+
+        for ref in refs:
+            key, at = self.running.pop(ref)
+            block = ray.get(ref)
+            for dataset, n in json.loads(block.schema.metadata[_LEFT_OUT]).items():
+                self.left_out[dataset] += n
+            self.keep(key, block.replace_schema_metadata(None), at)
+        if refs:
+            listing.trim()  # the blocks' serialized copies, freed between the rows kept
+
+
+def _window() -> int:
+    """Settling tasks in flight at a time: enough to keep every CPU of the cluster busy, and to show the
+    autoscaler a backlog to grow on, while the driver holds only that many tasks' rows at once."""
+    import ray
+
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return max(16, 4 * int(cpus / fit.PREPARE_CPUS))

@@ -26,28 +26,44 @@ class Previous:
 
     dir: str = ""
     """The previous generation's directory; empty when there is none."""
-    samples: pa.Table | None = None
-    """The previous sample index (None when there is none): a preparation task looks up its own rows' entries in it
-    (see :func:`rows_for`), so the driver holds it as Arrow bytes, never as an object per sample."""
+    samples: object = None
+    """The previous sample index in Ray's object store (an ObjectRef; None when there is none), read there by a
+    task: a preparation task looks up its own rows' entries in it (see :func:`rows_for`), and the driver never
+    holds it (at real sizes about 0.4 KB an image)."""
     captions: pa.Table = field(default_factory=lambda: pa.table({"caption_id": pa.array([], pa.string())}))
     """The previous caption index: known captions are referenced, not encoded again."""
 
-    def known_captions(self, ids: list[str]) -> pa.Table:
+    def known_captions(self, ids: pa.Array) -> pa.Table:
         """The index rows of those of ``ids`` the previous generation holds."""
-        return self.captions.filter(pc.is_in(self.captions["caption_id"], pa.array(ids, pa.string())))
+        return self.captions.filter(pc.is_in(self.captions["caption_id"], value_set=ids))
 
 
 def load(manifest: dict | None) -> Previous:
-    """Read a committed generation's index; an empty :class:`Previous` for None."""
+    """A committed generation's index: its sample index read into Ray's object store by a task (Ray must be up),
+    its caption index here. An empty :class:`Previous` for None. Raises what the read raised."""
     if manifest is None:
         return Previous()
-    return Previous(dir=manifest["dir"], samples=index.read(manifest, "samples"), captions=index.read(manifest, "captions"))
+    import ray
+
+    samples, rows = ray.remote(num_returns=2)(_read_samples).remote(manifest)
+    ray.get(rows)  # the read's error, if any, here and now rather than in a preparation task
+    return Previous(dir=manifest["dir"], samples=samples, captions=index.read(manifest, "captions"))
 
 
-def rows_for(samples: pa.Table | None, rel_paths: pa.Array) -> dict[str, str]:
+def _read_samples(manifest: dict) -> tuple[pa.Table, int]:
+    table = index.read(manifest, "samples")
+    return table, table.num_rows
+
+
+def rows_for(samples, rel_paths: pa.Array) -> dict[str, str]:
     """rel_path -> the previous index row as JSON, for those of ``rel_paths`` it holds: what ``prepare_row`` needs to
-    reuse a sample. Runs in the preparation tasks, one block of rows at a time."""
+    reuse a sample. Runs in the preparation tasks, one block of rows at a time. ``samples``: :attr:`Previous.samples`
+    (or the table itself)."""
     if samples is None:
         return {}
+    if not isinstance(samples, pa.Table):
+        import ray
+
+        samples = ray.get(samples)
     found = samples.filter(pc.is_in(samples["rel_path"], rel_paths)).to_pylist()
     return {r["rel_path"]: json.dumps(r) for r in found}

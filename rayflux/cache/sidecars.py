@@ -16,12 +16,8 @@ is always read.
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from rayflux import sources
 from rayflux.cache import index
@@ -49,13 +45,7 @@ def attach(listed: pa.Table, table: pa.Table) -> pa.Table:
     return listed.set_column(listed.schema.get_field_index("sidecar_lines"), "sidecar_lines", lines)
 
 
-def write(gen_dir: str, table: pa.Table) -> dict:
-    """Upload a discovery's sidecar table into ``gen_dir``; the manifest's ``index.sidecars`` entry."""
-    fd, tmp = tempfile.mkstemp(prefix="rayflux-sidecars-", suffix=".parquet")
-    os.close(fd)
-    try:
-        pq.write_table(table.cast(sources.SIDECARS), tmp, compression="zstd")
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return index.upload(tmp, gen_dir, PATH, table.num_rows)
+def write(gen_dir: str, spool: sources.Spool) -> dict:
+    """Upload a discovery's sidecar table (its :class:`~rayflux.sources.Spool`) into ``gen_dir``; the manifest's
+    ``index.sidecars`` entry."""
+    return index.upload(spool.close(), gen_dir, PATH, spool.rows)

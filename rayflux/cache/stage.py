@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import buckets, datasets, storage
+from rayflux import buckets, datasets, sources, storage
 from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
@@ -172,20 +172,24 @@ def _collect(
 
 
 def _build_text(
-    b: _Build, captions: list[str], sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
+    b: _Build, captions: pa.Array, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
 ) -> list[dict]:
-    """Encode captions no earlier generation holds; reference the rest. Returns the text shards' metadata rows."""
+    """Encode captions no earlier generation holds; reference the rest. Returns the text shards' metadata rows.
+    ``captions``: the generation's unique captions, as Arrow (the driver makes no object per caption)."""
     import ray.data
 
     c = b.cfg.cache
-    ids = [caption_id(t) for t in captions]
+    ids = sources.caption_ids(captions)
     known = b.previous.known_captions(ids)
     sink.add(known)
-    have = set(known["caption_id"].to_pylist())
-    fresh = [{"caption_id": i, "caption": t} for i, t in zip(ids, captions) if i not in have]
-    if not fresh:
+    fresh = pa.table({"caption_id": ids, "caption": captions})
+    fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known["caption_id"])))
+    del ids, known
+    if not fresh.num_rows:
         return []
-    ds = ray.data.from_items(fresh).map_batches(
+    ds = ray.data.from_arrow([fresh.slice(i, _IMAGES_PER_TASK) for i in range(0, fresh.num_rows, _IMAGES_PER_TASK)])
+    del fresh
+    ds = ds.map_batches(
         TextEncoder,
         fn_constructor_kwargs={
             "model": b.cfg.model,
@@ -204,20 +208,24 @@ def _build_text(
     return _collect(ds, name, strict=False, sink=sink, stop=stop, flowing=flowing)
 
 
-def _build_samples(b: _Build, discovery: Discovery, sink: index.Sink, stop: threading.Event) -> list[dict]:
-    """Prepare, encode (or reference) and write every discovered image. Returns the sample shards' metadata rows."""
+def _build_samples(
+    b: _Build, blocks: list[pa.Table], roots: dict, sink: index.Sink, stop: threading.Event
+) -> list[dict]:
+    """Prepare, encode (or reference) and write every discovered image (``blocks``: slices of the discovery's
+    table, emptied once Ray Data holds them; ``roots``: its :attr:`~rayflux.sources.Discovery.roots`). Returns the
+    sample shards' metadata rows."""
     import ray.data
 
     c = b.cfg.cache
-    table = discovery.table
-    if not table.num_rows:
+    if not blocks:
         return []
     # Blocks of the discovery's own Arrow columns: the driver builds no row objects; each task adds its rows'
     # caption ids and previous index entries itself.
-    ds = ray.data.from_arrow([table.slice(i, _IMAGES_PER_TASK) for i in range(0, table.num_rows, _IMAGES_PER_TASK)])
+    ds = ray.data.from_arrow(blocks)
+    blocks.clear()
     ds = ds.map_batches(
-        _with_previous, fn_kwargs={"samples": b.previous.samples}, batch_size=None, batch_format="pyarrow",
-        num_cpus=fit.PREPARE_CPUS,
+        _with_previous, fn_kwargs={"samples": b.previous.samples, "roots": roots}, batch_size=None,
+        batch_format="pyarrow", num_cpus=fit.PREPARE_CPUS,
     )  # fmt: skip
     ds = ds.map(
         _prepare_in_dataset,
@@ -255,10 +263,11 @@ def _pool(size: fit.PoolSize):
     return ActorPoolStrategy(min_size=size.min, max_size=size.max, initial_size=size.initial)
 
 
-def _with_previous(block, samples) -> object:
-    """Ray Data batch function: a block of discovered images with each one's ``caption_id`` and ``prev`` (its
-    previous index row as JSON, or "")."""
+def _with_previous(block, samples, roots) -> object:
+    """Ray Data batch function: a block of discovered images with each one's ``uri``, ``caption_id`` and ``prev``
+    (its previous index row as JSON, or "")."""
     prev = reuse.rows_for(samples, block["rel_path"])
+    block = block.append_column("uri", sources.uris(block, roots))
     block = block.append_column("caption_id", pa.array([caption_id(t) for t in block["caption"].to_pylist()]))
     return block.append_column("prev", pa.array([prev.get(r, "") for r in block["rel_path"].to_pylist()], pa.string()))
 
@@ -282,6 +291,10 @@ def build_generation(
 
     ``previous`` is the committed manifest of an earlier generation of the same cache key: whatever it already
     holds is referenced instead of encoded and written again.
+
+    Consumes ``discovery``: what the manifest needs of it is taken first, and its tables are emptied once the
+    pipelines have their own copies of the rows, so that the driver holds every image once, not twice, while they
+    run.
     """
     if cfg.cache.strict and discovery.skips.num_rows:
         first = discovery.skips.slice(0, 1).to_pylist()[0]
@@ -294,45 +307,61 @@ def build_generation(
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, use_gpu, prev, plan.encoders)
 
     sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
+    found = _Found(discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows)
+    # The empty caption is always encoded: training uses it for caption dropout.
+    captions = sources.unique_captions(discovery.table["caption"])
+    blocks = [discovery.table.slice(i, _IMAGES_PER_TASK) for i in range(0, discovery.table.num_rows, _IMAGES_PER_TASK)]
+    discovery.table = discovery.table.schema.empty_table()
     try:
-        # The empty caption is always encoded: training uses it for caption dropout.
-        captions = sorted(set(pc.unique(discovery.table["caption"]).to_pylist()) | {""})
         # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
         flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
         text_meta, sample_meta, times = passes.run(
             lambda stop: _build_text(b, captions, caption_index, stop, flowing),
-            lambda stop: _build_samples(b, discovery, sample_index, stop),
+            lambda stop: _build_samples(b, blocks, discovery.roots, sample_index, stop),
             together=b.encoders != fit.SEQUENTIAL,
             text_flowing=flowing,
         )
-        manifest = _manifest(b, discovery, spec, specs, text_meta, sample_meta, sample_index, caption_index)
+        manifest = _manifest(b, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
         manifest["passes"] = {**times, "encoders": b.encoders}
         manifest["unique_captions"] = len(captions)
         manifest["reused"]["captions"] = len(captions) - manifest["encoded"]["captions"]
         manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
-        if discovery.sidecars.num_rows:  # the caption files read, for the next discovery (see cache.sidecars)
+        if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
             manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars)
     finally:
         sample_index.discard()
         caption_index.discard()
     log.info(
         "cache %s: %d discovered = %d cached + %d skipped; encoded %d samples and %d captions, reused %d and %d",
-        gen_dir, discovery.discovered, manifest["cached"], manifest["skipped"], manifest["encoded"]["samples"],
+        gen_dir, found.discovered, manifest["cached"], manifest["skipped"], manifest["encoded"]["samples"],
         manifest["encoded"]["captions"], manifest["reused"]["samples"], manifest["reused"]["captions"],
     )  # fmt: skip
     return generations.commit(gen_dir, manifest, manifest["skipped_inputs"])
 
 
-def _manifest(b: _Build, discovery, spec, specs, text_meta, sample_meta, samples: index.Sink, captions: index.Sink):
+@dataclass(frozen=True)
+class _Found:
+    """What a build's manifest needs of its discovery, taken before the discovery's rows are released."""
+
+    discovered: int
+    skipped: list[dict]
+    """The inputs discovery itself skipped, as :attr:`rayflux.sources.Discovery.skipped` lists them."""
+    inputs: str
+    """:func:`inputs_signature` of the discovery."""
+    sidecars: int
+    """Rows of the discovery's sidecar table."""
+
+
+def _manifest(b: _Build, found: _Found, spec, specs, text_meta, sample_meta, samples: index.Sink, captions: index.Sink):
     """The manifest of a finished build (without its index entries), after checking its accounting."""
     cfg, facts, gen_dir = b.cfg, b.facts, b.gen_dir
     skipped = sorted(
-        [*discovery.skipped, *(x for m in sample_meta for x in json.loads(m["skipped"]))], key=lambda x: x["source_uri"]
+        [*found.skipped, *(x for m in sample_meta for x in json.loads(m["skipped"]))], key=lambda x: x["source_uri"]
     )
     cached = samples.rows
-    if cached + len(skipped) != discovery.discovered:
+    if cached + len(skipped) != found.discovered:
         raise RuntimeError(
-            f"cache accounting broke: cached {cached} + skipped {len(skipped)} != discovered {discovery.discovered}"
+            f"cache accounting broke: cached {cached} + skipped {len(skipped)} != discovered {found.discovered}"
         )
     if captions.empty is None:
         raise RuntimeError("the cache's text pass produced no empty-caption row")
@@ -357,7 +386,7 @@ def _manifest(b: _Build, discovery, spec, specs, text_meta, sample_meta, samples
         "borrowed": sorted(f for f in samples.files | captions.files if not f.startswith(own)),
         "empty_caption": captions.empty,
         "buckets": {k: {**v, "dtype": dtype} for k, v in sorted(samples.buckets.items())},
-        "discovered": discovery.discovered,
+        "discovered": found.discovered,
         "cached": cached,
         "skipped": len(skipped),
         "skipped_inputs": skipped,
@@ -366,7 +395,7 @@ def _manifest(b: _Build, discovery, spec, specs, text_meta, sample_meta, samples
             "captions": sum(int(m["encoded"]) for m in text_meta),
         },
         "reused": {"samples": sum(int(m["reused"]) for m in sample_meta), "from": b.previous.dir},
-        "inputs": inputs_signature(discovery),
+        "inputs": found.inputs,
     }
 
 
