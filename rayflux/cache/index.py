@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -169,6 +170,15 @@ def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Tabl
     # One file: a handful of requests however many rows it holds.
     with fs.open_input_file(inner) as f:
         return pq.read_table(f, columns=columns)
+
+
+def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:
+    """One of a committed generation's index tables a row group at a time: for a look-up that keeps only some
+    rows, without holding the whole table."""
+    entry = manifest["index"][kind]
+    fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
+    with fs.open_input_file(inner) as f:
+        yield from pq.ParquetFile(f).iter_batches(batch_size=65536)
 
 
 def caption_table(manifest: dict) -> str:

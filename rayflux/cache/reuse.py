@@ -12,7 +12,8 @@ Everything here comes from the previous generation's index (two Parquet files), 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,24 +31,34 @@ class Previous:
     """The previous sample index in Ray's object store (an ObjectRef; None when there is none), read there by a
     task: a preparation task looks up its own rows' entries in it (see :func:`rows_for`), and the driver never
     holds it (at real sizes about 0.4 KB an image)."""
-    captions: pa.Table = field(default_factory=lambda: pa.table({"caption_id": pa.array([], pa.string())}))
-    """The previous caption index: known captions are referenced, not encoded again."""
+    manifest: dict | None = None
+    """The previous generation's manifest (None when there is none): its caption index is read when the text pass
+    looks up its captions (see :meth:`known_captions`)."""
 
-    def known_captions(self, ids: pa.Array) -> pa.Table:
-        """The index rows of those of ``ids`` the previous generation holds."""
-        return self.captions.filter(pc.is_in(self.captions["caption_id"], value_set=ids))
+    def known_captions(self, ids: pa.Array, add: Callable[[pa.Table], None]) -> pa.Array:
+        """Pass the index rows of those of ``ids`` the previous generation holds to ``add`` (a row group of the
+        caption index at a time, so the driver never holds the whole index), and return their ids."""
+        known = [pa.array([], pa.string())]
+        if self.manifest is None:
+            return known[0]
+        for batch in index.batches(self.manifest, "captions"):
+            rows = pa.Table.from_batches([batch]).filter(pc.is_in(batch["caption_id"], value_set=ids))
+            if rows.num_rows:
+                add(rows)
+                known.append(rows["caption_id"].combine_chunks())
+        return pa.concat_arrays(known)
 
 
 def load(manifest: dict | None) -> Previous:
-    """A committed generation's index: its sample index read into Ray's object store by a task (Ray must be up),
-    its caption index here. An empty :class:`Previous` for None. Raises what the read raised."""
+    """A committed generation's index: its sample index read into Ray's object store by a task (Ray must be up).
+    An empty :class:`Previous` for None. Raises what the read raised."""
     if manifest is None:
         return Previous()
     import ray
 
     samples, rows = ray.remote(num_returns=2)(_read_samples).remote(manifest)
     ray.get(rows)  # the read's error, if any, here and now rather than in a preparation task
-    return Previous(dir=manifest["dir"], samples=samples, captions=index.read(manifest, "captions"))
+    return Previous(dir=manifest["dir"], samples=samples, manifest=manifest)
 
 
 def _read_samples(manifest: dict) -> tuple[pa.Table, int]:

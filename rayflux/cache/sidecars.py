@@ -26,10 +26,37 @@ PATH = "index/sidecars.parquet"
 
 
 def known(manifest: dict | None) -> pa.Table:
-    """A committed generation's table (:data:`rayflux.sources.SIDECARS` rows); empty when it has none."""
+    """A committed generation's table (:data:`rayflux.sources.SIDECARS` rows), sorted by path (see :func:`around`);
+    empty when it has none."""
     if not (manifest or {}).get("index", {}).get("sidecars"):
         return sources.SIDECARS.empty_table()
-    return index.read(manifest, "sidecars", columns=sources.SIDECARS.names).cast(sources.SIDECARS)
+    table = index.read(manifest, "sidecars", columns=sources.SIDECARS.names).cast(sources.SIDECARS)
+    return table.take(pc.sort_indices(table["path"]))
+
+
+def around(table: pa.Table, listed: pa.Table) -> pa.Table:
+    """The rows of a sorted sidecar table (:func:`known`) whose paths lie between the least and the greatest caption
+    file of some listed rows: all :func:`attach` needs for them. Found by bisection, so each part of a listing is
+    matched against its own few rows, not the whole table."""
+    paths = listed["sidecar"].filter(pc.not_equal(listed["sidecar"], ""))
+    if not table.num_rows or not len(paths):
+        return table.slice(0, 0)
+    least, most = pc.min_max(paths).values()
+    column = table["path"]
+
+    def first_at_or_after(value: str) -> int:
+        lo, hi = 0, len(column)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if column[mid].as_py() < value:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    start = first_at_or_after(least.as_py())
+    end = first_at_or_after(most.as_py() + "\0")
+    return table.slice(start, end - start)
 
 
 def attach(listed: pa.Table, table: pa.Table) -> pa.Table:

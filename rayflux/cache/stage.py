@@ -180,10 +180,9 @@ def _build_text(
 
     c = b.cfg.cache
     ids = sources.caption_ids(captions)
-    known = b.previous.known_captions(ids)
-    sink.add(known)
+    known = b.previous.known_captions(ids, sink.add)
     fresh = pa.table({"caption_id": ids, "caption": captions})
-    fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known["caption_id"])))
+    fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
     del ids, known
     if not fresh.num_rows:
         return []
