@@ -112,7 +112,11 @@ class Sink:
         self.schema = SAMPLE_INDEX if kind == "samples" else caption_index(text)
         fd, self.path = tempfile.mkstemp(prefix=f"rayflux-index-{kind}-", suffix=".parquet")
         os.close(fd)
-        self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        # No dictionaries and no statistics: nothing looks rows up by a column's range, and the writer kept both for
+        # every row group until it closed (10,000 caption rows raised the driver's RSS by 10 MB with them, 2 MB
+        # without); zstd already folds the columns' repeated paths and ids.
+        self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd", use_dictionary=False,
+                                       write_statistics=False)  # fmt: skip
         self.rows = 0
         self.files: set[str] = set()
         """Every ``file`` the index rows point to (the generation's own and earlier generations')."""
@@ -173,12 +177,14 @@ def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Tabl
 
 
 def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:
-    """One of a committed generation's index tables a row group at a time: for a look-up that keeps only some
-    rows, without holding the whole table."""
+    """One of a committed generation's index tables a few thousand rows at a time: for a look-up that keeps only
+    some rows, without holding the whole table. Small batches also keep what each batch costs downstream small: a
+    :class:`Sink` writing 10,000 caption rows in one call raised the driver's RSS by 11 MB for 2 MB of rows (the
+    Parquet writer's encoding buffers)."""
     entry = manifest["index"][kind]
     fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
     with fs.open_input_file(inner) as f:
-        yield from pq.ParquetFile(f).iter_batches(batch_size=65536)
+        yield from pq.ParquetFile(f).iter_batches(batch_size=8192, use_threads=False)
 
 
 def caption_table(manifest: dict) -> str:

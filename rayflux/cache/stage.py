@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import buckets, datasets, sources, storage
+from rayflux import buckets, datasets, listing, sources, storage
 from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
@@ -180,7 +180,9 @@ def _build_text(
 
     c = b.cfg.cache
     ids = sources.caption_ids(captions)
-    known = b.previous.known_captions(ids, sink.add)
+    with listing.system_pool():  # short-lived columns, handed back at once (see rayflux.listing.trim)
+        known = b.previous.known_captions(ids, sink.add)
+    listing.trim()
     fresh = pa.table({"caption_id": ids, "caption": captions})
     fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
     del ids, known
