@@ -27,6 +27,7 @@ SIDECARS = pa.schema([("path", pa.string()), ("stamp", pa.string()), ("lines", p
 """A caption file as discovery read it: its path on the dataset's filesystem, its ``size:mtime`` from the listing
 and its non-empty lines (a JSON list), before any caption policy: the same lines serve every seed and setting."""
 
+
 @dataclass(frozen=True)
 class Source:
     """One discovered image and the caption chosen for it in this generation."""
