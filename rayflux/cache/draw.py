@@ -171,15 +171,15 @@ class _Tasks:
         self.settled[key].append(None)
 
     def keep(self, key: str, settled: pa.Table, at: int | None = None) -> None:
-        """Spool settled rows' caption files, and keep a copy of the rest of their columns (the rows received from
-        a task are a view of their serialized message, which holds more)."""
+        """Spool settled rows' caption files and keep the rest of their columns: at place ``at`` of the dataset's
+        parts (a task's rows), or after the others (rows settled here)."""
         self.spool.add(settled)
         slim = settled.select(sources.GATHERED)
-        slim = slim.take(pa.array(range(slim.num_rows), pa.int32())) if at is not None else slim
         if at is None:
             self.settled[key].append(slim)
-        else:
-            self.settled[key][at] = slim
+            return
+        # A task's rows are a view of their serialized message, which holds more than these columns: keep a copy.
+        self.settled[key][at] = slim.take(pa.array(range(slim.num_rows), pa.int32()))
 
     def collect(self, refs: list) -> None:
         import ray

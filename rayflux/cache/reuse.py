@@ -68,13 +68,11 @@ def _read_samples(manifest: dict) -> tuple[pa.Table, int]:
 
 def rows_for(samples, rel_paths: pa.Array) -> dict[str, str]:
     """rel_path -> the previous index row as JSON, for those of ``rel_paths`` it holds: what ``prepare_row`` needs to
-    reuse a sample. Runs in the preparation tasks, one block of rows at a time. ``samples``: :attr:`Previous.samples`
-    (or the table itself)."""
+    reuse a sample. Runs in the preparation tasks, one block of rows at a time. ``samples``: :attr:`Previous.samples`."""
     if samples is None:
         return {}
-    if not isinstance(samples, pa.Table):
-        import ray
+    import ray
 
-        samples = ray.get(samples)
+    samples = ray.get(samples)
     found = samples.filter(pc.is_in(samples["rel_path"], rel_paths)).to_pylist()
     return {r["rel_path"]: json.dumps(r) for r in found}
