@@ -155,6 +155,41 @@ def _status_mb(field: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) / 1024
 
 
+class _Sampler:
+    """The peak of each part of the driver's RSS over a phase, sampled every 50 ms in a thread: anonymous memory
+    (the process's own heap: Python, Arrow, Ray's core worker) apart from shared memory (object-store pages the
+    driver mapped while putting or reading objects, which live in the object store, not in the driver). VmHWM gives
+    only the total's peak."""
+
+    FIELDS = ("RssAnon", "RssShmem", "RssFile")
+
+    def __init__(self):
+        import threading
+
+        self.start = self._read()
+        self.peak = dict(self.start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read() -> dict[str, float]:
+        with open("/proc/self/status") as f:
+            rows = dict(line.split(":", 1) for line in f)
+        return {k: int(rows[k].split()[0]) / 1024 for k in _Sampler.FIELDS}
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            for k, v in self._read().items():
+                self.peak[k] = max(self.peak[k], v)
+
+    def growth(self) -> dict[str, float]:
+        """Each part's peak above where it started, in MB."""
+        self._stop.set()
+        self._thread.join()
+        return {k: round(self.peak[k] - self.start[k], 1) for k in self.FIELDS}
+
+
 def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
     by: dict[str, int] = {}
     for m, p in server.requests(since):
@@ -229,10 +264,13 @@ def _slope(args) -> None:
             for line in out.stdout.splitlines():
                 rec = json.loads(line) if line.startswith("{") else {}
                 if rec.get("phase") in _RSS_PHASES:
-                    growth = rec["driver_phase_rss_growth_mb"]
+                    growth, parts = rec["driver_phase_rss_growth_mb"], rec["driver_phase_growth_by_part_mb"]
                     points.setdefault(rec["phase"], []).append((rep, n, growth))
+                    for part in ("RssAnon", "RssShmem"):  # each part's own slope, named e.g. "cache RssAnon"
+                        points.setdefault(f"{rec['phase']} {part}", []).append((rep, n, parts[part]))
                     print(json.dumps({"phase": f"{rec['phase']}-point", "repeat": rep, "images": n,
-                                      "seconds": rec["seconds"], "driver_phase_rss_growth_mb": growth}), flush=True)
+                                      "seconds": rec["seconds"], "driver_phase_rss_growth_mb": growth,
+                                      "by_part_mb": parts}), flush=True)  # fmt: skip
 
     def fit(pts) -> tuple[float, float, float]:  # (KB per image, its standard error, MB at N = 0)
         xs, ys = [p[1] for p in pts], [p[2] * 1024 for p in pts]
@@ -317,6 +355,7 @@ def _run(server: Server | None, args) -> None:
         held = tracemalloc.get_traced_memory()[0]
         _reset_peak_rss()
         at_start = _status_mb("VmRSS")  # what earlier phases (and the upload) left: the growth is this phase's own
+        parts = _Sampler()
         out = fn()
         seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
         peak = _status_mb("VmHWM")
@@ -324,7 +363,7 @@ def _run(server: Server | None, args) -> None:
         rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
                "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
                "driver_phase_peak_rss_mb": round(peak, 1), "driver_phase_rss_growth_mb": round(peak - at_start, 1),
-               "driver_heap_peak_mb": round(heap / 2**20, 1)}  # fmt: skip
+               "driver_heap_peak_mb": round(heap / 2**20, 1), "driver_phase_growth_by_part_mb": parts.growth()}  # fmt: skip
         print(json.dumps(rec), flush=True)
         return out, rec
 

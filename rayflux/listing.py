@@ -8,11 +8,8 @@ captions, which map one image at a time in bounded chunks.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from rayflux import captions, datasets, edit_pairs, storage
+from rayflux.allocator import trim
 from rayflux.config import DatasetConfig
 from rayflux.walk import files
 
@@ -67,45 +65,6 @@ class Listing:
     def with_uris(self, table: pa.Table) -> pa.Table:
         """``table`` (with ``rel_path``) and a ``uri`` column: for the few steps that open the image itself."""
         return table.append_column("uri", self.uris(table["rel_path"]))
-
-
-@contextlib.contextmanager
-def system_pool() -> Iterator[None]:
-    """Arrow allocates from the C library's allocator within: discovery's columns are short-lived and made a part at
-    a time, and :func:`trim` hands what they freed back to the system at once. Under pyarrow's default pool
-    (jemalloc) freed extents stay resident and each size class keeps its own: a listing of 4,000 files peaked
-    7 MB above its start for 0.2 MB of data, 1.6 MB under the system allocator. Buffers remember the pool they
-    came from, so they may outlive the block."""
-    previous = pa.default_memory_pool()
-    pa.set_memory_pool(pa.system_memory_pool())
-    try:
-        yield
-    finally:
-        pa.set_memory_pool(previous)
-
-
-def trim() -> None:
-    """Give memory that the driver has freed but its allocators keep back to the system.
-
-    jemalloc (pyarrow's default pool on Linux) keeps freed pages resident for a while to reuse them, and glibc keeps
-    the freed middle of its heap (Ray's deserialized blocks live there), so a listing's short-lived columns
-    (lower-cased paths, sort orders, regex results) and the settled blocks added up in the driver's RSS: at 40,000
-    images the listing alone raised it by about 50 MB with 20 MB of Arrow data at its peak. Purging at the end of
-    each step keeps the peak near what is really live, for a few system calls."""
-    pa.default_memory_pool().release_unused()
-    if _malloc_trim() is not None:
-        _malloc_trim()(0)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
 
 
 def stamps(table: pa.Table) -> pa.ChunkedArray:

@@ -214,6 +214,35 @@ def test_both_pools_run_at_once_when_they_fit_side_by_side(ray_session, tiny_mod
     assert vae_start < text_end
 
 
+def _task_starts(dashboard: str, name_part: str) -> list[float]:
+    """When each Ray task whose name holds ``name_part`` started (ms), from Ray's task events."""
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(address=dashboard, limit=10_000, detail=True, raise_on_missing_output=False)
+    return [t.start_time_ms for t in tasks if name_part in (t.name or "") and t.start_time_ms]
+
+
+def test_images_are_prepared_while_the_text_pool_encodes(ray_session, ray_dashboard, tiny_model, tmp_path):
+    """On two CPUs no VAE actor fits beside the text actor, so the VAE waits; preparing the images (decode, bucket,
+    crop) needs no encoder and runs during the text pass. It once waited for the whole text pass: the image pass's
+    input was made by ``from_arrow``, whose metadata tasks queued behind the text pass's tasks."""
+    images = _pictures(tmp_path, 40)
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64",
+                                "cache.text_batch_size=1")  # 41 encoder calls: a text pass of a few seconds
+    _, manifest = cache_sets.build(cfg)
+    passes = manifest["passes"]
+    assert passes["encoders"] == fit.VAE_AFTER_TEXT and manifest["cached"] == 40
+    text_end_ms = passes["text"]["end"] * 1000
+    starts = []
+    for _ in range(60):  # task events reach the GCS a second or so after the fact
+        starts = _task_starts(ray_dashboard, "_prepare_in_dataset")
+        if starts:
+            break
+        time.sleep(1)
+    assert starts, "no preparation task in Ray's task events"
+    assert min(starts) < text_end_ms
+
+
 def test_a_text_pass_error_stops_the_waiting_image_pass(ray_session, tiny_model, tmp_path):
     """On two CPUs the VAE waits for the text pool; a text shard that fails validation stops the image pass too,
     with no actor (the CPU check after each test) or thread left, and nothing committed. Two captions are one encoder

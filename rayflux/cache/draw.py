@@ -26,7 +26,7 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import datasets, listing, sources
+from rayflux import allocator, datasets, listing, sources
 from rayflux.cache import fit, sidecars
 from rayflux.cache.prepare import skip_reason
 from rayflux.config import JobConfig
@@ -79,7 +79,7 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
     unchanged are not read again. The driver holds the images as Arrow throughout, and each at most once besides
     a bounded window: a listed part is settled here or handed to tasks and then released, and only the settled
     rows accumulate (see :func:`_settle_all`)."""
-    with listing.system_pool():
+    with allocator.system_pool():
         return _discover(cfg, facts, seed, previous)
 
 
@@ -92,11 +92,11 @@ def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | Non
     spool = sources.Spool()
     settled, left_out = _settle_all(cfg, facts, seed, listings, spool, known)
     del known
-    listing.trim()
+    allocator.trim()
     found = sources.Discovery(sidecars=spool)
     for ls in listings:
         found.extend(sources.gather(ls, pa.concat_tables(settled.pop(ls.key)), left_out[ls.key]))
-        listing.trim()
+        allocator.trim()
     return found
 
 
@@ -191,7 +191,7 @@ class _Tasks:
                 self.left_out[dataset] += n
             self.keep(key, block.replace_schema_metadata(None), at)
         if refs:
-            listing.trim()  # the blocks' serialized copies, freed between the rows kept
+            allocator.trim()  # the blocks' serialized copies, freed between the rows kept
 
 
 def _window() -> int:

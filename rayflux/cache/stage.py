@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import buckets, datasets, listing, sources, storage
+from rayflux import allocator, buckets, datasets, sources, storage
 from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
@@ -145,6 +145,11 @@ class _Build:
 _IMAGES_PER_TASK = 256
 
 
+# Metadata rows between two trims of the driver's allocators while a pass streams in (see rayflux.allocator): each
+# row's index part is decoded, cast and written here, and the freed buffers would otherwise stay resident.
+_TRIM_EVERY = 32
+
+
 def _collect(
     ds, name: str, strict: bool, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
 ) -> list[dict]:
@@ -164,6 +169,8 @@ def _collect(
                     raise BadInputError(f"cache.strict: {skipped[0]['source_uri']}: {skipped[0]['reason']}")
                 sink.add(index.from_ipc(meta.pop("index")))
                 out.append(meta)
+                if len(out) % _TRIM_EVERY == 0:
+                    allocator.trim()
                 if flowing is not None:
                     flowing.set()
     except stall.Interrupted as exc:  # a stall or stop that landed here, between two rows
@@ -180,9 +187,8 @@ def _build_text(
 
     c = b.cfg.cache
     ids = sources.caption_ids(captions)
-    with listing.system_pool():  # short-lived columns, handed back at once (see rayflux.listing.trim)
-        known = b.previous.known_captions(ids, sink.add)
-    listing.trim()
+    known = b.previous.known_captions(ids, sink.add)
+    allocator.trim()
     fresh = pa.table({"caption_id": ids, "caption": captions})
     fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
     del ids, known
@@ -209,21 +215,29 @@ def _build_text(
     return _collect(ds, name, strict=False, sink=sink, stop=stop, flowing=flowing)
 
 
-def _build_samples(
-    b: _Build, blocks: list[pa.Table], roots: dict, sink: index.Sink, stop: threading.Event
-) -> list[dict]:
-    """Prepare, encode (or reference) and write every discovered image (``blocks``: slices of the discovery's
-    table, emptied once Ray Data holds them; ``roots``: its :attr:`~rayflux.sources.Discovery.roots`). Returns the
-    sample shards' metadata rows."""
+def _images(blocks: list[pa.Table]):
+    """The image pass's input: a Ray Data dataset of ``blocks`` (slices of the discovery's table, emptied once Ray
+    holds them), or None when there are none. Blocks of the discovery's own Arrow columns: the driver builds no row
+    objects; each task adds its rows' caption ids and previous index entries itself.
+
+    Made before either pass starts: ``from_arrow`` waits for one metadata task per block, each asking a CPU, and
+    behind a running text pass those tasks queued until it ended, so the passes never overlapped."""
     import ray.data
 
-    c = b.cfg.cache
     if not blocks:
-        return []
-    # Blocks of the discovery's own Arrow columns: the driver builds no row objects; each task adds its rows'
-    # caption ids and previous index entries itself.
+        return None
     ds = ray.data.from_arrow(blocks)
     blocks.clear()
+    allocator.trim()  # the blocks' serialized copies
+    return ds
+
+
+def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading.Event) -> list[dict]:
+    """Prepare, encode (or reference) and write every discovered image (``ds``: :func:`_images`; ``roots``: the
+    discovery's :attr:`~rayflux.sources.Discovery.roots`). Returns the sample shards' metadata rows."""
+    c = b.cfg.cache
+    if ds is None:
+        return []
     ds = ds.map_batches(
         _with_previous, fn_kwargs={"samples": b.previous.samples, "roots": roots}, batch_size=None,
         batch_format="pyarrow", num_cpus=fit.PREPARE_CPUS,
@@ -295,8 +309,14 @@ def build_generation(
 
     Consumes ``discovery``: what the manifest needs of it is taken first, and its tables are emptied once the
     pipelines have their own copies of the rows, so that the driver holds every image once, not twice, while they
-    run.
+    run. The driver's Arrow work allocates from the system allocator and is trimmed after each step (see
+    :mod:`rayflux.allocator`).
     """
+    with allocator.system_pool():
+        return _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu, previous)
+
+
+def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu, previous) -> dict:
     if cfg.cache.strict and discovery.skips.num_rows:
         first = discovery.skips.slice(0, 1).to_pylist()[0]
         raise BadInputError(f"cache.strict: {first['source_uri']}: {first['reason']}")
@@ -311,17 +331,20 @@ def build_generation(
     found = _Found(discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows)
     # The empty caption is always encoded: training uses it for caption dropout.
     captions = sources.unique_captions(discovery.table["caption"])
+    allocator.trim()
     blocks = [discovery.table.slice(i, _IMAGES_PER_TASK) for i in range(0, discovery.table.num_rows, _IMAGES_PER_TASK)]
     discovery.table = discovery.table.schema.empty_table()
+    images = _images(blocks)
     try:
         # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
         flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
         text_meta, sample_meta, times = passes.run(
             lambda stop: _build_text(b, captions, caption_index, stop, flowing),
-            lambda stop: _build_samples(b, blocks, discovery.roots, sample_index, stop),
+            lambda stop: _build_samples(b, images, discovery.roots, sample_index, stop),
             together=b.encoders != fit.SEQUENTIAL,
             text_flowing=flowing,
         )
+        allocator.trim()  # what the passes' threads kept for themselves until they ended
         manifest = _manifest(b, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
         manifest["passes"] = {**times, "encoders": b.encoders}
         manifest["unique_captions"] = len(captions)
