@@ -149,10 +149,12 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _status_mb(field: str) -> float:
-    """A /proc/self/status memory field: ``VmHWM`` (peak RSS since :func:`_reset_peak_rss`) or ``VmRSS`` (now)."""
+def _status_mb(*fields: str) -> dict[str, float]:
+    """/proc/self/status memory fields in MB: e.g. ``VmHWM`` (peak RSS since :func:`_reset_peak_rss`), ``VmRSS``
+    (now), or a part of it (``RssAnon``, ``RssShmem``, ``RssFile``)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) / 1024
+        rows = dict(line.split(":", 1) for line in f)
+    return {k: int(rows[k].split()[0]) / 1024 for k in fields}
 
 
 class _Sampler:
@@ -166,21 +168,15 @@ class _Sampler:
     def __init__(self):
         import threading
 
-        self.start = self._read()
+        self.start = _status_mb(*self.FIELDS)
         self.peak = dict(self.start)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _read() -> dict[str, float]:
-        with open("/proc/self/status") as f:
-            rows = dict(line.split(":", 1) for line in f)
-        return {k: int(rows[k].split()[0]) / 1024 for k in _Sampler.FIELDS}
-
     def _loop(self) -> None:
         while not self._stop.wait(0.05):
-            for k, v in self._read().items():
+            for k, v in _status_mb(*self.FIELDS).items():
                 self.peak[k] = max(self.peak[k], v)
 
     def growth(self) -> dict[str, float]:
@@ -354,16 +350,18 @@ def _run(server: Server | None, args) -> None:
         tracemalloc.reset_peak()
         held = tracemalloc.get_traced_memory()[0]
         _reset_peak_rss()
-        at_start = _status_mb("VmRSS")  # what earlier phases (and the upload) left: the growth is this phase's own
+        # What earlier phases (and the upload) left: the growth is this phase's own.
+        at_start = _status_mb("VmRSS")["VmRSS"]
         parts = _Sampler()
         out = fn()
         seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
-        peak = _status_mb("VmHWM")
+        peak = _status_mb("VmHWM")["VmHWM"]
         total, by = _count(server, since, prefix) if server else (0, {})
         rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
                "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
                "driver_phase_peak_rss_mb": round(peak, 1), "driver_phase_rss_growth_mb": round(peak - at_start, 1),
-               "driver_heap_peak_mb": round(heap / 2**20, 1), "driver_phase_growth_by_part_mb": parts.growth()}  # fmt: skip
+               "driver_heap_peak_mb": round(heap / 2**20, 1),
+               "driver_phase_growth_by_part_mb": parts.growth()}  # fmt: skip
         print(json.dumps(rec), flush=True)
         return out, rec
 

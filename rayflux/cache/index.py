@@ -176,6 +176,13 @@ def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Tabl
         return pq.read_table(f, columns=columns)
 
 
+BATCH_ROWS = 1024
+"""Rows per :func:`batches` batch. What a batch costs the driver grows with it, downstream too: a :class:`Sink`
+writing 10,000 caption rows in one call raised the driver's RSS by 11 MB for 2 MB of rows (the Parquet writer's
+encoding buffers), and a look-up of 20,000 known captions peaked 26 MB above its start with batches of 8,192 rows
+against 9 MB with 1,024. Every row is read either way; a batch is only what is decoded at once."""
+
+
 def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:
     """One of a committed generation's index tables :data:`BATCH_ROWS` rows at a time: for a look-up that keeps only
     some rows, without holding the whole table."""
@@ -183,13 +190,6 @@ def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:
     fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
     with fs.open_input_file(inner) as f:
         yield from pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, use_threads=False)
-
-
-BATCH_ROWS = 1024
-"""Rows per :func:`batches` batch. What a batch costs the driver grows with it, downstream too: a :class:`Sink`
-writing 10,000 caption rows in one call raised the driver's RSS by 11 MB for 2 MB of rows (the Parquet writer's
-encoding buffers), and a look-up of 20,000 known captions peaked 26 MB above its start with batches of 8,192 rows
-against 9 MB with 1,024. Every row is read either way; a batch is only what is decoded at once."""
 
 
 def caption_table(manifest: dict) -> str:

@@ -178,24 +178,40 @@ def _collect(
     return out
 
 
-def _build_text(
-    b: _Build, captions: pa.Array, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
-) -> list[dict]:
-    """Encode captions no earlier generation holds; reference the rest. Returns the text shards' metadata rows.
-    ``captions``: the generation's unique captions, as Arrow (the driver makes no object per caption)."""
+def _inputs(table: pa.Table):
+    """A pass's input: ``table`` as a Ray Data dataset of blocks of :data:`_IMAGES_PER_TASK` rows, or None when it
+    has no rows. The driver builds no row objects.
+
+    Both passes' inputs are made before either pass starts: ``from_arrow`` waits for one metadata task per block,
+    each asking a CPU, and behind a running pass those tasks queued until it ended (the image pass's, behind the
+    text pass, so on 2 CPUs preparation never ran beside the text encoders)."""
     import ray.data
 
-    c = b.cfg.cache
+    if not table.num_rows:
+        return None
+    ds = ray.data.from_arrow([table.slice(i, _IMAGES_PER_TASK) for i in range(0, table.num_rows, _IMAGES_PER_TASK)])
+    allocator.trim()  # the blocks' serialized copies
+    return ds
+
+
+def _captions_to_encode(b: _Build, captions: pa.Array, sink: index.Sink):
+    """The text pass's input (:func:`_inputs`): the captions no earlier generation holds, with their ids. The index
+    rows of the others go to ``sink`` as they are, referenced rather than encoded again. ``captions``: the
+    generation's unique captions, as Arrow (the driver makes no object per caption)."""
     ids = sources.caption_ids(captions)
     known = b.previous.known_captions(ids, sink.add)
     allocator.trim()
     fresh = pa.table({"caption_id": ids, "caption": captions})
-    fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
-    del ids, known
-    if not fresh.num_rows:
+    return _inputs(sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known))))
+
+
+def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
+                ) -> list[dict]:  # fmt: skip
+    """Encode and write the captions of ``ds`` (:func:`_captions_to_encode`). Returns the text shards' metadata
+    rows."""
+    c = b.cfg.cache
+    if ds is None:
         return []
-    ds = ray.data.from_arrow([fresh.slice(i, _IMAGES_PER_TASK) for i in range(0, fresh.num_rows, _IMAGES_PER_TASK)])
-    del fresh
     ds = ds.map_batches(
         TextEncoder,
         fn_constructor_kwargs={
@@ -215,25 +231,9 @@ def _build_text(
     return _collect(ds, name, strict=False, sink=sink, stop=stop, flowing=flowing)
 
 
-def _images(blocks: list[pa.Table]):
-    """The image pass's input: a Ray Data dataset of ``blocks`` (slices of the discovery's table, emptied once Ray
-    holds them), or None when there are none. Blocks of the discovery's own Arrow columns: the driver builds no row
-    objects; each task adds its rows' caption ids and previous index entries itself.
-
-    Made before either pass starts: ``from_arrow`` waits for one metadata task per block, each asking a CPU, and
-    behind a running text pass those tasks queued until it ended, so the passes never overlapped."""
-    import ray.data
-
-    if not blocks:
-        return None
-    ds = ray.data.from_arrow(blocks)
-    blocks.clear()
-    allocator.trim()  # the blocks' serialized copies
-    return ds
-
-
 def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading.Event) -> list[dict]:
-    """Prepare, encode (or reference) and write every discovered image (``ds``: :func:`_images`; ``roots``: the
+    """Prepare, encode (or reference) and write every discovered image (``ds``: the discovery's rows as
+    :func:`_inputs`; each task adds its rows' caption ids and previous index entries itself; ``roots``: the
     discovery's :attr:`~rayflux.sources.Discovery.roots`). Returns the sample shards' metadata rows."""
     c = b.cfg.cache
     if ds is None:
@@ -332,14 +332,14 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
     # The empty caption is always encoded: training uses it for caption dropout.
     captions = sources.unique_captions(discovery.table["caption"])
     allocator.trim()
-    blocks = [discovery.table.slice(i, _IMAGES_PER_TASK) for i in range(0, discovery.table.num_rows, _IMAGES_PER_TASK)]
-    discovery.table = discovery.table.schema.empty_table()
-    images = _images(blocks)
     try:
+        images = _inputs(discovery.table)
+        discovery.table = discovery.table.schema.empty_table()  # Ray holds the rows now
+        texts = _captions_to_encode(b, captions, caption_index)
         # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
         flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
         text_meta, sample_meta, times = passes.run(
-            lambda stop: _build_text(b, captions, caption_index, stop, flowing),
+            lambda stop: _build_text(b, texts, caption_index, stop, flowing),
             lambda stop: _build_samples(b, images, discovery.roots, sample_index, stop),
             together=b.encoders != fit.SEQUENTIAL,
             text_flowing=flowing,
