@@ -1,16 +1,18 @@
 """Cache generations: a directory of shards that becomes visible only when its ``manifest.json`` is written.
 
-Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet``, then ``skipped.jsonl`` and the
-generation index (``index/*.parquet``), then ``manifest.json`` last. Readers trust a generation only through its
+Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet`` (and, while it builds, the passes'
+inputs in ``staging/``), then ``skipped.jsonl`` and the generation index (``index/*.parquet``), then ``manifest.json``
+last. Readers trust a generation only through its
 committed manifest, and a directory without one (a build that crashed or is still running) or with a ``RETIRED`` mark
 is never read or reused. Commit removes every file the manifest does not list (shards of a write task that was
-killed after writing and ran again, a killed write's temporary file), so a committed generation holds exactly
-what its manifest lists.
+killed after writing and ran again, a killed write's temporary file, the build's staged inputs), so a committed
+generation holds exactly what its manifest lists.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -54,6 +56,14 @@ def files_in(gen_dir: str) -> list[str]:
     return sorted(i.path[len(inner) + 1 :] for i in infos if i.type == pafs.FileType.File)
 
 
+def _remove_empty_dirs(root: str) -> None:
+    """Remove every empty directory below local ``root`` (the build's staging directory, once swept; object
+    stores have no directories to leave behind)."""
+    for parent, dirs, files in os.walk(root, topdown=False):
+        if parent != root and not os.listdir(parent):
+            os.rmdir(parent)
+
+
 def commit(gen_dir: str, manifest: dict, skipped: list[dict]) -> dict:
     """Write the skipped report, remove every file the manifest does not list, then write the manifest (the commit
     point). Returns the manifest as written.
@@ -69,6 +79,8 @@ def commit(gen_dir: str, manifest: dict, skipped: list[dict]) -> dict:
     for rel in files_in(gen_dir):
         if rel not in keep:
             fs.delete_file(f"{inner}/{rel}")
+    if isinstance(fs, pafs.LocalFileSystem):
+        _remove_empty_dirs(inner)
     manifest = {**manifest, "committed_at": time.time()}
     storage.write_bytes_atomic(storage.join(gen_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
     return manifest

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayflux import allocator, buckets, datasets, sources, storage
-from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, stall, writer
+from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, staging, stall, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -178,37 +178,30 @@ def _collect(
     return out
 
 
-def _inputs(table: pa.Table):
-    """A pass's input: ``table`` as a Ray Data dataset of blocks of :data:`_IMAGES_PER_TASK` rows, or None when it
-    has no rows. The driver builds no row objects.
+def _stage(b: _Build, table: pa.Table, name: str) -> staging.Staged | None:
+    """A pass's input: ``table``'s rows staged in the generation directory in blocks of :data:`_IMAGES_PER_TASK`
+    rows, for the pass's own tasks to read (see :mod:`rayflux.cache.staging`); None when it has no rows. The driver
+    builds no row objects and puts no block into the object store.
 
-    Both passes' inputs are made before either pass starts: ``from_arrow`` waits for one metadata task per block,
-    each asking a CPU, and behind a running pass those tasks queued until it ended (the image pass's, behind the
-    text pass, so on 2 CPUs preparation never ran beside the text encoders)."""
-    import ray.data
-
-    if not table.num_rows:
-        return None
-    ds = ray.data.from_arrow([table.slice(i, _IMAGES_PER_TASK) for i in range(0, table.num_rows, _IMAGES_PER_TASK)])
-    allocator.trim()  # the blocks' serialized copies
-    return ds
+    Both passes' inputs are made before either pass starts, so neither pass's start waits for the other's tasks."""
+    return staging.stage(table, b.gen_dir, name, _IMAGES_PER_TASK)
 
 
-def _captions_to_encode(b: _Build, captions: pa.Array, sink: index.Sink):
-    """The text pass's input (:func:`_inputs`): the captions no earlier generation holds, with their ids. The index
+def _captions_to_encode(b: _Build, captions: pa.Array, sink: index.Sink) -> staging.Staged | None:
+    """The text pass's input (:func:`_stage`): the captions no earlier generation holds, with their ids. The index
     rows of the others go to ``sink`` as they are, referenced rather than encoded again. ``captions``: the
     generation's unique captions, as Arrow (the driver makes no object per caption)."""
     ids = sources.caption_ids(captions)
     known = b.previous.known_captions(ids, sink.add)
     allocator.trim()
     fresh = pa.table({"caption_id": ids, "caption": captions})
-    return _inputs(sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known))))
+    return _stage(b, sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known))), "captions")
 
 
 def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
                 ) -> list[dict]:  # fmt: skip
-    """Encode and write the captions of ``ds`` (:func:`_captions_to_encode`). Returns the text shards' metadata
-    rows."""
+    """Encode and write the captions of ``ds`` (staged by :func:`_captions_to_encode`). Returns the text shards'
+    metadata rows."""
     c = b.cfg.cache
     if ds is None:
         return []
@@ -233,7 +226,7 @@ def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing:
 
 def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading.Event) -> list[dict]:
     """Prepare, encode (or reference) and write every discovered image (``ds``: the discovery's rows as
-    :func:`_inputs`; each task adds its rows' caption ids and previous index entries itself; ``roots``: the
+    :func:`_stage`; each task adds its rows' caption ids and previous index entries itself; ``roots``: the
     discovery's :attr:`~rayflux.sources.Discovery.roots`). Returns the sample shards' metadata rows."""
     c = b.cfg.cache
     if ds is None:
@@ -333,9 +326,12 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
     captions = sources.unique_captions(discovery.table["caption"])
     allocator.trim()
     try:
-        images = _inputs(discovery.table)
-        discovery.table = discovery.table.schema.empty_table()  # Ray holds the rows now
-        texts = _captions_to_encode(b, captions, caption_index)
+        staged = {"images": _stage(b, discovery.table, "images")}
+        discovery.table = discovery.table.schema.empty_table()  # the staged file holds the rows now
+        staged["captions"] = _captions_to_encode(b, captions, caption_index)
+        unique_captions, captions = len(captions), None  # the staged file holds those to encode now
+        allocator.trim()
+        images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
         # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
         flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
         text_meta, sample_meta, times = passes.run(
@@ -347,8 +343,9 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
         allocator.trim()  # what the passes' threads kept for themselves until they ended
         manifest = _manifest(b, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
         manifest["passes"] = {**times, "encoders": b.encoders}
-        manifest["unique_captions"] = len(captions)
-        manifest["reused"]["captions"] = len(captions) - manifest["encoded"]["captions"]
+        manifest["unique_captions"] = unique_captions
+        manifest["staged_bytes"] = sum(s.file_bytes for s in staged.values() if s is not None)
+        manifest["reused"]["captions"] = unique_captions - manifest["encoded"]["captions"]
         manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
         if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
             manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars)

@@ -1,0 +1,47 @@
+"""The generation index's sink: rows arrive a write task's shard at a time and leave as a few large row groups, in
+the order they came, with nothing lost between the last row group and the commit."""
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rayflux.cache import index
+
+
+def _part(start: int, n: int, bucket: str) -> pa.Table:
+    cols = {}
+    for f in index.SAMPLE_INDEX:
+        if pa.types.is_string(f.type):
+            cols[f.name] = [f"{f.name}-{k}" for k in range(start, start + n)]
+        else:
+            cols[f.name] = pa.array([k % 7 + 1 for k in range(start, start + n)], f.type)
+    cols["bucket"] = [bucket] * n
+    cols["file"] = [f"g00000-x/samples/samples-{start}.parquet"] * n
+    return pa.table(cols, schema=index.SAMPLE_INDEX)
+
+
+def test_parts_are_gathered_into_row_groups_and_committed_in_order(tmp_path):
+    n = index.ROW_GROUP_ROWS * 5 // 8  # two parts pass the row group size, the third is left for the commit
+    parts = [_part(0, n, "64x64"), _part(n, n, "32x64"), _part(2 * n, n, "64x64")]
+    sink = index.Sink("samples")
+    for p in parts:
+        sink.add(p)
+    entry = sink.commit(str(tmp_path / "g00000-x"))
+    sink.discard()
+    assert entry["rows"] == sink.rows == 3 * n
+    f = pq.ParquetFile(tmp_path / "g00000-x" / index.SAMPLES)
+    assert [f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)] == [2 * n, n]
+    assert f.read().equals(pa.concat_tables(parts))
+    assert sink.files == {p["file"][0].as_py() for p in parts}
+    lengths = [sum(p["length"].to_pylist()) for p in parts]
+    assert sink.buckets["64x64"]["rows"] == 2 * n and sink.buckets["32x64"]["rows"] == n
+    assert sink.buckets["64x64"]["latent_bytes"] == lengths[0] + lengths[2]
+
+
+def test_a_discarded_sink_leaves_no_file():
+    sink = index.Sink("samples")
+    sink.add(_part(0, 10, "64x64"))
+    assert os.path.exists(sink.path)
+    sink.discard()
+    assert not os.path.exists(sink.path)

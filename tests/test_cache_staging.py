@@ -1,0 +1,61 @@
+"""A pass's input staged in storage: every row comes back through Ray Data's tasks, and a committed generation keeps
+none of it."""
+
+from pathlib import Path
+
+import cache_sets
+import pyarrow as pa
+
+from rayflux.cache import generations, staging
+
+
+def _table(n: int) -> pa.Table:
+    return pa.table({
+        "k": pa.array(range(n), pa.int64()),
+        "rel_path": [f"images/f{k // 100}/img{k}.png" for k in range(n)],
+        "caption": [None if k % 7 == 0 else f"caption {k}" for k in range(n)],
+        "references": [[f"ref{k}.png"] * (k % 3) for k in range(n)],
+    })  # fmt: skip
+
+
+def test_blocks_are_whole_streams_end_to_end(tmp_path):
+    table = _table(600)
+    staged = staging.stage(table, str(tmp_path / "g00000-x"), "images", 256)
+    assert (staged.blocks, staged.rows, staged.rows_per_block) == (3, 600, 256)
+    assert list(staged.offsets) == [0, staged.lengths[0], staged.lengths[0] + staged.lengths[1]]
+    assert staged.file_bytes == sum(staged.lengths) == Path(staged.path).stat().st_size
+    parts = [staging.read_block(staged.path, staged.file_bytes, int(o), int(n))
+             for o, n in zip(staged.offsets, staged.lengths)]  # fmt: skip
+    assert [p.num_rows for p in parts] == [256, 256, 88]
+    assert pa.concat_tables(parts).equals(table)
+
+
+def test_nothing_is_staged_for_no_rows(tmp_path):
+    assert staging.stage(_table(0), str(tmp_path), "captions", 256) is None
+    assert staging.dataset(None, 0.5) is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_dataset_holds_every_row_once_in_blocks_of_the_staged_size(ray_session, tmp_path):
+    table = _table(1000)
+    ds = staging.dataset(staging.stage(table, str(tmp_path), "images", 256), 0.5)
+    blocks = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    assert sorted(b.num_rows for b in blocks) == [232, 256, 256, 256]
+    assert pa.concat_tables(blocks).sort_by("k").equals(table)
+
+
+def test_a_committed_generation_holds_no_staged_input(ray_session, tiny_model, tmp_path):
+    """The build stages both passes' inputs in the generation directory; the commit leaves none of it."""
+    n = 30
+    images = tmp_path / "images"
+    images.mkdir()
+    for k in range(n):
+        cache_sets.picture(64, 64, k).save(images / f"img{k}.png")
+        (images / f"img{k}.txt").write_text(f"caption number {k}")
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64")
+    gen_dir, manifest = cache_sets.build(cfg)
+    assert manifest["cached"] == n and manifest["staged_bytes"] > 0
+    held = set(generations.files_in(gen_dir))
+    assert held == generations.listed(manifest)
+    assert not any(f.startswith(staging.DIR + "/") for f in held)
+    assert not (Path(gen_dir) / staging.DIR).exists()
