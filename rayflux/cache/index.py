@@ -104,16 +104,8 @@ def resolve(manifest: dict, file: str) -> str:
     return storage.join(key_dir(manifest["dir"]), file)
 
 
-ROW_GROUP_ROWS = 4096
-"""Index rows a :class:`Sink` gathers before it writes them as one row group. The Parquet writer keeps every row
-group's metadata until it closes: with a row group per write task's 256 rows, the driver's RSS grew by about 85
-bytes per sample (a million samples: 85 MB). Measured from 256,000 to 1,024,000 rows, it grew 15 MB with row
-groups of 1,024 rows, 9 MB with 2,048 and not at all with 4,096 or 8,192; fewer rows gathered hold less at once."""
-
-
 class Sink:
-    """Streams index parts into one local Parquet file as they arrive, so the driver never holds the whole index
-    (only up to :data:`ROW_GROUP_ROWS` rows of it)."""
+    """Streams index parts into one local Parquet file as they arrive, so the driver never holds the whole index."""
 
     def __init__(self, kind: str, text=()):
         self.kind = kind
@@ -125,8 +117,6 @@ class Sink:
         # without); zstd already folds the columns' repeated paths and ids.
         self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd", use_dictionary=False,
                                        write_statistics=False)  # fmt: skip
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
         self.rows = 0
         self.files: set[str] = set()
         """Every ``file`` the index rows point to (the generation's own and earlier generations')."""
@@ -140,10 +130,7 @@ class Sink:
             return
         table = table.select(self.schema.names).cast(self.schema)
         self.files.update(table["file"].unique().to_pylist())
-        self._pending.append(table)
-        self._pending_rows += table.num_rows
-        if self._pending_rows >= ROW_GROUP_ROWS:
-            self._flush()
+        self.writer.write_table(table, row_group_size=65536)
         self.rows += table.num_rows
         if self.kind == "captions":
             empty = table.filter(pc.equal(table["caption"], "")).to_pylist()
@@ -156,19 +143,12 @@ class Sink:
             e["rows"] += r["length_count"]
             e["latent_bytes"] += r["length_sum"]
 
-    def _flush(self) -> None:
-        if self._pending:
-            self.writer.write_table(pa.concat_tables(self._pending), row_group_size=max(self._pending_rows, 1))
-        self._pending, self._pending_rows = [], 0
-
     def commit(self, gen_dir: str) -> dict:
         """Close, upload beside the manifest, and return the manifest's entry for it."""
-        self._flush()
         self.writer.close()
         return upload(self.path, gen_dir, SAMPLES if self.kind == "samples" else CAPTIONS, self.rows)
 
     def discard(self) -> None:
-        self._pending = []
         self.writer.close()
         if os.path.exists(self.path):
             os.unlink(self.path)
