@@ -44,18 +44,11 @@ def test_the_dataset_holds_every_row_once_in_blocks_of_the_staged_size(ray_sessi
     assert pa.concat_tables(blocks).sort_by("k").equals(table)
 
 
-def test_a_committed_generation_holds_no_staged_input(ray_session, tiny_model, tmp_path):
+def test_a_committed_generation_holds_no_staged_input(ray_session, tmp_path_factory, tiny_model):
     """The build stages both passes' inputs in the generation directory; the commit leaves none of it."""
-    n = 30
-    images = tmp_path / "images"
-    images.mkdir()
-    for k in range(n):
-        cache_sets.picture(64, 64, k).save(images / f"img{k}.png")
-        (images / f"img{k}.txt").write_text(f"caption number {k}")
-    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64")
-    gen_dir, manifest = cache_sets.build(cfg)
-    assert manifest["cached"] == n and manifest["staged_bytes"] > 0
-    held = set(generations.files_in(gen_dir))
-    assert held == generations.listed(manifest)
+    built = cache_sets.shared_cache(tmp_path_factory, tiny_model)
+    assert built.manifest["cached"] > 0 and built.manifest["staged_bytes"] > 0
+    held = set(generations.files_in(built.gen_dir))
+    assert held == generations.listed(built.manifest)
     assert not any(f.startswith(staging.DIR + "/") for f in held)
-    assert not (Path(gen_dir) / staging.DIR).exists()
+    assert not (Path(built.gen_dir) / staging.DIR).exists()
