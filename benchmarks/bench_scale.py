@@ -382,10 +382,10 @@ def _run(server: Server | None, args) -> None:
     g1, _ = phase("refresh", lambda: stages.generation(1))
     written = lambda m: sum(f["bytes"] for f in m["files"] + m["text_files"])  # noqa: E731
     indexed = lambda m: sum(e["bytes"] for e in m["index"].values())  # noqa: E731
-    # The staged inputs are written and then swept at commit: bytes written all the same.
+    staged = g1.get("staged_bytes", 0)  # written, then swept at commit: bytes written all the same
     print(json.dumps({"phase": "refresh-bytes", "g0_shard_bytes": written(g0), "g1_shard_bytes": written(g1),
-                      "g1_index_bytes": indexed(g1), "g1_staged_bytes": g1.get("staged_bytes", 0),
-                      "ratio": round((written(g1) + indexed(g1) + g1.get("staged_bytes", 0)) / max(written(g0), 1), 4)}),
+                      "g1_index_bytes": indexed(g1), "g1_staged_bytes": staged,
+                      "ratio": round((written(g1) + indexed(g1) + staged) / max(written(g0), 1), 4)}),
           flush=True)  # fmt: skip
     if server is None:
         local.cleanup()

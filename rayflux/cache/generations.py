@@ -2,11 +2,10 @@
 
 Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet`` (and, while it builds, the passes'
 inputs in ``staging/``), then ``skipped.jsonl`` and the generation index (``index/*.parquet``), then ``manifest.json``
-last. Readers trust a generation only through its
-committed manifest, and a directory without one (a build that crashed or is still running) or with a ``RETIRED`` mark
-is never read or reused. Commit removes every file the manifest does not list (shards of a write task that was
-killed after writing and ran again, a killed write's temporary file, the build's staged inputs), so a committed
-generation holds exactly what its manifest lists.
+last. Readers trust a generation only through its committed manifest, and a directory without one (a build that
+crashed or is still running) or with a ``RETIRED`` mark is never read or reused. Commit removes every file the
+manifest does not list (shards of a write task that was killed after writing and ran again, a killed write's
+temporary file, the build's staged inputs), so a committed generation holds exactly what its manifest lists.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def files_in(gen_dir: str) -> list[str]:
 def _remove_empty_dirs(root: str) -> None:
     """Remove every empty directory below local ``root`` (the build's staging directory, once swept; object
     stores have no directories to leave behind)."""
-    for parent, dirs, files in os.walk(root, topdown=False):
+    for parent, _, _ in os.walk(root, topdown=False):
         if parent != root and not os.listdir(parent):
             os.rmdir(parent)
 

@@ -6,10 +6,11 @@ memory for 6 MB of rows), and Ray Data keeps a record per block, computed by one
 the driver's own memory before a trim, and tasks that wait for a CPU behind a running pass).
 
 Instead the driver writes the rows once, into one file of the generation directory: one compressed Arrow IPC
-stream per block of rows, end to end, remembering where each one starts and how long it is. The pass starts from
-``ray.data.range`` (one row per block, made in the tasks, not on the driver) and each task reads its own block with
-one ranged read (:func:`rayflux.cache.ranges.read_ranges`). The file is the build's scratch: the manifest does not
-list it, so the commit removes it with every other unlisted file (:func:`rayflux.cache.generations.commit`).
+stream per block of rows (:func:`rayflux.cache.index.to_ipc`, as the write tasks' index rows travel), end to end,
+remembering where each one starts and how long it is. The pass starts from a datasource with one read task per
+block, and each task reads its own block with one ranged read (:func:`rayflux.cache.ranges.read_ranges`). The
+file is the build's scratch: the manifest does not list it, so the commit removes it with every other unlisted
+file (:func:`rayflux.cache.generations.commit`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from rayflux import allocator, storage
-from rayflux.cache import ranges
+from rayflux.cache import index, ranges
 
 DIR = "staging"
 """Where a generation's staged inputs live, relative to its directory."""
@@ -55,7 +56,7 @@ def stage(table: pa.Table, gen_dir: str, name: str, rows_per_block: int) -> Stag
     try:
         with os.fdopen(fd, "wb") as f:
             for start in range(0, table.num_rows, rows_per_block):
-                data = encode(table.slice(start, rows_per_block))
+                data = index.to_ipc(table.slice(start, rows_per_block))
                 f.write(data)
                 offsets.append(at)
                 lengths.append(len(data))
@@ -66,14 +67,6 @@ def stage(table: pa.Table, gen_dir: str, name: str, rows_per_block: int) -> Stag
     finally:
         os.unlink(local)
     return Staged(path, at, np.array(offsets, np.int64), np.array(lengths, np.int64), table.num_rows, rows_per_block)
-
-
-def encode(block: pa.Table) -> bytes:
-    """One block as a zstd-compressed Arrow IPC stream (schema, batches, end mark): readable on its own."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, block.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
-        w.write_table(block)
-    return sink.getvalue().to_pybytes()
 
 
 def dataset(staged: Staged | None, num_cpus: float):
@@ -90,7 +83,7 @@ def dataset(staged: Staged | None, num_cpus: float):
 def read_block(path: str, file_bytes: int, offset: int, length: int) -> pa.Table:
     """One staged block, with one ranged read."""
     (data,) = ranges.read_ranges(path, file_bytes, [(offset, length)])
-    return pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+    return index.from_ipc(data)
 
 
 @functools.cache
