@@ -108,7 +108,11 @@ class Spool:
             fd, self.path = tempfile.mkstemp(prefix="rayflux-sidecars-", suffix=".parquet")
             os.close(fd)
             weakref.finalize(self, _remove, self.path)
-            self._writer = pq.ParquetWriter(self.path, SIDECARS, compression="zstd")
+            # Statistics on the path only: the next generation's discovery finds a listed part's rows by the paths'
+            # span in each row group (rayflux.cache.sidecars.Known); the writer keeps every row group's statistics
+            # until it closes, so none for the stamps and lines. No dictionaries: paths and lines rarely repeat.
+            self._writer = pq.ParquetWriter(self.path, SIDECARS, compression="zstd", use_dictionary=False,
+                                            write_statistics=["path"])  # fmt: skip
         self._writer.write_table(rows)
         self.rows += rows.num_rows
 
@@ -234,6 +238,10 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
             row["skip_reason"] = usable(row)
         return row
 
+    if fs is None or all(r.get("sidecar_lines") is not None or not r.get("sidecar") for r in rows):
+        # Nothing to read (a rerun's known caption files): no thread pool, which here only cost time (a rerun's
+        # discovery of 20,000 images took 0.6 s without one, 1.2 s with).
+        return [one(r) for r in rows]
     with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
         return list(pool.map(one, rows))
 

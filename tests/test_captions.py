@@ -180,28 +180,46 @@ def test_non_utf8_sidecar_and_orphan_captions(tmp_path):
     assert any("caption file without an image: lonely.txt" in p for p in found.problems)
 
 
-def test_each_listed_part_finds_its_known_caption_files_by_bisection():
-    """A rerun attaches the previous generation's caption-file lines to each listed part from the few sidecar-table
-    rows around the part's own paths: the same lines as a look-up in the whole table."""
+def test_each_listed_part_finds_its_known_caption_files_in_a_few_row_groups(tmp_path):
+    """A rerun attaches the previous generation's caption-file lines to each listed part from the row groups of the
+    sidecar table whose paths overlap the part's own (the table is never read whole): the same lines as a look-up
+    in the whole table, whatever order the table was written in, and fewer rows than the whole for an ordered one."""
     import random
+
+    import pyarrow.parquet as pq
 
     from rayflux import listing, sources
     from rayflux.cache import sidecars
 
     rng = random.Random(7)
     names = sorted({f"root/{rng.choice('abc')}/{rng.randrange(300):03d}.txt" for _ in range(400)})
-    known = pa.table([names, [f"{i}:5" for i in range(len(names))], [json.dumps([n]) for n in names]],
+    table = pa.table([names, [f"{i}:5" for i in range(len(names))], [json.dumps([n]) for n in names]],
                      schema=sources.SIDECARS)  # fmt: skip
-    shuffled = known.take(pa.array(rng.sample(range(known.num_rows), known.num_rows)))
-    table = shuffled.take(pa.compute.sort_indices(shuffled["path"]))  # as sidecars.known sorts it
     listed = sorted(rng.sample(names, 150) + [f"root/z/{i}.txt" for i in range(5)])
     rows = pa.table({**{f.name: pa.nulls(len(listed), f.type) for f in listing.LISTED},
                      "sidecar": [p if rng.random() < 0.9 else "" for p in listed],
                      "sidecar_stamp": [f"{names.index(p)}:5" if p in names else "1:1" for p in listed]},
                     schema=listing.LISTED)  # fmt: skip
-    for start in range(0, rows.num_rows, 16):
-        part = rows.slice(start, 16)
-        near = sidecars.around(table, part)
-        assert near.num_rows <= table.num_rows and sidecars.attach(part, near).equals(sidecars.attach(part, table))
+    shuffled = table.take(pa.array(rng.sample(range(table.num_rows), table.num_rows)))
+    for name, written in (("ordered", table), ("shuffled", shuffled)):
+        spool = sources.Spool()
+        for start in range(0, written.num_rows, 32):  # a row group per write, as discovery writes its parts
+            spool.write(written.slice(start, 32))
+        gen = tmp_path / name
+        manifest = {"dir": str(gen), "index": {"sidecars": sidecars.write(str(gen), spool)}}
+        assert pq.ParquetFile(gen / sidecars.PATH).metadata.num_row_groups == -(-len(names) // 32)
+        known = sidecars.Known(manifest)
+        assert known.rows == len(names)
+        read = 0
+        for start in range(0, rows.num_rows, 16):
+            part = rows.slice(start, 16)
+            near = known.around(part)
+            read += near.num_rows
+            assert sidecars.attach(part, near).equals(sidecars.attach(part, table)), name
+        if name == "ordered":
+            assert read < len(names)
+        known.close()
+        assert known.around(rows).num_rows == 0
+    assert sidecars.Known(None).rows == 0
     attached = sidecars.attach(rows, table)
     assert attached["sidecar_lines"].null_count == sum(1 for p in rows["sidecar"].to_pylist() if p not in names)

@@ -88,10 +88,12 @@ def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | Non
     prefix = datasets.prefixes_paths(data)
     listings = [listing.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
     # The caption files the previous generation read: attached to each part of the listing as it is settled.
-    known = sidecars.known(previous) if any(ls.ds.caption_strategy == "sidecar" for ls in listings) else None
+    known = sidecars.Known(previous if any(ls.ds.caption_strategy == "sidecar" for ls in listings) else None)
     spool = sources.Spool()
-    settled, left_out = _settle_all(cfg, facts, seed, listings, spool, known)
-    del known
+    try:
+        settled, left_out = _settle_all(cfg, facts, seed, listings, spool, known)
+    finally:
+        known.close()
     allocator.trim()
     found = sources.Discovery(sidecars=spool)
     for ls in listings:
@@ -101,11 +103,11 @@ def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | Non
 
 
 def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, spool: sources.Spool,
-                known: pa.Table | None) -> tuple:  # fmt: skip
+                known: sidecars.Known) -> tuple:  # fmt: skip
     """Settle every listed row, in listing order: those that need no read here, the others in Ray tasks of
     :data:`_IMAGES_PER_TASK` rows. Returns each dataset's settled parts (:data:`rayflux.sources.GATHERED` columns)
     and how many usable images its local draws left out; the caption files go to ``spool`` as rows arrive.
-    ``known``: the previous generation's sidecar table (:func:`rayflux.cache.sidecars.known`), or None.
+    ``known``: the previous generation's sidecar table (empty when there is none).
 
     Plain tasks, not a Ray Data pipeline, because the driver decides when each input is released: a part's rows
     are sent to at most :func:`_window` tasks at a time and dropped here once sent, and a task's input is freed
@@ -124,8 +126,8 @@ def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, sp
             ls.table = listing.LISTED.empty_table()
             while parts:
                 part = pa.Table.from_batches([parts.pop(0)])
-                if known is not None and ls.ds.caption_strategy == "sidecar":
-                    part = sidecars.attach(part, sidecars.around(known, part))
+                if known.rows and ls.ds.caption_strategy == "sidecar":
+                    part = sidecars.attach(part, known.around(part))
                 needs = _needs_task(ls.ds, part)
                 tasks.keep(ls.key, sources.settle_table(sources.where(part, pc.invert(needs)), ls.ds, seed))
                 remote = sources.where(part, needs)
