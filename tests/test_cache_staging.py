@@ -52,3 +52,36 @@ def test_a_committed_generation_holds_no_staged_input(ray_session, tmp_path_fact
     assert held == generations.listed(built.manifest)
     assert not any(f.startswith(staging.DIR + "/") for f in held)
     assert not (Path(built.gen_dir) / staging.DIR).exists()
+
+
+def test_the_text_input_stages_only_the_captions_no_earlier_generation_holds(ray_session, tmp_path_factory,
+                                                                            tiny_model, tmp_path):  # fmt: skip
+    """The task that finds the text pass's input: each caption of the staged images once (the empty one among
+    them), the known ones' index rows from the previous generation, and only the new ones staged to encode."""
+    import pyarrow.parquet as pq
+
+    from rayflux import sources
+    from rayflux.cache import index, text_input
+
+    built = cache_sets.shared_cache(tmp_path_factory, tiny_model)
+    old = index.read(built.manifest, "captions")
+    reused = [c for c in old["caption"].to_pylist() if c][:2]
+    assert len(reused) == 2
+    captions = [reused[0], "a caption no generation holds", reused[1], reused[0], "another new one", ""]
+    images = pa.table({"rel_path": [f"img{k}.png" for k in range(len(captions))], "caption": captions})
+    gen = tmp_path / "g00001-x"
+    staged = staging.stage(images, str(gen), "images", 2)  # three blocks: duplicates across blocks
+    found = text_input.find(staged, str(gen), built.manifest, 256)
+    assert found.unique == 5  # two reused, two new, and the empty caption
+    fresh = staging.read_block(found.staged.path, found.staged.file_bytes, int(found.staged.offsets[0]),
+                               int(found.staged.lengths[0]))  # fmt: skip
+    assert sorted(fresh["caption"].to_pylist()) == ["a caption no generation holds", "another new one"]
+    assert fresh["caption_id"].to_pylist() == [sources.caption_id(c) for c in fresh["caption"].to_pylist()]
+    known = pa.concat_tables(list(text_input.known_rows(found)))
+    assert sorted(known["caption"].to_pylist()) == sorted(["", *reused])  # the empty caption was encoded before
+    held = old.filter(pa.compute.is_in(old["caption"], value_set=pa.array(["", *reused])))
+    assert known.sort_by("caption_id").equals(held.sort_by("caption_id"))  # the previous rows, as they are
+    assert found.known_bytes == Path(found.known).stat().st_size > 0
+    assert pq.ParquetFile(found.known).metadata.num_rows == 3
+    first = text_input.find(staged, str(tmp_path / "g00000-y"), None, 256)  # no earlier generation: all encoded
+    assert first.known == "" and first.staged.rows == 5

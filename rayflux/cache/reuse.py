@@ -32,12 +32,12 @@ class Previous:
     task: a preparation task looks up its own rows' entries in it (see :func:`rows_for`), and the driver never
     holds it (at real sizes about 0.4 KB an image)."""
     manifest: dict | None = None
-    """The previous generation's manifest (None when there is none): its caption index is read when the text pass
-    looks up its captions (see :meth:`known_captions`)."""
+    """The previous generation's manifest (None when there is none): its caption index is read when the text pass's
+    input is found (:mod:`rayflux.cache.text_input`, see :meth:`known_captions`)."""
 
     def known_captions(self, ids: pa.Array, add: Callable[[pa.Table], None]) -> pa.Array:
-        """Pass the index rows of those of ``ids`` the previous generation holds to ``add`` (a row group of the
-        caption index at a time, so the driver never holds the whole index), and return their ids."""
+        """Pass the index rows of those of ``ids`` the previous generation holds to ``add`` (a batch of the caption
+        index at a time, never the whole index), and return their ids."""
         known = [pa.array([], pa.string())]
         if self.manifest is None:
             return known[0]

@@ -21,10 +21,9 @@ import uuid
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from rayflux import allocator, buckets, datasets, sources, storage
-from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, staging, stall, writer
+from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, staging, stall, text_input, writer
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -179,29 +178,35 @@ def _collect(
 
 
 def _stage(b: _Build, table: pa.Table, name: str) -> staging.Staged | None:
-    """A pass's input: ``table``'s rows staged in the generation directory in blocks of :data:`_IMAGES_PER_TASK`
+    """The image pass's input: ``table``'s rows staged in the generation directory in blocks of :data:`_IMAGES_PER_TASK`
     rows, for the pass's own tasks to read (see :mod:`rayflux.cache.staging`); None when it has no rows. The driver
     builds no row objects and puts no block into the object store.
 
-    Both passes' inputs are made before either pass starts, so neither pass's start waits for the other's tasks."""
+    Both passes' inputs are made before either pass starts (the text pass's by :func:`_text_input`), so neither
+    pass's start waits for the other's tasks."""
     return staging.stage(table, b.gen_dir, name, _IMAGES_PER_TASK)
 
 
-def _captions_to_encode(b: _Build, captions: pa.Array, sink: index.Sink) -> staging.Staged | None:
-    """The text pass's input (:func:`_stage`): the captions no earlier generation holds, with their ids. The index
-    rows of the others go to ``sink`` as they are, referenced rather than encoded again. ``captions``: the
-    generation's unique captions, as Arrow (the driver makes no object per caption)."""
-    ids = sources.caption_ids(captions)
-    known = b.previous.known_captions(ids, sink.add)
+def _text_input(b: _Build, images: staging.Staged | None, sink: index.Sink) -> text_input.TextInput:
+    """The text pass's input, found by one task from the staged images (see :mod:`rayflux.cache.text_input`); the
+    previous generation's index rows of the known captions go to ``sink`` as they are, a batch at a time. The empty
+    caption is always among the captions: training uses it for caption dropout."""
+    import ray
+
+    find = ray.remote(num_cpus=fit.PREPARE_CPUS)(text_input.find)
+    found = ray.get(find.remote(images, b.gen_dir, b.previous.manifest, _IMAGES_PER_TASK))
+    for i, rows in enumerate(text_input.known_rows(found)):
+        sink.add(rows)
+        if i % _TRIM_EVERY == _TRIM_EVERY - 1:
+            allocator.trim()
     allocator.trim()
-    fresh = pa.table({"caption_id": ids, "caption": captions})
-    return _stage(b, sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known))), "captions")
+    return found
 
 
 def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
                 ) -> list[dict]:  # fmt: skip
-    """Encode and write the captions of ``ds`` (staged by :func:`_captions_to_encode`). Returns the text shards'
-    metadata rows."""
+    """Encode and write the captions of ``ds`` (staged by :func:`_text_input`). Returns the text shards' metadata
+    rows."""
     c = b.cfg.cache
     if ds is None:
         return []
@@ -322,15 +327,12 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
 
     sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
     found = _Found(discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows)
-    # The empty caption is always encoded: training uses it for caption dropout.
-    captions = sources.unique_captions(discovery.table["caption"])
-    allocator.trim()
     try:
         staged = {"images": _stage(b, discovery.table, "images")}
         discovery.table = discovery.table.schema.empty_table()  # the staged file holds the rows now
-        staged["captions"] = _captions_to_encode(b, captions, caption_index)
-        unique_captions, captions = len(captions), None  # the staged file holds those to encode now
         allocator.trim()
+        text = _text_input(b, staged["images"], caption_index)
+        staged["captions"] = text.staged
         images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
         # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
         flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
@@ -343,9 +345,9 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
         allocator.trim()  # what the passes' threads kept for themselves until they ended
         manifest = _manifest(b, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
         manifest["passes"] = {**times, "encoders": b.encoders}
-        manifest["unique_captions"] = unique_captions
-        manifest["staged_bytes"] = sum(s.file_bytes for s in staged.values() if s is not None)
-        manifest["reused"]["captions"] = unique_captions - manifest["encoded"]["captions"]
+        manifest["unique_captions"] = text.unique
+        manifest["staged_bytes"] = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
+        manifest["reused"]["captions"] = text.unique - manifest["encoded"]["captions"]
         manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
         if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
             manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars)
