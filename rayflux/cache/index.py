@@ -104,19 +104,25 @@ def resolve(manifest: dict, file: str) -> str:
     return storage.join(key_dir(manifest["dir"]), file)
 
 
+ROW_GROUP_ROWS = 16384
+"""Rows per row group of a committed index file (at least; the last parts that reach it join it). The write tasks' parts arrive a shard (a few hundred rows) at a
+time; as row groups of their own, a Parquet writer kept each one's metadata until it closed (about 85 bytes per
+row for the sample index, 7 MB at 80,000 images, and the close made a second copy), and every reader of the index
+parsed it all again: a 10M-image index's footer would have been about 140 MB."""
+
+
 class Sink:
-    """Streams index parts into one local Parquet file as they arrive, so the driver never holds the whole index."""
+    """Streams index parts into a local file as they arrive, so the driver never holds the whole index: an Arrow IPC
+    stream, which keeps nothing per part, turned into the committed Parquet file (row groups of
+    :data:`ROW_GROUP_ROWS`) a row group at a time at commit."""
 
     def __init__(self, kind: str, text=()):
         self.kind = kind
         self.schema = SAMPLE_INDEX if kind == "samples" else caption_index(text)
-        fd, self.path = tempfile.mkstemp(prefix=f"rayflux-index-{kind}-", suffix=".parquet")
-        os.close(fd)
-        # No dictionaries and no statistics: nothing looks rows up by a column's range, and the writer kept both for
-        # every row group until it closed (10,000 caption rows raised the driver's RSS by 10 MB with them, 2 MB
-        # without); zstd already folds the columns' repeated paths and ids.
-        self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd", use_dictionary=False,
-                                       write_statistics=False)  # fmt: skip
+        fd, self.path = tempfile.mkstemp(prefix=f"rayflux-index-{kind}-", suffix=".arrows")
+        self._out = os.fdopen(fd, "wb")
+        options = pa.ipc.IpcWriteOptions(compression="zstd")
+        self.writer = pa.ipc.new_stream(self._out, self.schema, options=options)
         self.rows = 0
         self.files: set[str] = set()
         """Every ``file`` the index rows point to (the generation's own and earlier generations')."""
@@ -130,7 +136,7 @@ class Sink:
             return
         table = table.select(self.schema.names).cast(self.schema)
         self.files.update(table["file"].unique().to_pylist())
-        self.writer.write_table(table, row_group_size=65536)
+        self.writer.write_table(table)
         self.rows += table.num_rows
         if self.kind == "captions":
             empty = table.filter(pc.equal(table["caption"], "")).to_pylist()
@@ -144,14 +150,39 @@ class Sink:
             e["latent_bytes"] += r["length_sum"]
 
     def commit(self, gen_dir: str) -> dict:
-        """Close, upload beside the manifest, and return the manifest's entry for it."""
-        self.writer.close()
-        return upload(self.path, gen_dir, SAMPLES if self.kind == "samples" else CAPTIONS, self.rows)
+        """Close, write the Parquet file, upload it beside the manifest, and return the manifest's entry for it."""
+        self._close_spool()
+        fd, local = tempfile.mkstemp(prefix=f"rayflux-index-{self.kind}-", suffix=".parquet")
+        os.close(fd)
+        try:
+            # No dictionaries and no statistics: nothing looks rows up by a column's range, and the writer keeps
+            # both for every row group until it closes; zstd already folds the columns' repeated paths and ids.
+            # Read, not memory-mapped: mapped pages would stay counted in the driver's RSS.
+            with pq.ParquetWriter(local, self.schema, compression="zstd", use_dictionary=False,
+                                  write_statistics=False) as out, pa.OSFile(self.path) as src:  # fmt: skip
+                group, rows = [], 0
+                for batch in pa.ipc.open_stream(src):
+                    group.append(batch)
+                    rows += batch.num_rows
+                    if rows >= ROW_GROUP_ROWS:
+                        out.write_table(pa.Table.from_batches(group, self.schema), row_group_size=rows)
+                        group, rows = [], 0
+                if group:
+                    out.write_table(pa.Table.from_batches(group, self.schema), row_group_size=rows)
+        except BaseException:
+            os.unlink(local)
+            raise
+        return upload(local, gen_dir, SAMPLES if self.kind == "samples" else CAPTIONS, self.rows)
 
     def discard(self) -> None:
-        self.writer.close()
+        self._close_spool()
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+    def _close_spool(self) -> None:
+        if not self._out.closed:
+            self.writer.close()
+            self._out.close()
 
 
 def upload(local: str, gen_dir: str, rel: str, rows: int) -> dict:
