@@ -32,7 +32,8 @@ def test_parts_are_committed_in_order_with_their_totals(tmp_path):
     assert entry["rows"] == sink.rows == 3 * n
     f = pq.ParquetFile(tmp_path / "g00000-x" / index.SAMPLES)
     assert f.metadata.num_rows == 3 * n
-    assert f.metadata.num_row_groups == 1  # the parts gathered into one row group, not one each
+    # The parts gathered into row groups of at least ROW_GROUP_ROWS (4,096), not a row group each.
+    assert [f.metadata.row_group(i).num_rows for i in range(f.metadata.num_row_groups)] == [2 * n, n]
     assert f.read().equals(pa.concat_tables(parts))
     assert sink.files == {p["file"][0].as_py() for p in parts}
     lengths = [sum(p["length"].to_pylist()) for p in parts]
@@ -50,12 +51,12 @@ def test_a_discarded_sink_leaves_no_file():
 
 def test_many_parts_make_row_groups_of_the_set_size(tmp_path):
     sink = index.Sink("samples")
-    parts = [_part(k * 300, 300, "64x64") for k in range(120)]  # 36,000 rows in parts of 300
+    parts = [_part(k * 300, 300, "64x64") for k in range(30)]  # 9,000 rows in parts of 300
     for p in parts:
         sink.add(p)
     sink.commit(str(tmp_path / "g00000-x"))
     sink.discard()
     f = pq.ParquetFile(tmp_path / "g00000-x" / index.SAMPLES)
     sizes = [f.metadata.row_group(i).num_rows for i in range(f.metadata.num_row_groups)]
-    assert sizes == [16500, 16500, 3000]  # each the first multiple of 300 at or past ROW_GROUP_ROWS
+    assert sizes == [4200, 4200, 600]  # each the first multiple of 300 at or past ROW_GROUP_ROWS
     assert f.read().equals(pa.concat_tables(parts))
