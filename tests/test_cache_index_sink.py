@@ -28,6 +28,7 @@ def test_parts_are_committed_in_order_with_their_totals(tmp_path):
     for p in parts:
         sink.add(p)
     entry = sink.commit(str(tmp_path / "g00000-x"))
+    assert not os.path.exists(sink.path)  # the commit removes its spool
     sink.discard()
     assert entry["rows"] == sink.rows == 3 * n
     f = pq.ParquetFile(tmp_path / "g00000-x" / index.SAMPLES)

@@ -175,6 +175,7 @@ class Sink:
         except BaseException:
             os.unlink(local)
             raise
+        self.discard()  # the spool is of no use once its rows are in the Parquet file
         return upload(local, gen_dir, SAMPLES if self.kind == "samples" else CAPTIONS, self.rows)
 
     def discard(self) -> None:
