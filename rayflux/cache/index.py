@@ -221,8 +221,12 @@ against 9 MB with 1,024. Every row is read either way; a batch is only what is d
 def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:
     """One of a committed generation's index tables :data:`BATCH_ROWS` rows at a time: for a look-up that keeps only
     some rows, without holding the whole table."""
-    entry = manifest["index"][kind]
-    fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
+    yield from file_batches(storage.join(manifest["dir"], manifest["index"][kind]["path"]))
+
+
+def file_batches(path: str) -> Iterator[pa.RecordBatch]:
+    """Any Parquet file (local or URI) :data:`BATCH_ROWS` rows at a time."""
+    fs, inner = storage.resolve(path)
     with fs.open_input_file(inner) as f:
         yield from pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, use_threads=False)
 

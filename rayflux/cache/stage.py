@@ -178,9 +178,9 @@ def _collect(
 
 
 def _stage(b: _Build, table: pa.Table, name: str) -> staging.Staged | None:
-    """The image pass's input: ``table``'s rows staged in the generation directory in blocks of :data:`_IMAGES_PER_TASK`
-    rows, for the pass's own tasks to read (see :mod:`rayflux.cache.staging`); None when it has no rows. The driver
-    builds no row objects and puts no block into the object store.
+    """The image pass's input: ``table``'s rows staged in the generation directory in blocks of
+    :data:`_IMAGES_PER_TASK` rows, for the pass's own tasks to read (see :mod:`rayflux.cache.staging`); None when it
+    has no rows. The driver builds no row objects and puts no block into the object store.
 
     Both passes' inputs are made before either pass starts (the text pass's by :func:`_text_input`), so neither
     pass's start waits for the other's tasks."""

@@ -99,7 +99,5 @@ def known_rows(found: TextInput) -> Iterator[pa.Table]:
     them all)."""
     if not found.known:
         return
-    fs, inner = storage.resolve(found.known)
-    with fs.open_input_file(inner) as f:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=index.BATCH_ROWS, use_threads=False):
-            yield pa.Table.from_batches([batch])
+    for batch in index.file_batches(found.known):
+        yield pa.Table.from_batches([batch])
