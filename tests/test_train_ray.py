@@ -2,7 +2,8 @@
 
 Three short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 images:
 
-- ``full``: 4 optimizer steps straight, with validation images, kohya output and a checkpoint every step;
+- ``full``: 4 optimizer steps straight, with validation images, kohya output of every block layer (``targets=all``)
+  and a checkpoint every step;
 - ``resumed``: the same training stopped after step 1 (``max_steps=1``), then rerun under the same Ray Train run
   name, which restores the latest checkpoint and continues to step 4.
 """
@@ -38,6 +39,7 @@ COMMON = [
     "train.loss_weighting=cosmap",
     "train.checkpoint_every=1",
     "train.checkpoints_to_keep=2",
+    "train.targets=all",  # 20 modules on the tiny model: peft shortens its target_modules from there on
 ]
 
 

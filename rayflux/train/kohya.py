@@ -47,6 +47,14 @@ def check_targets(modules: list[str], blocks: dict) -> None:
         raise ValueError(f"train.output_format=kohya: no kohya name for {unmapped[:5]}; use diffusers or other targets")
 
 
+def check_adapter(transformer) -> None:
+    """:func:`check_targets` on the modules the adapter of ``transformer`` is attached to, by its family's key map."""
+    from rayflux.families import of_transformer
+    from rayflux.train.lora import adapted_modules
+
+    check_targets(adapted_modules(transformer), of_transformer(transformer).kohya_blocks)
+
+
 def from_peft(state: dict, scale: float, out_features: dict[str, int], blocks: dict) -> dict[str, torch.Tensor]:
     """Convert peft's ``<module>.lora_A.weight``/``lora_B`` tensors (strength ``scale``) to kohya keys by the family
     key map ``blocks``.

@@ -69,6 +69,17 @@ def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float 
     return params
 
 
+def adapted_modules(transformer) -> list[str]:
+    """Full names of the modules the adapter is attached to, sorted.
+
+    Not ``peft_config[ADAPTER].target_modules``: from 20 targets on, peft replaces that list with the shortest
+    suffixes that still select the same modules (``to_q``, ``10.attn.to_out``), which name no module on their own.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    return sorted(n for n, m in transformer.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A)
+
+
 def trainable_count(transformer, rank: int, targets: str) -> int:
     """The parameters :func:`add_lora` would attach at ``rank`` (``rank x (in + out)`` per targeted Linear), without
     attaching them: the memory plan of a model that must stay bare (e.g. before it is sharded)."""

@@ -76,8 +76,7 @@ class LoraTrainer:
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
         base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
         if t.output_format == "kohya":
-            kohya.check_targets(sorted(self.transformer.peft_config[lora.ADAPTER].target_modules),
-                                self.family.kohya_blocks)  # fmt: skip
+            kohya.check_adapter(self.transformer)  # before training, not at export
         if t.init_lora:
             lora.init_from_file(self.transformer, t.init_lora)
         self.checkpointing = self._plan_memory(rank)
