@@ -34,9 +34,11 @@ def quiet_operator_bars() -> None:
     DataContext.get_current().enable_operator_progress_bars = False
 
 
-def steps_per_epoch(counts: dict, world_size: int) -> list[int]:
-    """Optimizer steps per worker in each planned epoch (``counts`` as from ``rayflux.train.stage.plan_counts``)."""
-    return [counts[e]["batches"] // world_size for e in sorted(counts)]
+def steps_per_epoch(counts: dict, world_size: int, accumulation: int) -> list[int]:
+    """Optimizer steps per worker in each planned epoch (``counts`` as from ``rayflux.train.stage.plan_counts``): each
+    step trains ``accumulation`` batches on every worker, and the remainder rule makes an epoch's batches a multiple of
+    ``world_size * accumulation``."""
+    return [counts[e]["batches"] // (world_size * accumulation) for e in sorted(counts)]
 
 
 def epoch_of(step: int, per_epoch: list[int]) -> int:
@@ -104,12 +106,15 @@ class BoardSender:
 
 class TrainBar:
     """The training stage's bar, drawn by a driver thread from a :class:`ProgressBoard`. A context manager: the
-    board lives as long as the stage."""
+    board lives as long as the stage. It counts optimizer steps (``accumulation`` batches each), as rank 0's records
+    and ``train.max_steps`` do."""
 
-    def __init__(self, counts: dict, world_size: int, max_steps: int = 0, interactive: bool | None = None):
-        self.per_epoch = steps_per_epoch(counts, world_size)
-        total = sum(self.per_epoch)
-        self.total = min(total, max_steps) if max_steps else total
+    def __init__(self, counts: dict, world_size: int, accumulation: int, max_steps: int = 0,
+                 interactive: bool | None = None):  # fmt: skip
+        from rayflux.train.optim import total_steps  # the loop's own cap (its module brings torch: not at import)
+
+        self.per_epoch = steps_per_epoch(counts, world_size, accumulation)
+        self.total = total_steps(sum(self.per_epoch), max_steps)
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.board = None
         self._stop = threading.Event()

@@ -9,6 +9,7 @@ Three short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 i
 """
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,20 @@ def cache(ray_session, tiny_model, tmp_path_factory):
     return root, base, manifest, models.model_facts(_cfg(base).model)
 
 
+class _Lines(logging.Handler):
+    """The driver's ``rayflux`` log lines (the plan line, the bar's plain lines when stdout is not a terminal)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def full(cache):
+def full_run(cache):
+    """The ``full`` run and the driver's log lines while it ran."""
     root, base, manifest, facts = cache
     out = root / "full"
     cfg = _cfg(
@@ -70,7 +83,21 @@ def full(cache):
         f"train.validation_prompts={json.dumps(PROMPTS)}",
         "train.output_format=kohya",
     )
-    return stage.train(cfg, manifest, facts, str(out), False), out
+    logger, handler = logging.getLogger("rayflux"), _Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        result = stage.train(cfg, manifest, facts, str(out), False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return result, out, handler.lines
+
+
+@pytest.fixture(scope="module")
+def full(full_run):
+    return full_run[:2]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +132,17 @@ def test_uneven_buckets_give_both_ranks_the_same_steps_and_pure_batches(cache, f
         assert result.epoch_counts[epoch]["batches"] == 8 and result.epoch_counts[epoch]["dropped"] > 0
     digests = checkpoint.read_digests(result.checkpoint_dir)
     assert sorted(digests) == [0, 1] and digests[0] != digests[1]
+
+
+def test_the_driver_counts_optimizer_steps_with_accumulation(full_run):
+    """gradient_accumulation=2: the plan line and the bar's last plain line count the 4 optimizer steps a worker
+    trains (2 an epoch), not its 8 batches."""
+    result, _, lines = full_run
+    assert result.steps == 4
+    train = [line for line in lines if line.startswith("train")]
+    assert any(", 4 planned steps per worker;" in line for line in train), train
+    bar = [line for line in train if line.startswith("train step ")]
+    assert bar and bar[-1].startswith("train step 4/4 epoch 2/2 loss "), train
 
 
 def test_metrics_are_reported_and_checkpoints_rotated(full):

@@ -113,12 +113,13 @@ def train(
         )
     first, end = epochs or (0, cfg.train.epochs)
     dropped = [counts[e]["dropped"] for e in range(first, end)]
+    per_epoch = progress.steps_per_epoch(counts, hi, cfg.train.gradient_accumulation)  # optimizer steps, as the bar
     log.info("train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
-             "per epoch", first + 1, end, hi, sum(counts[e]["batches"] for e in range(first, end)) // hi,
+             "per epoch", first + 1, end, hi, sum(per_epoch[first:end]),
              dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)))  # fmt: skip
     run_dir = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_dir)
-    with progress.TrainBar(counts, hi, cfg.train.max_steps) as bar:
+    with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
         result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board)
     if getattr(result, "error", None):
         raise RuntimeError(f"training failed: {result.error}")
