@@ -57,13 +57,6 @@ def for_ray_train(path: str) -> tuple[str, pafs.FileSystem | None]:
     return inner, fs
 
 
-def to_uri(like: str, fs_path: str) -> str:
-    """Turn a path inside ``like``'s filesystem (as Ray Train reports it) back into a URI with ``like``'s scheme."""
-    if not is_uri(like) or is_uri(fs_path):
-        return fs_path
-    return like.split("://", 1)[0] + "://" + fs_path.lstrip("/")
-
-
 def canonical(path: str) -> str:
     """The one comparable form of a local path or URI, for overlap checks and cache identities.
 

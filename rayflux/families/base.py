@@ -183,6 +183,3 @@ class Family(ABC):
     """kohya/original key map: diffusers block prefix -> (module inside a block -> (original name, part, parts),
     original block prefix). A fused original layer (``img_attn.qkv``) lists its diffusers parts in order; see
     :mod:`rayflux.train.kohya`."""
-
-    def architecture(self, facts: ModelFacts) -> str:
-        return facts.architecture
