@@ -53,25 +53,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rayflux import config, models, plan  # noqa: E402
+from rayflux import config, families, gpu_memory, models  # noqa: E402
+from rayflux.families.flux1 import FLUX1_DEV  # noqa: E402
+from rayflux.families.flux2 import FLUX2_DEV, FLUX2_KLEIN_9B  # noqa: E402
 from rayflux.testing.tiny import TinySpec, ensure_tiny_model  # noqa: E402
 from rayflux.train import base_weights, step  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
 """Dense bf16 peaks (NVIDIA data sheets, SXM parts); ``--peak-tflops`` overrides."""
-TINY = {**plan.FLUX1_DEV, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+TINY = {**FLUX1_DEV, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
         "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8],
         "in_channels": 16}  # fmt: skip
-TINY2 = {**plan.FLUX2_KLEIN_9B, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+TINY2 = {**FLUX2_KLEIN_9B, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
          "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": [4, 4, 4, 4],
          "in_channels": 16}  # fmt: skip
 FULL_GRID = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
 MODELS = {
-    "flux1-dev": (plan.FLUX1_DEV, "bf16", FULL_GRID),
-    "flux2-klein-9b": (plan.FLUX2_KLEIN_9B, "bf16", FULL_GRID),
+    "flux1-dev": (FLUX1_DEV, "bf16", FULL_GRID),
+    "flux2-klein-9b": (FLUX2_KLEIN_9B, "bf16", FULL_GRID),
     # 32B: its bf16 weights (60 GiB) are kept under fp8 (torchao casts them per matmul), so only checkpointed steps fit.
-    "flux2-dev": (plan.FLUX2_DEV, "fp8", [(512, 1, True), (512, 2, True), (1024, 1, True)]),
+    "flux2-dev": (FLUX2_DEV, "fp8", [(512, 1, True), (512, 2, True), (1024, 1, True)]),
 }
 """name -> (transformer config, train.base_dtype, (px, batch, checkpointing) grid) of the LoRA-step section."""
 DRY = {"flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True)]), "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
@@ -107,12 +109,16 @@ def _timed(fn, n: int, device: torch.device) -> float:
 
 
 
+def _text_length(tc: dict) -> int:
+    return families.of_transformer_config(tc).text_length_of(tc)
+
+
 def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> step.Batch:
     """A cached batch as the feed gives it: FLUX.1's 16-channel latents at px/8 with T5 + pooled CLIP, or FLUX.2's
     2x2-patchified latents at px/16 with its stacked ``prompt_embeds``."""
     g = torch.Generator().manual_seed(seed)
-    text, width = plan.default_text_tokens(tc), tc["joint_attention_dim"]
-    if plan.is_flux2(tc):
+    text, width = _text_length(tc), tc["joint_attention_dim"]
+    if families.of_transformer_config(tc).name == "flux2":
         latents = torch.randn(size, tc["in_channels"], px // 16, px // 16, generator=g)
         return step.Batch(latents, {"prompt_embeds": torch.randn(size, text, width, generator=g)}, seed)
     latents = torch.randn(size, tc["in_channels"] // 4, px // 8, px // 8, generator=g)
@@ -124,7 +130,7 @@ def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> ste
 def _transformer(tc: dict, device: torch.device, dtype: torch.dtype):
     """The family's transformer with random weights, built on the meta device and materialised on ``device`` in
     ``dtype`` directly (FLUX.2 [dev] in fp32 would not fit an 80 GB GPU on the way to bf16)."""
-    model = plan.meta_transformer(tc).to(dtype).to_empty(device=device)
+    model = models.meta_transformer(tc).to(dtype).to_empty(device=device)
     g = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -196,10 +202,10 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
             continue
         trainable = sum(p.numel() for p in trainer.params)
         frozen = sum(p.numel() for p in trainer.transformer.parameters()) - trainable
-        flops = model_flops(frozen, trainable, plan.tokens(px, plan.default_text_tokens(tc)), ckpt) * batch
+        flops = model_flops(frozen, trainable, gpu_memory.tokens(px, _text_length(tc)), ckpt) * batch
         row.update({
             "steps_per_s": round(1 / seconds, 3), "samples_per_s": round(batch / seconds, 3),
-            "peak_gib": round(torch.cuda.max_memory_allocated(device) / plan.GIB, 1) if device.type == "cuda" else None,
+            "peak_gib": round(torch.cuda.max_memory_allocated(device) / gpu_memory.GIB, 1) if device.type == "cuda" else None,
             "mfu": round(flops / seconds / (peak * 1e12), 3) if peak else None, "job_s_per_step": round(seconds, 4),
         })  # fmt: skip
         if name == "flux1-dev":
@@ -301,7 +307,7 @@ def job_section(spec: TinySpec, px: int, steps: tuple[int, int], device: torch.d
     model = ensure_tiny_model(model_dir or work / "model", spec)
     size = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
     row = {"px": px, "batch": 1, "blocks": [spec.num_layers, spec.num_single_layers], "dtype": spec.dtype,
-           "model_write_s": round(time.perf_counter() - t0, 2), "model_gib": round(size / plan.GIB, 3)}  # fmt: skip
+           "model_write_s": round(time.perf_counter() - t0, 2), "model_gib": round(size / gpu_memory.GIB, 3)}  # fmt: skip
     write_images(work / "images", sizes=[(px, px)] * JOB_IMAGES)
     short, long = steps
     # One Ray for the three runs (cache, short, long): each job joins it instead of starting its own.
@@ -314,7 +320,7 @@ def job_section(spec: TinySpec, px: int, steps: tuple[int, int], device: torch.d
         # Before the job runs, so that its worker and this process never hold the model on the GPU together.
         row.update(_in_process(common, rows, long - short, device))
         if device.type == "cuda":
-            row["driver_gib_during_job"] = round(torch.cuda.memory_reserved(device) / plan.GIB, 2)
+            row["driver_gib_during_job"] = round(torch.cuda.memory_reserved(device) / gpu_memory.GIB, 2)
         seconds = [job_train_seconds(work, f"job-{n}", n, common) for n in steps]
     finally:
         ray.shutdown()

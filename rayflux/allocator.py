@@ -22,9 +22,9 @@ import pyarrow as pa
 def system_pool() -> Iterator[None]:
     """Arrow allocates from the C library's allocator within, process-wide (every thread of the driver).
 
-    Measured: a listing of 4,000 files peaked 7 MB above its start for 0.2 MB of data under jemalloc, 1.6 MB under
-    the system allocator; the unique captions of 100,000 images (3.6 MB) left 46 MB resident under jemalloc and
-    under 1 MB here. Buffers remember the pool they came from, so they may outlive the block."""
+    jemalloc keeps freed pages resident, many times the data the driver's short-lived columns held (measured:
+    BENCHMARKS.md, "Probes behind the defaults"). Buffers remember the pool they came from, so they may outlive the
+    block."""
     previous = pa.default_memory_pool()
     pa.set_memory_pool(pa.system_memory_pool())
     try:
@@ -35,8 +35,7 @@ def system_pool() -> Iterator[None]:
 
 def trim() -> None:
     """Give memory that the driver has freed but its allocators keep back to the system: a few system calls, so
-    call it at the end of a step, not per row. At 40,000 images the listing alone raised the driver's RSS by about
-    50 MB with 20 MB of Arrow data at its peak before each step ended with a trim."""
+    call it at the end of a step, not per row."""
     pa.default_memory_pool().release_unused()
     if _malloc_trim() is not None:
         _malloc_trim()(0)

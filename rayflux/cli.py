@@ -18,7 +18,7 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
         epilog=config.help_text(),
     )
     p.add_argument("--config", metavar="FILE", help="YAML file with data/model/cache/train/run sections")
-    add_set_arg(p)
+    config.add_set_arg(p)
     p.add_argument("--only", choices=["cache"], help="run only this stage (prebuild caches on cheaper nodes)")
     p.add_argument(
         "--verbose", action="store_true", help="also show Ray's own output (worker logs, dataset plans, reports)"
@@ -37,25 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     return main_train(argv, prog="rayflux train")
 
 
-def add_set_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override one key (repeatable)")
-
-
-def load_config(config_file: str | None, overrides: list[str]) -> config.JobConfig | None:
-    """The job's config; None after printing the one-line config error (the caller exits with 2)."""
-    try:
-        return config.load(config_file, overrides)
-    except (config.ConfigError, OSError) as exc:
-        print(f"rayflux: config error: {exc}", file=sys.stderr)
-        return None
-
-
 def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> int:
     _quiet_libraries()
     args = _train_parser(prog).parse_args(argv)
     console.set_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
-    cfg = load_config(args.config, args.set)
+    cfg = config.load_or_report(args.config, args.set)
     if cfg is None:
         return 2
     from rayflux import job

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
-from rayflux import buckets, cli, config, datasets, paths, storage
+from rayflux import buckets, config, datasets, paths, storage
 from rayflux.captions import CaptionError
 from rayflux.sources import discover_dataset
 
@@ -170,10 +170,10 @@ def render(report: Report) -> list[str]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m rayflux data check", description=__doc__.split("\n\n")[1])
     p.add_argument("config", nargs="?", help="job YAML file (the one given to train_flux.py --config)")
-    cli.add_set_arg(p)
+    config.add_set_arg(p)
     p.add_argument("--workers", type=int, default=0, help="decoding threads (default: up to 8)")
     args = p.parse_args(argv)
-    cfg = cli.load_config(args.config, args.set)
+    cfg = config.load_or_report(args.config, args.set)
     if cfg is None:
         return 2
     if not cfg.data.images_dir and not cfg.data.datasets:

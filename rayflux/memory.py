@@ -5,11 +5,10 @@ from __future__ import annotations
 import gc
 import sys
 
-# Model classes that must live only in the cache stage's actors (and, briefly, in rank 0's validation render).
-ENCODER_CLASSES = {
-    "transformers": ("CLIPTextModel", "T5EncoderModel"),
-    "diffusers": ("AutoencoderKL",),
-}
+from rayflux.families import ENCODER_CLASSES
+
+# ENCODER_CLASSES: every family's VAE and text encoders, which must live only in the cache stage's actors (and,
+# briefly, in rank 0's validation render).
 
 
 def rss_mb() -> float:

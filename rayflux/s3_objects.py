@@ -1,5 +1,6 @@
-"""One request per S3 read: whole objects and byte ranges through boto3, when it is installed; listings a page
-at a time.
+"""S3 as rayflux reaches it: the endpoint and region from the environment, pyarrow's filesystem for them, and one
+request per read: whole objects and byte ranges through boto3, when it is installed; listings a page at a time.
+:mod:`rayflux.storage` resolves ``s3://`` paths through this module.
 
 pyarrow's S3 filesystem sends a HEAD for an object's size every time it opens one, and its Python API cannot be
 told a size already known. A cache build reads every image and every caption file once, so that HEAD doubles its
@@ -19,6 +20,31 @@ import os
 from collections.abc import Iterator
 
 import pyarrow.fs as pafs
+
+
+def settings() -> tuple[str, str]:
+    """(endpoint URL, region) from the standard AWS variables; the S3-specific endpoint variable wins."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return endpoint, region
+
+
+REQUEST_TIMEOUT_S = 60.0
+"""Seconds an S3 request may go without an answer before the SDK retries it (the SDK's own default is 3)."""
+
+
+@functools.lru_cache(maxsize=8)
+def filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
+    # pyarrow's S3 client, one per (endpoint, region): a preparation task reads thousands of objects and need not
+    # reconnect for each. Credentials are left to the AWS default chain (environment, profile, instance role).
+    scheme = "https" if endpoint.startswith("https") else "http"
+    # The AWS SDK gives up on a request that sends nothing for 3 s, three times over: a store that is only busy
+    # (a self-hosted S3 under load, a listing of thousands of keys) would fail the stage. boto3's reads wait 60 s;
+    # pyarrow's requests wait as long.
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True,
+        request_timeout=REQUEST_TIMEOUT_S,
+    )
 
 
 @functools.cache
@@ -54,8 +80,6 @@ def get(fs: pafs.S3FileSystem, inner: str, start: int | None = None, length: int
     """
     from botocore.exceptions import ClientError
 
-    from rayflux.storage import s3_settings
-
     bucket, _, key = inner.partition("/")
     args = {"Bucket": bucket, "Key": key}
     if start is not None:
@@ -63,7 +87,7 @@ def get(fs: pafs.S3FileSystem, inner: str, start: int | None = None, length: int
             return b""
         args["Range"] = f"bytes={start}-{start + length - 1}"
     try:
-        body = _client(s3_settings()[0], fs.region).get_object(**args)["Body"]
+        body = _client(settings()[0], fs.region).get_object(**args)["Body"]
         with body:
             return body.read()
     except ClientError as exc:
@@ -83,12 +107,10 @@ def list_pages(fs: pafs.S3FileSystem, inner: str, below: bool) -> Iterator[tuple
     no trailing slash). ``below``: every object at any depth (no delimiter: ``folders`` stay empty); otherwise the
     folder's own objects and its subfolders. Keys ending in ``/`` are folder markers, not files, as for pyarrow.
     Only for filesystems where :func:`direct` holds."""
-    from rayflux.storage import s3_settings
-
     bucket, _, key = inner.partition("/")
     prefix = key.strip("/") + "/" if key.strip("/") else ""
     args = {"Bucket": bucket, "Prefix": prefix} if below else {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
-    pages = _client(s3_settings()[0], fs.region).get_paginator("list_objects_v2").paginate(**args)
+    pages = _client(settings()[0], fs.region).get_paginator("list_objects_v2").paginate(**args)
     for page in pages:
         objects = [o for o in page.get("Contents", ()) if not o["Key"].endswith("/")]
         # Integer arithmetic: a float timestamp would lose the nanoseconds that pyarrow's stamps carry.

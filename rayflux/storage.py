@@ -6,7 +6,6 @@ Endpoints, regions and credentials come from the standard environment (``AWS_END
 
 from __future__ import annotations
 
-import functools
 import os
 import posixpath
 from pathlib import Path
@@ -14,34 +13,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from rayflux import s3_objects
+
 
 def is_uri(path: str) -> bool:
     return "://" in path
-
-
-def s3_settings() -> tuple[str, str]:
-    """(endpoint URL, region) from the standard AWS variables; the S3-specific endpoint variable wins."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return endpoint, region
-
-
-REQUEST_TIMEOUT_S = 60.0
-"""Seconds an S3 request may go without an answer before the SDK retries it (the SDK's own default is 3)."""
-
-
-@functools.lru_cache(maxsize=8)
-def _s3_filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
-    # One client per (endpoint, region): a preparation task reads thousands of objects and need not reconnect for
-    # each. Credentials are left to the AWS default chain (environment, profile, instance role).
-    scheme = "https" if endpoint.startswith("https") else "http"
-    # The AWS SDK gives up on a request that sends nothing for 3 s, three times over: a store that is only busy
-    # (a self-hosted S3 under load, a listing of thousands of keys) would fail the stage. boto3's reads wait 60 s;
-    # pyarrow's requests wait as long.
-    return pafs.S3FileSystem(
-        endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True,
-        request_timeout=REQUEST_TIMEOUT_S,
-    )
 
 
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -55,9 +31,9 @@ def resolve(path: str) -> tuple[pafs.FileSystem, str]:
     path = canonical(path)
     if is_uri(path):
         if path.startswith("s3://"):
-            endpoint, region = s3_settings()
+            endpoint, region = s3_objects.settings()
             if endpoint:
-                return _s3_filesystem(endpoint, region), path[len("s3://") :].rstrip("/")
+                return s3_objects.filesystem(endpoint, region), path[len("s3://") :].rstrip("/")
         try:
             fs, inner = pafs.FileSystem.from_uri(path)
         except pa.ArrowInvalid:
@@ -79,13 +55,6 @@ def for_ray_train(path: str) -> tuple[str, pafs.FileSystem | None]:
         return path, None
     fs, inner = resolve(path)
     return inner, fs
-
-
-def to_uri(like: str, fs_path: str) -> str:
-    """Turn a path inside ``like``'s filesystem (as Ray Train reports it) back into a URI with ``like``'s scheme."""
-    if not is_uri(like) or is_uri(fs_path):
-        return fs_path
-    return like.split("://", 1)[0] + "://" + fs_path.lstrip("/")
 
 
 def canonical(path: str) -> str:
@@ -117,8 +86,6 @@ def read_bytes(path: str) -> bytes:
 
 def read_object(fs: pafs.FileSystem, inner: str) -> bytes:
     """A whole file of ``fs``: on S3 one GET (see :mod:`rayflux.s3_objects`), elsewhere an ordinary read."""
-    from rayflux import s3_objects
-
     if s3_objects.direct(fs):
         return s3_objects.get(fs, inner)
     with fs.open_input_stream(inner) as f:

@@ -44,8 +44,8 @@ def _table(chunks: Iterator[Rows]) -> pa.Table:
     as Python objects.
 
     Allocated from the system allocator, not pyarrow's default pool: jemalloc and mimalloc give each listing thread
-    an arena of its own whose freed pages stay resident, which cost the driver 205 MB of peak RSS for a listing of
-    80,000 files in 32 threads, against 67 MB this way (the columns themselves are 5 MB)."""
+    an arena of its own whose freed pages stay resident: three times the peak RSS of this way for a listing in 32
+    threads (measured: BENCHMARKS.md, "Probes behind the defaults")."""
     pool = pa.system_memory_pool()
     batches = [pa.record_batch([pa.array(c, f.type, memory_pool=pool) for c, f in zip(rows, FILES)], schema=FILES)
                for rows in chunks if rows[0]]

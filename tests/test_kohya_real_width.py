@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from rayflux import plan
+from rayflux.families.flux1 import FLUX1_DEV
 from rayflux.train import kohya, lora
 
 # FLUX.1-dev's widths (the memory plan's copy of its config), with one block of each kind. in_channels follows the
 # tiny VAE, and out_channels defaults to it.
 REAL_WIDTHS = {
-    **{k: v for k, v in plan.FLUX1_DEV.items() if k not in ("in_channels", "out_channels")},
+    **{k: v for k, v in FLUX1_DEV.items() if k not in ("in_channels", "out_channels")},
     "num_layers": 1,
     "num_single_layers": 1,
 }

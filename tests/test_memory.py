@@ -60,6 +60,30 @@ def test_live_encoders_sees_a_loaded_text_encoder():
     assert memory.live_encoders()["T5EncoderModel"] == before
 
 
+def test_live_encoders_sees_every_familys_text_encoder():
+    """FLUX.2's encoders count too: a worker holding [klein]'s Qwen3 is seen, as one holding FLUX.1's T5 is."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    before = memory.live_encoders().get("Qwen3ForCausalLM", 0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=4))  # fmt: skip
+    assert memory.live_encoders()["Qwen3ForCausalLM"] == before + 1
+    del model
+    assert memory.live_encoders()["Qwen3ForCausalLM"] == before
+
+
+def test_every_declared_encoder_class_exists():
+    """A misspelt class name would never be counted: each family's encoder classes are real ones."""
+    import importlib
+
+    from rayflux import families
+
+    for family in {f.name: f for f in families.FAMILIES.values()}.values():
+        for package, names in family.encoder_classes.items():
+            module = importlib.import_module(package)
+            assert all(hasattr(module, n) for n in names), (family.name, package, names)
+
+
 def test_rss_and_peak_are_plausible():
     import numpy as np
 

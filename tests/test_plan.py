@@ -1,10 +1,14 @@
-"""The memory plan at FLUX.1-dev's real configuration (meta device), checked against figures worked out by hand."""
+"""The memory plan (:mod:`rayflux.gpu_memory`, ``python -m rayflux plan``) at FLUX.1-dev's and FLUX.2's real
+configurations (meta device), checked against figures worked out by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from rayflux import config, plan
+from rayflux import config, gpu_memory, models, plan
+from rayflux.families.flux1 import FLUX1_DEV
+from rayflux.families.flux2 import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
+from rayflux.train import lora
 
 H, CTX, POOLED, IN, MLP, HEAD = 3072, 4096, 768, 64, 4 * 3072, 128
 DOUBLE, SINGLE = 19, 38
@@ -46,38 +50,38 @@ def _trainable(preset: str, r: int) -> int:
 def test_flux1_dev_parameter_counts_match_the_hand_count():
     total = _flux1_dev_parameters()
     assert total == 11_901_408_320  # FLUX.1-dev's published transformer size
-    meta = plan.meta_transformer(plan.FLUX1_DEV)
-    for preset in plan.lora.PRESETS:
-        base, trainable = plan.count_parameters(plan.FLUX1_DEV, preset, 16)
+    meta = models.meta_transformer(FLUX1_DEV)
+    for preset in lora.PRESETS:
+        base, trainable = plan.count_parameters(FLUX1_DEV, preset, 16)
         assert base == total
         assert trainable == _trainable(preset, 16), preset
-        assert plan.lora.trainable_count(meta, 16, preset) == trainable  # counted without attaching the adapter
+        assert lora.trainable_count(meta, 16, preset) == trainable  # counted without attaching the adapter
     assert _trainable("attention", 16) == 26_148_864
 
 
 def test_a_sharded_base_adds_the_blocks_fsdp2_gathers():
-    counts = plan.base_counts(plan.FLUX1_DEV)
+    counts = plan.base_counts(FLUX1_DEV)
     double, single = _flux1_dev_blocks()
     assert double > single and counts.largest_block == double and counts.total == _flux1_dev_parameters()
     # bf16 over 8 workers of a node: an eighth of the base, plus the computing and the prefetched double block.
     by_hand = _flux1_dev_parameters() * 2 / 8 + 2 * double * 2
-    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "node", 8) == by_hand
-    assert 4.0 < by_hand / plan.GIB < 4.3  # 2.77 GiB of shard + 2 x 0.63 GiB gathered
-    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "none", 8) == _flux1_dev_parameters() * 2
+    assert gpu_memory.per_gpu_weight_bytes(counts, "bf16", "node", 8) == by_hand
+    assert 4.0 < by_hand / gpu_memory.GIB < 4.3  # 2.77 GiB of shard + 2 x 0.63 GiB gathered
+    assert gpu_memory.per_gpu_weight_bytes(counts, "bf16", "none", 8) == _flux1_dev_parameters() * 2
 
 
 def test_memory_estimate_matches_the_hand_count():
     tokens = (1024 // 16) ** 2 + 512
     per_token = DOUBLE * (11 * H + 2 * MLP) + SINGLE * (9 * H + 3 * MLP)
     total, lora = 11_901_408_320, _trainable("attention", 16)
-    est = plan.estimate(plan.FLUX1_DEV, total * 2, lora, 1024, 2, checkpointing=False)
+    est = gpu_memory.estimate(FLUX1_DEV, total * 2, lora, 1024, 2, checkpointing=False)
     assert est.weights == total * 2 and est.lora_optimizer == lora * 16
     assert est.activations == 2 * tokens * per_token * 2
-    ckpt = plan.estimate(plan.FLUX1_DEV, total * 2, lora, 1024, 2, checkpointing=True)
+    ckpt = gpu_memory.estimate(FLUX1_DEV, total * 2, lora, 1024, 2, checkpointing=True)
     assert ckpt.activations == 2 * tokens * ((DOUBLE + SINGLE) * H + 9 * H + 3 * MLP) * 2
     # Without checkpointing, one 1024 px sample's activations exceed the weights; with it, they are a few GiB.
-    assert 30 < plan.estimate(plan.FLUX1_DEV, total * 2, lora, 1024, 1, False).activations / plan.GIB < 45
-    assert ckpt.activations / plan.GIB < 5
+    assert 30 < gpu_memory.estimate(FLUX1_DEV, total * 2, lora, 1024, 1, False).activations / gpu_memory.GIB < 45
+    assert ckpt.activations / gpu_memory.GIB < 5
 
 
 def test_the_plan_command_prints_the_jobs_figures(capsys):
@@ -97,7 +101,7 @@ def test_the_plan_command_prints_the_jobs_figures(capsys):
 )  # fmt: skip
 def test_auto_gradient_checkpointing(setting, on_gpu, pixels, need_gb, expected):
     device = 80 * 10**9 if on_gpu else 0
-    assert plan.gradient_checkpointing(setting, on_gpu, pixels, need_gb * 10**9, device) is expected
+    assert gpu_memory.gradient_checkpointing(setting, on_gpu, pixels, need_gb * 10**9, device) is expected
 
 
 def test_checkpointing_and_dtype_keys():
@@ -115,27 +119,25 @@ def test_text_tokens_come_from_the_models_family(tiny_model, tiny_flux2_klein):
     klein = config.load(None, [f"model.path={tiny_flux2_klein}"])
     assert plan.text_tokens(klein) == 512
     assert plan.text_tokens(config.load(None, [f"model.path={tiny_model}"])) == 512
-    assert plan.text_tokens(config.load(None, [])) == plan.FLUX1_DEV_TEXT_TOKENS == 512
-    assert plan.tokens(1024, 512) == 64 * 64 + 512
+    assert plan.text_tokens(config.load(None, [])) == 512
+    assert gpu_memory.tokens(1024, 512) == 64 * 64 + 512
 
 
 def test_flux2_is_counted_on_its_own_transformer():
     h = 48 * 128  # FLUX.2 [dev]: 48 heads x 128, mlp ratio 3 (SwiGLU), no biases
     m = 3 * h
-    dev = plan.base_counts(plan.FLUX2_DEV)
+    dev = plan.base_counts(FLUX2_DEV)
     assert dev.largest_linear == h * (3 * h + 2 * m)  # a single block's fused q/k/v + MLP-in projection
     # A double block: 8 attention projections, two SwiGLU MLPs, four q/k norms over a head.
     assert dev.largest_block == 8 * h * h + 2 * (h * 2 * m + m * h) + 4 * 128
     assert 32.0e9 < dev.total < 32.5e9  # "32B"
-    assert 9.0e9 < plan.base_counts(plan.FLUX2_KLEIN_9B).total < 9.2e9
-    assert 3.8e9 < plan.base_counts(plan.FLUX2_KLEIN_4B).total < 4.0e9
-    assert plan.count_parameters(plan.FLUX2_KLEIN_9B, "attention", 16)[0] == plan.base_counts(plan.FLUX2_KLEIN_9B).total
+    assert 9.0e9 < plan.base_counts(FLUX2_KLEIN_9B).total < 9.2e9
+    assert 3.8e9 < plan.base_counts(FLUX2_KLEIN_4B).total < 4.0e9
+    assert plan.count_parameters(FLUX2_KLEIN_9B, "attention", 16)[0] == plan.base_counts(FLUX2_KLEIN_9B).total
 
 
 def test_the_plan_counts_a_flux2_model_path_on_flux2(tiny_flux2_klein):
     import torch
-
-    from rayflux import models
 
     cfg = config.load(None, [f"model.path={tiny_flux2_klein}"])
     tc, _ = plan.transformer_config(cfg)
@@ -145,20 +147,20 @@ def test_the_plan_counts_a_flux2_model_path_on_flux2(tiny_flux2_klein):
 
 def test_flux2_activations_per_token():
     h, m = 32 * 128, 3 * 32 * 128
-    tc = plan.FLUX2_KLEIN_9B
-    assert plan.per_token_elements(tc, False) == 8 * (11 * h + 3 * m) + 24 * (9 * h + 4 * m)
-    assert plan.per_token_elements(tc, True) == 32 * h + (9 * h + 4 * m)
+    tc = FLUX2_KLEIN_9B
+    assert gpu_memory.per_token_elements(tc, False) == 8 * (11 * h + 3 * m) + 24 * (9 * h + 4 * m)
+    assert gpu_memory.per_token_elements(tc, True) == 32 * h + (9 * h + 4 * m)
 
 
 def test_base_dtype_and_sharding_bytes():
-    counts = plan.plan_base.BaseCounts(total=1000, linear=896, largest_linear=128, largest_block=100)
-    assert plan.plan_base.weight_bytes(counts, "bf16") == 2000
-    assert plan.plan_base.weight_bytes(counts, "fp8") == 2000 + 128 * 1 + 4  # bf16 kept + one layer's fp8 copy
-    assert plan.plan_base.NF4_BYTES == 0.5625
-    assert plan.plan_base.weight_bytes(counts, "nf4") == 896 * 0.5625 + 104 * 2
-    assert plan.plan_base.weight_bytes(counts, "bf16", float_bytes=4) == 4000
-    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "node", 8) == 2000 / 8 + 2 * 100 * 2
-    assert plan.plan_base.per_gpu_weight_bytes(counts, "bf16", "none", 8) == 2000
+    counts = gpu_memory.BaseCounts(total=1000, linear=896, largest_linear=128, largest_block=100)
+    assert gpu_memory.weight_bytes(counts, "bf16") == 2000
+    assert gpu_memory.weight_bytes(counts, "fp8") == 2000 + 128 * 1 + 4  # bf16 kept + one layer's fp8 copy
+    assert gpu_memory.NF4_BYTES == 0.5625
+    assert gpu_memory.weight_bytes(counts, "nf4") == 896 * 0.5625 + 104 * 2
+    assert gpu_memory.weight_bytes(counts, "bf16", float_bytes=4) == 4000
+    assert gpu_memory.per_gpu_weight_bytes(counts, "bf16", "node", 8) == 2000 / 8 + 2 * 100 * 2
+    assert gpu_memory.per_gpu_weight_bytes(counts, "bf16", "none", 8) == 2000
 
 
 def test_the_plan_prints_every_option_for_flux2(capsys):
@@ -169,10 +171,11 @@ def test_the_plan_prints_every_option_for_flux2(capsys):
     assert set(rows) == {(s, d, px) for s, d in [("none", "bf16"), ("none", "fp8"), ("none", "nf4"), ("node", "bf16")]
                          for px in ("512", "1024")}  # fmt: skip
     assert "node/fp8: refused" in out and "node/nf4: refused" in out
-    tc = plan.FLUX2_KLEIN_9B
+    tc = FLUX2_KLEIN_9B
     counts = plan.base_counts(tc)
     trainable = plan.count_parameters(tc, "attention", 16)[1]
-    nf4 = plan.estimate(tc, plan.plan_base.weight_bytes(counts, "nf4"), trainable, 1024, 2, True).total / plan.GIB
+    nf4 = gpu_memory.estimate(tc, gpu_memory.weight_bytes(counts, "nf4"), trainable, 1024, 2, True).total
+    nf4 /= gpu_memory.GIB
     cells = rows[("none", "nf4", "1024")].split()[3:]
     assert float(cells[5]) == pytest.approx(nf4, abs=0.051)  # "off / on" per batch: batch 2, checkpointing on
     # Sharded over 4, the bf16 base is about a quarter (plus two gathered blocks).

@@ -145,7 +145,8 @@ def test_models_without_guidance_embedding_train_without_guidance(tmp_path):
 
 
 def test_the_memory_estimate_uses_the_text_length_the_driver_passes(tiny_model):
-    from rayflux import datasets, models, plan
+    from rayflux import datasets, models
+    from rayflux import gpu_memory as plan
 
     cfg = train_data.job(tiny_model)
     given = LoraTrainer(cfg, "cpu", total_steps=1, text_length=7)  # as the Ray loop passes the driver's facts

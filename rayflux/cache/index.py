@@ -105,13 +105,10 @@ def resolve(manifest: dict, file: str) -> str:
 
 
 ROW_GROUP_ROWS = 4096
-"""Rows per row group of a committed index file (at least; the last parts that reach it join it). The write tasks'
-parts arrive a shard (a few hundred rows) at a time; as row groups of their own, the Parquet writer kept each one's
-metadata until it closed (about 85 bytes per row of the sample index in the driver's memory, 7 MB at 80,000
-images, and the close made a second copy). Larger row groups cost more while each is encoded: measured at 80,000
-sample rows, the commit peaked 12.8 MB above its start with 256 rows a group, 5.8 MB with 1,024, 12.1 MB with
-4,096 and 24 MB with 16,384 (the last at 20,000 rows); 4,096 keeps the writer's part per row nearly nothing (a
-10M-image index: about 50 MB against 850 MB with 256), at a cost that no longer grows with the index."""
+"""Rows per row group of a committed index file (at least; the last parts that reach it join it). The Parquet writer
+keeps every row group's metadata until it closes, so a row group per shard-sized part would grow the driver with the
+index; larger groups cost more only while each is encoded, a constant. Measured: BENCHMARKS.md, "Probes behind the
+defaults"."""
 
 
 class Sink:

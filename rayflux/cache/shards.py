@@ -253,17 +253,6 @@ def open_shard(path: str) -> Iterator[pq.ParquetFile]:
         yield pq.ParquetFile(raw)
 
 
-def read_rows(path: str, row_groups: list[int], columns: list[str] | None = None) -> pa.Table:
-    """Read selected rows (row groups) of one shard."""
-    with open_shard(path) as f:
-        return f.read_row_groups(row_groups, columns=columns)
-
-
-def read_column(path: str, columns: list[str]) -> pa.Table:
-    with open_shard(path) as f:
-        return f.read(columns=columns)
-
-
 def bucket_summary(table: pa.Table) -> dict:
     """Rows, latent shape and bytes per bucket, as written into the manifest and printed by ``cache verify``."""
     out: dict = {}

@@ -1,9 +1,9 @@
 """A pass's input rows, staged in storage for its tasks to read, so the driver puts nothing into the object store.
 
 ``ray.data.from_arrow`` puts every block from the driver. The driver's process writes those object-store pages, so
-they are counted in its RSS from then on, freed or not (measured at 80,000 discovered images: 6 MB of shared
-memory for 6 MB of rows), and Ray Data keeps a record per block, computed by one task per block (another 21 MB of
-the driver's own memory before a trim, and tasks that wait for a CPU behind a running pass).
+they are counted in its RSS from then on, freed or not, and Ray Data keeps a record per block, computed by one task
+per block (more of the driver's own memory, and tasks that wait for a CPU behind a running pass; measured:
+BENCHMARKS.md, "Probes behind the defaults").
 
 Instead the driver writes the rows once, into one file of the generation directory: one compressed Arrow IPC
 stream per block of rows (:func:`rayflux.cache.index.to_ipc`, as the write tasks' index rows travel), end to end,

@@ -2,10 +2,11 @@
 
 Each section lives in its own module beside the checks of its values (``data``, ``model``, ``cache``, ``train``,
 ``run``); ``job`` gathers them, ``loader`` builds a config from defaults, a file and overrides and writes ``--help``
-from the fields' docstrings, and ``checks`` validates the whole job. The package imports nothing else of rayflux,
-so every other module may build on it.
+from the fields' docstrings, ``checks`` validates the whole job, and ``arguments`` gives every command the same
+``--config``/``--set`` handling. The package imports nothing else of rayflux, so every other module may build on it.
 """
 
+from rayflux.config.arguments import add_set_arg, load_or_report
 from rayflux.config.cache import CacheConfig, actor_count, actor_cpus, check_pools, refresh_interval
 from rayflux.config.checks import validate
 from rayflux.config.data import TRAINING_ONLY_KEYS, DataConfig, DatasetConfig, datasets_of
@@ -29,6 +30,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "actor_count",
+    "add_set_arg",
     "actor_cpus",
     "apply",
     "check_pools",
@@ -39,6 +41,7 @@ __all__ = [
     "from_dict",
     "help_text",
     "load",
+    "load_or_report",
     "parse_set",
     "refresh_interval",
     "resource_map",

@@ -86,6 +86,26 @@ class Family(ABC):
     lora_read_kwargs: dict = {}
     """Extra keyword arguments of the pipeline's ``lora_state_dict`` for reading a LoRA file."""
 
+    encoder_classes: dict[str, tuple[str, ...]]
+    """The VAE and text-encoder classes this family loads, by the package that defines them (``transformers``,
+    ``diffusers``): what must live only in the cache stage's actors, never in a training worker
+    (:func:`rayflux.memory.live_encoders`)."""
+
+    # -- memory plan (see rayflux.gpu_memory) -------------------------------------------------------------------
+    built_in_configs: dict[str, tuple[dict, str]] = {}
+    """``python -m rayflux plan --model NAME``: NAME -> (the transformer ``config.json`` of a released model of this
+    family, what users call it), planned without any file."""
+    block_activations: tuple[tuple[int, int], tuple[int, int]]
+    """Activation elements one token keeps for the backward pass in a double-stream and in a single-stream block,
+    each as ``(a, b)`` for ``a*h + b*m`` (``h`` the hidden width, ``m`` the MLP width)."""
+    mlp_ratio: float
+    """MLP width over hidden width, for a transformer config that names no ``mlp_ratio``."""
+
+    @abstractmethod
+    def text_length_of(self, transformer_config: dict) -> int:
+        """The padded text length the family's pipeline encodes captions to, from the transformer config alone
+        (what :attr:`ModelFacts.text_length` is when the other parts' configs are not at hand)."""
+
     # -- facts and loading -------------------------------------------------------------------------------------
     @abstractmethod
     def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
@@ -163,6 +183,3 @@ class Family(ABC):
     """kohya/original key map: diffusers block prefix -> (module inside a block -> (original name, part, parts),
     original block prefix). A fused original layer (``img_attn.qkv``) lists its diffusers parts in order; see
     :mod:`rayflux.train.kohya`."""
-
-    def architecture(self, facts: ModelFacts) -> str:
-        return facts.architecture

@@ -51,6 +51,22 @@ SINGLE = {
 }
 
 
+FLUX1_DEV = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": None,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": [16, 56, 56],
+}
+"""FLUX.1-dev's transformer ``config.json`` (black-forest-labs/FLUX.1-dev, subfolder ``transformer``)."""
+
+
 def t5_length(guidance: bool) -> int:
     """FLUX.1's T5 tokens per caption: [schnell] was distilled with 256, guidance-embedding [dev] with 512."""
     return 512 if guidance else 256
@@ -86,6 +102,23 @@ class Flux1(Family):
     network_module = "networks.lora_flux"
     kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
                     "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
+    encoder_classes = {"transformers": ("CLIPTextModel", "T5EncoderModel"), "diffusers": ("AutoencoderKL",)}
+    built_in_configs = {"flux1-dev": (FLUX1_DEV, "FLUX.1-dev")}
+    mlp_ratio = 4.0
+    block_activations = ((11, 2), (9, 3))
+    """Per token, with h the hidden width and m the MLP width:
+
+    - a double-stream block keeps, for each token in its own stream: the modulated norm output (h), q/k/v (3h), q and
+      k after RMS norm and RoPE and the joint concatenation (3h), the attention output (h), the output projection
+      (h), the second norm output (h), the MLP's first projection and GELU output (2m) and its second projection
+      (h): 11h + 2m;
+    - a single-stream block keeps: the norm output (h), q/k/v (3h), q/k after norm and RoPE (2h), the attention
+      output (h), the MLP projection and GELU output (2m), their concatenation (h + m) and the output projection
+      (h): 9h + 3m.
+    """
+
+    def text_length_of(self, transformer_config: dict) -> int:
+        return t5_length(bool(transformer_config.get("guidance_embeds")))
 
     def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
         vae, transformer = configs["vae"], configs["transformer"]

@@ -24,6 +24,18 @@ from rayflux.families.flux1 import DOUBLE_ATTENTION
 TEXT_LENGTH = 512
 """The pipelines' ``max_sequence_length`` default, and so the padded length of every cached caption."""
 
+FLUX2_DEV = {"_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 128, "num_layers": 8,
+             "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
+             "joint_attention_dim": 15360, "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32],
+             "guidance_embeds": True}  # fmt: skip
+"""FLUX.2 [dev] (about 32B parameters): diffusers' ``Flux2Transformer2DModel`` defaults."""
+FLUX2_KLEIN_9B = {**FLUX2_DEV, "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32,
+                  "joint_attention_dim": 12288, "guidance_embeds": False}  # fmt: skip
+"""FLUX.2 [klein] 9B (black-forest-labs/FLUX.2-klein-9B, subfolder ``transformer``)."""
+FLUX2_KLEIN_4B = {**FLUX2_DEV, "num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
+                  "joint_attention_dim": 7680, "guidance_embeds": False}  # fmt: skip
+"""FLUX.2 [klein] 4B (black-forest-labs/FLUX.2-klein-4B, subfolder ``transformer``)."""
+
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
              "attn.to_qkv_mlp_proj", "attn.to_out"]  # fmt: skip
 FFS = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
@@ -58,6 +70,25 @@ class Flux2(Family):
     # kohya's FLUX.2 trainer (musubi-tuner) writes its LoRAs with this network module.
     network_module = "networks.lora_flux_2"
     max_references = None
+    encoder_classes = {"transformers": ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"),
+                       "diffusers": ("AutoencoderKLFlux2",)}  # fmt: skip
+    built_in_configs = {"flux2-dev": (FLUX2_DEV, "FLUX.2 [dev]"),
+                        "flux2-klein-9b": (FLUX2_KLEIN_9B, "FLUX.2 [klein] 9B"),
+                        "flux2-klein-4b": (FLUX2_KLEIN_4B, "FLUX.2 [klein] 4B")}  # fmt: skip
+    mlp_ratio = 3.0
+    block_activations = ((11, 3), (9, 4))
+    """Per token, with h the hidden width and m the MLP width. The blocks are FLUX.1's (see
+    :attr:`rayflux.families.flux1.Flux1.block_activations`) but for their MLP, a SwiGLU (``linear_in`` to 2m, gated
+    down to m), and the single blocks' fused projection (q/k/v and the MLP's input in one Linear of 3h + 2m):
+
+    - a double-stream block keeps 11h + 3m (the MLP keeps 2m + m instead of 2m);
+    - a single-stream block keeps: the norm output (h), the fused projection (3h + 2m), q/k after norm and RoPE (2h),
+      the attention output (h), the SwiGLU output (m), the concatenation (h + m) and the output projection (h):
+      9h + 4m.
+    """
+
+    def text_length_of(self, transformer_config: dict) -> int:
+        return TEXT_LENGTH
     kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
                     "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
 
@@ -81,7 +112,7 @@ class Flux2(Family):
     def _pipeline(self, path: str, kw: dict):
         from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-        from rayflux.families import class_name
+        from rayflux.families.model_index import class_name
 
         return {"Flux2KleinPipeline": Flux2KleinPipeline, "Flux2Pipeline": Flux2Pipeline}[class_name(path, **kw)]
 

@@ -16,6 +16,7 @@ class Kontext(Flux1):
     name = "kontext"
     pipelines = {"FluxKontextPipeline": "FLUX.1 Kontext [dev]"}
     max_references = 1
+    built_in_configs = {}  # its transformer is FLUX.1's: ``plan --model flux1-dev`` covers it
 
     def architecture_name(self, guidance: bool) -> str:
         return "flux-1-kontext-dev"

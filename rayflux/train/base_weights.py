@@ -23,7 +23,7 @@ import logging
 import math
 
 from rayflux.config.base_dtype import NEEDS, refusal
-from rayflux.plan_base import BaseCounts
+from rayflux.gpu_memory import BaseCounts
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def elements(param) -> int:
 
 def counts(transformer) -> BaseCounts:
     """The frozen base's parameter counts (every parameter but the LoRA's), as the memory plan needs them
-    (:mod:`rayflux.plan_base`): all of them, the Linear weights (what ``base_dtype`` stores differently from the
+    (:mod:`rayflux.gpu_memory`): all of them, the Linear weights (what ``base_dtype`` stores differently from the
     biases and norms kept in the model's dtype), the largest Linear weight and the largest transformer block (what
     FSDP2 gathers whole). A meta, loaded, quantized or sharded transformer counts the same (a shard counts whole)."""
     import torch

@@ -157,8 +157,3 @@ def read_digests(directory: str) -> dict[int, str]:
             with open(os.path.join(directory, name)) as f:
                 out[int(name[len("rank-") : -len(".json")])] = json.load(f)["digest"]
     return out
-
-
-def lora_file(output_format: str) -> str:
-    """The checkpoint file to export for ``train.output_format``."""
-    return kohya.KOHYA_NAME if output_format == "kohya" else lora.WEIGHT_NAME

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rayflux import models, plan
+from rayflux import models
 from rayflux.config import ModelConfig
 from rayflux.train import sharding
 
@@ -23,8 +23,8 @@ SUBFOLDER = "transformer"
 
 def meta_transformer(cfg: ModelConfig, dtype):
     """The model's transformer built from its ``config.json`` on the meta device, in ``dtype``: shapes, no weights
-    (:func:`rayflux.plan.meta_transformer`, the same model the memory plan counts)."""
-    return plan.meta_transformer(models.read_config(cfg, SUBFOLDER), dtype)
+    (:func:`rayflux.models.meta_transformer`, the same model the memory plan counts)."""
+    return models.meta_transformer(models.read_config(cfg, SUBFOLDER), dtype)
 
 
 def weights_dir(cfg: ModelConfig) -> Path:

@@ -16,7 +16,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MODES = ("none", "node", "auto")
 BUDGET = 0.9
 """``auto`` shards when the whole base plus activations exceed this share of the device's memory."""
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, models, plan, plan_base
+from rayflux import datasets, families, models
+from rayflux import gpu_memory as plan, gpu_memory as plan_base  # one module since plan.py was split
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
 from rayflux.train import base_weights, kohya, lora, optim, shard_load, sharding, step

@@ -44,20 +44,19 @@ def grid(images: list, columns: int = 0):
 
 
 def image_size(cfg: JobConfig) -> int:
-    """Square side in pixels: ``data.resolution`` rounded down to the model's 16-pixel alignment."""
-    return max(16, cfg.data.resolution // 16 * 16)
+    """Square side in pixels: ``data.resolution`` rounded down to the model's alignment
+    (:attr:`rayflux.families.ModelFacts.alignment`: a whole number of its packed latent tokens)."""
+    align = models.model_facts(cfg.model).alignment
+    return max(align, cfg.data.resolution // align * align)
 
 
 _PREPARED: dict = {}
 """This process's validation prompt embeddings, filled by the first render, keyed by everything they depend on."""
-text_encoder_loads = 0
-"""How many times this process has loaded the text encoders for validation (once per run)."""
 
 
 def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     """Each validation prompt's embedding arguments for the family's pipeline. The first call loads the text
     encoders, encodes every prompt and drops them; later renders never touch them again."""
-    global text_encoder_loads
     t = cfg.train
     facts = models.model_facts(cfg.model)
     path = models.resolve_path(cfg.model)
@@ -66,7 +65,6 @@ def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
         family = models.family(cfg.model)
         embeds = family.prompt_embeddings(path, models.revision_kw(cfg.model), list(t.validation_prompts), facts,
                                           device, dtype)  # fmt: skip
-        text_encoder_loads += 1
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
