@@ -146,7 +146,7 @@ def test_models_without_guidance_embedding_train_without_guidance(tmp_path):
 
 def test_the_memory_estimate_uses_the_text_length_the_driver_passes(tiny_model):
     from rayflux import datasets, models
-    from rayflux import gpu_memory as plan
+    from rayflux import gpu_memory
 
     cfg = train_data.job(tiny_model)
     given = LoraTrainer(cfg, "cpu", total_steps=1, text_length=7)  # as the Ray loop passes the driver's facts
@@ -154,6 +154,7 @@ def test_the_memory_estimate_uses_the_text_length_the_driver_passes(tiny_model):
     length = models.model_facts(cfg.model).text_length
     assert read.text_length == length != 7 and given.text_length == 7
     pixels = max(ds.resolution for ds in datasets.datasets_of(cfg.data))
-    per_token = plan.per_token_elements(dict(read.transformer.config), read.checkpointing) * cfg.train.batch_size * 4
-    assert given.memory.activations == plan.tokens(pixels, 7) * per_token  # fp32 activations on CPU
-    assert read.memory.activations == plan.tokens(pixels, length) * per_token
+    per_token = gpu_memory.per_token_elements(dict(read.transformer.config), read.checkpointing)
+    per_token *= cfg.train.batch_size * 4
+    assert given.memory.activations == gpu_memory.tokens(pixels, 7) * per_token  # fp32 activations on CPU
+    assert read.memory.activations == gpu_memory.tokens(pixels, length) * per_token

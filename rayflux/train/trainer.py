@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, models
-from rayflux import gpu_memory as plan, gpu_memory as plan_base  # one module since plan.py was split
+from rayflux import datasets, families, gpu_memory, models
+from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
 from rayflux.train import base_weights, kohya, lora, optim, shard_load, sharding, step
@@ -61,7 +61,7 @@ class LoraTrainer:
                  text_length: int | None = None):  # fmt: skip
         t = cfg.train
         self.cfg, self.device, self.empty = cfg, torch.device(device), empty
-        self.memory: plan.Estimate | None = None  # this process's estimate as the run uses it (see _plan_memory)
+        self.memory: gpu_memory.Estimate | None = None  # this process's estimate as the run uses it (see _plan_memory)
         self.dtype = models.torch_dtype(cfg.model.dtype, self.device.type)
         self.autocast = optim.autocast_dtype(t.mixed_precision, self.device.type)
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
@@ -117,13 +117,13 @@ class LoraTrainer:
                                                   base_weights.load_kwargs(t.base_dtype))  # fmt: skip
             if rank == 0:
                 log.info("base sharding: none (train.base_sharding=%s); the whole base, %.2f GiB, on every worker",
-                         t.base_sharding, sharding.whole_bytes(transformer) / plan.GIB)  # fmt: skip
+                         t.base_sharding, sharding.whole_bytes(transformer) / GIB)  # fmt: skip
             return transformer
         self.layout = sharding.gather_layout(topology, self.device)
         mesh = sharding.build_mesh(self.layout, self.device.type)
         transformer = shard_load.load(m, self.device, self.dtype, mesh, meta)
         if rank == 0:
-            whole, mine = sharding.whole_bytes(transformer) / plan.GIB, sharding.local_bytes(transformer) / plan.GIB
+            whole, mine = sharding.whole_bytes(transformer) / GIB, sharding.local_bytes(transformer) / GIB
             log.info("base sharding: node (train.base_sharding=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
                      t.base_sharding, "x".join(map(str, self.layout.shape)), self.layout.reason, whole, mine)  # fmt: skip
         torch.manual_seed(t.seed)  # the adapter's init draws as after a whole load
@@ -131,23 +131,23 @@ class LoraTrainer:
 
     def _weight_bytes(self, counts, layout: sharding.Layout | None) -> int:
         """Bytes of the frozen base on this worker's device: whole, or its share of a ``layout`` plus the blocks FSDP2
-        gathers (:func:`rayflux.plan_base.per_gpu_weight_bytes`, the figure ``python -m rayflux plan`` prints)."""
+        gathers (:func:`rayflux.gpu_memory.per_gpu_weight_bytes`, the figure ``python -m rayflux plan`` prints)."""
         mode, shards = ("node", layout.shards) if layout else ("none", 1)
-        return int(plan_base.per_gpu_weight_bytes(counts, self.cfg.train.base_dtype, mode, shards,
+        return int(gpu_memory.per_gpu_weight_bytes(counts, self.cfg.train.base_dtype, mode, shards,
                                                   self.dtype.itemsize))  # fmt: skip
 
     def _estimates(self, tc: dict, weight_bytes: int, trainable: int):
         """This run's memory estimates per process (``weight_bytes`` of frozen base, ``trainable`` LoRA parameters)
         without and with gradient checkpointing, whether ``train.gradient_checkpointing`` turns it on (see
-        :func:`rayflux.plan.gradient_checkpointing`), and the device's bytes (0 on CPU)."""
+        :func:`rayflux.gpu_memory.gradient_checkpointing`), and the device's bytes (0 on CPU)."""
         t = self.cfg.train
         on_gpu = self.device.type == "cuda"
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         act_bytes = torch.finfo(self.autocast or torch.float32).bits // 8
-        without, with_ = (plan.estimate(tc, weight_bytes, trainable, pixels, t.batch_size, c, act_bytes,
+        without, with_ = (gpu_memory.estimate(tc, weight_bytes, trainable, pixels, t.batch_size, c, act_bytes,
                                         text=self.text_length) for c in (False, True))  # fmt: skip
-        on = plan.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
+        on = gpu_memory.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         return without, with_, on, device_bytes
 
     def _plan_memory(self, rank: int) -> bool:
@@ -165,15 +165,15 @@ class LoraTrainer:
             log.info(
                 "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + AdamW %.2f GiB, activations "
                 "%.1f GiB (%.1f without checkpointing, %.1f with); gradient checkpointing %s (%s)%s",
-                pixels, t.batch_size, used.weights / plan.GIB, used.lora_optimizer / plan.GIB,
-                used.activations / plan.GIB, without.activations / plan.GIB, with_.activations / plan.GIB,
+                pixels, t.batch_size, used.weights / GIB, used.lora_optimizer / GIB,
+                used.activations / GIB, without.activations / GIB, with_.activations / GIB,
                 "on" if on else "off",
-                t.gradient_checkpointing, f"; device {device_bytes / plan.GIB:.0f} GiB" if device_bytes else "",
+                t.gradient_checkpointing, f"; device {device_bytes / GIB:.0f} GiB" if device_bytes else "",
             )  # fmt: skip
-            share = (f"{self.layout.shards} shards + {plan_base.GATHERED_BLOCKS} gathered blocks: "
-                     f"{mine / plan.GIB:.2f} GiB a worker" if self.layout else "whole on every worker")  # fmt: skip
+            share = (f"{self.layout.shards} shards + {gpu_memory.GATHERED_BLOCKS} gathered blocks: "
+                     f"{mine / GIB:.2f} GiB a worker" if self.layout else "whole on every worker")  # fmt: skip
             log.info("frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s (%s)",
-                     t.base_dtype, whole / counts.total, whole / plan.GIB, t.base_sharding, share)  # fmt: skip
+                     t.base_dtype, whole / counts.total, whole / GIB, t.base_sharding, share)  # fmt: skip
         return on
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
