@@ -45,10 +45,26 @@ def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> in
     cfg = config.load_or_report(args.config, args.set)
     if cfg is None:
         return 2
+    # Ray's C++ core writes to fd 2 itself; that goes to the run's logs, and sys.stderr to the terminal.
+    with console.terminal(console.driver_log_path(cfg.run.output_dir)):
+        try:
+            return _run_job(cfg, args.only or "")
+        finally:
+            _disconnect()
+
+
+def _disconnect() -> None:
+    """Leave Ray while fd 2 still points at the log: what its shutdown prints (after Ctrl-C, say) belongs there."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def _run_job(cfg: config.JobConfig, only: str) -> int:
     from rayflux import job
 
     try:
-        summary = job.run(cfg, only=args.only or "")
+        summary = job.run(cfg, only=only)
     except KeyboardInterrupt:
         print("rayflux: interrupted", file=sys.stderr)
         return 130

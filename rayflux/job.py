@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from rayflux import console, datasets, families, models, paths, progress, refresh, storage
+from rayflux.connect import connect
 from rayflux.config import ConfigError, JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
 
@@ -104,26 +105,6 @@ def resolve_dirs(cfg: JobConfig) -> tuple[str, str, str]:
     if not storage.is_uri(cache):
         cache = os.path.abspath(cache)
     return images, cache, output
-
-
-def connect(address: str = "") -> None:
-    """Join ``address``, else ``RAY_ADDRESS``, else a running local head, else start a local Ray."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS", "")
-    # A Ray this job starts for itself lives as long as the job and runs without the dashboard: its dozen processes
-    # cost seconds of every start on a small machine, and the job prints its own progress. `ray start --head` gives
-    # a dashboard; the job joins such a head.
-    own = {"include_dashboard": False, **console.init_kwargs()}
-    if address:
-        ray.init(address=address, **(own if address == "local" else console.init_kwargs()))
-        return
-    try:
-        ray.init(address="auto", **console.init_kwargs())
-    except ConnectionError:
-        ray.init(**own)
 
 
 def cluster_has_gpus() -> bool:

@@ -123,7 +123,9 @@ def test_both_entries_are_the_same_job():
 
 def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     """The installed ``rayflux train``, joined to the session's Ray through RAY_ADDRESS, with stdout and stderr one
-    pipe (not a terminal): stage lines, plain progress lines and the summary last; Ray's chatter stays in its logs."""
+    pipe (not a terminal): stage lines, plain progress lines and the summary last; Ray's chatter stays in its logs,
+    what its C++ core prints on the driver's fd 2 (``core_worker.cc`` about the encoder actors) included. (The same on
+    a terminal: test_cluster_driver_terminal.)"""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     env.pop("RAYFLUX_VERBOSE", None)
     out = tmp_path / "cli-run"
@@ -136,7 +138,9 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert "LoRA:" in proc.stdout and str(out) in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert not [line for line in lines if "TrainingReport(" in line or "Execution plan of" in line], proc.stdout
+    chatter = ("TrainingReport(", "Execution plan of", "core_worker.cc", "Total Progress")
+    assert not [line for line in lines if any(c in line for c in chatter)], proc.stdout
+    assert "core_worker.cc" in (out / "logs" / "ray-driver.txt").read_text()
     assert len(lines) <= 40, proc.stdout
     assert lines[-1].startswith("[rayflux] time:"), proc.stdout  # the summary is last
     assert any(line.startswith("[rayflux] train step 2/2 ") for line in lines), proc.stdout
