@@ -59,12 +59,16 @@ def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> in
     if cfg is None:
         return 2
     from rayflux import job
+    from rayflux.lease import LeaseHeld
 
     try:
         summary = job.run(cfg, only=args.only or "")
     except KeyboardInterrupt:
         print("rayflux: interrupted", file=sys.stderr)
         return 130
+    except LeaseHeld as exc:  # another job holds the run directory: one line saying who, and how to take over
+        print(f"rayflux: refused: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - one clear line for the user; the traceback goes to a file it names
         where = write_traceback(cfg.run.output_dir)
         print(f"rayflux: failed: {type(exc).__name__}: {_one_line(exc)} (traceback: {where})", file=sys.stderr)
