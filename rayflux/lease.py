@@ -226,7 +226,8 @@ class Lease:
             current = Holder.from_json(data) if data is not None else None
             now = time.time()
             if current is None or current.expires <= now:
-                me = Holder(uuid.uuid4().hex, submission_id(), socket.gethostname(), os.getpid(), now, now, self.seconds)
+                me = Holder(token=uuid.uuid4().hex, job=submission_id(), host=socket.gethostname(), pid=os.getpid(),
+                            started=now, heartbeat=now, seconds=self.seconds)
                 new = self._store.put(me.to_json(), version)
                 if new is None:
                     continue  # another job changed it since it was read: look again
@@ -300,6 +301,6 @@ class Lease:
             except Exception as exc:  # noqa: BLE001 - a store that is briefly unreachable: try again next beat
                 log.warning("%s: lease heartbeat failed (%s); retrying", self.what, exc)
                 if time.time() - last_ok > self.seconds:
-                    self._lost = f"{self.what}: no heartbeat reached {self.path} for {self.seconds:g} s; the lease expired"
+                    self._lost = f"{self.what}: no heartbeat reached {self.path} for {self.seconds:g} s; it expired"
                     log.error("%s", self._lost)
                     return

@@ -86,7 +86,8 @@ def commit(gen_dir: str, manifest: dict, skipped: list[dict], build: str) -> dic
     )
     _remove_own(gen_dir, build, keep=listed(manifest))
     manifest = {**manifest, "committed_at": time.time()}
-    if storage.create_exclusive(storage.join(gen_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode()):
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    if storage.create_exclusive(storage.join(gen_dir, MANIFEST), data):
         return manifest
     _remove_own(gen_dir, build, keep=set())
     winner = load_manifest(gen_dir)
