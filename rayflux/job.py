@@ -1,7 +1,8 @@
 """The stage runner: validate -> cache(g0) -> train(segment 0) -> [cache(g1) -> train -> retire(g0)] ... -> export.
 
 Every stage is recorded in the run's ledger; a rerun of the same command skips finished stages, discards a
-half-built generation, and resumes training from the last checkpoint. Only the ``retire`` and ``discard`` stages
+half-built generation (or a committed one that lost a file), and resumes training from the last checkpoint. One job
+at a time runs in a run directory and writes to a cache key: each holds a lease (:mod:`rayflux.lease`). Only the ``retire`` and ``discard`` stages
 ever delete cache files, and only at points where no worker can be reading them.
 """
 
@@ -192,7 +193,7 @@ class _Stages:
         # tells which committed generations still hold every file they list; a broken one is no one's source.
         key_dir = storage.join(self.cache_root, self.key)
         present = set(generations.files_in(key_dir))
-        previous, broken = _intact(key_dir, present)
+        previous, broken = generations.latest_intact(key_dir, present)
         discovery = draw.discover(self.cfg, self.facts, seed, previous)
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
@@ -365,21 +366,6 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
         done = ledger.find("export")
         summary.checkpoint = done["inputs"] if done else ""
     return summary
-
-
-def _intact(key_dir: str, present: set[str]) -> tuple[dict | None, dict[str, str]]:
-    """(the newest committed generation of a cache key that still holds every file it lists, {generation directory:
-    what is missing} for the newer ones that do not). ``present``: every file under ``key_dir``."""
-    from rayflux.cache import generations
-
-    broken: dict[str, str] = {}
-    while True:
-        manifest = generations.latest_committed(key_dir, exclude=set(broken))
-        lost = generations.missing(manifest, present) if manifest is not None else []
-        if not lost:
-            return manifest, broken
-        broken[manifest["dir"]] = f"{len(lost)} of its listed files are missing (first: {lost[0]})"
-        log.warning("cache generation %s: %s; it is not reused", manifest["dir"], broken[manifest["dir"]])
 
 
 def _check_edit_pairs(cfg: JobConfig, family) -> None:

@@ -166,6 +166,19 @@ def latest_committed(key_dir: str, exclude: str | set[str] = "") -> dict | None:
     return max(found, key=lambda m: m["committed_at"], default=None)
 
 
+def latest_intact(key_dir: str, present: set[str]) -> tuple[dict | None, dict[str, str]]:
+    """(the newest committed generation of a cache key that still holds every file it lists, {generation directory:
+    what is missing} for the newer ones that do not). ``present``: every file under ``key_dir`` (one listing)."""
+    broken: dict[str, str] = {}
+    while True:
+        manifest = latest_committed(key_dir, exclude=set(broken))
+        lost = missing(manifest, present) if manifest is not None else []
+        if not lost:
+            return manifest, broken
+        broken[manifest["dir"]] = f"{len(lost)} of its listed files are missing (first: {lost[0]})"
+        log.warning("cache generation %s: %s; it is not reused", manifest["dir"], broken[manifest["dir"]])
+
+
 def sample_files(manifest: dict) -> list[str]:
     return [storage.join(manifest["dir"], f["path"]) for f in manifest["files"]]
 
