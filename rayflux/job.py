@@ -2,8 +2,8 @@
 
 Every stage is recorded in the run's ledger; a rerun of the same command skips finished stages, discards a
 half-built generation (or a committed one that lost a file), and resumes training from the last checkpoint. One job
-at a time runs in a run directory and writes to a cache key: each holds a lease (:mod:`rayflux.lease`). Only the ``retire`` and ``discard`` stages
-ever delete cache files, and only at points where no worker can be reading them.
+at a time runs in a run directory and writes to a cache key: each holds a lease (:mod:`rayflux.lease`). Only the
+``retire`` and ``discard`` stages ever delete cache files, and only at points where no worker can be reading them.
 """
 
 from __future__ import annotations
