@@ -119,11 +119,11 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
 def test_readers_refuse_uncommitted_and_retired_generations(tmp_path):
     gen = tmp_path / "key" / "g00000-abc"
     (gen / "samples").mkdir(parents=True)
-    shard = gen / "samples" / "samples-1.parquet"
+    shard = gen / "samples" / "samples-b1-1.parquet"  # written by build b1
     shard.write_bytes(b"")
     with pytest.raises(GenerationNotReadable, match="not committed"):
         check_readable(str(gen))
-    generations.commit(str(gen), {"files": [], "text_files": []}, [])
+    generations.commit(str(gen), {"files": [], "text_files": []}, [], "b1")
     assert not shard.exists()  # not listed by the manifest: commit removed it
     check_readable(str(gen))
     generations.retire(str(gen))
