@@ -62,12 +62,16 @@ def _disconnect() -> None:
 
 def _run_job(cfg: config.JobConfig, only: str) -> int:
     from rayflux import job
+    from rayflux.lease import LeaseHeld
 
     try:
         summary = job.run(cfg, only=only)
     except KeyboardInterrupt:
         print("rayflux: interrupted", file=sys.stderr)
         return 130
+    except LeaseHeld as exc:  # another job holds the run directory: one line saying who, and how to take over
+        print(f"rayflux: refused: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - one clear line for the user; the traceback goes to a file it names
         where = write_traceback(cfg.run.output_dir)
         print(f"rayflux: failed: {type(exc).__name__}: {_one_line(exc)} (traceback: {where})", file=sys.stderr)

@@ -1,8 +1,9 @@
 """The stage runner: validate -> cache(g0) -> train(segment 0) -> [cache(g1) -> train -> retire(g0)] ... -> export.
 
 Every stage is recorded in the run's ledger; a rerun of the same command skips finished stages, discards a
-half-built generation, and resumes training from the last checkpoint. Only the ``retire`` and ``discard`` stages
-ever delete cache files, and only at points where no worker can be reading them.
+half-built generation (or a committed one that lost a file), and resumes training from the last checkpoint. One job
+at a time runs in a run directory and writes to a cache key: each holds a lease (:mod:`rayflux.lease`). Only the
+``retire`` and ``discard`` stages ever delete cache files, and only at points where no worker can be reading them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from rayflux import console, datasets, families, models, paths, progress, refresh, storage
+from rayflux import console, datasets, families, lease, models, paths, progress, refresh, storage
 from rayflux.connect import connect
 from rayflux.config import ConfigError, JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
@@ -151,8 +152,15 @@ class _Stages:
         Once per generation and job: discovery lists and reads the whole dataset, so a second ask is answered from
         the first."""
         if g not in self.manifests:
-            self.manifests[g] = self._generation(g)
+            with self.key_lease():
+                self.manifests[g] = self._generation(g)
         return self.manifests[g]
+
+    def key_lease(self) -> lease.Lease:
+        """The cache key's lease, held around everything that may write to the key: another job building it (a
+        job with another run directory and the same ``cache.dir``) is waited for, then its commit is reused."""
+        key_dir = storage.join(self.cache_root, self.key)
+        return lease.Lease(key_dir, f"cache key {self.key}", self.cfg.run.lease_seconds).acquire(wait=True)
 
     def _generation(self, g: int) -> dict:
         from rayflux.cache import generations
@@ -162,8 +170,11 @@ class _Stages:
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
         t0 = time.perf_counter()
         # The newest committed generation lends its caption files' lines to discovery and its encoded rows to the
-        # build. When that is generation g itself, it is reused below and nothing is built.
-        previous = generations.latest_committed(storage.join(self.cache_root, self.key))
+        # build. When that is generation g itself, it is reused below and nothing is built. One listing of the key
+        # tells which committed generations still hold every file they list; a broken one is no one's source.
+        key_dir = storage.join(self.cache_root, self.key)
+        present = set(generations.files_in(key_dir))
+        previous, broken = generations.latest_intact(key_dir, present)
         discovery = draw.discover(self.cfg, self.facts, seed, previous)
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
@@ -176,7 +187,11 @@ class _Stages:
         gen_dir = generations.generation_dir(self.cache_root, self.key, g, inputs)
         self.dirs[g] = gen_dir
         manifest = generations.load_manifest(gen_dir)
-        if manifest is not None and not generations.is_retired(gen_dir):
+        reason = ""
+        if manifest is not None and gen_dir in broken:
+            reason = f"committed, but {broken[gen_dir]}"
+            log.warning("cache generation %d (%s) is %s: building it again", g, gen_dir, reason)
+        elif manifest is not None and not generations.is_retired(gen_dir):
             log.info("cache generation %d is committed and up to date (%s); nothing to encode", g, gen_dir)
             if not self.ledger.done(f"cache:g{g}", gen_dir):
                 entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, reused=True)
@@ -184,7 +199,7 @@ class _Stages:
             return manifest
         if storage.exists(gen_dir):
             # Left half-built (or retired) by an earlier, interrupted run: nothing committed reads it, so drop it.
-            entry = self.ledger.start(f"discard:g{g}", gen_dir)
+            entry = self.ledger.start(f"discard:g{g}", gen_dir, reason=reason or "not committed or retired")
             generations.remove_tree(gen_dir)
             self.ledger.finish(entry)
         entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
@@ -201,9 +216,10 @@ class _Stages:
         gen_dir = self.dirs[g]
         if self.ledger.done(f"retire:g{g}", gen_dir):
             return
-        entry = self.ledger.start(f"retire:g{g}", gen_dir)
-        generations.retire(gen_dir)
-        self.ledger.finish(entry)
+        with self.key_lease():
+            entry = self.ledger.start(f"retire:g{g}", gen_dir)
+            generations.retire(gen_dir)
+            self.ledger.finish(entry)
 
     def room_for_overlap(self) -> bool:
         """Can generation g+1 be encoded while training runs? Only if both fit, with a CPU to spare for tasks."""
@@ -221,8 +237,6 @@ class _Stages:
 
 def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
-    from rayflux.cache import index
-
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
     # Refuse overlapping directories before any Ray work or any write.
@@ -232,10 +246,22 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         if ds.reference_dir:
             ref_key = key.replace("images_dir", "reference_dir")
             paths.check_disjoint(ds.reference_dir, ref_key, **{"cache.dir": cache_root, "run.output_dir": output})
+    # One job at a time per run directory: a second one refuses here, before any Ray work or any other write.
+    held = lease.Lease(output, f"run.output_dir {output}", cfg.run.lease_seconds).acquire()
+    try:
+        return _run_stages(cfg, only, cache_root, output, held)
+    finally:
+        held.release()
+
+
+def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: lease.Lease) -> Summary:
+    """:func:`run` once the run directory's lease is held (``held``)."""
+    from rayflux.cache import index
+
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
     _check_edit_pairs(cfg, families.by_name(facts.family))  # facts already checked the model's family
-    ledger = Ledger(output, run_identity(cfg))
+    ledger = Ledger(output, run_identity(cfg), guard=held.check)
     summary.ledger = ledger.path
 
     console.quiet_ray()

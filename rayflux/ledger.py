@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 from rayflux import storage
 
@@ -18,8 +19,11 @@ class ConfigChanged(RuntimeError):
 
 
 class Ledger:
-    def __init__(self, run_dir: str, run_fingerprint: str):
+    def __init__(self, run_dir: str, run_fingerprint: str, guard: Callable[[], None] | None = None):
+        """``guard`` is called before every write and raises when this job may no longer write the run directory
+        (its lease was taken over, see :mod:`rayflux.lease`)."""
         self.path = storage.join(run_dir, LEDGER)
+        self.guard = guard
         self.data = {"run_fingerprint": run_fingerprint, "stages": []}
         if storage.exists(self.path):
             old = json.loads(storage.read_bytes(self.path))
@@ -32,6 +36,8 @@ class Ledger:
             self.data = old
 
     def _save(self) -> None:
+        if self.guard is not None:
+            self.guard()
         storage.write_bytes_atomic(self.path, json.dumps(self.data, indent=1, sort_keys=True).encode())
 
     def find(self, name: str) -> dict | None:

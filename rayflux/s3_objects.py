@@ -117,3 +117,68 @@ def list_pages(fs: pafs.S3FileSystem, inner: str, below: bool) -> Iterator[tuple
         yield ([f"{bucket}/{o['Key']}" for o in objects], [o["Size"] for o in objects],
                [(o["LastModified"] - _EPOCH) // _MICROSECOND * 1000 for o in objects],
                [f"{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", ())])  # fmt: skip
+
+
+def conditional(fs: pafs.FileSystem) -> bool:
+    """Can ``fs`` take conditional writes (:func:`put_if`, :func:`delete_if`)? S3 with boto3 installed, whatever
+    ``RAYFLUX_S3_READS`` says (pyarrow's API has no conditional PUT)."""
+    return isinstance(fs, pafs.S3FileSystem) and _have_boto3()
+
+
+def _conditional_failed(exc) -> bool:
+    """A conditional request that lost: 412 Precondition Failed, or AWS's 409 when a concurrent conditional write to
+    the same key is in flight."""
+    code = exc.response.get("Error", {}).get("Code", "")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+def get_tagged(fs: pafs.S3FileSystem, inner: str) -> tuple[bytes, str] | None:
+    """The object ``inner`` and its ETag in one GET, or None when there is none."""
+    from botocore.exceptions import ClientError
+
+    from rayflux.storage import s3_settings
+
+    bucket, _, key = inner.partition("/")
+    try:
+        reply = _client(s3_settings()[0], fs.region).get_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            return None
+        raise
+    with reply["Body"] as body:
+        return body.read(), reply["ETag"]
+
+
+def put_if(fs: pafs.S3FileSystem, inner: str, data: bytes, etag: str = "") -> str | None:
+    """Write the object ``inner`` only if it does not exist (``etag`` empty: ``If-None-Match: *``) or is still the
+    version ``etag`` names (``If-Match``), in one PUT. Returns the new ETag, or None when the condition failed.
+    S3 (since 2024) and MinIO evaluate the condition atomically, so of two writers exactly one wins."""
+    from botocore.exceptions import ClientError
+
+    from rayflux.storage import s3_settings
+
+    bucket, _, key = inner.partition("/")
+    condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    try:
+        return _client(s3_settings()[0], fs.region).put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+    except ClientError as exc:
+        if _conditional_failed(exc) or (etag and exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")):
+            return None
+        raise
+
+
+def delete_if(fs: pafs.S3FileSystem, inner: str, etag: str) -> bool:
+    """Delete the object ``inner`` only while it is the version ``etag`` names; False when it is not."""
+    from botocore.exceptions import ClientError
+
+    from rayflux.storage import s3_settings
+
+    bucket, _, key = inner.partition("/")
+    try:
+        _client(s3_settings()[0], fs.region).delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+    except ClientError as exc:
+        if _conditional_failed(exc) or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            return False
+        raise
+    return True

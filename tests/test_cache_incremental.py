@@ -57,7 +57,7 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     out["first_mtimes"] = _mtimes(out["first"].cache_dir)
     out["first_manifest"] = generations.load_manifest(out["first"].cache_dir)
     out["same"] = job.run(cfg, only="cache")
-    out["dirs_after_same"] = sorted(p.name for p in key_dir.iterdir())
+    out["dirs_after_same"] = sorted(p.name for p in key_dir.iterdir() if p.is_dir())  # not the lease's lock file
     for p in images.iterdir():
         st = p.stat()
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))

@@ -119,11 +119,11 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
 def test_readers_refuse_uncommitted_and_retired_generations(tmp_path):
     gen = tmp_path / "key" / "g00000-abc"
     (gen / "samples").mkdir(parents=True)
-    shard = gen / "samples" / "samples-1.parquet"
+    shard = gen / "samples" / "samples-b1-1.parquet"  # written by build b1
     shard.write_bytes(b"")
     with pytest.raises(GenerationNotReadable, match="not committed"):
         check_readable(str(gen))
-    generations.commit(str(gen), {"files": [], "text_files": []}, [])
+    generations.commit(str(gen), {"files": [], "text_files": []}, [], "b1")
     assert not shard.exists()  # not listed by the manifest: commit removed it
     check_readable(str(gen))
     generations.retire(str(gen))
@@ -186,7 +186,8 @@ def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(ray_s
     run passes every check of the refresh protocol. (One job for both: each alone cost a full three- or two-segment
     run.)"""
     out = tmp_path / "run"
-    cmd = _job_cmd(out, tiny_model, demo_images, "train.epochs=3", "run.debug_slow_rank=1:0.4")
+    # A short lease: the killed driver's lease on the run directory expires 2 s after its last heartbeat.
+    cmd = _job_cmd(out, tiny_model, demo_images, "train.epochs=3", "run.debug_slow_rank=1:0.4", "run.lease_seconds=2")
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     ledger = out / "ledger.json"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -211,6 +212,7 @@ def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(ray_s
     assert before["train:seg0"]["status"] == "done" and before["train:seg1"]["status"] == "running"
     assert before["cache:g1"]["status"] == "done"  # the generation segment 1 reads was committed before the kill
 
+    time.sleep(max(0.0, killed_at + 2.5 - time.time()))  # until the killed driver's lease has expired
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     after = _stages(ledger)

@@ -175,7 +175,7 @@ def _generation(gen_dir, parts) -> dict:
     manifest = {"files": files, "text_files": [{"path": tmeta["path"][0], "rows": 1, "bytes": tmeta["bytes"][0]}],
                 "layout": dataclasses.asdict(layout), "empty_caption": captions.empty}  # fmt: skip
     manifest["index"] = {"samples": samples.commit(str(gen_dir)), "captions": captions.commit(str(gen_dir))}
-    generations.commit(str(gen_dir), manifest, [])
+    generations.commit(str(gen_dir), manifest, [], "0123456789abcdef")
     return generations.load_manifest(str(gen_dir))
 
 

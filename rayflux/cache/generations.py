@@ -3,14 +3,22 @@
 Layout: ``<cache.dir>/<cache_key>/g00000-<inputs hash>/{samples,text}/*.parquet`` (and, while it builds, the passes'
 inputs in ``staging/``), then ``skipped.jsonl`` and the generation index (``index/*.parquet``), then ``manifest.json``
 last. Readers trust a generation only through its committed manifest, and a directory without one (a build that
-crashed or is still running) or with a ``RETIRED`` mark is never read or reused. Commit removes every file the
-manifest does not list (shards of a write task that was killed after writing and ran again, a killed write's
-temporary file, the build's staged inputs), so a committed generation holds exactly what its manifest lists.
+crashed or is still running) or with a ``RETIRED`` mark is never read or reused.
+
+Every file a build writes carries its build id (the manifest's ``encode_id``) in its name, and the manifest is
+created only if none exists yet (:func:`rayflux.storage.create_exclusive`), so two builds of one generation that
+ran at once (the cache key's lease, :mod:`rayflux.lease`, normally prevents that) cannot destroy each other: the
+first commit wins, each commit removes only its own build's files the manifest does not list (shards of a write task
+that was killed after writing and ran again, a killed write's temporary file, the build's staged inputs), and the
+losing build removes all of its own files and takes the winner's manifest. A committed generation thus holds exactly
+what its manifest lists. Before a committed generation is reused, :func:`missing` checks against one listing that
+every file it lists (and borrows) is still there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -18,6 +26,8 @@ import time
 import pyarrow.fs as pafs
 
 from rayflux import storage
+
+log = logging.getLogger("rayflux")
 
 MANIFEST = "manifest.json"
 SKIPPED = "skipped.jsonl"
@@ -63,26 +73,47 @@ def _remove_empty_dirs(root: str) -> None:
             os.rmdir(parent)
 
 
-def commit(gen_dir: str, manifest: dict, skipped: list[dict]) -> dict:
-    """Write the skipped report, remove every file the manifest does not list, then write the manifest (the commit
-    point). Returns the manifest as written.
+def commit(gen_dir: str, manifest: dict, skipped: list[dict], build: str) -> dict:
+    """Write the skipped report, remove every file of build ``build`` the manifest does not list, then create the
+    manifest (the commit point) unless another build of this generation committed first. Returns the committed
+    manifest: this one as written, or the winner's (this build's files removed).
 
-    Every write task has finished when this runs, so a file nobody listed is an attempt whose result never arrived
-    (its task was retried) or a temporary file a killed write left.
+    Every write task of the build has finished when this runs, so a file of it that nobody listed is an attempt whose
+    result never arrived (its task was retried) or a temporary file a killed write left.
     """
     storage.write_bytes_atomic(
         storage.join(gen_dir, SKIPPED), "".join(json.dumps(s, sort_keys=True) + "\n" for s in skipped).encode()
     )
-    keep = listed(manifest)
+    _remove_own(gen_dir, build, keep=listed(manifest))
+    manifest = {**manifest, "committed_at": time.time()}
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    if storage.create_exclusive(storage.join(gen_dir, MANIFEST), data):
+        return manifest
+    _remove_own(gen_dir, build, keep=set())
+    winner = load_manifest(gen_dir)
+    log.warning("cache %s: another build (%s) committed this generation first; this build's files are removed and "
+                "its commit is used", gen_dir, winner.get("encode_id"))  # fmt: skip
+    return winner
+
+
+def _remove_own(gen_dir: str, build: str, keep: set[str]) -> None:
+    """Delete the files of build ``build`` under ``gen_dir`` (those whose names carry its id) that ``keep`` does not
+    list, in one listing; then, locally, the folders that left empty."""
     fs, inner = storage.resolve(gen_dir)
     for rel in files_in(gen_dir):
-        if rel not in keep:
+        if build in rel and rel not in keep:
             fs.delete_file(f"{inner}/{rel}")
     if isinstance(fs, pafs.LocalFileSystem):
         _remove_empty_dirs(inner)
-    manifest = {**manifest, "committed_at": time.time()}
-    storage.write_bytes_atomic(storage.join(gen_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
-    return manifest
+
+
+def missing(manifest: dict, present: set[str]) -> list[str]:
+    """The files a committed generation needs that are not in ``present`` (every file under its cache key's
+    directory, relative to it: :func:`files_in` of the key's directory): its own listed files and those it
+    borrows from earlier generations. Empty when it can be reused."""
+    name = generation_name(manifest["dir"])
+    need = {f"{name}/{rel}" for rel in listed(manifest)} | set(manifest.get("borrowed", []))
+    return sorted(need - present)
 
 
 def load_manifest(gen_dir: str) -> dict | None:
@@ -119,19 +150,33 @@ def generation_dirs(key_dir: str) -> list[str]:
     return sorted(found, key=lambda d: (generation_number(d), d))
 
 
-def latest_committed(key_dir: str, exclude: str = "") -> dict | None:
-    """The manifest of the most recently committed, unretired generation of a cache key (other than ``exclude``).
+def latest_committed(key_dir: str, exclude: str | set[str] = "") -> dict | None:
+    """The manifest of the most recently committed, unretired generation of a cache key (other than ``exclude``, a
+    generation directory or a set of them).
 
     Directories without a manifest are skipped whatever their number: a crashed build is never anyone's source.
     """
     found = []
     for gen_dir in generation_dirs(key_dir):
-        if gen_dir == exclude or is_retired(gen_dir):
+        if gen_dir in ({exclude} if isinstance(exclude, str) else exclude) or is_retired(gen_dir):
             continue
         manifest = load_manifest(gen_dir)
         if manifest is not None:
             found.append(manifest)
     return max(found, key=lambda m: m["committed_at"], default=None)
+
+
+def latest_intact(key_dir: str, present: set[str]) -> tuple[dict | None, dict[str, str]]:
+    """(the newest committed generation of a cache key that still holds every file it lists, {generation directory:
+    what is missing} for the newer ones that do not). ``present``: every file under ``key_dir`` (one listing)."""
+    broken: dict[str, str] = {}
+    while True:
+        manifest = latest_committed(key_dir, exclude=set(broken))
+        lost = missing(manifest, present) if manifest is not None else []
+        if not lost:
+            return manifest, broken
+        broken[manifest["dir"]] = f"{len(lost)} of its listed files are missing (first: {lost[0]})"
+        log.warning("cache generation %s: %s; it is not reused", manifest["dir"], broken[manifest["dir"]])
 
 
 def sample_files(manifest: dict) -> list[str]:

@@ -149,8 +149,9 @@ class Sink:
             e["rows"] += r["length_count"]
             e["latent_bytes"] += r["length_sum"]
 
-    def commit(self, gen_dir: str) -> dict:
-        """Close, write the Parquet file, upload it beside the manifest, and return the manifest's entry for it."""
+    def commit(self, gen_dir: str, build: str = "") -> dict:
+        """Close, write the Parquet file, upload it beside the manifest, and return the manifest's entry for it.
+        ``build``: the build's id, in the file's name (``index/samples-<build>.parquet``)."""
         self._close_spool()
         fd, local = tempfile.mkstemp(prefix=f"rayflux-index-{self.kind}-", suffix=".parquet")
         os.close(fd)
@@ -173,7 +174,7 @@ class Sink:
             os.unlink(local)
             raise
         self.discard()  # the spool is of no use once its rows are in the Parquet file
-        return upload(local, gen_dir, SAMPLES if self.kind == "samples" else CAPTIONS, self.rows)
+        return upload(local, gen_dir, own_name(SAMPLES if self.kind == "samples" else CAPTIONS, build), self.rows)
 
     def discard(self) -> None:
         self._close_spool()
@@ -184,6 +185,13 @@ class Sink:
         if not self._out.closed:
             self.writer.close()
             self._out.close()
+
+
+def own_name(rel: str, build: str) -> str:
+    """``index/samples.parquet`` -> ``index/samples-<build>.parquet``: each build's index files have names of their
+    own, so two builds of one generation never overwrite each other's (the manifest names the winner's)."""
+    stem, dot, ext = rel.rpartition(".")
+    return f"{stem}-{build}.{ext}" if build else rel
 
 
 def upload(local: str, gen_dir: str, rel: str, rows: int) -> dict:

@@ -123,7 +123,7 @@ def attach(listed: pa.Table, table: pa.Table) -> pa.Table:
     return listed.set_column(listed.schema.get_field_index("sidecar_lines"), "sidecar_lines", lines)
 
 
-def write(gen_dir: str, spool: sources.Spool) -> dict:
+def write(gen_dir: str, spool: sources.Spool, build: str = "") -> dict:
     """Upload a discovery's sidecar table (its :class:`~rayflux.sources.Spool`) into ``gen_dir``; the manifest's
     ``index.sidecars`` entry."""
-    return index.upload(spool.close(), gen_dir, PATH, spool.rows)
+    return index.upload(spool.close(), gen_dir, index.own_name(PATH, build), spool.rows)

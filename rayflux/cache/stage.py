@@ -128,7 +128,8 @@ class _Build:
     generation: int
     seed: int
     encode_id: str
-    """Stamped by the encoders on every row they produce in this build."""
+    """The build's id: stamped by the encoders on every row they produce in this build, and in the name of every
+    file it writes (see :func:`rayflux.cache.generations.commit`)."""
     resources: dict
     """Ray resources of one encoder actor."""
     use_gpu: bool
@@ -184,7 +185,7 @@ def _stage(b: _Build, table: pa.Table, name: str) -> staging.Staged | None:
 
     Both passes' inputs are made before either pass starts (the text pass's by :func:`_text_input`), so neither
     pass's start waits for the other's tasks."""
-    return staging.stage(table, b.gen_dir, name, _IMAGES_PER_TASK)
+    return staging.stage(table, b.gen_dir, name, _IMAGES_PER_TASK, b.encode_id)
 
 
 def _text_input(b: _Build, images: staging.Staged | None, sink: index.Sink) -> text_input.TextInput:
@@ -194,7 +195,7 @@ def _text_input(b: _Build, images: staging.Staged | None, sink: index.Sink) -> t
     import ray
 
     find = ray.remote(num_cpus=fit.PREPARE_CPUS)(text_input.find)
-    found = ray.get(find.remote(images, b.gen_dir, b.previous.manifest, _IMAGES_PER_TASK))
+    found = ray.get(find.remote(images, b.gen_dir, b.previous.manifest, _IMAGES_PER_TASK, b.encode_id))
     for i, rows in enumerate(text_input.known_rows(found)):
         sink.add(rows)
         if i % _TRIM_EVERY == _TRIM_EVERY - 1:
@@ -222,7 +223,8 @@ def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing:
         compute=_pool(c.text_actors),
         **b.resources,
     )
-    out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text", b.use_gpu), "generation": b.generation}
+    out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text", b.use_gpu), "generation": b.generation,
+           "build": b.encode_id}  # fmt: skip
     ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=fit.WRITE_CPUS)
     name = f"cache-text-g{b.generation}"
     ds.set_name(name)
@@ -257,7 +259,8 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
     ds = ds.map_batches(
         writer.write_samples,
         fn_kwargs={
-            "out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu), "generation": b.generation
+            "out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu), "generation": b.generation,
+            "build": b.encode_id,
         },
         batch_size=c.rows_per_shard,
         num_cpus=fit.WRITE_CPUS,
@@ -348,9 +351,10 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
         manifest["unique_captions"] = text.unique
         manifest["staged_bytes"] = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
         manifest["reused"]["captions"] = text.unique - manifest["encoded"]["captions"]
-        manifest["index"] = {"samples": sample_index.commit(gen_dir), "captions": caption_index.commit(gen_dir)}
+        manifest["index"] = {"samples": sample_index.commit(gen_dir, encode_id),
+                             "captions": caption_index.commit(gen_dir, encode_id)}  # fmt: skip
         if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
-            manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars)
+            manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
     finally:
         sample_index.discard()
         caption_index.discard()
@@ -359,7 +363,7 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
         gen_dir, found.discovered, manifest["cached"], manifest["skipped"], manifest["encoded"]["samples"],
         manifest["encoded"]["captions"], manifest["reused"]["samples"], manifest["reused"]["captions"],
     )  # fmt: skip
-    return generations.commit(gen_dir, manifest, manifest["skipped_inputs"])
+    return generations.commit(gen_dir, manifest, manifest["skipped_inputs"], encode_id)
 
 
 @dataclass(frozen=True)

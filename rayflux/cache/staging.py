@@ -30,6 +30,11 @@ DIR = "staging"
 """Where a generation's staged inputs live, relative to its directory."""
 
 
+def scratch(gen_dir: str, build: str) -> str:
+    """Where build ``build`` stages its inputs: its own folder, which no concurrent build of the generation shares."""
+    return storage.join(gen_dir, DIR, build) if build else storage.join(gen_dir, DIR)
+
+
 @dataclass(frozen=True)
 class Staged:
     """One staged input: a file of IPC streams and where each block's stream is."""
@@ -46,9 +51,9 @@ class Staged:
         return len(self.offsets)
 
 
-def stage(table: pa.Table, gen_dir: str, name: str, rows_per_block: int) -> Staged | None:
-    """Write ``table`` to ``<gen_dir>/staging/<name>.arrows``, ``rows_per_block`` rows per block; None when it has
-    no rows. The driver holds one block's encoded bytes at a time besides ``table``."""
+def stage(table: pa.Table, gen_dir: str, name: str, rows_per_block: int, build: str = "") -> Staged | None:
+    """Write ``table`` to ``<gen_dir>/staging/<build>/<name>.arrows``, ``rows_per_block`` rows per block; None when
+    it has no rows. The driver holds one block's encoded bytes at a time besides ``table``."""
     if not table.num_rows:
         return None
     fd, local = tempfile.mkstemp(prefix=f"rayflux-{name}-", suffix=".arrows")
@@ -62,7 +67,7 @@ def stage(table: pa.Table, gen_dir: str, name: str, rows_per_block: int) -> Stag
                 lengths.append(len(data))
                 at += len(data)
         allocator.trim()
-        path = storage.join(gen_dir, DIR, f"{name}.arrows")
+        path = storage.join(scratch(gen_dir, build), f"{name}.arrows")
         storage.upload_atomic(local, path)
     finally:
         os.unlink(local)

@@ -45,7 +45,8 @@ class TextInput:
     """The generation's unique captions, the empty one included."""
 
 
-def find(images: staging.Staged | None, gen_dir: str, previous: dict | None, rows_per_block: int) -> TextInput:
+def find(images: staging.Staged | None, gen_dir: str, previous: dict | None, rows_per_block: int, build: str = ""
+         ) -> TextInput:  # fmt: skip
     """Ray task body: the unique captions of the staged ``images``, the index rows of those the ``previous``
     committed manifest holds (written to :data:`KNOWN`), and the others staged as ``captions`` in ``gen_dir``."""
     column = pa.chunked_array(
@@ -58,14 +59,14 @@ def find(images: staging.Staged | None, gen_dir: str, previous: dict | None, row
     ids = sources.caption_ids(captions)
     known_path, known_bytes, known = "", 0, pa.array([], pa.string())
     if previous is not None:
-        known_path, known_bytes, known = _write_known(reuse.Previous(manifest=previous), ids, gen_dir)
+        known_path, known_bytes, known = _write_known(reuse.Previous(manifest=previous), ids, gen_dir, build)
     fresh = pa.table({"caption_id": ids, "caption": captions})
     fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
-    return TextInput(staging.stage(fresh, gen_dir, "captions", rows_per_block), known_path, known_bytes,
+    return TextInput(staging.stage(fresh, gen_dir, "captions", rows_per_block, build), known_path, known_bytes,
                      len(captions))  # fmt: skip
 
 
-def _write_known(previous: reuse.Previous, ids: pa.Array, gen_dir: str) -> tuple[str, int, pa.Array]:
+def _write_known(previous: reuse.Previous, ids: pa.Array, gen_dir: str, build: str) -> tuple[str, int, pa.Array]:
     """Write the previous index rows of ``ids`` it holds to :data:`KNOWN`; its path ("" when none), size and the ids
     found."""
     fd, local = tempfile.mkstemp(prefix="rayflux-known-captions-", suffix=".parquet")
@@ -85,7 +86,7 @@ def _write_known(previous: reuse.Previous, ids: pa.Array, gen_dir: str) -> tuple
             return "", 0, found
         writer.close()
         nbytes = os.path.getsize(local)
-        path = storage.join(gen_dir, staging.DIR, KNOWN)
+        path = storage.join(staging.scratch(gen_dir, build), KNOWN)
         storage.upload_atomic(local, path)
         return path, nbytes, found
     finally:

@@ -30,10 +30,11 @@ def _meta(path: str = "", rows: int = 0, nbytes: int = 0, error: str = "", **ext
     return out
 
 
-def _write(rows: list[dict], out_dir: str, layout: shards.ShardLayout) -> tuple[str, int, pa.Table, dict]:
-    """Write ``rows`` as a new shard under ``out_dir``: (path relative to it, bytes, table, tensor value ranges)."""
+def _write(rows: list[dict], out_dir: str, layout: shards.ShardLayout, build: str) -> tuple[str, int, pa.Table, dict]:
+    """Write ``rows`` as a new shard under ``out_dir``: (path relative to it, bytes, table, tensor value ranges).
+    The name carries the ``build`` id, so a commit knows its own build's files from a concurrent build's."""
     table = pa.Table.from_pylist(rows, schema=layout.schema())
-    rel = f"{layout.kind}/{shards.new_shard_name(layout.kind)}"
+    rel = f"{layout.kind}/{shards.new_shard_name(f'{layout.kind}-{build}' if build else layout.kind)}"
     data = shards.encode_table(table, layout)
     ranges = shards.value_ranges(data, layout.tensor_columns)
     # Kill points: a write task's worker killed mid-write or right after its rename leaves a file no result lists,
@@ -64,7 +65,7 @@ def _text_error(row: dict):
     return error
 
 
-def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int) -> dict:
+def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int, build: str = "") -> dict:
     """Write a batch of freshly encoded captions (the text encoder's output rows) as one text shard; return its
     metadata and the captions' index rows."""
     names = layout.schema().names
@@ -72,7 +73,7 @@ def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation
     error = _checked(rows, layout)
     if error:
         return _meta(error=error, encoded=0, index=b"")
-    path, nbytes, _, ranges = _write(rows, out_dir, layout)
+    path, nbytes, _, ranges = _write(rows, out_dir, layout, build)
     file = index.relative(out_dir, path)
     dims = [d for t in layout.text for d in t.dims]
     entries = []
@@ -119,7 +120,7 @@ def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
     return ""
 
 
-def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int) -> dict:
+def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int, build: str = "") -> dict:
     """Validate each prepared, encoded row against its bucket and write one samples shard; rows reused from an
     earlier generation are not written again, their index rows point at where they already are. Skipped inputs are
     passed on to the driver with their reasons."""
@@ -152,7 +153,7 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
         return _meta(error=error, index=b"", **extra)
     path, nbytes = "", 0
     if rows:
-        path, nbytes, table, ranges = _write(rows, out_dir, layout)
+        path, nbytes, table, ranges = _write(rows, out_dir, layout, build)
         extra["buckets"] = json.dumps(shards.bucket_summary(table))
         file = index.relative(out_dir, path)
         for j, (i, row) in enumerate(zip(fresh, rows)):

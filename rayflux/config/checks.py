@@ -43,6 +43,7 @@ _POSITIVE = {
     ("train", "log_every"),
     ("train", "checkpoints_to_keep"),
     ("train", "validation_inference_steps"),
+    ("run", "lease_seconds"),
 }
 
 

@@ -16,5 +16,10 @@ class RunConfig:
     ray_address: str = ""
     """Ray cluster to join. Empty: ``RAY_ADDRESS``, else a running local head, else a new local Ray (without the
     dashboard; ``local`` always starts one)."""
+    lease_seconds: float = 60.0
+    """How long a job's lease on its run directory and cache keys outlives its last heartbeat (renewed every quarter
+    of this). A second job on the same ``output_dir`` refuses while the lease is live; once its holder is gone (killed,
+    its machine lost) the next job takes over this long after the last heartbeat. Keep it well above the clock skew
+    between machines sharing the directory."""
     debug_slow_rank: str = ""
     """``RANK:SECONDS`` delays every step of one training rank, to shake out ordering races. Empty: off."""
