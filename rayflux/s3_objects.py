@@ -137,11 +137,10 @@ def get_tagged(fs: pafs.S3FileSystem, inner: str) -> tuple[bytes, str] | None:
     """The object ``inner`` and its ETag in one GET, or None when there is none."""
     from botocore.exceptions import ClientError
 
-    from rayflux.storage import s3_settings
 
     bucket, _, key = inner.partition("/")
     try:
-        reply = _client(s3_settings()[0], fs.region).get_object(Bucket=bucket, Key=key)
+        reply = _client(settings()[0], fs.region).get_object(Bucket=bucket, Key=key)
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return None
@@ -156,12 +155,11 @@ def put_if(fs: pafs.S3FileSystem, inner: str, data: bytes, etag: str = "") -> st
     S3 (since 2024) and MinIO evaluate the condition atomically, so of two writers exactly one wins."""
     from botocore.exceptions import ClientError
 
-    from rayflux.storage import s3_settings
 
     bucket, _, key = inner.partition("/")
     condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
     try:
-        return _client(s3_settings()[0], fs.region).put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+        return _client(settings()[0], fs.region).put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
     except ClientError as exc:
         if _conditional_failed(exc) or (etag and exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")):
             return None
@@ -172,11 +170,10 @@ def delete_if(fs: pafs.S3FileSystem, inner: str, etag: str) -> bool:
     """Delete the object ``inner`` only while it is the version ``etag`` names; False when it is not."""
     from botocore.exceptions import ClientError
 
-    from rayflux.storage import s3_settings
 
     bucket, _, key = inner.partition("/")
     try:
-        _client(s3_settings()[0], fs.region).delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+        _client(settings()[0], fs.region).delete_object(Bucket=bucket, Key=key, IfMatch=etag)
     except ClientError as exc:
         if _conditional_failed(exc) or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return False
