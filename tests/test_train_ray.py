@@ -286,7 +286,7 @@ def test_held_out_samples_are_listed_and_never_trained(cache, evaluated):
     assert checkpoint.read_digests(second.checkpoint_dir) == want
 
 
-def test_eval_loss_is_fixed_and_falls_with_training(cache, evaluated, tiny_model):
+def test_eval_loss_is_fixed_and_falls_with_training(cache, evaluated, tmp_path_factory):
     """The logged evals: a baseline at step 0, every 2 steps and at each run's end, per σ as well; the LoRA of step 3
     scored again in this process (one worker, not two) gives the logged number, and the same number twice."""
     from rayflux.train import evaluation
@@ -303,11 +303,35 @@ def test_eval_loss_is_fixed_and_falls_with_training(cache, evaluated, tiny_model
     plan = batching.plan_eval(batching.split_held_out(refs, 3, cfg.cache.seed)[1], cfg.train.batch_size)
     trainer = LoraTrainer(cfg, "cpu", total_steps=1)
     lora.load_into(trainer.transformer, out / "lora" / "evaluated-step00000003.safetensors")
-    batches = evaluation.load(plan, 0, 1, pad=False)
-    a, b = evaluation.score(trainer, batches, 1), evaluation.score(trainer, batches, 1)
+    evaluator = evaluation.Evaluator(trainer, plan, 0, 1, every=2, final_segment=True)
+    a, b = evaluation.score(trainer, evaluator.batches, 1), evaluation.score(trainer, evaluator.batches, 1)
     assert a["eval_loss_sigmas"] == b["eval_loss_sigmas"] and a["eval_loss"] == b["eval_loss"]  # bitwise
     logged = next(e for e in evals if e["step"] == 3)
     assert a["eval_loss_sigmas"] == pytest.approx(logged["eval_loss_sigmas"], rel=1e-5)  # 2 workers vs 1
+    # A restored checkpoint knows the best so far: an eval above it leaves the best (and its file) alone.
+    saved = tmp_path_factory.mktemp("eval-ckpt")
+    checkpoint.save(str(saved), trainer, 0, checkpoint.Progress(step=3, best_eval_loss=0.5, best_step=2), "diffusers")
+    restored, written = checkpoint.restore(str(saved), trainer, 0, 1), []
+    evaluator.run({"step": 4}, restored, written.append)
+    assert (restored.best_step, restored.best_eval_loss, written) == (2, 0.5, [])
+    evaluator.run(record := {"step": 5}, checkpoint.Progress(step=4, best_eval_loss=9.0, best_step=2), written.append)
+    assert written == [record] and record["best_step"] == 5
+
+
+def test_eval_loss_shows_in_tensorboard_and_the_summary(evaluated):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first, second, out = evaluated
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/eval_loss")] == [0, 2, 3, 4, 6]
+    assert [e.value for e in events.Scalars("eval/loss_q0.1")] == pytest.approx(
+        [e["eval_loss_sigmas"][0] for e in second.evals], rel=1e-6)  # fmt: skip
+    summary = job.Summary(steps=6, losses=second.losses, eval_samples=3, eval_file="e.txt",
+                          best=(*second.best, "best.safetensors"))  # fmt: skip
+    lines = summary.lines()
+    assert "eval:       3 samples held out of training (e.txt)" in lines
+    assert f"best:       eval loss {second.best[1]:.4f} at step {second.best[0]}: best.safetensors" in lines
 
 
 def test_best_lora_is_the_lowest_eval_across_the_resume(evaluated):
