@@ -8,7 +8,8 @@ copy of Ray Train's notice). Nothing else waits on other processes per step: the
 rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
 epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
 never touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached
-shards.
+shards. With ``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
+``train.eval_every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if board:
             board.scalars(0, baseline)
             steps_log.write(baseline)
+        bar.send(baseline, force=True)
         window.restart()
 
     def report(record: dict, with_checkpoint: bool) -> None:
