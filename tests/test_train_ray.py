@@ -1,11 +1,12 @@
-"""Training on a real local Ray with 2 workers: uneven buckets, checkpoints, exact resume, images and metrics.
+"""Training on a real local Ray with 2 workers: uneven buckets, checkpoints, exact resume, images, metrics, eval loss.
 
-Three short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 images:
+Five short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 images:
 
 - ``full``: 4 optimizer steps straight, with validation images, kohya output of every block layer (``targets=all``)
   and a checkpoint every step;
 - ``resumed``: the same training stopped after step 1 (``max_steps=1``), then rerun under the same Ray Train run
-  name, which restores the latest checkpoint and continues to step 4.
+  name, which restores the latest checkpoint and continues to step 4;
+- ``evaluated``: 3 samples held out for the eval loss, steps 1-3, then resumed to step 6.
 """
 
 import json
@@ -308,6 +309,10 @@ def test_eval_loss_is_fixed_and_falls_with_training(cache, evaluated, tmp_path_f
     assert a["eval_loss_sigmas"] == b["eval_loss_sigmas"] and a["eval_loss"] == b["eval_loss"]  # bitwise
     logged = next(e for e in evals if e["step"] == 3)
     assert a["eval_loss_sigmas"] == pytest.approx(logged["eval_loss_sigmas"], rel=1e-5)  # 2 workers vs 1
+    # A sharded base runs a forward on every rank alike: a rank without a batch of its own scores an uncounted repeat.
+    padded = evaluation.load(plan, 4, 5, pad=True)
+    assert len(padded) == 1 and padded[0].live == 0 and padded[0].sample_ids
+    assert evaluation.score(trainer, padded, 1)["eval_samples"] == 0
     # A restored checkpoint knows the best so far: an eval above it leaves the best (and its file) alone.
     saved = tmp_path_factory.mktemp("eval-ckpt")
     checkpoint.save(str(saved), trainer, 0, checkpoint.Progress(step=3, best_eval_loss=0.5, best_step=2), "diffusers")

@@ -46,14 +46,17 @@ def load(plan: list[dict], rank: int, world: int, pad: bool) -> list[EvalBatch]:
     """This rank's eval batches (``plan[rank::world]``), read through the cache's planned reads. ``pad``: give every
     rank as many batches (repeats that do not count), for a sharded base whose forward passes are collectives."""
     mine = plan[rank::world]
-    rows = batching.load_batches(mine) if mine else []
-    out = [EvalBatch(step.from_item(row), json.loads(row["sample_ids"])) for row in rows]
+    out = [_batch(row) for row in (batching.load_batches(mine) if mine else [])]
     if pad and plan:
         most = math.ceil(len(plan) / world)
-        filler = out[0] if out else EvalBatch(step.from_item(batching.load_batches(plan[:1])[0]), [])
+        filler = out[0] if out else _batch(batching.load_batches(plan[:1])[0])
         while len(out) < most:
             out.append(EvalBatch(filler.batch, filler.sample_ids, 0.0))
     return out
+
+
+def _batch(row: dict) -> EvalBatch:
+    return EvalBatch(step.from_item(row), json.loads(row["sample_ids"]))
 
 
 @torch.no_grad()
