@@ -50,6 +50,11 @@ class Summary:
     logs: str = ""
     dropped: dict = field(default_factory=dict)
     """Epoch -> samples the remainder rule left out of its bucket-pure batches."""
+    eval_samples: int = 0
+    """Samples held out for the eval loss (``data.eval_samples``)."""
+    eval_file: str = ""
+    best: tuple | None = None
+    """``(step, eval loss, file)`` of the LoRA with the lowest eval loss; None without eval."""
 
     def lines(self) -> list[str]:
         unsampled = sum(d["unsampled"] for d in self.datasets)
@@ -80,6 +85,10 @@ class Summary:
                 per_epoch = ", ".join(str(n) for _, n in sorted(self.dropped.items()))
                 out.append(f"remainder:  samples left out of full batches per epoch: {per_epoch} (data.bucket_step)")
             out.append(f"LoRA:       {self.lora_path}")
+            if self.eval_samples:
+                out.append(f"eval:       {self.eval_samples} samples held out of training ({self.eval_file})")
+            if self.best:
+                out.append(f"best:       eval loss {self.best[1]:.4f} at step {self.best[0]}: {self.best[2]}")
             if self.validation_dir:
                 out.append(f"validation: {self.validation_dir}")
             out.append(f"checkpoint: {self.checkpoint}")
@@ -124,7 +133,7 @@ def run_identity(cfg: JobConfig) -> str:
     # file format) may change between reruns without changing what is being trained.
     for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "report_seconds", "epochs", "max_steps",
                 "checkpoint_every", "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
-                "validation_inference_steps", "validation_guidance",
+                "validation_inference_steps", "validation_guidance", "eval_every", "eval_sigmas",
                 "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
                 "prefetch_reads"):  # fmt: skip
         d["train"].pop(key, None)
@@ -322,7 +331,8 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
             result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
             summary.stage_seconds[name] = time.perf_counter() - t0
             complete = bool(result.position.get("feed_done"))
-            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps, complete=complete)
+            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps, complete=complete,
+                          eval_samples=result.eval_samples, best=result.best)  # fmt: skip
             if prebuild is not None:
                 prebuild.result()
             if nxt is not None and nxt.generation != seg.generation:
@@ -337,6 +347,9 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
         summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
         summary.dropped = {epoch: c["dropped"] for epoch, c in result.epoch_counts.items()}
         summary.checkpoint = result.checkpoint_path
+        summary.eval_samples, summary.eval_file = result.eval_samples, result.eval_file
+        if result.best:
+            summary.best = (*result.best, storage.join(output, lora_files.LORA_DIR, lora_files.best_name(cfg)))
         entry = ledger.start("export", result.checkpoint_path)
         summary.lora_path = lora_files.export_final(
             result.checkpoint_dir, cfg, output, [index.caption_table(manifest)]

@@ -2,9 +2,9 @@
 
 - Cache stages show Ray Data's own progress bar, one per pipeline (per-operator bars are turned off, since a user
   cares about images done, not about which operator holds them).
-- Training shows one bar of optimizer steps (epoch, loss, steps/s, ETA). Rank 0 tells a :class:`ProgressBoard`
-  actor about each step with a fire-and-forget ``.remote()`` call (at most a few per second), and a thread in the
-  driver reads the board every second and draws. The step never waits on the display: an actor call is queued and
+- Training shows one bar of optimizer steps (epoch, loss, the latest eval loss, steps/s, ETA). Rank 0 tells a
+  :class:`ProgressBoard` actor about each step with a fire-and-forget ``.remote()`` call (at most a few per
+  second), and a thread in the driver reads the board every second and draws. The step never waits on the display: an actor call is queued and
   returns at once, whereas ``ray.train.report`` is a barrier of all ranks that Ray Train drains only every 2 s.
 - When stdout is not a terminal (CI, ``ray job logs``), the bar becomes a plain line every ``PLAIN_SECONDS``:
   ``train step 120/800 epoch 2/5 loss 0.4100 2.1 step/s ETA 5m``.
@@ -53,9 +53,10 @@ def epoch_of(step: int, per_epoch: list[int]) -> int:
 
 def describe(step: int, metrics: dict, per_epoch: list[int]) -> str:
     """The bar's text: ``train epoch 2/3 loss 0.1234``."""
-    loss = metrics.get("loss")
+    loss, ev = metrics.get("loss"), metrics.get("eval_loss")
     text = f"train epoch {epoch_of(step, per_epoch)}/{len(per_epoch)}"
-    return text + (f" loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+    text += f" loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+    return text + (f" eval {ev:.4f}" if isinstance(ev, (int, float)) else "")
 
 
 def _duration(seconds: float) -> str:
@@ -71,6 +72,8 @@ def plain_line(step: int, total: int, metrics: dict, per_epoch: list[int], rate:
     loss = metrics.get("loss")
     if isinstance(loss, (int, float)):
         text += f" loss {loss:.4f}"
+    if isinstance(metrics.get("eval_loss"), (int, float)):
+        text += f" eval {metrics['eval_loss']:.4f}"
     if rate > 0:
         text += f" {rate:.2f} step/s ETA {_duration(max(total - step, 0) / rate)}"
     return text
@@ -95,9 +98,13 @@ class BoardSender:
     """Rank 0's side of the board: fire-and-forget updates, at most one per ``SEND_SECONDS`` unless forced."""
 
     def __init__(self, board):
-        self.board, self.last = board, 0.0
+        self.board, self.last, self.eval_loss = board, 0.0, None
 
     def send(self, record: dict, force: bool = False) -> None:
+        if "eval_loss" in record:
+            self.eval_loss = record["eval_loss"]
+        elif self.eval_loss is not None:  # the bar keeps showing the latest eval loss between evals
+            record = {**record, "eval_loss": self.eval_loss}
         now = time.monotonic()
         if self.board is not None and (force or now - self.last >= SEND_SECONDS):
             self.board.update.remote(record)  # the returned ref is dropped: nothing waits on it

@@ -154,3 +154,15 @@ def test_flow_loss_is_weighted_per_sample_mean():
     w = torch.tensor([1.0, 0.5])
     # sample 0: mean 1, sample 1: mean 4 weighted 0.5 -> 2; batch mean 1.5
     assert math.isclose(float(flow.flow_loss(pred, target, w)), 1.5)
+
+
+@pytest.mark.parametrize("method", ["uniform", "logit_normal", "sigmoid", "shift", "flux_shift"])
+def test_eval_sigmas_are_the_training_densitys_quantiles(method):
+    """The eval grid sits where training draws σ: grid point i is the (i + 0.5)/n quantile of sample_sigmas."""
+    kw = {"logit_mean": 0.5, "logit_std": 1.2, "shift": 3.0, "seq_len": 1024}
+    grid = flow.eval_sigmas(5, method, **kw)
+    drawn = flow.sample_sigmas(200_000, method, torch.Generator().manual_seed(0), **kw)
+    q = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9])
+    assert grid.shape == (5,) and bool((grid[1:] > grid[:-1]).all())
+    torch.testing.assert_close(grid, torch.quantile(drawn[:100_000], q), atol=0.01, rtol=0)
+    assert torch.equal(grid, flow.eval_sigmas(5, method, **kw))  # fixed: no generator at all

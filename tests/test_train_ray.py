@@ -1,11 +1,12 @@
-"""Training on a real local Ray with 2 workers: uneven buckets, checkpoints, exact resume, images and metrics.
+"""Training on a real local Ray with 2 workers: uneven buckets, checkpoints, exact resume, images, metrics, eval loss.
 
-Three short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 images:
+Five short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 images:
 
 - ``full``: 4 optimizer steps straight, with validation images, kohya output of every block layer (``targets=all``)
   and a checkpoint every step;
 - ``resumed``: the same training stopped after step 1 (``max_steps=1``), then rerun under the same Ray Train run
-  name, which restores the latest checkpoint and continues to step 4.
+  name, which restores the latest checkpoint and continues to step 4;
+- ``evaluated``: 3 samples held out for the eval loss, steps 1-3, then resumed to step 6.
 """
 
 import json
@@ -16,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rayflux import config, job, models
+from rayflux import config, datasets, job, models
 from rayflux.cache import generations
 from rayflux.testing.images import write_images
-from rayflux.train import batching, checkpoint, commits, kohya, lora, stage
+from rayflux.train import batching, checkpoint, commits, elastic, kohya, lora, stage
 
 # 64x64, 80x48, 48x80 and 96x48 buckets at data.resolution=64.
 SIZES = [(512, 512)] * 7 + [(640, 384)] * 5 + [(384, 640)] + [(768, 256)]
@@ -249,3 +250,103 @@ def test_step_loras_outlive_pruned_checkpoints(cache, resumed, tiny_model):
         assert any(not torch.equal(a[k], b[k]) for k in a)
     pipe = FluxPipeline.from_pretrained(tiny_model)
     pipe.load_lora_weights(str(out / "lora"), weight_name=names[1])
+
+
+EVAL = ("train.gradient_accumulation=1", "data.eval_samples=3", "train.eval_every=2", "train.checkpoint_every=2")
+
+
+@pytest.fixture(scope="module")
+def evaluated(cache):
+    """Eval loss on 3 held-out samples: steps 1-3 (evals at 0, 2, 3), then a resumed run to step 6 (evals at 4, 6).
+    11 trained samples make 6 batches (3 steps) an epoch on 2 workers."""
+    root, base, manifest, facts = cache
+    out = root / "evaluated"
+    first = stage.train(_cfg(base, "run.name=evaluated", *EVAL, "train.max_steps=3"), manifest, facts, str(out), False)
+    second = stage.train(_cfg(base, "run.name=evaluated", *EVAL), manifest, facts, str(out), False)
+    return first, second, out
+
+
+def test_held_out_samples_are_listed_and_never_trained(cache, evaluated):
+    _, base, manifest, _ = cache
+    first, second, out = evaluated
+    listed = (out / stage.EVAL_FILE).read_text().splitlines()
+    refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(_cfg(base).data))
+    assert len(listed) == 3 and set(listed) <= {r.source for r in refs} and second.eval_samples == 3
+    # Rebuild each rank's digest of trained batches from a plan without the listed sources: it must be the one the
+    # workers chained over every batch they trained, across the resume.
+    train_refs = [r for r in refs if r.source not in listed]
+    rows = elastic.plan_rows(train_refs, 2, 0, (0, 2), 2, 2)
+    want = {}
+    for rank, mine in enumerate(rows):
+        digest = ""
+        for row in mine:
+            row = {**row, "sample_ids": json.dumps([ref[2] for ref in json.loads(row["refs"])])}
+            digest = checkpoint.chain(digest, checkpoint.batch_key(row["step"], row))
+        want[rank] = digest
+    assert (first.steps, second.steps) == (3, 6)
+    assert checkpoint.read_digests(second.checkpoint_dir) == want
+
+
+def test_eval_loss_is_fixed_and_falls_with_training(cache, evaluated, tmp_path_factory):
+    """The logged evals: a baseline at step 0, every 2 steps and at each run's end, per σ as well; the LoRA of step 3
+    scored again in this process (one worker, not two) gives the logged number, and the same number twice."""
+    from rayflux.train import evaluation
+    from rayflux.train.trainer import LoraTrainer
+
+    root, base, manifest, _ = cache
+    first, second, out = evaluated
+    evals = second.evals
+    assert [e["step"] for e in evals] == [0, 2, 3, 4, 6] and "loss" not in evals[0]
+    assert all(len(e["eval_loss_sigmas"]) == 5 and e["eval_samples"] == 3 for e in evals)
+    assert min(e["eval_loss"] for e in evals[1:]) < evals[0]["eval_loss"]  # it learned something that generalises
+    cfg = _cfg(base, "run.name=evaluated", *EVAL)
+    refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
+    plan = batching.plan_eval(batching.split_held_out(refs, 3, cfg.cache.seed)[1], cfg.train.batch_size)
+    trainer = LoraTrainer(cfg, "cpu", total_steps=1)
+    lora.load_into(trainer.transformer, out / "lora" / "evaluated-step00000003.safetensors")
+    evaluator = evaluation.Evaluator(trainer, plan, 0, 1, every=2, final_segment=True)
+    a, b = evaluation.score(trainer, evaluator.batches, 1), evaluation.score(trainer, evaluator.batches, 1)
+    assert a["eval_loss_sigmas"] == b["eval_loss_sigmas"] and a["eval_loss"] == b["eval_loss"]  # bitwise
+    logged = next(e for e in evals if e["step"] == 3)
+    assert a["eval_loss_sigmas"] == pytest.approx(logged["eval_loss_sigmas"], rel=1e-5)  # 2 workers vs 1
+    # A sharded base runs a forward on every rank alike: a rank without a batch of its own scores an uncounted repeat.
+    padded = evaluation.load(plan, 4, 5, pad=True)
+    assert len(padded) == 1 and padded[0].live == 0 and padded[0].sample_ids
+    assert evaluation.score(trainer, padded, 1)["eval_samples"] == 0
+    # A restored checkpoint knows the best so far: an eval above it leaves the best (and its file) alone.
+    saved = tmp_path_factory.mktemp("eval-ckpt")
+    checkpoint.save(str(saved), trainer, 0, checkpoint.Progress(step=3, best_eval_loss=0.5, best_step=2), "diffusers")
+    restored, written = checkpoint.restore(str(saved), trainer, 0, 1), []
+    evaluator.run({"step": 4}, restored, written.append)
+    assert (restored.best_step, restored.best_eval_loss, written) == (2, 0.5, [])
+    evaluator.run(record := {"step": 5}, checkpoint.Progress(step=4, best_eval_loss=9.0, best_step=2), written.append)
+    assert written == [record] and record["best_step"] == 5
+
+
+def test_eval_loss_shows_in_tensorboard_and_the_summary(evaluated):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first, second, out = evaluated
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/eval_loss")] == [0, 2, 3, 4, 6]
+    assert [e.value for e in events.Scalars("eval/loss_q0.1")] == pytest.approx(
+        [e["eval_loss_sigmas"][0] for e in second.evals], rel=1e-6)  # fmt: skip
+    summary = job.Summary(steps=6, losses=second.losses, eval_samples=3, eval_file="e.txt",
+                          best=(*second.best, "best.safetensors"))  # fmt: skip
+    lines = summary.lines()
+    assert "eval:       3 samples held out of training (e.txt)" in lines
+    assert f"best:       eval loss {second.best[1]:.4f} at step {second.best[0]}: best.safetensors" in lines
+
+
+def test_best_lora_is_the_lowest_eval_across_the_resume(evaluated):
+    first, second, out = evaluated
+    evals = second.evals
+    best = min(evals, key=lambda e: e["eval_loss"])
+    assert second.best == (best["step"], best["eval_loss"])  # the resumed run compared against the first run's best
+    assert first.best == min(((e["step"], e["eval_loss"]) for e in evals if e["step"] <= 3), key=lambda x: x[1])
+    note = json.loads((out / "lora" / "evaluated-best.json").read_text())
+    assert (note["step"], note["eval_loss"]) == second.best
+    got = load_file(out / "lora" / "evaluated-best.safetensors")
+    want = load_file(out / "lora" / f"evaluated-step{best['step']:08d}.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

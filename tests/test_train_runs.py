@@ -118,3 +118,23 @@ def test_repeated_runs_stay_runs():
 
 def test_batch_sizes_are_what_epoch_counts_counts():
     assert runs.batch_sizes(10, 4) == [4, 4, 2] and runs.batch_sizes(8, 4) == [4, 4] and runs.batch_sizes(0, 4) == []
+
+
+def test_held_out_samples_are_stable_and_never_planned():
+    """data.eval_samples: the same samples whatever the listing order, the repeats or the world size; none of them
+    (nor a repeat of one) is in any planned training batch; the eval plan covers each once, bucket-pure."""
+    refs = _refs([9, 7]) + _refs([5], bucket="80x48")
+    train, held = batching.split_held_out(refs * 2, 4, seed=7)  # every sample repeated twice
+    shuffled = list(refs)
+    random.Random(1).shuffle(shuffled)
+    assert [r.sample_id for r in batching.split_held_out(shuffled, 4, seed=7)[1]] == [r.sample_id for r in held]
+    assert len(held) == 4 and len(train) == 2 * (len(refs) - 4)
+    assert batching.split_held_out(refs, 4, seed=8)[1] != held  # the cache seed picks another stable subset
+    ids = {r.sample_id for r in held}
+    for world in (1, 2, 3):
+        planned = batching.plan_epoch(train, 2, 0, 0, world)[0]
+        assert not ids & {ref[2] for b in planned for ref in json.loads(b["refs"])}
+    plan = batching.plan_eval(held, 3)
+    assert sorted(ref[2] for b in plan for ref in json.loads(b["refs"])) == sorted(ids)
+    assert all(len({ref[2].split("-")[0] for ref in json.loads(b["refs"])}) == 1 for b in plan)
+    assert batching.split_held_out(refs, 0, seed=7) == (refs, [])

@@ -60,9 +60,13 @@ def validate(cfg: JobConfig) -> None:
     if cfg.data.alignment < 0:
         raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
     for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm",
-                "prefetch_reads", "report_seconds"):
+                "prefetch_reads", "report_seconds", "eval_every"):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0")
+    if cfg.data.eval_samples < 0:
+        raise ConfigError(f"data.eval_samples must be >= 0 (0: no eval loss), got {cfg.data.eval_samples}")
+    if cfg.train.eval_sigmas < 1:
+        raise ConfigError(f"train.eval_sigmas must be positive, got {cfg.train.eval_sigmas}")
     for key in ("lora_dropout", "caption_dropout"):
         if not 0 <= getattr(cfg.train, key) < 1:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")

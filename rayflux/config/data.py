@@ -94,6 +94,10 @@ class DataConfig(DatasetConfig):
     out takes its ``data.*`` value. Empty: the one dataset ``data.images_dir``."""
     reg_loss_weight: float = 1.0
     """Loss weight of samples from regularisation datasets (1.0: weighted like any other sample)."""
+    eval_samples: int = 0
+    """Hold out this many cached samples for the eval loss (``train.eval_every``): a stable choice by sample id hash
+    (the same for every world size, cache generation and rerun), never trained on, named in ``<output_dir>/
+    eval_samples.txt``. 0: no eval loss."""
     max_image_pixels: int = 178_956_970
     """Images with more pixels than this are refused as decompression bombs (Pillow's own default limit)."""
 

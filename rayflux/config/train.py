@@ -128,6 +128,12 @@ class TrainConfig:
     Every checkpoint also leaves ``lora/<output_name>-step00000500.safetensors`` in this format."""
     output_name: str = ""
     """Stem of the exported LoRA file names (kohya's ``output_name``). Empty: ``run.name``."""
+    eval_every: int = 0
+    """With ``data.eval_samples``: score the eval loss every this many steps, besides before the first step (the
+    base model's baseline) and at the end (0: only those two). The LoRA with the lowest eval loss so far is kept as
+    ``lora/<output_name>-best.safetensors``."""
+    eval_sigmas: int = 5
+    """Noise levels each held-out sample is scored at: the quantiles of the training σ density, with fixed noise."""
     validation_prompts: list[str] = field(default_factory=list)
     """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
     validation_references: list = field(default_factory=list)

@@ -16,6 +16,7 @@ metrics; the shuffle differs per epoch, so the dropped samples usually differ to
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import random
 from dataclasses import dataclass
@@ -138,22 +139,54 @@ def plan_epoch(
     _rng(seed, epoch, "order").shuffle(batches)
     keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])
-    planned = [
-        {
-            "epoch": epoch,
-            "index": i,
-            "seed": _rng(seed, epoch, "batch", i).getrandbits(62),
-            "bucket": b[0].bucket,
-            "size": len(b),
-            "refs": json.dumps([[r.file, r.row, r.sample_id, r.offset, r.length, r.file_bytes, r.latent_shape,
-                                 r.source, r.text, r.ref_count, r.ref_offset, r.ref_length] for r in b]),  # fmt: skip
-            "weights": json.dumps([r.weight for r in b]),
-            "generation_dir": b[0].gen_dir,
-            "layout": b[0].layout,
-        }
-        for i, b in enumerate(batches[:keep])
-    ]
+    seeds = [_rng(seed, epoch, "batch", i).getrandbits(62) for i in range(keep)]
+    planned = [_planned(b, epoch, i, seeds[i]) for i, b in enumerate(batches[:keep])]
     return planned, dropped
+
+
+def _planned(b: list[SampleRef], epoch: int, index: int, seed: int) -> dict:
+    """One planned batch of ``b`` (one bucket) as a row for the feed's reads (:func:`load_batches`)."""
+    return {
+        "epoch": epoch,
+        "index": index,
+        "seed": seed,
+        "bucket": b[0].bucket,
+        "size": len(b),
+        "refs": json.dumps([[r.file, r.row, r.sample_id, r.offset, r.length, r.file_bytes, r.latent_shape,
+                             r.source, r.text, r.ref_count, r.ref_offset, r.ref_length] for r in b]),  # fmt: skip
+        "weights": json.dumps([r.weight for r in b]),
+        "generation_dir": b[0].gen_dir,
+        "layout": b[0].layout,
+    }
+
+
+def _eval_key(seed: int, sample_id: str) -> bytes:
+    return hashlib.sha256(f"{seed}:eval:{sample_id}".encode()).digest()
+
+
+def split_held_out(refs: list[SampleRef], n: int, seed: int) -> tuple[list[SampleRef], list[SampleRef]]:
+    """``(train, held out)``: the ``n`` samples whose ``sha256(seed:eval:sample_id)`` is smallest are held out for the
+    eval loss and never trained on (every repeat of them leaves the training list). The choice depends on sample ids
+    alone, so it is the same for every world size, refresh generation and rerun; one hash per sample, as cheap as the
+    planner's own pass over the samples. ``held out`` holds each sample once, in sample id order."""
+    if n <= 0:
+        return refs, []
+    chosen = set(heapq.nsmallest(n, {r.sample_id for r in refs}, key=lambda i: _eval_key(seed, i)))
+    train = [r for r in refs if r.sample_id not in chosen]
+    held = {r.sample_id: r for r in refs if r.sample_id in chosen}
+    return train, [held[i] for i in sorted(held)]
+
+
+def plan_eval(held: list[SampleRef], batch_size: int) -> list[dict]:
+    """The eval set's planned batches: bucket-pure (by :func:`group`), in sample id order, up to ``batch_size`` each.
+    The plan does not depend on the world size (ranks take batches ``r, r + W, ...``), so every world size scores
+    the same batches and only the order of the final sum differs."""
+    by_bucket: dict[str, list[SampleRef]] = {}
+    for r in sorted(held, key=lambda r: r.sample_id):
+        by_bucket.setdefault(group(r), []).append(r)
+    batches = [refs[i : i + batch_size] for key in sorted(by_bucket) for refs in [by_bucket[key]]
+               for i in range(0, len(refs), batch_size)]  # fmt: skip
+    return [{**_planned(b, -1, i, 0), "step": 0, "total_steps": 0} for i, b in enumerate(batches)]
 
 
 def epoch_counts(

@@ -70,6 +70,10 @@ class Progress:
     """The newest failure record (``commits.RESTARTS_DIR``) already attributed to a restart."""
     feed_done: bool = False
     """The last step was the last of the trainer run's planned batches (not cut short by ``train.max_steps``)."""
+    best_eval_loss: float | None = None
+    """The lowest eval loss so far (None: no eval yet), the one ``lora/<name>-best.safetensors`` holds."""
+    best_step: int = -1
+    """The step of ``best_eval_loss`` (0: the untrained LoRA's baseline)."""
 
     def advance(self, step: int, position: dict, group: list[dict]) -> None:
         """Record one optimizer step: ``position`` as from ``elastic.step_position``, ``group`` this rank's rows."""
@@ -86,7 +90,8 @@ def batch_key(step: int, row: dict) -> list:
     return [step, int(row["epoch"]), int(row["index"]), json.loads(row["sample_ids"])]
 
 
-_SHARED = ("step", "epoch", "index", "world_size", "digest", "resumed_at", "restarts", "failures_seen", "feed_done")
+_SHARED = ("step", "epoch", "index", "world_size", "digest", "resumed_at", "restarts", "failures_seen", "feed_done",
+           "best_eval_loss", "best_step")
 
 
 def capture_rng(device) -> dict:

@@ -154,3 +154,32 @@ def drop_text(text: dict, mask, empty: dict) -> dict:
         m = mask.to(x.device).view(-1, *([1] * (x.dim() - 1)))
         out[name] = torch.where(m, empty[name].to(x.device, x.dtype).expand_as(x), x)
     return out
+
+
+def eval_sigmas(
+    n: int,
+    method: str,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    shift: float = 3.0,
+    seq_len: int = 256,
+    shift_config: dict | None = None,
+) -> torch.Tensor:
+    """A fixed grid of ``n`` noise levels spread as :func:`sample_sigmas` spreads its draws: the quantiles
+    ``(i + 0.5) / n`` of the same density (every shift is monotone, so the quantiles of the shifted σ are the shifted
+    quantiles). The eval loss scores every held-out sample at each of them, so it does not depend on random σ."""
+    q = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    probit = torch.special.ndtri(q)  # the standard normal's quantiles
+    if method == "uniform":
+        s = q
+    elif method == "logit_normal":
+        s = torch.sigmoid(logit_mean + logit_std * probit)
+    elif method == "sigmoid":
+        s = torch.sigmoid(logit_std * probit)
+    elif method == "shift":
+        s = shift_sigmas(torch.sigmoid(probit), shift)
+    elif method == "flux_shift":
+        s = time_shift(torch.sigmoid(probit), flux_mu(seq_len, shift_config))
+    else:
+        raise ValueError(f"unknown sigma sampling {method!r}")
+    return s.float().clamp(1e-5, 1 - 1e-5)

@@ -8,7 +8,8 @@ copy of Ray Train's notice). Nothing else waits on other processes per step: the
 rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
 epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
 never touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached
-shards.
+shards. With ``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
+``train.eval_every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 
 from rayflux import config as config_mod
 from rayflux import memory, progress as progress_mod
-from rayflux.train import (captions, checkpoint, commits, elastic, lora_files, metrics, optim, sharding, step,
-                           validation)
+from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, lora_files, metrics, optim, sharding,
+                           step, validation)
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
@@ -161,6 +162,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
     bar = progress_mod.BoardSender(loop_config.get("progress") if rank == 0 else None)
     clock, window, preempted_once = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), False
     reads = metrics.ReadTotals()
+    evals = evaluation.Evaluator(trainer, loop_config.get("eval_plan") or [], rank, world, t.eval_every,
+                                 final_segment=int(loop_config["epochs"][1]) >= t.epochs)  # fmt: skip
+
+    def keep_best(record: dict) -> None:
+        lora_files.keep_best(trainer, cfg, run_dir, record, loop_config["caption_tables"])
+
+    best_writer = keep_best if rank == 0 else None
+    if evals.active and start == 0:
+        baseline = {"step": 0, "epoch": 0}  # the untrained LoRA (the base model): what training must improve on
+        evals.run(baseline, progress, best_writer)
+        if board:
+            board.scalars(0, baseline)
+            steps_log.write(baseline)
+        bar.send(baseline, force=True)
+        window.restart()
 
     def report(record: dict, with_checkpoint: bool) -> None:
         directory = None
@@ -210,6 +226,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
             record["preempted"] = True
         due_checkpoint = bool(last or end_of_feed or every or preempted)
         progress.feed_done = end_of_feed
+        due_eval = evals.due(progress.step, last, end_of_feed)
+        if due_eval:
+            evals.run(record, progress, best_writer)
         if board:
             board.scalars(progress.step, record)
         due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
@@ -222,7 +241,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if steps_log:
             steps_log.write(record)
         bar.send(record, force=last or end_of_feed)
-        if due_checkpoint or due_images:
+        if due_checkpoint or due_images or due_eval:
             window.restart()  # rates exclude the time spent rendering and checkpointing
     if progress.step == start and rank == 0:
         log.info("nothing left to train: the checkpoint at step %d already reached train.max_steps", start)

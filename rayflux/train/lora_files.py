@@ -162,3 +162,27 @@ def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, text_file
     data = _file_bytes(checkpoint_dir, cfg, int(saved["step"]), int(saved.get("epoch", 0)), tuple(text_files))
     storage.write_bytes_atomic(dest, data)
     return dest
+
+
+def best_name(cfg: JobConfig) -> str:
+    return f"{output_name(cfg)}-best.safetensors"
+
+
+def keep_best(trainer, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
+    """Write the live LoRA as ``<run_dir>/lora/<name>-best.safetensors`` (rank 0, when an eval loss is the lowest so
+    far), with ``<name>-best.json`` naming its step and eval loss. Written from the live weights at eval time, so no
+    checkpoint has to be kept for it: ``train.checkpoints_to_keep`` may prune every checkpoint of that step."""
+    import tempfile
+
+    step = int(record["step"])
+    with tempfile.TemporaryDirectory(prefix="rayflux-best-") as tmp:
+        lora.save_diffusers(trainer.transformer, tmp)
+        if cfg.train.output_format == "kohya":
+            kohya.save(trainer.transformer, tmp, lora.scale(trainer.transformer))
+        data = _file_bytes(tmp, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
+    dest = storage.join(run_dir, LORA_DIR, best_name(cfg))
+    storage.write_bytes_atomic(dest, data)
+    note = {"step": step, "eval_loss": record["eval_loss"], "file": best_name(cfg)}
+    storage.write_bytes_atomic(storage.join(run_dir, LORA_DIR, f"{output_name(cfg)}-best.json"),
+                               json.dumps(note).encode())  # fmt: skip
+    return dest

@@ -27,7 +27,8 @@ from rayflux import storage
 
 log = logging.getLogger(__name__)
 
-REPORTED = ("loss", "lr", "grad_norm", "samples_per_s", "step_time", "read_amplification", "requests_per_sample")
+REPORTED = ("loss", "lr", "grad_norm", "samples_per_s", "step_time", "read_amplification", "requests_per_sample",
+            "eval_loss")
 STEPS_DIR = "metrics"
 PART_BYTES = 8 << 20
 """An object-store step log starts a new part after this many bytes."""
@@ -142,9 +143,10 @@ def _torn(path: str) -> bool:
         return f.read(1) != b"\n"
 
 
-def read_steps(run_dir: str, last_step: int | None = None) -> list[dict]:
+def read_steps(run_dir: str, last_step: int | None = None, evals: bool = False) -> list[dict]:
     """The step log of a run, one record per step in step order: the last line logged for each step (a restart
-    retrains the steps after its checkpoint), up to ``last_step`` when given."""
+    retrains the steps after its checkpoint), up to ``last_step`` when given. ``evals``: only the records with an
+    eval loss, the baseline before the first step (step 0) included."""
     import pyarrow.fs as pafs
 
     fs, inner = storage.resolve(storage.join(run_dir, STEPS_DIR))
@@ -159,8 +161,10 @@ def read_steps(run_dir: str, last_step: int | None = None) -> list[dict]:
                         record = json.loads(line)
                     except json.JSONDecodeError:
                         continue  # the torn last line of a process killed mid-write
-                    by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step) if last_step is None or s <= last_step]
+                    if "loss" in record or evals:  # the baseline eval record of step 0 trained nothing
+                        by_step[int(record["step"])] = record
+    out = [by_step[s] for s in sorted(by_step) if last_step is None or s <= last_step]
+    return [r for r in out if "eval_loss" in r] if evals else out
 
 
 UPLOAD_SECONDS = 60.0
@@ -197,6 +201,8 @@ class TensorBoardLog:
         for key in REPORTED:
             if key in values:
                 self.writer.add_scalar(f"train/{key}", values[key], step)
+        for q, v in zip(values.get("eval_quantiles", ()), values.get("eval_loss_sigmas", ())):
+            self.writer.add_scalar(f"eval/loss_q{q:g}", v, step)  # per σ of the grid, by its density quantile
 
     def image(self, step: int, tag: str, image) -> None:
         """``image``: a PIL image."""

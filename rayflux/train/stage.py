@@ -34,6 +34,37 @@ class TrainResult:
     """The last metrics rank 0 reported to Ray Train in this trainer run (empty when it trained nothing)."""
     position: dict = field(default_factory=dict)
     """The final checkpoint's position record (``commits.POSITION_FILE``)."""
+    eval_samples: int = 0
+    """Samples held out for the eval loss (``data.eval_samples``), never trained on."""
+    eval_file: str = ""
+    """Where their source paths are listed."""
+    evals: list = field(default_factory=list)
+    """The step log's records with an eval loss, the baseline (step 0) first."""
+
+    @property
+    def best(self) -> tuple[int, float] | None:
+        """``(step, eval loss)`` of the best LoRA so far, from the final checkpoint; None without eval."""
+        loss = self.position.get("best_eval_loss")
+        return None if loss is None else (int(self.position["best_step"]), float(loss))
+
+
+EVAL_FILE = "eval_samples.txt"
+"""In the output directory: the source path of every held-out sample, one a line."""
+
+
+def held_out(cfg: JobConfig, refs: list[batching.SampleRef], output_dir: str) -> tuple[list, list[dict], str]:
+    """``(training refs, eval plan, eval file)``: hold out ``data.eval_samples`` samples (by sample id hash with
+    ``cache.seed``; see :func:`rayflux.train.batching.split_held_out`) and list their sources in ``EVAL_FILE``."""
+    n = cfg.data.eval_samples
+    if n <= 0:
+        return refs, [], ""
+    train_refs, held = batching.split_held_out(refs, n, cfg.cache.seed)
+    if len(held) < n:
+        raise ValueError(f"data.eval_samples={n}, but the cache holds only {len(held)} samples")
+    path = storage.join(output_dir, EVAL_FILE)
+    storage.write_bytes_atomic(path, "".join(f"{r.source}\n" for r in held).encode())
+    log.info("eval: %d samples held out of training (listed in %s)", len(held), path)
+    return train_refs, batching.plan_eval(held, cfg.train.batch_size), path
 
 
 def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
@@ -106,6 +137,7 @@ def train(
     _, hi = worker_range(cfg.train.num_workers)
     refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
     batching.check_references(refs, models.family(cfg.model))
+    refs, eval_plan, eval_file = held_out(cfg, refs, output_dir)
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
         raise RuntimeError(
@@ -120,7 +152,7 @@ def train(
     run_dir = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_dir)
     with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
-        result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board)
+        result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan)
     if getattr(result, "error", None):
         raise RuntimeError(f"training failed: {result.error}")
     final = commits.latest(run_dir)
@@ -142,11 +174,14 @@ def train(
         epoch_counts=counts,
         metrics=dict(result.metrics or {}),
         position=position,
+        eval_samples=cfg.data.eval_samples if eval_plan else 0,
+        eval_file=eval_file,
+        evals=metrics.read_steps(output_dir, last_step=int(position["step"]), evals=True) if eval_plan else [],
     )
 
 
 def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
-         board):  # fmt: skip
+         board, eval_plan=()):  # fmt: skip
     from ray.train.torch import TorchTrainer
 
     run_dir = commits.run_storage(output_dir, cfg.run.name)
@@ -161,6 +196,7 @@ def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, clu
             "checkpoints": run_dir,
             "epochs": list(epochs or (0, cfg.train.epochs)),
             "text_length": facts.text_length,  # the driver read the model's configs once; workers need not
+            "eval_plan": list(eval_plan),  # the held-out samples' batches (small: data.eval_samples samples)
         },
         scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
         run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_dir)]),

@@ -84,14 +84,20 @@ def flow_loss(
             raise ValueError("train.caption_dropout needs the cached empty-caption embedding")
         mask = flow.caption_dropout_mask(b, t.caption_dropout, generator)
         text = flow.drop_text(text, mask, empty.text)
+    pred, target = predict(model, batch, latents, noise, sigmas, text, guidance, device, dtype, family)
+    weights = flow.loss_weights(sigmas, t.loss_weighting)
+    if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
+        weights = weights * batch.weights.to(weights.device, weights.dtype)
+    return flow.flow_loss(pred, target, weights)
+
+
+def predict(model, batch: Batch, latents, noise, sigmas, text: dict, guidance, device, dtype, family: Family):
+    """The model's packed prediction of ``ε - x`` for ``latents`` noised to ``sigmas``, and the packed target."""
+    _, _, h, w = latents.shape
     # Noisy input and target stay float32; only the model input is cast to the weights' dtype.
     noisy = family.pack(flow.noisy_input(latents, noise, sigmas)).to(dtype)
     target = family.pack(flow.flow_target(latents, noise))
     # An edit's reference latents are clean context after the target's tokens; the loss sees the target's only.
     refs = None if batch.references is None else batch.references.to(device, dtype)
     pred = model(**family.forward_args(noisy, text, sigmas, h, w, guidance, refs), return_dict=False)[0]
-    pred = target_prediction(pred, noisy.shape[1])
-    weights = flow.loss_weights(sigmas, t.loss_weighting)
-    if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
-        weights = weights * batch.weights.to(weights.device, weights.dtype)
-    return flow.flow_loss(pred, target, weights)
+    return target_prediction(pred, noisy.shape[1]), target
