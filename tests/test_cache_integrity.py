@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import cache_sets
-import numpy as np
 import pytest
 
 from rayflux import cli, job
@@ -21,18 +20,6 @@ from rayflux.train import batching
 @pytest.fixture(scope="module")
 def built(ray_session, tmp_path_factory, tiny_model):
     return cache_sets.shared_cache(tmp_path_factory, tiny_model)
-
-
-def scale_one_value(path: str, offset: int, length: int, factor: float = 1e6) -> None:
-    """Multiply the first non-zero float32 of the tensor at ``offset`` of ``path`` by ``factor``, in place."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        values = np.frombuffer(f.read(length), np.float32).copy()
-        k = int(np.flatnonzero(values)[0])
-        values[k] *= factor
-        assert np.isfinite(values).all()
-        f.seek(offset + 4 * k)
-        f.write(values[k : k + 1].tobytes())
 
 
 def _verify(path, *flags) -> tuple[int, str]:
@@ -55,7 +42,7 @@ def test_a_changed_latent_is_caught_by_a_read_and_by_verify_but_not_by_quick(bui
     refs = _samples(gen, 3)
     _read(refs)  # intact: reads
     bad = refs[1]
-    scale_one_value(bad.file, bad.offset, bad.length)
+    cache_sets.scale_one_value(bad.file, bad.offset, bad.length)
     span = f"bytes {bad.offset}..{bad.offset + bad.length}"
     with pytest.raises(CacheIntegrityError) as exc:
         _read(refs)
@@ -76,7 +63,7 @@ def test_a_changed_text_tensor_is_caught_by_a_read_and_by_verify(built, tmp_path
     refs = _samples(gen, 2)
     file, _, caption_id, parts = json.loads(refs[0].text)
     offset, length, _, _ = parts[0]  # the first named text tensor (FLUX.1: t5)
-    scale_one_value(file, offset, length)
+    cache_sets.scale_one_value(file, offset, length)
     with pytest.raises(CacheIntegrityError) as exc:
         _read(refs[:1])
     name = built.manifest["layout"]["text"][0]["name"]
@@ -94,7 +81,7 @@ def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(b
     gen = tmp_path / "cache" / Path(built.gen_dir).parent.name / Path(built.gen_dir).name
     refs = batching.index_samples(generations.load_manifest(str(gen)))
     bad = refs[len(refs) // 2]
-    scale_one_value(bad.file, bad.offset, bad.length)
+    cache_sets.scale_one_value(bad.file, bad.offset, bad.length)
     sets = [f"model.path={tiny_model}", f"data.images_dir={built.images}", f"cache.dir={tmp_path / 'cache'}",
             f"run.output_dir={tmp_path / 'run'}", "data.resolution=128", f"data.max_image_pixels={cache_sets.MAX_PIXELS}",
             "cache.batch_size=8", "data.missing_caption=filename", "train.epochs=1", "train.batch_size=1",
@@ -113,3 +100,19 @@ def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(b
     fresh = [r for r in batching.index_samples(repair) if r.sample_id == bad.sample_id]
     assert len(fresh) == 1 and fresh[0].file.startswith(summary.cache_dir + "/")
     assert _verify(summary.cache_dir)[0] == 0
+
+
+def test_a_cache_written_before_checksums_is_named_by_verify_and_not_reused(built, tmp_path, monkeypatch):
+    """Schema version 7 added the checksum columns: a version-6 generation is reported with the reason, and a
+    version-6 build had another cache key, so a run builds a new cache rather than read one without checksums."""
+    from rayflux.cache import shards, stage
+
+    gen = cache_sets.copy_generation(built, tmp_path)
+    manifest = json.loads((gen / generations.MANIFEST).read_text())
+    assert {"t5_crc32", "clip_crc32"} <= set(manifest["empty_caption"])
+    (gen / generations.MANIFEST).write_text(json.dumps({**manifest, "schema_version": 6}))
+    code, text = _verify(gen)
+    assert code == 1 and "schema version 6; this rayflux reads 7 (a run of the job builds a new cache" in text
+    today = stage.cache_key(built.cfg, built.facts)
+    monkeypatch.setattr(shards, "SCHEMA_VERSION", 6)
+    assert stage.cache_key(built.cfg, built.facts) != today

@@ -79,8 +79,8 @@ def find(exc: BaseException | None) -> CacheIntegrityError | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, CacheIntegrityError):
-            return CacheIntegrityError(str(e).strip().splitlines()[-1]) if str(e).strip() else e
+        if isinstance(e, CacheIntegrityError) and _MARK not in str(e):
+            return e
         todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
         failures = getattr(e, "worker_failures", None)
         if isinstance(failures, dict):

@@ -133,8 +133,8 @@ def stack_all(items: list[dict], stack) -> list[dict]:
                 raise error("reference count (the batch's)", refs[0][9], ref_count)
             if ref_count:
                 at = (file, ref_off, f"ref_latent of sample {sid} ({source})", gen_dir)
-                shape = (ref_count, *want)
-                references.append(_array(raw[(b, j, "ref")], layout.dtype, shape, error, "ref_latent", ref_crc, at))
+                data = raw[(b, j, "ref")]
+                references.append(_array(data, layout.dtype, (ref_count, *want), error, "ref_latent", ref_crc, at))
             loc = json.loads(where)
             cid = _text_key(loc)
             if cid not in local:

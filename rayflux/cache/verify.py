@@ -221,7 +221,7 @@ class _Checker:
                             self._checksum(file, e, prefix, col, row[col])
                     if not text and not file.startswith(self.name + "/"):  # borrowed rows: own ones were checked above
                         try:
-                            shards.check_row(row, self.layout)
+                            shards.check_row(row, self.layout, values=not self.quick)
                         except shards.CacheShapeError as exc:
                             self.problem(f"{where}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any unreadable shard is a finding, not a crash
