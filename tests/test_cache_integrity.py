@@ -74,6 +74,20 @@ def test_a_changed_text_tensor_is_caught_by_a_read_and_by_verify(built, tmp_path
     assert integrity.load(str(gen)).captions == [caption_id]
 
 
+def test_the_empty_caption_that_caption_dropout_reads_is_checked_too(built, tmp_path):
+    from rayflux.cache import index
+    from rayflux.train.captions import load_empty
+
+    gen = cache_sets.copy_generation(built, tmp_path)
+    where = index.empty_caption(generations.load_manifest(str(gen)))
+    load_empty(where)  # intact: loads
+    key = built.manifest["layout"]["text"][0]["key"]
+    cache_sets.scale_one_value(where["file"], where[f"{key}_offset"], where[f"{key}_length"])
+    with pytest.raises(CacheIntegrityError) as exc:
+        load_empty(where)
+    assert where["file"] in str(exc.value) and "of the empty caption" in str(exc.value)
+
+
 def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(built, tmp_path, tiny_model, capsys):
     """The job as a user runs it: training stops with the read's one line (no skip, no retry here); `cache verify`
     records the damage; the next run builds a repair generation that encodes that one sample and reuses the rest."""
