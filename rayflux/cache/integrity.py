@@ -5,11 +5,13 @@ the right length, so the shape and NaN/Inf checks cannot see it, and reads take 
 parsing Parquet pages, so Parquet's own page checksums would not help either. So the writer takes a CRC-32 of every
 tensor's bytes as it wrote them into the file (:func:`rayflux.cache.shards.value_ranges`), the generation index keeps
 it beside the tensor's offset and length (``crc32``, ``ref_crc32``, ``<key>_crc32``), and every training read and
-``cache verify`` compare it. It rides in the index row the reads already fetch: no extra request, no driver work.
+``cache verify`` compare it.
 
-Why zlib's CRC-32: it ships with Python (no new dependency), runs at about 5 GB/s here (a 512 KiB bf16 latent in
-0.1 ms; see BENCHMARKS.md, "Tensor checksums"), releases the GIL on large buffers, and catches every change of up
-to 32 bits in a tensor and all but 2^-32 of the others: it guards against damage, not against an adversary.
+Why zlib's CRC-32: it ships with Python (no new dependency; any plain pyarrow reader can check a tensor with it),
+runs at 1-5 GB/s here (a 512 KiB bf16 latent in 0.1-0.4 ms; see BENCHMARKS.md, "Tensor checksums"), releases the GIL
+on large buffers, and catches every error burst of up to 32 bits and all but about 2^-32 of other changes: it guards
+against damage, not against an adversary. It adds no request (it rides in the index row the reads already fetch)
+and no per-image driver step.
 
 A mismatch stops a training run (it never skips the sample) with a :class:`CacheIntegrityError` that names the file,
 the sample or caption, the byte range, and what to do: ``cache verify`` finds every damaged tensor and records
