@@ -172,8 +172,7 @@ class _Stages:
         return lease.Lease(key_dir, f"cache key {self.key}", self.cfg.run.lease_seconds).acquire(wait=True)
 
     def _generation(self, g: int) -> dict:
-        from rayflux.cache import generations
-        from rayflux.cache import draw
+        from rayflux.cache import draw, generations, integrity
         from rayflux.cache.stage import build_generation, inputs_signature
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
@@ -194,6 +193,12 @@ class _Stages:
         seconds["discover"] = seconds.get("discover", 0.0) + time.perf_counter() - t0
         inputs = inputs_signature(discovery)
         gen_dir = generations.generation_dir(self.cache_root, self.key, g, inputs)
+        # A generation `cache verify` found damaged is replaced by a repair build that re-encodes exactly the damaged
+        # samples and captions and reuses the rest from it (rayflux.cache.integrity).
+        repaired, gen_dir = gen_dir, integrity.current(gen_dir)
+        if repaired != gen_dir and generations.load_manifest(gen_dir) is None:
+            log.warning("cache generation %d has damaged tensors (recorded by cache verify beside %s): re-encoding "
+                        "exactly those into %s", g, repaired, gen_dir)  # fmt: skip
         self.dirs[g] = gen_dir
         manifest = generations.load_manifest(gen_dir)
         reason = ""

@@ -227,3 +227,17 @@ def generation_text(manifest: dict) -> list[dict]:
         row = pq.ParquetFile(index.resolve(manifest, c["file"])).read_row_group(c["row"]).to_pylist()[0]
         out.append({**row, **c})
     return out
+
+
+def scale_one_value(path: str, offset: int, length: int, factor: float = 1e6) -> None:
+    """Multiply the first non-zero float32 of the tensor at ``offset`` of ``path`` by ``factor``, in place."""
+    import numpy as np
+
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        values = np.frombuffer(f.read(length), np.float32).copy()
+        k = int(np.flatnonzero(values)[0])
+        values[k] *= factor
+        assert np.isfinite(values).all()
+        f.seek(offset + 4 * k)
+        f.write(values[k : k + 1].tobytes())

@@ -200,6 +200,21 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
     _, again = cache_sets.build(cfg, previous=manifest, generation=1)
     assert (again["encoded"]["samples"], again["reused"]["samples"]) == (1, 1)
 
+    # One value of one reference latent changed on disk (finite, in place): a training read and cache verify name it.
+    from rayflux.cache.integrity import CacheIntegrityError
+    from rayflux.train import batching
+
+    ref = batching.index_samples(manifest)[0]
+    cache_sets.scale_one_value(ref.file, ref.ref_offset, ref.ref_length)
+    (item,), _ = batching.plan_epoch([ref], 1, seed=0, epoch=0, world_size=1)
+    with pytest.raises(CacheIntegrityError) as exc:
+        batching.load_batch({**item, "step": 0, "total_steps": 1})
+    span = f"bytes {ref.ref_offset}..{ref.ref_offset + ref.ref_length} (ref_latent of sample {ref.sample_id}"
+    assert ref.file in str(exc.value) and span in str(exc.value)
+    out = io.StringIO()
+    assert verify.main([gen_dir], out=out) == 1
+    assert span in out.getvalue()
+
     # A reference latent cut short is a shape error that cache verify names.
     shard = cache_sets.first_shard(Path(gen_dir))
     cache_sets.rewrite_rows(shard, lambda rs: rs[0].update(ref_latent=rs[0]["ref_latent"][:-4]))

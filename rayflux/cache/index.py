@@ -8,7 +8,8 @@ batch reads, the next generation's reuse, caption dropout's empty caption, ``cac
 ``file`` is relative to the cache key's directory (``g00001-<hash>/samples/samples-....parquet``), so a generation
 can reference rows another generation of the same key wrote, and a cache that is moved or synced elsewhere still
 finds its own files. ``offset``/``length`` locate one tensor value inside that file (see
-:func:`rayflux.cache.shards.value_ranges`); ``file_bytes`` is the file's size, checked by ``cache verify``.
+:func:`rayflux.cache.shards.value_ranges`) and ``crc32`` is its checksum; ``file_bytes`` is the file's size, checked
+by ``cache verify``.
 """
 
 from __future__ import annotations
@@ -51,21 +52,25 @@ SAMPLE_INDEX = pa.schema(
         *_LOCATION,
         ("offset", pa.int64()),
         ("length", pa.int64()),
+        ("crc32", pa.uint32()),
         ("ref_count", pa.int32()),
         ("ref_offset", pa.int64()),
         ("ref_length", pa.int64()),
+        ("ref_crc32", pa.uint32()),
         ("generation", pa.int32()),
         ("encode_id", pa.string()),
     ]
 )
 """One row per sample of the generation. ``generation`` and ``encode_id`` are those of the build that wrote the
-latent, which is an earlier generation's for a reused row."""
+latent, which is an earlier generation's for a reused row. ``crc32`` and ``ref_crc32`` are the checksums of the
+latent's and the reference latents' bytes as the writer wrote them (:mod:`rayflux.cache.integrity`)."""
 
 def caption_index(text) -> pa.Schema:
     """One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it):
     the shape columns of each named text tensor (a :class:`~rayflux.families.base.TextTensor`), where its row is,
-    and each tensor's byte range as ``<key>_offset``/``<key>_length``."""
-    ranges = [(f"{t.key}_{part}", pa.int64()) for t in text for part in ("offset", "length")]
+    and each tensor's byte range and checksum as ``<key>_offset``/``<key>_length``/``<key>_crc32``."""
+    ranges = [(f"{t.key}_{part}", pa.uint32() if part == "crc32" else pa.int64())
+              for t in text for part in ("offset", "length", "crc32")]  # fmt: skip
     return pa.schema([("caption_id", pa.string()), ("caption", pa.string()),
                       *[(d, pa.int32()) for t in text for d in t.dims], *_LOCATION, *ranges,
                       ("generation", pa.int32()), ("encode_id", pa.string())])  # fmt: skip

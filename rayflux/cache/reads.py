@@ -4,7 +4,9 @@ A latent is one ranged GET (ranges of one file that lie close together share one
 rows is one, see :mod:`rayflux.train.runs`), an edit pair's reference latents
 included: they are the next tensor of the same row, so they share the latent's GET; a caption's named text tensors
 are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
-footer, no HEAD: the index gave the offsets and each file's size. Every row is checked against its batch's bucket
+footer, no HEAD: the index gave the offsets and each file's size. Every tensor's bytes are compared with the checksum
+the writer recorded in the index (:mod:`rayflux.cache.integrity`: a changed tensor raises a CacheIntegrityError
+naming the file, the sample or caption and the byte range), and every row is checked against its batch's bucket
 before anything is stacked, so a bad cache raises a CacheShapeError naming bucket, sample, source and shapes.
 
 Each stacked batch also says what reading it cost: ``read_bytes`` fetched, ``read_requests`` sent (GETs; a span
@@ -19,7 +21,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from rayflux.cache import generations, ranges, shards, tensors
+from rayflux.cache import generations, integrity, ranges, shards, tensors
 
 TEXT_CACHE_BYTES = 256 << 20
 _text_cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
@@ -60,10 +62,14 @@ def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, in
     return data, fetched, requests
 
 
-def _array(data: bytes, dtype: str, shape, error, what: str) -> np.ndarray:
+def _array(data: bytes, dtype: str, shape, error, what: str, crc: int, at: tuple) -> np.ndarray:
+    """The tensor ``data`` checked: its length for ``shape``, then its checksum against the index's ``crc`` (``at``:
+    file, offset, tensor and generation, for the error), then finite values."""
     want = tensors.nbytes(shape, dtype)
     if len(data) != want:
         raise error(f"{what} bytes for shape {tuple(int(s) for s in shape)}", want, len(data))
+    file, offset, tensor, gen_dir = at
+    integrity.check(data, crc, file, offset, tensor, gen_dir)
     arr = tensors.from_bytes_numpy(data, dtype, shape)
     if not np.isfinite(arr).all():
         raise error(f"{what} values", "all finite", "NaN or Inf")
@@ -83,7 +89,7 @@ def stack_all(items: list[dict], stack) -> list[dict]:
     local: dict[str, dict[str, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
     owner: dict = {}  # each asked key's batch: a caption's text is fetched for the first batch that needs it
     for b, (_, refs, layout) in enumerate(plans):
-        for j, (file, _, _, offset, length, file_bytes, _, _, text, ref_count, ref_off, ref_len) in enumerate(refs):
+        for j, (file, _, _, offset, length, file_bytes, _, _, text, ref_count, ref_off, ref_len, *_) in enumerate(refs):
             lat_asks.setdefault(file, []).append(((b, j), offset, length))
             owner[(b, j)] = owner[(b, j, "ref")] = b
             if ref_count:
@@ -97,7 +103,7 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             elif cid not in texts:
                 texts[cid] = loc
                 asks = text_asks.setdefault(loc[0], [])
-                asks.extend(((cid, t.name), off, n) for t, (off, n, _) in zip(layout.text, loc[3]))
+                asks.extend(((cid, t.name), off, n) for t, (off, n, *_) in zip(layout.text, loc[3]))
                 owner.update({(cid, t.name): b for t in layout.text})
                 sizes[loc[0]] = loc[1]
     raw, fetched, requests = _fetch({**text_asks, **lat_asks}, sizes)  # latent and text files never coincide
@@ -112,7 +118,8 @@ def stack_all(items: list[dict], stack) -> list[dict]:
         want = layout.latent_shape(bucket)
         lat, sids, references = [], [], []
         text: dict[str, list] = {t.name: [] for t in layout.text}
-        for j, (_, _, sid, _, _, _, shape, source, where, ref_count, _, _) in enumerate(refs):
+        gen_dir = item["generation_dir"]
+        for j, (file, _, sid, off, _, _, shape, source, where, ref_count, ref_off, _, crc, ref_crc) in enumerate(refs):
 
             def error(what, expected, actual, sid=sid, source=source):
                 return shards.shape_error(bucket, sid, source, what, expected, actual)
@@ -120,19 +127,23 @@ def stack_all(items: list[dict], stack) -> list[dict]:
             got = tuple(int(x) for x in shape.split(","))
             if got != want:
                 raise error("latent shape", want, got)
-            lat.append(_array(raw[(b, j)], layout.dtype, want, error, "latent"))
+            at = (file, off, f"latent of sample {sid} ({source})", gen_dir)
+            lat.append(_array(raw[(b, j)], layout.dtype, want, error, "latent", crc, at))
             if ref_count != refs[0][9]:
                 raise error("reference count (the batch's)", refs[0][9], ref_count)
             if ref_count:
-                references.append(_array(raw[(b, j, "ref")], layout.dtype, (ref_count, *want), error, "ref_latent"))
+                at = (file, ref_off, f"ref_latent of sample {sid} ({source})", gen_dir)
+                data = raw[(b, j, "ref")]
+                references.append(_array(data, layout.dtype, (ref_count, *want), error, "ref_latent", ref_crc, at))
             loc = json.loads(where)
             cid = _text_key(loc)
             if cid not in local:
                 arrays = {}
-                for t, (_, _, dims) in zip(layout.text, loc[3]):
+                for t, (t_off, _, dims, t_crc) in zip(layout.text, loc[3]):
                     if t.length and dims[0] != t.length:
                         raise error(f"{t.name} length", t.length, dims[0])
-                    arrays[t.name] = _array(raw[(cid, t.name)], layout.dtype, dims, error, t.name)
+                    at = (loc[0], t_off, f"{t.name} of caption {loc[2]}, used by sample {sid} ({source})", gen_dir)
+                    arrays[t.name] = _array(raw[(cid, t.name)], layout.dtype, dims, error, t.name, t_crc, at)
                 local[cid] = arrays
                 _keep_text(cid, arrays)
             for name, arr in local[cid].items():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux.cache import index
+from rayflux.cache import index, integrity
 
 
 @dataclass
@@ -37,10 +37,14 @@ class Previous:
 
     def known_captions(self, ids: pa.Array, add: Callable[[pa.Table], None]) -> pa.Array:
         """Pass the index rows of those of ``ids`` the previous generation holds to ``add`` (a batch of the caption
-        index at a time, never the whole index), and return their ids."""
+        index at a time, never the whole index), and return their ids. Captions that ``cache verify`` recorded as
+        damaged in it are not offered (see :mod:`rayflux.cache.integrity`)."""
         known = [pa.array([], pa.string())]
         if self.manifest is None:
             return known[0]
+        damage = integrity.load(self.manifest["dir"])
+        if damage is not None and damage.captions:  # recorded by cache verify: encoded again, not offered
+            ids = pc.filter(ids, pc.invert(pc.is_in(ids, value_set=pa.array(damage.captions, pa.string()))))
         for batch in index.batches(self.manifest, "captions"):
             rows = pa.Table.from_batches([batch]).filter(pc.is_in(batch["caption_id"], value_set=ids))
             if rows.num_rows:
@@ -51,18 +55,22 @@ class Previous:
 
 def load(manifest: dict | None) -> Previous:
     """A committed generation's index: its sample index read into Ray's object store by a task (Ray must be up).
-    An empty :class:`Previous` for None. Raises what the read raised."""
+    An empty :class:`Previous` for None. Raises what the read raised. Samples and captions that ``cache verify``
+    recorded as damaged in it are left out: the new build encodes them again, exactly those."""
     if manifest is None:
         return Previous()
     import ray
 
-    samples, rows = ray.remote(num_returns=2)(_read_samples).remote(manifest)
+    damage = integrity.load(manifest["dir"]) or integrity.Damage()
+    samples, rows = ray.remote(num_returns=2)(_read_samples).remote(manifest, damage.samples)
     ray.get(rows)  # the read's error, if any, here and now rather than in a preparation task
     return Previous(dir=manifest["dir"], samples=samples, manifest=manifest)
 
 
-def _read_samples(manifest: dict) -> tuple[pa.Table, int]:
+def _read_samples(manifest: dict, damaged: list[str]) -> tuple[pa.Table, int]:
     table = index.read(manifest, "samples")
+    if damaged:
+        table = table.filter(pc.invert(pc.is_in(table["sample_id"], value_set=pa.array(damaged, pa.string()))))
     return table, table.num_rows
 
 

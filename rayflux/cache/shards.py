@@ -30,12 +30,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayflux import buckets, storage
-from rayflux.cache import tensors
+from rayflux.cache import integrity, tensors
 from rayflux.families.base import TextTensor
 
 # 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards; 5: text tensors by
-# the names and shape columns the model family gives them (the layout's ``text``); 6: edit pairs' reference latents
-SCHEMA_VERSION = 6
+# the names and shape columns the model family gives them (the layout's ``text``); 6: edit pairs' reference latents;
+# 7: a checksum per tensor in the generation index (rayflux.cache.integrity)
+SCHEMA_VERSION = 7
 _META_KEY = b"rayflux"
 
 
@@ -216,8 +217,9 @@ def write_table(table: pa.Table, path: str, layout: ShardLayout | None = None) -
     return len(data)
 
 
-def value_ranges(data: bytes, columns: list[str]) -> dict[str, list[tuple[int, int]]]:
-    """Per tensor column, the ``(offset, length)`` of each row's value inside the Parquet file ``data``.
+def value_ranges(data: bytes, columns: list[str]) -> dict[str, list[tuple[int, int, int]]]:
+    """Per tensor column, the ``(offset, length, checksum)`` of each row's value inside the Parquet file ``data``:
+    the checksum (:func:`rayflux.cache.integrity.checksum`) of the very bytes the file holds there.
 
     A required, uncompressed, dictionary-free column chunk of one value is one page: its header, the value's 4-byte
     length, then the value, so the value ends where the chunk ends. Each range is checked against the value itself,
@@ -226,7 +228,8 @@ def value_ranges(data: bytes, columns: list[str]) -> dict[str, list[tuple[int, i
     md = pq.read_metadata(pa.BufferReader(data))
     table = pq.read_table(pa.BufferReader(data), columns=columns)
     names = md.schema.names
-    out: dict[str, list[tuple[int, int]]] = {c: [] for c in columns}
+    out: dict[str, list[tuple[int, int, int]]] = {c: [] for c in columns}
+    view = memoryview(data)
     for i in range(md.num_row_groups):
         rg = md.row_group(i)
         for c in columns:
@@ -237,7 +240,7 @@ def value_ranges(data: bytes, columns: list[str]) -> dict[str, list[tuple[int, i
             offset = end - len(value)
             if rg.num_rows != 1 or data[offset:end] != value:
                 raise RuntimeError(f"parquet layout: column {c} of row group {i} is not one contiguous value")
-            out[c].append((offset, len(value)))
+            out[c].append((offset, len(value), integrity.checksum(view[offset:end])))
     return out
 
 

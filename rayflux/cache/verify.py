@@ -11,9 +11,12 @@ Checks: every listed file exists with its recorded size, schema, layout and row 
 latent shape and dtype, byte lengths that match its shape columns, finite values, and the crop and sample id that
 :func:`rayflux.buckets.plan` gives for it; the generation index has one row per sample (ids unique) and per caption,
 each pointing into a file the generation owns or lists as borrowed, at exactly its tensor's bytes (checked against
-the file's own Parquet metadata and rows), and every own row is indexed; every sample's caption is indexed, the empty
+the file's own Parquet metadata and rows), whose checksum is still the one its writer recorded (see
+:mod:`rayflux.cache.integrity`; the damaged samples and captions are recorded beside the generation, and the next
+run of the job re-encodes exactly those), and every own row is indexed; every sample's caption is indexed, the empty
 one included; per-file and per-bucket counts match the manifest; ``cached + skipped == discovered`` and
-``skipped.jsonl`` agrees; and the directory holds no file the manifest does not list.
+``skipped.jsonl`` agrees; and the directory holds no file the manifest does not list. ``--quick`` skips the
+checksums and the value checks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayflux import buckets, storage
-from rayflux.cache import generations, index, shards, tensors
+from rayflux.cache import generations, index, integrity, shards, tensors
 from rayflux.cache.prepare import sample_id
 
 
@@ -53,8 +56,10 @@ def _size(path: str) -> int | None:
 class _Checker:
     """Collects the problems of one committed generation and its per-bucket numbers."""
 
-    def __init__(self, gen_dir: str, manifest: dict):
-        self.dir, self.m = gen_dir, manifest
+    def __init__(self, gen_dir: str, manifest: dict, quick: bool = False):
+        self.dir, self.m, self.quick = gen_dir, manifest, quick
+        self.damage = integrity.Damage()
+        """The samples and captions whose tensors fail their checksums."""
         self.problems: list[str] = []
         self.buckets: dict[str, dict] = {}
         self.layout = shards.ShardLayout(**manifest["layout"])
@@ -106,7 +111,7 @@ class _Checker:
                 for i, row in enumerate(table.to_pylist()):
                     where = f"{entry['path']}: caption {row['caption_id']}"
                     try:
-                        shards.check_text(row, self.layout, _plain_error)
+                        shards.check_text(row, self.layout, _plain_error, values=not self.quick)
                     except shards.CacheShapeError as exc:
                         self.problem(f"{where}: {exc}")
 
@@ -212,13 +217,26 @@ class _Checker:
                         at = (end - len(row[col]), len(row[col]))
                         if (off, n) != at:
                             self.problem(f"{where}: {col} is at {at[0]}+{at[1]}, index says {off}+{n}")
+                        elif not self.quick:
+                            self._checksum(file, e, prefix, col, row[col])
                     if not text and not file.startswith(self.name + "/"):  # borrowed rows: own ones were checked above
                         try:
-                            shards.check_row(row, self.layout)
+                            shards.check_row(row, self.layout, values=not self.quick)
                         except shards.CacheShapeError as exc:
                             self.problem(f"{where}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any unreadable shard is a finding, not a crash
             self.problem(f"index: {file}: unreadable Parquet: {type(exc).__name__}: {exc}")
+
+    def _checksum(self, file: str, e: dict, prefix: str, col: str, data: bytes) -> None:
+        """The tensor's bytes against the checksum the index recorded when they were written."""
+        got, want = integrity.checksum(data), e[f"{prefix}{integrity.COLUMN}"]
+        if got == want:
+            return
+        text = "sample_id" not in e
+        what = f"caption {e['caption_id']}" if text else f"sample {e['sample_id']} ({e['source_uri']})"
+        what = f"{col} of {what}"
+        self.problem(f"index: {integrity.mismatch(file, e[f'{prefix}offset'], len(data), what, got, want)}")
+        (self.damage.captions if text else self.damage.samples).append(e["caption_id" if text else "sample_id"])
 
     def _check_row(self, where: str, row: dict, seen: set[str]) -> None:
         sid = row["sample_id"]
@@ -226,7 +244,7 @@ class _Checker:
             self.problem(f"{where}: sample {sid} appears twice")
         seen.add(sid)
         try:
-            shards.check_row(row, self.layout)
+            shards.check_row(row, self.layout, values=not self.quick)
         except shards.CacheShapeError as exc:
             self.problem(f"{where}: {exc}")
             return
@@ -273,16 +291,24 @@ class _Checker:
         return found
 
 
-def verify_generation(gen_dir: str, manifest: dict) -> tuple[list[str], dict, list[str]]:
-    """(problems, per-bucket numbers, unlisted files) of one committed generation."""
+def verify_generation(gen_dir: str, manifest: dict, quick: bool = False) -> tuple[list[str], dict, list[str]]:
+    """(problems, per-bucket numbers, unlisted files) of one committed generation. Tensors whose checksums fail are
+    recorded for the next build to re-encode (:func:`rayflux.cache.integrity.record`); ``quick`` skips checksums and
+    value checks."""
     if manifest.get("schema_version") != shards.SCHEMA_VERSION:
-        return [f"schema version {manifest.get('schema_version')}; this rayflux reads {shards.SCHEMA_VERSION}"], {}, []
-    c = _Checker(gen_dir, manifest)
+        return [f"schema version {manifest.get('schema_version')}; this rayflux reads {shards.SCHEMA_VERSION} (a run "
+                "of the job builds a new cache for it)"], {}, []  # fmt: skip
+    c = _Checker(gen_dir, manifest, quick)
     c.check_text()
     c.check_samples()
     c.check_index()
     c.check_totals()
     unlisted = c.unlisted()
+    if c.damage.samples or c.damage.captions:
+        path = integrity.record(gen_dir, c.damage)
+        n, k = len(set(c.damage.samples)), len(set(c.damage.captions))
+        c.problem(f"recorded {n} damaged sample(s) and {k} caption(s) in {path}: the next run of the job re-encodes "
+                  "exactly those, reusing the rest")  # fmt: skip
     per_bucket = {b: {**e, "stored_bytes": c.buckets.get(b, {}).get("stored_bytes", 0)}
                   for b, e in getattr(c, "index_buckets", {}).items()}  # fmt: skip
     return c.problems, per_bucket, unlisted
@@ -291,8 +317,8 @@ def verify_generation(gen_dir: str, manifest: dict) -> tuple[list[str], dict, li
 _ROW = "  {:>10} {:>6}  {:<14} {:<9} {:>13} {:>13}"
 
 
-def _report(gen_dir: str, manifest: dict, out) -> bool:
-    problems, per_bucket, unlisted = verify_generation(gen_dir, manifest)
+def _report(gen_dir: str, manifest: dict, out, quick: bool = False) -> bool:
+    problems, per_bucket, unlisted = verify_generation(gen_dir, manifest, quick)
     m = manifest
     print(
         f"{gen_dir}: generation {m['generation']}, {m['discovered']} discovered = {m['cached']} cached"
@@ -313,6 +339,8 @@ def main(argv: list[str] | None = None, out=None) -> int:
     out = out or sys.stdout
     parser = argparse.ArgumentParser(prog="python -m rayflux cache verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("cache_dir", help="a generation dir, a cache key dir, or a whole cache.dir (local or URI)")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip each tensor's checksum and value checks (layout, places and counts only)")
     args = parser.parse_args(argv)
     found = find_generations(args.cache_dir.rstrip("/") or "/")
     ok, committed = True, 0
@@ -326,7 +354,7 @@ def main(argv: list[str] | None = None, out=None) -> int:
                 print(f"{gen_dir}: uncommitted (no {generations.MANIFEST}); readers ignore it", file=out)
                 continue
             committed += 1
-            ok = _report(gen_dir, manifest, out) and ok
+            ok = _report(gen_dir, manifest, out, args.quick) and ok
         except (KeyError, TypeError, ValueError) as exc:
             print(f"{gen_dir}: PROBLEM: cannot check this generation: {type(exc).__name__}: {exc}", file=out)
             ok = False

@@ -31,8 +31,9 @@ def _meta(path: str = "", rows: int = 0, nbytes: int = 0, error: str = "", **ext
 
 
 def _write(rows: list[dict], out_dir: str, layout: shards.ShardLayout, build: str) -> tuple[str, int, pa.Table, dict]:
-    """Write ``rows`` as a new shard under ``out_dir``: (path relative to it, bytes, table, tensor value ranges).
-    The name carries the ``build`` id, so a commit knows its own build's files from a concurrent build's."""
+    """Write ``rows`` as a new shard under ``out_dir``: (path relative to it, bytes, table, each tensor value's
+    offset, length and checksum, taken from the bytes written). The name carries the ``build`` id, so a commit knows
+    its own build's files from a concurrent build's."""
     table = pa.Table.from_pylist(rows, schema=layout.schema())
     rel = f"{layout.kind}/{shards.new_shard_name(f'{layout.kind}-{build}' if build else layout.kind)}"
     data = shards.encode_table(table, layout)
@@ -81,7 +82,7 @@ def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation
         entry = {k: r[k] for k in ("caption_id", "caption", *dims, "encode_id")}
         entry.update(file=file, file_bytes=nbytes, row=i, generation=generation)
         for t in layout.text:
-            entry[f"{t.key}_offset"], entry[f"{t.key}_length"] = ranges[t.name][i]
+            entry[f"{t.key}_offset"], entry[f"{t.key}_length"], entry[f"{t.key}_crc32"] = ranges[t.name][i]
         entries.append(entry)
     table = pa.Table.from_pylist(entries, schema=index.caption_index(layout.text))
     return _meta(path, len(rows), nbytes, encoded=len(rows), index=index.to_ipc(table))
@@ -104,8 +105,8 @@ def _index_row(batch: dict, i: int) -> dict:
     }
 
 
-_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "ref_count",
-             "ref_offset", "ref_length", "generation", "encode_id")  # fmt: skip
+_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "crc32", "ref_count",
+             "ref_offset", "ref_length", "ref_crc32", "generation", "encode_id")  # fmt: skip
 
 
 def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
@@ -157,14 +158,14 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
         extra["buckets"] = json.dumps(shards.bucket_summary(table))
         file = index.relative(out_dir, path)
         for j, (i, row) in enumerate(zip(fresh, rows)):
-            offset, length = ranges["latent"][j]
-            ref_offset, ref_length = ranges["ref_latent"][j]
+            offset, length, crc = ranges["latent"][j]
+            ref_offset, ref_length, ref_crc = ranges["ref_latent"][j]
             entries.append(
                 {
                     **_index_row(batch, i),
                     **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "ref_count", "encode_id")},
-                    "file": file, "file_bytes": nbytes, "row": j, "offset": offset, "length": length,
-                    "ref_offset": ref_offset, "ref_length": ref_length, "generation": generation,
+                    "file": file, "file_bytes": nbytes, "row": j, "offset": offset, "length": length, "crc32": crc,
+                    "ref_offset": ref_offset, "ref_length": ref_length, "ref_crc32": ref_crc, "generation": generation,
                 }  # fmt: skip
             )
     table = pa.Table.from_pylist(entries, schema=index.SAMPLE_INDEX)

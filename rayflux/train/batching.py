@@ -51,8 +51,9 @@ class SampleRef:
     source: str = ""
     """The source image, for error messages."""
     text: str = ""
-    """Where its caption's embeddings are: JSON ``[file, file_bytes, caption_id, [[offset, length, shape], ...]]``, one
-    entry per named text tensor in the layout's order; the same string object for every sample of one caption."""
+    """Where its caption's embeddings are: JSON ``[file, file_bytes, caption_id, [[offset, length, shape, crc32],
+    ...]]``, one entry per named text tensor in the layout's order; the same string object for every sample of one
+    caption."""
     gen_dir: str = ""
     """The generation being read: a read task checks once that it is committed and not retired."""
     layout: str = ""
@@ -63,6 +64,10 @@ class SampleRef:
     """Byte offset of the reference latents' value in ``file`` (right after the latent's, so both are one read)."""
     ref_length: int = 0
     """Byte length of the reference latents' value."""
+    crc32: int = 0
+    """Checksum of the latent's bytes as they were written (:mod:`rayflux.cache.integrity`); every read compares it."""
+    ref_crc32: int = 0
+    """Checksum of the reference latents' bytes."""
 
 
 def group(ref: SampleRef) -> str:
@@ -87,10 +92,12 @@ def index_samples(manifest: dict) -> list[SampleRef]:
     specs = ShardLayout(**manifest["layout"]).text
     text = {}
     for c in index.read(manifest, "captions").to_pylist():
-        parts = [[c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims]] for t in specs]
+        parts = [[c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims], c[f"{t.key}_crc32"]]
+                 for t in specs]  # fmt: skip
         text[c["caption_id"]] = json.dumps([full(c["file"]), c["file_bytes"], c["caption_id"], parts])
     cols = ["sample_id", "bucket", "file", "row", "dataset", "offset", "length", "file_bytes", "latent_c", "latent_h",
-            "latent_w", "source_uri", "caption_id", "ref_count", "ref_offset", "ref_length"]  # fmt: skip
+            "latent_w", "source_uri", "caption_id", "ref_count", "ref_offset", "ref_length", "crc32",
+            "ref_crc32"]  # fmt: skip
     refs = []
     for r in index.read(manifest, "samples", cols).to_pylist():
         refs.append(
@@ -99,7 +106,7 @@ def index_samples(manifest: dict) -> list[SampleRef]:
                 offset=r["offset"], length=r["length"], file_bytes=r["file_bytes"],
                 latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}", source=r["source_uri"],
                 text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout, ref_count=r["ref_count"],
-                ref_offset=r["ref_offset"], ref_length=r["ref_length"],
+                ref_offset=r["ref_offset"], ref_length=r["ref_length"], crc32=r["crc32"], ref_crc32=r["ref_crc32"],
             )  # fmt: skip
         )
     return refs
@@ -153,7 +160,8 @@ def _planned(b: list[SampleRef], epoch: int, index: int, seed: int) -> dict:
         "bucket": b[0].bucket,
         "size": len(b),
         "refs": json.dumps([[r.file, r.row, r.sample_id, r.offset, r.length, r.file_bytes, r.latent_shape,
-                             r.source, r.text, r.ref_count, r.ref_offset, r.ref_length] for r in b]),  # fmt: skip
+                             r.source, r.text, r.ref_count, r.ref_offset, r.ref_length, r.crc32, r.ref_crc32]
+                            for r in b]),  # fmt: skip
         "weights": json.dumps([r.weight for r in b]),
         "generation_dir": b[0].gen_dir,
         "layout": b[0].layout,

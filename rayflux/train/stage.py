@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from rayflux import datasets, models, progress, storage
-from rayflux.cache import index
+from rayflux.cache import index, integrity
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.config.base_dtype import refusal
 from rayflux.models import ModelFacts
@@ -152,8 +152,13 @@ def train(
     run_dir = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_dir)
     with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
-        result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan)
+        try:
+            result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan)
+        except Exception as exc:
+            _raise_integrity(exc)
+            raise
     if getattr(result, "error", None):
+        _raise_integrity(result.error)
         raise RuntimeError(f"training failed: {result.error}")
     final = commits.latest(run_dir)
     if not final:
@@ -178,6 +183,14 @@ def train(
         eval_file=eval_file,
         evals=metrics.read_steps(output_dir, last_step=int(position["step"]), evals=True) if eval_plan else [],
     )
+
+
+def _raise_integrity(error: BaseException) -> None:
+    """A damaged cache tensor met by a worker's read stops the run with the read's own one-line error (which names
+    the file, the sample or caption, the range, and the ``cache verify`` command), not with Ray's nested tracebacks."""
+    found = integrity.find(error)
+    if found is not None:
+        raise found from None
 
 
 def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
