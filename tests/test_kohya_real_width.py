@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from rayflux import families, models
 from rayflux.families.flux1 import FLUX1_DEV
 from rayflux.train import kohya, lora
 
@@ -69,20 +70,20 @@ def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model,
     np.testing.assert_allclose(images[lora.WEIGHT_NAME], trained, atol=1e-4)
 
 
-@pytest.mark.parametrize("model", sorted(plan.BUILT_IN))
+@pytest.mark.parametrize("model", sorted(families.BUILT_IN))
 def test_every_preset_passes_the_trainers_kohya_check_at_real_widths(model):
     """The check the trainer runs with ``train.output_format=kohya``, on each family's real transformer built as
     ``plan`` builds it (meta device): every preset's modules have kohya names. At these widths every preset targets
     20 modules or more, where peft shortens ``target_modules`` to suffixes that name no module (``to_q``)."""
-    tc, _ = plan.BUILT_IN[model]
+    tc, _ = families.BUILT_IN[model]
     for preset in lora.PRESETS:
-        meta = plan.meta_transformer(tc)
+        meta = models.meta_transformer(tc)
         targets = lora.resolve_targets(meta, preset)
         with torch.device("meta"):
             lora.add_lora(meta, 16, 16, preset)
         assert lora.adapted_modules(meta) == sorted(targets), preset
         kohya.check_adapter(meta)
-    meta = plan.meta_transformer(tc)
+    meta = models.meta_transformer(tc)
     with torch.device("meta"):
         lora.add_lora(meta, 16, 16, "x_embedder,to_q")  # the model's input layer has no kohya name
     with pytest.raises(ValueError, match=r"no kohya name for \['x_embedder'\]"):
