@@ -246,9 +246,10 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     gpus = cluster_has_gpus()
     if only != "cache":
         # The training modules import torch: a cache-only run's driver never loads it (seconds of its start).
-        from rayflux.train.stage import check_base_dtype
+        from rayflux.train.stage import check_base_dtype, check_optimizer
 
         check_base_dtype(cfg, gpus)
+        check_optimizer(cfg, gpus)
     stages = _Stages(cfg, facts, ledger, cache_root, gpus, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 
