@@ -119,6 +119,7 @@ def test_a_missing_optimizer_package_names_its_extra():
 def test_optimizer_config_names_and_rules():
     cfg = config.load(None, ["train.optimizer_type=AdamWScheduleFree", "train.lr_scheduler=constant_with_warmup"])
     assert cfg.train.optimizer == "schedulefree_adamw"
+    assert config.load(None, ["train.optimizer=prodigyopt.Prodigy"]).train.optimizer == "prodigy"
     with pytest.raises(ConfigError, match="replaces the LR schedule"):
         config.load(None, ["train.optimizer=schedulefree_adamw", "train.lr_scheduler=cosine"])
     with pytest.raises(ConfigError, match="train.optimizer must be one of"):

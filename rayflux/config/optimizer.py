@@ -19,16 +19,19 @@ class OptimizerSpec:
     """The module it imports (only when chosen)."""
     extra: str
     """The ``rayflux[...]`` extra that installs it; empty for torch's own."""
+    cls: str
+    """The class, as sd-scripts writes it in ``ss_optimizer`` (and accepts as ``optimizer_type``)."""
     gpu_only: str = ""
     """Why it needs a CUDA GPU (empty: runs anywhere)."""
 
 
 OPTIMIZERS = {
-    "adamw": OptimizerSpec("torch", ""),
-    "adamw8bit": OptimizerSpec("bitsandbytes", "adamw8bit", "bitsandbytes' 8-bit optimizer kernels"),
-    "prodigy": OptimizerSpec("prodigyopt", "prodigy"),
-    "adafactor": OptimizerSpec("transformers", ""),
-    "schedulefree_adamw": OptimizerSpec("schedulefree", "schedulefree"),
+    "adamw": OptimizerSpec("torch", "", "torch.optim.AdamW"),
+    "adamw8bit": OptimizerSpec("bitsandbytes", "adamw8bit", "bitsandbytes.optim.AdamW8bit",
+                               "bitsandbytes' 8-bit optimizer kernels"),  # fmt: skip
+    "prodigy": OptimizerSpec("prodigyopt", "prodigy", "prodigyopt.Prodigy"),
+    "adafactor": OptimizerSpec("transformers", "", "transformers.optimization.Adafactor"),
+    "schedulefree_adamw": OptimizerSpec("schedulefree", "schedulefree", "schedulefree.AdamWScheduleFree"),
 }
 """``train.optimizer`` values and what each needs. ``adamw8bit`` takes the same bitsandbytes as the ``nf4`` extra;
 transformers is a core dependency (diffusers' text encoders)."""
@@ -38,6 +41,7 @@ SPELLINGS = {
     "adamwschedulefree": "schedulefree_adamw",  # kohya's optimizer_type
     "adamw_schedulefree": "schedulefree_adamw",  # SimpleTuner
     "bnb-adamw8bit": "adamw8bit",  # SimpleTuner
+    **{spec.cls.lower(): name for name, spec in OPTIMIZERS.items()},  # kohya's full class names
 }
 """Other trainers' spellings of the same optimizers (matched without regard to case, so kohya's ``AdamW8bit``,
 ``Prodigy`` and ``Adafactor`` are accepted as they are written there)."""

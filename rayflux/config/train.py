@@ -56,8 +56,8 @@ class TrainConfig:
     ``learning_rate`` is a multiplier, 1.0 by its convention; extra ``rayflux[prodigy]``), ``adafactor``
     (transformers' Adafactor with a fixed ``learning_rate``: factored second moments, the smallest state) or
     ``schedulefree_adamw`` (schedulefree: no LR schedule, so ``lr_scheduler`` must be ``constant`` or
-    ``constant_with_warmup`` and ``warmup_steps`` is its own warmup; validation images, eval and every saved LoRA
-    use its averaged weights; extra ``rayflux[schedulefree]``). Each package is imported only when chosen."""
+    ``constant_with_warmup`` and ``warmup_steps`` is its own warmup; validation images and every saved LoRA use its
+    averaged weights; extra ``rayflux[schedulefree]``). Each package is imported only when chosen."""
     learning_rate: float = 1e-4
     """The optimizer's learning rate (the peak, after warmup). ``prodigy``: a multiplier of its own estimate, 1.0 by
     convention."""

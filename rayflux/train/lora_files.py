@@ -19,6 +19,7 @@ from functools import cache
 
 from rayflux import storage
 from rayflux.config import JobConfig
+from rayflux.config.optimizer import OPTIMIZERS
 from rayflux.train import kohya, lora
 
 log = logging.getLogger(__name__)
@@ -26,14 +27,6 @@ log = logging.getLogger(__name__)
 LORA_DIR = "lora"
 MAX_TAGS = 1000
 """Most frequent caption tags kept in ``ss_tag_frequency``: the metadata must stay small at a million captions."""
-OPTIMIZER_CLASSES = {
-    "adamw": "torch.optim.AdamW",
-    "adamw8bit": "bitsandbytes.optim.AdamW8bit",
-    "prodigy": "prodigyopt.Prodigy",
-    "adafactor": "transformers.optimization.Adafactor",
-    "schedulefree_adamw": "schedulefree.AdamWScheduleFree",
-}
-"""``ss_optimizer`` metadata per ``train.optimizer``: the class, as sd-scripts writes it."""
 
 
 def output_name(cfg: JobConfig) -> str:
@@ -113,7 +106,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_unet_lr": t.learning_rate,
         "ss_lr_scheduler": t.lr_scheduler,
         "ss_lr_warmup_steps": t.warmup_steps,
-        "ss_optimizer": OPTIMIZER_CLASSES[t.optimizer],
+        "ss_optimizer": OPTIMIZERS[t.optimizer].cls,
         "ss_max_grad_norm": t.max_grad_norm,
         "ss_seed": t.seed,
         "ss_gradient_accumulation_steps": t.gradient_accumulation,
