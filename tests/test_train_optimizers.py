@@ -110,6 +110,13 @@ def test_adamw8bit_is_refused_on_cpu_before_any_work():
         optim.check_worker("adamw8bit", "cpu")
 
 
+def test_a_worker_refuses_before_loading_the_model(tmp_path):
+    # A model.path that does not exist: loading first would fail on it; the refusal comes before any load.
+    cfg = config.load(None, [f"model.path={tmp_path / 'absent'}", "train.optimizer=adamw8bit"])
+    with pytest.raises(RuntimeError, match="^train.optimizer=adamw8bit needs a CUDA GPU"):
+        LoraTrainer(cfg, "cpu", total_steps=1)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
 def test_a_missing_optimizer_package_names_its_extra():
     with pytest.raises(RuntimeError, match=r"bitsandbytes, which is not installed: pip install 'rayflux\[adamw8bit"):
