@@ -1,5 +1,6 @@
 """The GPU memory of one training process: the frozen base for each ``train.base_dtype`` and
-``train.base_sharding``, the LoRA with its AdamW state, and the activations with and without gradient checkpointing.
+``train.base_sharding``, the LoRA with its ``train.optimizer`` state, and the activations with and without gradient
+checkpointing.
 
 ``python -m rayflux plan`` prints these figures for a model's transformer config (:mod:`rayflux.plan`); every
 training worker computes the same ones for its own run and turns ``train.gradient_checkpointing=auto`` on from them
@@ -17,7 +18,12 @@ training worker computes the same ones for its own run and turns ``train.gradien
 - ``base_sharding=node`` over W workers of a node: 1/W of the base, plus the blocks FSDP2 gathers whole while it
   computes: the running block and the prefetched next one (``GATHERED_BLOCKS`` x the largest block, model dtype).
 
-**The LoRA** is held in fp32 with its gradient and AdamW's two moments (16 bytes a parameter).
+**The LoRA** is held in fp32 with its fp32 gradient (8 bytes a parameter) and the ``train.optimizer``'s state
+(``OPTIMIZER_STATE_BYTES``, counted from each package's ``step``): AdamW two fp32 moments (8); bitsandbytes' 8-bit
+AdamW two 1-byte moments plus an fp32 absmax per block of 256 (about 2); Prodigy ``exp_avg``, ``exp_avg_sq``, ``s``
+and ``p0`` (16, at its default ``slice_p=1``); schedule-free AdamW ``z`` and ``exp_avg_sq`` (8); Adafactor (no first
+moment at its default ``beta1=None``) a row and a column of second moments per matrix, ``(r + n) x 4`` bytes for an
+``r x n`` LoRA matrix: about ``4 / rank`` a parameter (the LoRA's matrices are rank wide on one side).
 
 **The activations** count, per token and per block, the tensors autograd keeps for the backward pass, in the autocast
 dtype (bf16 on GPU). A block keeps ``a*h + b*m`` elements a token, with ``h`` the hidden width (heads x head dim),
@@ -49,8 +55,24 @@ GATHERED_BLOCKS = 2
 PIXELS_PER_TOKEN = 16
 """VAE downscale (8) times the 2x2 latent packing: one image token per 16x16 pixels."""
 GIB = 2**30
-LORA_BYTES_PER_PARAM = 16
-"""fp32 weight, fp32 gradient and AdamW's two fp32 moments."""
+PARAM_GRAD_BYTES = 8
+"""A LoRA parameter's fp32 weight and fp32 gradient."""
+BNB_BLOCK = 256
+"""Values per fp32 absmax block of bitsandbytes' 8-bit optimizer states."""
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8.0,
+    "adamw8bit": 2 * (1 + 4 / BNB_BLOCK),
+    "prodigy": 16.0,
+    "schedulefree_adamw": 8.0,
+}
+"""Bytes of optimizer state per LoRA parameter (see the module docstring); Adafactor's depends on the rank."""
+
+
+def lora_bytes_per_param(optimizer: str = "adamw", rank: int = 4) -> float:
+    """Bytes per trainable parameter: weight, gradient and the ``optimizer``'s state (LoRA ``rank`` for Adafactor)."""
+    if optimizer == "adafactor":
+        return PARAM_GRAD_BYTES + 4 / max(rank, 1)
+    return PARAM_GRAD_BYTES + OPTIMIZER_STATE_BYTES[optimizer]
 
 
 @dataclass(frozen=True)
@@ -114,7 +136,7 @@ class Estimate:
     weights: int
     """The frozen base on this GPU (:func:`per_gpu_weight_bytes`)."""
     lora_optimizer: int
-    """The trainable LoRA parameters with their gradients and AdamW state."""
+    """The trainable LoRA parameters with their gradients and the optimizer's state."""
     activations: int
     """What autograd keeps for the backward pass of one optimizer micro-step."""
 
@@ -124,14 +146,15 @@ class Estimate:
 
 
 def estimate(tc: dict, weight_bytes: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
-             activation_bytes: int = 2, text: int | None = None) -> Estimate:  # fmt: skip
+             activation_bytes: int = 2, text: int | None = None, optimizer: str = "adamw",
+             rank: int = 4) -> Estimate:  # fmt: skip
     """Memory of one process: ``weight_bytes`` of frozen base on its GPU (:func:`per_gpu_weight_bytes`),
-    ``trainable`` LoRA parameters, and ``text`` text tokens per sample (None: the length the family pads to for
-    this transformer config)."""
+    ``trainable`` LoRA parameters of ``rank`` trained by ``optimizer`` (:func:`lora_bytes_per_param`), and ``text``
+    text tokens per sample (None: the length the family pads to for this transformer config)."""
     if text is None:
         text = families.of_transformer_config(tc).text_length_of(tc)
     acts = batch * tokens(pixels, text) * per_token_elements(tc, checkpointing) * activation_bytes
-    return Estimate(int(weight_bytes), trainable * LORA_BYTES_PER_PARAM, acts)
+    return Estimate(int(weight_bytes), int(trainable * lora_bytes_per_param(optimizer, rank)), acts)
 
 
 def gradient_checkpointing(setting, on_gpu: bool, pixels: int, need_without: int, device_bytes: int) -> bool:

@@ -286,9 +286,10 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     gpus = cluster_has_gpus()
     if only != "cache":
         # The training modules import torch: a cache-only run's driver never loads it (seconds of its start).
-        from rayflux.train.stage import check_base_dtype
+        from rayflux.train.stage import check_base_dtype, check_optimizer
 
         check_base_dtype(cfg, gpus)
+        check_optimizer(cfg, gpus)
     stages = _Stages(cfg, facts, ledger, cache_root, gpus, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 

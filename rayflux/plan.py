@@ -4,9 +4,9 @@
 transformer's ``config.json`` from ``model.path`` (a built-in configuration when ``model.path`` is empty, or the one
 ``--model`` names, e.g. ``flux2-dev``: :data:`rayflux.families.BUILT_IN`), so it needs no weights and no GPU. It
 counts the parameters of the family's own transformer built on the meta device (:func:`rayflux.models.
-meta_transformer`), and prints what weights, the LoRA with AdamW, and activations (with and without gradient
-checkpointing) take on a GPU (:mod:`rayflux.gpu_memory`, the same figures every training worker computes for its
-run), ending with each ``train.base_sharding`` x ``train.base_dtype`` option's memory per GPU.
+meta_transformer`), and prints what weights, the LoRA with its ``train.optimizer`` state, and activations (with
+and without gradient checkpointing) take on a GPU (:mod:`rayflux.gpu_memory`, the same figures every training
+worker computes for its run), ending with each ``train.base_sharding`` x ``train.base_dtype`` option's memory per GPU.
 
 A command like ``doctor``: nothing else of rayflux imports this module.
 """
@@ -19,7 +19,7 @@ from typing import Callable
 from rayflux import config, families, gpu_memory
 from rayflux.config.base_dtype import refusal
 from rayflux.config.train import checkpointing_setting
-from rayflux.gpu_memory import GIB, LORA_BYTES_PER_PARAM, BaseCounts
+from rayflux.gpu_memory import GIB, BaseCounts
 from rayflux.train import lora
 
 
@@ -68,7 +68,7 @@ def transformer_config(cfg: config.JobConfig, model: str = "") -> tuple[dict, st
 def option_lines(counts: BaseCounts, fixed_bytes: int, activations: Callable[[int, int, bool], int], workers: int,
                  float_bytes: int = 2) -> list[str]:  # fmt: skip
     """The option table: GiB per GPU for each base_sharding x base_dtype at 512 and 1024 px, batch 1-4, gradient
-    checkpointing off / on. ``fixed_bytes``: the LoRA with its AdamW state; ``activations(px, batch,
+    checkpointing off / on. ``fixed_bytes``: the LoRA with its optimizer state; ``activations(px, batch,
     checkpointing)``: bytes of one process's activations."""
     lines = [f"per-GPU memory by option (GiB, gradient checkpointing off / on; node: {workers} workers a node)",
              "  sharding dtype px    " + "".join(f"batch {b:<9}" for b in (1, 2, 3, 4)).rstrip()]  # fmt: skip
@@ -111,22 +111,24 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     trainable = (counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank))[1]
     base = base_counts(tc)
     weights = int(gpu_memory.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
+    lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optimizer, t.rank))
     lines.append(f"memory per GPU process (GiB) for targets={t.targets}, base_dtype={t.base_dtype}: weights "
-                 f"{_gib(weights)}, LoRA + AdamW {_gib(trainable * LORA_BYTES_PER_PARAM)}")  # fmt: skip
+                 f"{_gib(weights)}, LoRA + {t.optimizer} {_gib(lora_bytes)}")  # fmt: skip
     lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
+    opt = {"text": text, "optimizer": t.optimizer, "rank": t.rank}
     for px in (512, 1024):
         for batch in (1, 2, 3, 4):
-            off, on = (gpu_memory.estimate(tc, weights, trainable, px, batch, c, text=text) for c in (False, True))
+            off, on = (gpu_memory.estimate(tc, weights, trainable, px, batch, c, **opt) for c in (False, True))
             lines.append(f"  {px:<5} {batch:<6} {_gib(off.activations):>8} / {_gib(on.activations):<8}"
                          f"             {_gib(off.total):>8} / {_gib(on.total)}")  # fmt: skip
-    job = gpu_memory.estimate(tc, weights, trainable, cfg.data.resolution, t.batch_size, False, text=text)
+    job = gpu_memory.estimate(tc, weights, trainable, cfg.data.resolution, t.batch_size, False, **opt)
     ckpt = gpu_memory.gradient_checkpointing(checkpointing_setting(t.gradient_checkpointing), True,
                                              cfg.data.resolution, job.total, 80 * 10**9)  # fmt: skip
 
     def activations(px: int, batch: int, checkpointing: bool) -> int:
         return gpu_memory.estimate(tc, 0, 0, px, batch, checkpointing, text=text).activations
 
-    lines += option_lines(base, trainable * LORA_BYTES_PER_PARAM, activations, workers_per_node, float_bytes)
+    lines += option_lines(base, lora_bytes, activations, workers_per_node, float_bytes)
     lines.append(f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "
                  f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing}), base_dtype {t.base_dtype}, "
                  f"base_sharding {t.base_sharding}")  # fmt: skip

@@ -56,9 +56,10 @@ def test_the_driver_refuses_a_cluster_without_gpus(dtype):
     check_base_dtype(config.load(None, [f"train.base_dtype={dtype}", "train.accelerator_type=H100"]), False)
 
 
-def test_the_job_refuses_before_any_cache_work(ray_session, job_config):
-    job_config.train.base_dtype = "nf4"
-    with pytest.raises(ValueError, match="train.base_dtype=nf4 needs a CUDA GPU"):
+@pytest.mark.parametrize("key, value", [("base_dtype", "nf4"), ("optimizer", "adamw8bit")])
+def test_the_job_refuses_before_any_cache_work(ray_session, job_config, key, value):
+    setattr(job_config.train, key, value)  # train.optimizer=adamw8bit: bitsandbytes' 8-bit kernels need CUDA too
+    with pytest.raises(ValueError, match=f"train.{key}={value} needs a CUDA GPU"):
         job.run(job_config)
     cache = Path(job.resolve_dirs(job_config)[1])
     assert not cache.exists() or not any(cache.iterdir())

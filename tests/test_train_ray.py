@@ -7,8 +7,13 @@ Five short TorchTrainer runs share one cache whose buckets hold 7, 5, 1 and 1 im
 - ``resumed``: the same training stopped after step 1 (``max_steps=1``), then rerun under the same Ray Train run
   name, which restores the latest checkpoint and continues to step 4;
 - ``evaluated``: 3 samples held out for the eval loss, steps 1-3, then resumed to step 6.
+
+The first two train with schedule-free AdamW (the ``test`` extra installs it; plain AdamW where it is missing): its
+eval/train swap around every checkpoint and render runs in the real loop, and the resumed run must still match the
+straight one.
 """
 
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -25,6 +30,7 @@ from rayflux.train import batching, checkpoint, commits, elastic, kohya, lora, s
 # 64x64, 80x48, 48x80 and 96x48 buckets at data.resolution=64.
 SIZES = [(512, 512)] * 7 + [(640, 384)] * 5 + [(384, 640)] + [(768, 256)]
 PROMPTS = ["a red circle", "a blue square", "a green ring"]
+OPTIMIZER = "schedulefree_adamw" if importlib.util.find_spec("schedulefree") else "adamw"
 COMMON = [
     "data.resolution=64",
     "train.num_workers=2",
@@ -32,7 +38,8 @@ COMMON = [
     "train.batch_size=2",
     "train.gradient_accumulation=2",
     "train.lr_scheduler=constant_with_warmup",
-    "train.warmup_steps=3",  # the resume lands inside warmup: the scheduler state must come back too
+    "train.warmup_steps=3",  # the resume lands inside warmup: the scheduler (or optimizer) state must come back too
+    f"train.optimizer={OPTIMIZER}",
     "train.learning_rate=0.01",
     "train.lora_dropout=0.1",  # draws from the global RNG: the saved RNG states must come back too
     "train.caption_dropout=0.3",
@@ -165,7 +172,9 @@ def test_metrics_are_reported_and_checkpoints_rotated(full):
     kept = [p for p in (out / "checkpoints" / "full").glob("checkpoint_*") if p.is_dir()]
     assert len(kept) == 2  # checkpoint_every=1 wrote 4, checkpoints_to_keep=2 kept the newest
     state = torch.load(Path(result.checkpoint_dir) / checkpoint.STATE_FILE, weights_only=True)
-    assert {"optimizer", "scheduler"} == state.keys()
+    # Schedule-free's training weights too: its LoRA files hold the average (see test_resumed_run_matches_...).
+    kept_weights = {"train_weights"} if OPTIMIZER == "schedulefree_adamw" else set()
+    assert {"optimizer", "scheduler"} | kept_weights == state.keys()
     position = json.loads((Path(result.checkpoint_dir) / commits.POSITION_FILE).read_text())
     assert (position["step"], position["epoch"], position["index"], position["world_size"]) == (4, 1, 8, 2)
     assert position["feed_done"] and position["resumed_at"] == [] and len(position["digest"]) == 64
@@ -218,6 +227,11 @@ def test_resumed_run_matches_the_straight_run(full, resumed):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
     assert second.losses == pytest.approx(straight.losses, rel=1e-5)
+    state = torch.load(Path(straight.checkpoint_dir) / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    if OPTIMIZER == "schedulefree_adamw":  # the LoRA file is its average; the training point is kept for resume
+        assert state["optimizer"]["param_groups"][0]["train_mode"] is True
+        trained = sum(float(w.abs().sum()) for w in state["train_weights"])
+        assert trained > 0 and abs(trained - sum(float(v.abs().sum()) for v in a.values())) > 1e-6
 
 
 def test_every_checkpoint_leaves_a_named_kohya_lora(full):
@@ -231,6 +245,8 @@ def test_every_checkpoint_leaves_a_named_kohya_lora(full):
         assert all(k.startswith("lora_unet_") for k in f.keys())
     assert (meta["ss_steps"], meta["ss_epoch"], meta["ss_num_epochs"]) == ("4", "2", "2")
     assert meta["ss_network_dim"] == "4" and meta["modelspec.architecture"] == "flux-1-dev/lora"
+    classes = {"adamw": "torch.optim.AdamW", "schedulefree_adamw": "schedulefree.AdamWScheduleFree"}
+    assert meta["ss_optimizer"] == classes[OPTIMIZER]
     tags = json.loads(meta["ss_tag_frequency"])["full"]
     assert tags and all(count > 0 for count in tags.values())
 

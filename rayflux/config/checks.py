@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rayflux.config.base_dtype import refusal
+from rayflux.config.optimizer import OPTIMIZERS, canonical, refusal as optimizer_refusal
 from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
 from rayflux.config.job import JobConfig
@@ -24,6 +25,7 @@ _CHOICES = {
     ("train", "output_format"): ("diffusers", "kohya"),
     ("train", "base_sharding"): ("none", "node", "auto"),
     ("train", "base_dtype"): ("bf16", "fp8", "nf4"),
+    ("train", "optimizer"): tuple(OPTIMIZERS),
 }
 _POSITIVE = {
     ("data", "max_image_pixels"),
@@ -47,8 +49,21 @@ _POSITIVE = {
 }
 
 
+def _check_optimizer(cfg: JobConfig) -> None:
+    """An optimizer CPU training cannot run, and schedule-free with a decaying schedule (it replaces the schedule)."""
+    refused = optimizer_refusal(cfg.train.optimizer, gpu=cfg.train.use_gpu != "false")
+    if refused:
+        raise ConfigError(refused)
+    if cfg.train.optimizer == "schedulefree_adamw" and cfg.train.lr_scheduler not in ("constant",
+                                                                                      "constant_with_warmup"):
+        raise ConfigError(f"train.optimizer=schedulefree_adamw replaces the LR schedule (train.lr_scheduler="
+                          f"{cfg.train.lr_scheduler}); use constant_with_warmup, with train.warmup_steps as its own "
+                          "warmup")  # fmt: skip
+
+
 def validate(cfg: JobConfig) -> None:
     """Check value ranges and choices; raise ConfigError naming the first bad key."""
+    cfg.train.optimizer = canonical(cfg.train.optimizer)
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -104,6 +119,7 @@ def validate(cfg: JobConfig) -> None:
     refused = refusal(cfg.train.base_dtype, gpu=cfg.train.use_gpu != "false", sharding=cfg.train.base_sharding)
     if refused:
         raise ConfigError(refused)
+    _check_optimizer(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")

@@ -17,6 +17,7 @@ import yaml
 
 from rayflux.config.checks import validate
 from rayflux.config.job import SECTIONS, JobConfig
+from rayflux.config.optimizer import SPELLINGS
 from rayflux.config.values import ConfigError, coerce
 
 
@@ -61,6 +62,7 @@ ALIASES = {
     ("train", "checkpointing_steps"): "checkpoint_every",  # SimpleTuner
     ("train", "checkpoints_total_limit"): "checkpoints_to_keep",  # SimpleTuner
     ("train", "validation_steps"): "validation_every",  # SimpleTuner
+    ("train", "optimizer_type"): "optimizer",  # kohya
     ("data", "bucket_reso_steps"): "bucket_step",  # kohya
 }
 """kohya (sd-scripts) and SimpleTuner names accepted for keys that mean exactly the same thing here."""
@@ -142,6 +144,9 @@ def help_text() -> str:
             lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
     lines.append("\n  Also accepted, with the same meaning (kohya sd-scripts / SimpleTuner names):")
     lines += [f"    {section}.{alias} -> {section}.{own}" for (section, alias), own in ALIASES.items()]
+    spellings = ", ".join(f"{alias} -> {own}" for alias, own in SPELLINGS.items())
+    lines.append("\n  train.optimizer values also accepted (any case):")
+    lines.append(textwrap.fill(spellings, 100, initial_indent=" " * 4, subsequent_indent=" " * 4))
     return "\n".join(lines)
 
 

@@ -50,16 +50,26 @@ class TrainConfig:
     when every caption differs, against 2 for a per-sample shuffle (``1``). Larger runs mean fewer requests and less
     varied batches (a batch holds ``batch_size / read_run`` groups of storage neighbours). Runs save requests only
     within a batch: they pay off when ``batch_size`` is at least ``read_run``."""
+    optimizer: str = "adamw"
+    """The LoRA's optimizer: ``adamw`` (torch), ``adamw8bit`` (bitsandbytes' 8-bit AdamW: a quarter of AdamW's state;
+    CUDA GPUs only; extra ``rayflux[adamw8bit]``), ``prodigy`` (prodigyopt: estimates its own step size, so
+    ``learning_rate`` is a multiplier, 1.0 by its convention; extra ``rayflux[prodigy]``), ``adafactor``
+    (transformers' Adafactor with a fixed ``learning_rate``: factored second moments, the smallest state) or
+    ``schedulefree_adamw`` (schedulefree: no LR schedule, so ``lr_scheduler`` must be ``constant`` or
+    ``constant_with_warmup`` and ``warmup_steps`` is its own warmup; validation images and every saved LoRA use its
+    averaged weights; extra ``rayflux[schedulefree]``). Each package is imported only when chosen."""
     learning_rate: float = 1e-4
-    """AdamW learning rate (the peak, after warmup)."""
+    """The optimizer's learning rate (the peak, after warmup). ``prodigy``: a multiplier of its own estimate, 1.0 by
+    convention."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """The optimizer's weight decay (decoupled, as AdamW's)."""
     lr_scheduler: str = "constant"
     """Learning-rate schedule, by diffusers' names and meanings (``diffusers.optimization.get_scheduler``):
     ``constant`` (no warmup), ``constant_with_warmup``, ``linear``, ``cosine`` (to 0 at the last step),
     ``cosine_with_restarts`` or ``polynomial``."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 up to ``learning_rate`` (every schedule but ``constant``)."""
+    """Optimizer steps of linear warmup from 0 up to ``learning_rate`` (every schedule but ``constant``;
+    ``schedulefree_adamw`` warms up by itself)."""
     lr_cycles: int = 1
     """Hard restarts of ``cosine_with_restarts`` (kohya's ``lr_scheduler_num_cycles``)."""
     lr_power: float = 1.0

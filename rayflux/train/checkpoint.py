@@ -3,7 +3,8 @@
 Every rank reports the same checkpoint directory (Ray Train merges the ranks' files), each with different names:
 
 - rank 0: ``pytorch_lora_weights.safetensors`` (the LoRA, also the resume source), the kohya file when
-  ``output_format=kohya``, ``train_state.pt`` (optimizer and LR scheduler) and ``position.json``;
+  ``output_format=kohya`` (both as :meth:`LoraTrainer.optimizer_eval` gives them), ``train_state.pt`` (optimizer and
+  LR scheduler, and a schedule-free optimizer's training weights) and ``position.json``;
 - every rank ``r``: ``rng-rank<r>.pt`` (torch CPU RNG, the worker's own accelerator RNG, Python and numpy: LoRA
   dropout draws from them) and ``rank-<r>.json`` (its data position and the digest of every batch it trained).
 
@@ -124,10 +125,11 @@ def save(directory: str, trainer, rank: int, progress: Progress, output_format: 
         json.dump({"batches_done": progress.batches_done, "digest": progress.rank_digest}, f)
     if rank != 0:
         return
-    lora.save_diffusers(trainer.transformer, directory)
-    if output_format == "kohya":
-        kohya.save(trainer.transformer, directory, lora.scale(trainer.transformer))
-    torch.save(trainer.state_dict(), os.path.join(directory, STATE_FILE))
+    with trainer.optimizer_eval():  # the LoRA as it is used (schedule-free: its average), also the export
+        lora.save_diffusers(trainer.transformer, directory)
+        if output_format == "kohya":
+            kohya.save(trainer.transformer, directory, lora.scale(trainer.transformer))
+    torch.save(trainer.state_dict(), os.path.join(directory, STATE_FILE))  # in train mode: resume's exact weights
     with open(os.path.join(directory, POSITION_FILE), "w") as f:
         json.dump({k: getattr(progress, k) for k in _SHARED}, f)
 

@@ -233,7 +233,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             board.scalars(progress.step, record)
         due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
         if rank == 0 and t.validation_prompts and due_images:
-            images = validation.render_trained(trainer, cfg, device)
+            with trainer.optimizer_eval():  # schedule-free renders its averaged weights
+                images = validation.render_trained(trainer, cfg, device)
             record["validation_image"] = validation.save_grid(images, run_dir, progress.step)
             board.image(progress.step, "validation", validation.grid(images))
         if due_checkpoint or report_due:

@@ -19,6 +19,7 @@ from functools import cache
 
 from rayflux import storage
 from rayflux.config import JobConfig
+from rayflux.config.optimizer import OPTIMIZERS
 from rayflux.train import kohya, lora
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_unet_lr": t.learning_rate,
         "ss_lr_scheduler": t.lr_scheduler,
         "ss_lr_warmup_steps": t.warmup_steps,
-        "ss_optimizer": "torch.optim.AdamW",
+        "ss_optimizer": OPTIMIZERS[t.optimizer].cls,
         "ss_max_grad_norm": t.max_grad_norm,
         "ss_seed": t.seed,
         "ss_gradient_accumulation_steps": t.gradient_accumulation,

@@ -11,6 +11,7 @@ from rayflux import datasets, models, progress, storage
 from rayflux.cache import index, integrity
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.config.base_dtype import refusal
+from rayflux.config.optimizer import refusal as optimizer_refusal
 from rayflux.models import ModelFacts
 from rayflux.train import batching, commits, metrics
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
@@ -87,6 +88,14 @@ def check_base_dtype(cfg: JobConfig, cluster_gpus: bool) -> None:
     """Refuse ``train.base_dtype`` on the driver, before any cache or training work, when this cluster would train
     on CPU (no GPU in it and no ``train.accelerator_type``); each worker checks its own GPU again as it loads."""
     reason = refusal(cfg.train.base_dtype, gpu=_use_gpu(cfg, cluster_gpus), sharding=cfg.train.base_sharding)
+    if reason:
+        raise ValueError(reason)
+
+
+def check_optimizer(cfg: JobConfig, cluster_gpus: bool) -> None:
+    """Refuse a GPU-only ``train.optimizer`` on the driver, before any cache or training work, when this cluster
+    would train on CPU; each worker checks its own device and the optimizer's package again as it starts."""
+    reason = optimizer_refusal(cfg.train.optimizer, gpu=_use_gpu(cfg, cluster_gpus))
     if reason:
         raise ValueError(reason)
 

@@ -46,7 +46,8 @@ def worker_seed(seed: int, rank: int) -> int:
 
 
 class LoraTrainer:
-    """The transformer with its LoRA adapter, AdamW and the LR schedule over ``total_steps`` optimizer steps.
+    """The transformer with its LoRA adapter, ``train.optimizer`` and the LR schedule over ``total_steps`` optimizer
+    steps.
 
     ``wrap`` turns the transformer into the module the forward pass goes through (Ray Train's ``prepare_model``,
     i.e. DDP with several workers); in-process it is the transformer itself. ``transformer``, when given, is used
@@ -67,6 +68,7 @@ class LoraTrainer:
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
         base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
+        optim.check_worker(t.optimizer, self.device)  # likewise: CUDA for 8-bit AdamW, the optimizer's package
         self.text_length = text_length or models.model_facts(cfg.model).text_length
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
         self.layout: sharding.Layout | None = None
@@ -85,7 +87,7 @@ class LoraTrainer:
             self.transformer.enable_gradient_checkpointing()
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.shift_config = models.shift_config(cfg.model)
-        self.optimizer, self.scheduler = optim.build(self.params, t, total_steps)
+        self.optimizer, self.scheduler = optim.build(self.params, t, total_steps, self.device)
         if self.layout:
             sharding.broadcast_from_first(self.params)  # as DDP's wrap would: rank 0's adapter everywhere
             wrap = None  # the LoRA's gradients are averaged in train_step instead of by DDP
@@ -146,7 +148,8 @@ class LoraTrainer:
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         act_bytes = torch.finfo(self.autocast or torch.float32).bits // 8
         without, with_ = (gpu_memory.estimate(tc, weight_bytes, trainable, pixels, t.batch_size, c, act_bytes,
-                                        text=self.text_length) for c in (False, True))  # fmt: skip
+                                              text=self.text_length, optimizer=t.optimizer, rank=t.rank)
+                          for c in (False, True))  # fmt: skip
         on = gpu_memory.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         return without, with_, on, device_bytes
 
@@ -163,9 +166,9 @@ class LoraTrainer:
         if rank == 0:
             used = self.memory
             log.info(
-                "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + AdamW %.2f GiB, activations "
+                "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + %s %.2f GiB, activations "
                 "%.1f GiB (%.1f without checkpointing, %.1f with); gradient checkpointing %s (%s)%s",
-                pixels, t.batch_size, used.weights / GIB, used.lora_optimizer / GIB,
+                pixels, t.batch_size, used.weights / GIB, t.optimizer, used.lora_optimizer / GIB,
                 used.activations / GIB, without.activations / GIB, with_.activations / GIB,
                 "on" if on else "off",
                 t.gradient_checkpointing, f"; device {device_bytes / GIB:.0f} GiB" if device_bytes else "",
@@ -179,7 +182,7 @@ class LoraTrainer:
     def train_step(self, batches: list[step.Batch]) -> StepStats:
         """Forward and backward every batch (gradients averaged over them), clip, then one optimizer step."""
         t = self.cfg.train
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = optim.step_lr(self.optimizer, t)
         step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype, self.family)
         losses = []
         for i, batch in enumerate(batches):
@@ -202,13 +205,43 @@ class LoraTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(sum(losses) / len(losses), grad_norm, lr, sum(int(b.latents.shape[0]) for b in batches))
 
+    @contextlib.contextmanager
+    def optimizer_eval(self):
+        """The LoRA as it should be used, for the length of the block: validation renders, eval loss, export and
+        checkpoint LoRA files. A schedule-free optimizer trains at an interpolation and is used at its average, so
+        its ``eval()`` swaps the average in; on leaving, ``train()`` swaps back and the exact training weights are
+        put back (the swap's floating-point round trip must not move training, so a run that checkpoints or renders
+        trains exactly as one that does not). Other optimizers: nothing changes. Local to this process."""
+        if not optim.has_modes(self.optimizer):
+            yield
+            return
+        kept = [p.detach().clone() for p in self.params]
+        self.optimizer.eval()
+        try:
+            yield
+        finally:
+            self.optimizer.train()
+            with torch.no_grad():
+                for p, k in zip(self.params, kept):
+                    p.copy_(k)
+
     def state_dict(self) -> dict:
-        """Optimizer and scheduler state (the LoRA weights are saved as a LoRA file beside it)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and scheduler state (the LoRA weights are saved as a LoRA file beside it, in the
+        :meth:`optimizer_eval` form); a schedule-free optimizer's training weights too, in parameter order."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if optim.has_modes(self.optimizer):
+            state["train_weights"] = [p.detach().clone() for p in self.params]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "train_weights" in state:
+            if len(state["train_weights"]) != len(self.params):
+                raise ValueError("the checkpoint's training weights do not match this adapter's parameters")
+            with torch.no_grad():
+                for p, w in zip(self.params, state["train_weights"]):
+                    p.copy_(w.to(p.device))
 
 
 def exclude_frozen_from_ddp(module) -> list[str]:

@@ -1,0 +1,145 @@
+"""``train.optimizer`` in-process (no Ray): exact resume for every optimizer that runs on CPU, schedule-free's
+eval/train swap, the refusals (GPU-only on CPU, a missing package) and the memory model.
+
+prodigyopt and schedulefree come from the ``test`` extra; without them their cases are skipped.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+import train_data
+from rayflux import config, families, gpu_memory
+from rayflux.config import ConfigError
+from rayflux.config.optimizer import OPTIMIZERS
+from rayflux.train import checkpoint, lora, optim
+from rayflux.train.stage import check_optimizer
+from rayflux.train.trainer import LoraTrainer
+
+OPTIONS = ("train.gradient_accumulation=2", "train.lora_dropout=0.2")
+SCHEDULE_FREE = ("train.lr_scheduler=constant_with_warmup", "train.warmup_steps=1")  # its own warmup
+SETTINGS = {
+    "adamw": ("train.learning_rate=0.01", "train.lr_scheduler=cosine"),
+    "prodigy": ("train.learning_rate=1.0", "train.lr_scheduler=cosine"),
+    "adafactor": ("train.learning_rate=0.01", "train.lr_scheduler=cosine"),
+    "schedulefree_adamw": ("train.learning_rate=0.01", *SCHEDULE_FREE),
+}
+
+
+def _needs(name: str):
+    package = OPTIMIZERS[name].package
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} is not installed")
+
+
+def _weights(trainer) -> dict:
+    return {k: v.detach().clone() for k, v in lora.lora_state_dict(trainer.transformer).items()}
+
+
+def _run(trainer, groups) -> None:
+    for g in groups:
+        trainer.train_step(g)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(n)) for n in SETTINGS])
+def test_each_optimizer_resumes_bitwise(name, tiny_model, tmp_path):
+    """4 steps straight == 2 steps, checkpoint, a fresh trainer restored from it, 2 more: bitwise equal LoRA."""
+    cfg = train_data.job(tiny_model, *OPTIONS, f"train.optimizer={name}", *SETTINGS[name])
+    groups = train_data.groups(train_data.items(8), 2)
+
+    def fresh():
+        return LoraTrainer(cfg, "cpu", total_steps=4, empty=train_data.empty_caption())
+
+    straight = fresh()
+    start = _weights(straight)
+    _run(straight, groups)
+    assert all(not torch.equal(start[k], v) for k, v in _weights(straight).items())  # every tensor trained
+
+    first = fresh()
+    _run(first, groups[:2])
+    checkpoint.save(str(tmp_path), first, 0, checkpoint.Progress(step=2, batches_done=4, world_size=1), "diffusers")
+    del first
+    torch.manual_seed(12345)  # whatever the process did in between must not matter
+
+    resumed = fresh()
+    checkpoint.restore(str(tmp_path), resumed, 0, world_size=1)
+    if name == "prodigy":  # its step-size estimate's running sums are part of the restored state
+        assert resumed.optimizer.param_groups[0]["d_numerator"] > 0
+    _run(resumed, groups[2:])
+    if name == "prodigy":  # and its estimate grew after the resume
+        assert resumed.optimizer.param_groups[0]["d"] > resumed.optimizer.param_groups[0]["d0"]
+    for k, v in _weights(straight).items():
+        assert torch.equal(_weights(resumed)[k], v), k
+
+
+@_needs("schedulefree_adamw")
+def test_schedulefree_evaluates_and_exports_its_average_and_trains_on_unchanged(tiny_model, tmp_path):
+    """optimizer_eval swaps schedule-free's averaged weights in (what renders and checkpoints' LoRA files get) and
+    puts the exact training weights back; a checkpoint's LoRA file holds the average."""
+    cfg = train_data.job(tiny_model, *OPTIONS, "train.optimizer=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
+    groups = train_data.groups(train_data.items(4), 2)
+    trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
+    _run(trainer, groups)
+    training = _weights(trainer)
+    with trainer.optimizer_eval():
+        assert trainer.optimizer.param_groups[0]["train_mode"] is False
+        averaged = _weights(trainer)
+    assert trainer.optimizer.param_groups[0]["train_mode"] is True
+    assert any(not torch.equal(averaged[k], v) for k, v in training.items())  # the average is not the train point
+    assert all(torch.equal(_weights(trainer)[k], v) for k, v in training.items())  # put back exactly
+
+    checkpoint.save(str(tmp_path), trainer, 0, checkpoint.Progress(step=2, world_size=1), "diffusers")
+    assert all(torch.equal(_weights(trainer)[k], v) for k, v in training.items())
+    fresh = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
+    lora.load_into(fresh.transformer, tmp_path / lora.WEIGHT_NAME)
+    for k, v in averaged.items():
+        assert torch.equal(_weights(fresh)[k], v), k
+    state = torch.load(tmp_path / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["train_mode"] is True
+
+
+def test_adamw8bit_is_refused_on_cpu_before_any_work():
+    with pytest.raises(ConfigError, match="adamw8bit needs a CUDA GPU"):
+        config.load(None, ["train.optimizer=adamw8bit", "train.use_gpu=false"])
+    cfg = config.load(None, ["train.optimizer=AdamW8bit"])  # kohya's spelling
+    assert cfg.train.optimizer == "adamw8bit"
+    with pytest.raises(ValueError, match="adamw8bit needs a CUDA GPU"):
+        check_optimizer(cfg, cluster_gpus=False)  # the driver, before the cache stage
+    check_optimizer(cfg, cluster_gpus=True)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        optim.check_worker("adamw8bit", "cpu")
+
+
+def test_a_worker_refuses_before_loading_the_model(tmp_path):
+    # A model.path that does not exist: loading first would fail on it; the refusal comes before any load.
+    cfg = config.load(None, [f"model.path={tmp_path / 'absent'}", "train.optimizer=adamw8bit"])
+    with pytest.raises(RuntimeError, match="^train.optimizer=adamw8bit needs a CUDA GPU"):
+        LoraTrainer(cfg, "cpu", total_steps=1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
+def test_a_missing_optimizer_package_names_its_extra():
+    with pytest.raises(RuntimeError, match=r"bitsandbytes, which is not installed: pip install 'rayflux\[adamw8bit"):
+        optim.check_worker("adamw8bit", "cuda")  # the package check needs no GPU to fail
+
+
+def test_optimizer_config_names_and_rules():
+    cfg = config.load(None, ["train.optimizer_type=AdamWScheduleFree", "train.lr_scheduler=constant_with_warmup"])
+    assert cfg.train.optimizer == "schedulefree_adamw"
+    assert config.load(None, ["train.optimizer=prodigyopt.Prodigy"]).train.optimizer == "prodigy"
+    with pytest.raises(ConfigError, match="replaces the LR schedule"):
+        config.load(None, ["train.optimizer=schedulefree_adamw", "train.lr_scheduler=cosine"])
+    with pytest.raises(ConfigError, match="train.optimizer must be one of"):
+        config.load(None, ["train.optimizer=lion"])
+    text = config.help_text()
+    assert "train.optimizer = 'adamw'" in text and "1.0 by its convention" in text
+    assert "train.optimizer_type -> train.optimizer" in text and "adamwschedulefree -> schedulefree_adamw" in text
+
+
+def test_the_memory_model_counts_each_optimizers_state():
+    per = {n: gpu_memory.lora_bytes_per_param(n, rank=16) for n in OPTIMIZERS}
+    assert per["adamw"] == 16 and per["schedulefree_adamw"] == 16 and per["prodigy"] == 24
+    assert 10 < per["adamw8bit"] < 10.1 and per["adafactor"] == 8.25
+    tc = families.BUILT_IN[families.DEFAULT_BUILT_IN][0]
+    est = gpu_memory.estimate(tc, 0, 1000, 512, 1, True, optimizer="prodigy")
+    assert est.lora_optimizer == 24000
