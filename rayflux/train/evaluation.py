@@ -131,11 +131,13 @@ class Evaluator:
         return bool(last or (end_of_feed and self.final_segment) or (self.every and step % self.every == 0))
 
     def run(self, record: dict, progress, keep_best) -> None:
-        """Score the live LoRA into ``record``; a new lowest eval loss updates ``progress`` and the best file."""
-        record.update(score(self.trainer, self.batches, self.world))
-        loss = record["eval_loss"]
-        if progress.best_eval_loss is None or loss < progress.best_eval_loss:
-            progress.best_eval_loss, progress.best_step = loss, int(record["step"])
-            if keep_best is not None:
-                keep_best(record)
+        """Score the live LoRA into ``record``; a new lowest eval loss updates ``progress`` and the best file. Both
+        see the LoRA as it is used (a schedule-free optimizer's average: :meth:`LoraTrainer.optimizer_eval`)."""
+        with self.trainer.optimizer_eval():
+            record.update(score(self.trainer, self.batches, self.world))
+            loss = record["eval_loss"]
+            if progress.best_eval_loss is None or loss < progress.best_eval_loss:
+                progress.best_eval_loss, progress.best_step = loss, int(record["step"])
+                if keep_best is not None:
+                    keep_best(record)
         record["best_eval_loss"], record["best_step"] = progress.best_eval_loss, progress.best_step
