@@ -46,18 +46,25 @@ def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> in
     if cfg is None:
         return 2
     # Ray's C++ core writes to fd 2 itself; that goes to the run's logs, and sys.stderr to the terminal.
+    joined = _ray_connected()  # a Ray this process was already connected to (a caller's) is the caller's to leave
     with console.terminal(console.driver_log_path(cfg.run.output_dir)):
         try:
             return _run_job(cfg, args.only or "")
         finally:
-            _disconnect()
+            if not joined:
+                _disconnect()
+
+
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def _disconnect() -> None:
-    """Leave Ray while fd 2 still points at the log: what its shutdown prints (after Ctrl-C, say) belongs there."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    """Leave the Ray the job connected to while fd 2 still points at the log: what its shutdown prints (after Ctrl-C,
+    say) belongs there."""
+    if _ray_connected():
+        sys.modules["ray"].shutdown()
 
 
 def _run_job(cfg: config.JobConfig, only: str) -> int:

@@ -104,24 +104,39 @@ def terminal(log_path: str) -> Iterator[None]:
         return
     old = sys.stderr
     old.flush()
+    # A caller that replaced sys.stderr with a stream of its own (contextlib.redirect_stderr) keeps receiving the
+    # job's lines there; only fd 2 moves.
+    real = _writes_fd2(old)
     saved = os.dup(2)
-    to_terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=old.encoding or "utf-8", errors="backslashreplace")
+    encoding = getattr(old, "encoding", None) or "utf-8"
+    to_terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=encoding, errors="backslashreplace") if real else old
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    _repoint_handlers(old, to_terminal)
-    sys.stderr, _aside = to_terminal, old  # `old` writes to fd 2 (the log) now
+    # What the filter keeps off the terminal goes to the log: through `old`, which writes to fd 2 now, or a new stream.
+    aside = old if real else os.fdopen(os.dup(2), "w", buffering=1, encoding=encoding, errors="backslashreplace")
+    if real:
+        _repoint_handlers(old, to_terminal)
+    sys.stderr, _aside = to_terminal, aside
     try:
         yield
     finally:
         to_terminal.flush()
-        old.flush()
+        aside.flush()
         sys.stderr, _aside = old, None
-        _repoint_handlers(to_terminal, old)
+        if real:
+            _repoint_handlers(to_terminal, old)
         os.dup2(saved, 2)
         os.close(saved)
-        to_terminal.close()
+        (to_terminal if real else aside).close()
+
+
+def _writes_fd2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.StringIO and other streams without a descriptor
+        return False
 
 
 def _repoint_handlers(src: TextIO, dst: TextIO) -> None:
