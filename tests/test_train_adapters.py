@@ -324,3 +324,50 @@ def test_resume_continues_exactly(tiny_model, tmp_path, adapter):
     assert any(not torch.equal(want[k], start[k]) for k in want)  # training moved the adapter
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-7)
+
+
+def test_dora_starts_from_a_dora_file_exactly_and_refuses_a_plain_lora(tiny_model, tmp_path):
+    source = _transformer(tiny_model)
+    lora.add_lora(source, rank=4, alpha=8.0, targets="attention", adapter="dora")
+    _randomise(source, 7)
+    path = lora.save_diffusers(source, tmp_path / "dora")
+    target = _transformer(tiny_model)
+    lora.add_lora(target, rank=4, alpha=2.0, targets="attention", adapter="dora")  # another alpha: strength kept
+    lora.init_from_file(target, str(path))
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
+    for name in ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_v"):
+        a, b = source.get_submodule(name), target.get_submodule(name)
+        torch.testing.assert_close(b(x), a(x), rtol=1e-5, atol=1e-6)
+    plain = _transformer(tiny_model)
+    lora.add_lora(plain, rank=4, alpha=8.0, targets="attention")
+    plain_path = lora.save_diffusers(plain, tmp_path / "lora")
+    fresh = _transformer(tiny_model)
+    lora.add_lora(fresh, rank=4, alpha=8.0, targets="attention", adapter="dora")
+    with pytest.raises(ValueError, match="DoRA starts only from a DoRA file"):
+        lora.init_from_file(fresh, str(plain_path))
+
+
+def test_a_lokr_file_loads_in_diffusers_flux2_pipeline_and_renders_the_trained_model(tiny_flux2_klein, tmp_path):
+    """diffusers' FLUX.2 pipelines read LyCORIS LoKr keys (``lycoris_transformer_blocks_0_attn_to_q.lokr_w1``): the
+    exported file, loaded there, renders what the trained adapter renders (FLUX.2's own single-block layers)."""
+    from diffusers import DiffusionPipeline
+
+    def pipe():
+        p = DiffusionPipeline.from_pretrained(str(tiny_flux2_klein))
+        p.set_progress_bar_config(disable=True)
+        return p
+
+    def draw(p):
+        return p(prompt="a red circle", height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images[0]  # fmt: skip
+
+    trained_pipe = pipe()
+    base = draw(trained_pipe)
+    lora.add_lora(trained_pipe.transformer, rank=2, alpha=6.0, targets="all", adapter="lokr")
+    _randomise(trained_pipe.transformer, 9)
+    trained = draw(trained_pipe)
+    assert np.abs(trained - base).max() > 0.01
+    kohya.save(trained_pipe.transformer, tmp_path, lora.scale(trained_pipe.transformer))
+    loaded = pipe()
+    loaded.load_lora_weights(str(tmp_path), weight_name=kohya.KOHYA_NAME)
+    np.testing.assert_allclose(draw(loaded), trained, atol=1e-5)

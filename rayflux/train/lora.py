@@ -220,7 +220,8 @@ def load_into(transformer, path: str | Path) -> None:
 
 
 def init_from_file(transformer, path: str) -> int:
-    """Start the adapter from an existing LoRA file (diffusers or kohya keys; local path or URI).
+    """Start the adapter from an existing LoRA file (diffusers or kohya keys; local path or URI). A DoRA adapter needs
+    a DoRA file in diffusers' format (diffusers drops a kohya file's ``dora_scale``).
 
     diffusers' own converter reads the file. Its strength (metadata alpha/rank, else 1, which is also what the
     kohya converter bakes in) is rescaled to this adapter's ``alpha / rank``, so the starting model is exactly the
@@ -253,6 +254,9 @@ def init_from_file(transformer, path: str) -> int:
         for k, v in state.items()
         if k.startswith("transformer.")
     }
+    if kind(transformer) == "dora" and not any(k.endswith(".lora_magnitude_vector") for k in ours):
+        # Its magnitudes would stay the base's norms: the start would not be the file's model.
+        raise ValueError(f"{path}: a DoRA starts only from a DoRA file (diffusers format, with magnitudes)")
     set_state(transformer, ours, path)
     loaded = len({k.split(".lora_")[0] for k in ours})
     log.info("initialised %d LoRA modules from %s", loaded, path)
