@@ -371,3 +371,9 @@ def test_a_lokr_file_loads_in_diffusers_flux2_pipeline_and_renders_the_trained_m
     loaded = pipe()
     loaded.load_lora_weights(str(tmp_path), weight_name=kohya.KOHYA_NAME)
     np.testing.assert_allclose(draw(loaded), trained, atol=1e-5)
+
+
+def test_help_documents_the_adapter_with_kohyas_names():
+    text = config.help_text()
+    entry = text[text.index("train.adapter = 'lora'") :].split("\n    train.", 1)[0]
+    assert all(word in entry for word in ("dora", "lokr", "lycoris.kohya", "algo=lokr", "networks.lora"))
