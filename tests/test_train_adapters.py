@@ -29,7 +29,8 @@ from rayflux.train.trainer import LoraTrainer
 # Everything FLUX.1's diffusers kohya reader splits at the tiny widths (see tests/test_train_lora.py's LOADABLE).
 LOADABLE = (
     "transformer_blocks.0.attn.to_q,transformer_blocks.0.attn.to_k,transformer_blocks.0.attn.to_v,to_out.0,"
-    "add_q_proj,add_k_proj,add_v_proj,to_add_out,ff.net.0.proj,ff.net.2,norm1.linear,single_transformer_blocks.0.proj_out"
+    "add_q_proj,add_k_proj,add_v_proj,to_add_out,ff.net.0.proj,ff.net.2,norm1.linear,"
+    "single_transformer_blocks.0.proj_out"
 )
 LORA_SUFFIXES = {"lora_up.weight", "lora_down.weight", "alpha", "dora_scale"}
 LOKR_SUFFIXES = {"lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "alpha"}
@@ -284,13 +285,25 @@ def test_plan_counts_dora_and_lokr_parameters():
 
 
 @pytest.mark.parametrize("adapter", ["dora", "lokr"])
-def test_kohya_metadata_names_lycoris(tiny_model, adapter):
+def test_the_kept_kohya_file_names_lycoris_and_keeps_the_tensors(tiny_model, tmp_path, adapter):
     import json
 
-    cfg = config.load(None, [f"model.path={tiny_model}", f"train.adapter={adapter}", "train.output_format=kohya"])
-    meta = lora_files.kohya_metadata(cfg, 1, 0, {})
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    t = _transformer(tiny_model)
+    lora.add_lora(t, rank=2, alpha=4.0, targets="attention", adapter=adapter)
+    _randomise(t, 4)
+    written = load_file(kohya.save(t, tmp_path, lora.scale(t)))
+    cfg = config.load(None, [f"model.path={tiny_model}", f"train.adapter={adapter}", "train.output_format=kohya",
+                             "train.output_name=mine"])  # fmt: skip
+    path = lora_files.keep_step(str(tmp_path), cfg, str(tmp_path / "run"), {"step": 3, "epoch": 0})
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
     assert meta["ss_network_module"] == "lycoris.kohya"
     assert json.loads(meta["ss_network_args"])["algo"] == {"dora": "lora", "lokr": "lokr"}[adapter]
+    kept = load_file(path)
+    assert kept.keys() == written.keys() and all(torch.equal(kept[k], written[k]) for k in kept)
 
 
 @pytest.mark.parametrize("adapter", ["dora", "lokr"])

@@ -19,8 +19,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = ("lora", "dora", "lokr")
-"""``train.adapter`` choices."""
 PRESETS = ("attention", "attention+ffs", "all")
 """``train.targets`` presets; each model family says which modules of its blocks they hold
 (:attr:`rayflux.families.base.Family.lora_presets`)."""

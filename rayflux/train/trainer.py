@@ -100,7 +100,8 @@ class LoraTrainer:
         t, m = self.cfg.train, self.cfg.model
         mode = t.base_sharding if topology and topology.world > 1 else "none"  # one worker: nothing to shard
         if mode == "auto" and (not base_dtype_rules.shardable(t.base_dtype) or t.adapter != "lora"):
-            mode = "none"  # an fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype), nor DoRA's/LoKr's
+            # An fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype), nor a DoRA's or LoKr's.
+            mode = "none"
         meta = None
         if mode == "auto":
             # Built once: counted here, and sharded and filled in place below when the choice is node.
