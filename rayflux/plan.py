@@ -34,8 +34,9 @@ def text_tokens(cfg: config.JobConfig) -> int:
     return model_facts(cfg.model).text_length
 
 
-def count_parameters(tc: dict, targets: str, rank: int) -> tuple[int, int]:
-    """(all transformer parameters, trainable LoRA parameters) of ``targets`` at ``rank``, on the meta device."""
+def count_parameters(tc: dict, targets: str, rank: int, adapter: str = "lora") -> tuple[int, int]:
+    """(all transformer parameters, trainable adapter parameters) of ``targets`` at ``rank``, counted on peft's own
+    modules attached on the meta device (``train.adapter``: DoRA's magnitudes, LoKr's factors included)."""
     import torch
 
     from rayflux.models import meta_transformer
@@ -43,7 +44,7 @@ def count_parameters(tc: dict, targets: str, rank: int) -> tuple[int, int]:
     model = meta_transformer(tc)
     base = sum(p.numel() for p in model.parameters())
     with torch.device("meta"):
-        lora.add_lora(model, rank, rank, targets)
+        lora.add_lora(model, rank, rank, targets, adapter=adapter)
     return base, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -101,14 +102,14 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     text = families.of_transformer_config(tc).text_length_of(tc) if model else text_tokens(cfg)
     float_bytes = 4 if cfg.model.dtype == "float32" else 2
     lines = [f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
-             f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; LoRA rank {t.rank}"]  # fmt: skip
+             f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; {t.adapter} rank {t.rank}"]  # fmt: skip
     counts = {}
     for preset in lora.PRESETS:
-        counts[preset] = count_parameters(tc, preset, t.rank)
+        counts[preset] = count_parameters(tc, preset, t.rank, t.adapter)
         total, trainable = counts[preset]
         lines.append(f"  targets={preset}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.3f}%)")
     job_targets = t.targets if t.targets in counts else None
-    trainable = (counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank))[1]
+    trainable = (counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank, t.adapter))[1]
     base = base_counts(tc)
     weights = int(gpu_memory.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
     lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optimizer, t.rank))

@@ -23,6 +23,7 @@ _CHOICES = {
                                 "polynomial"),
     ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("train", "output_format"): ("diffusers", "kohya"),
+    ("train", "adapter"): ("lora", "dora", "lokr"),
     ("train", "base_sharding"): ("none", "node", "auto"),
     ("train", "base_dtype"): ("bf16", "fp8", "nf4"),
     ("train", "optimizer"): tuple(OPTIMIZERS),
@@ -120,7 +121,26 @@ def validate(cfg: JobConfig) -> None:
     if refused:
         raise ConfigError(refused)
     _check_optimizer(cfg)
+    adapter_refusal(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
     datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
+
+
+def adapter_refusal(cfg: JobConfig) -> None:
+    """``train.adapter`` combinations that could not be used or loaded, refused before any work with the reason."""
+    t = cfg.train
+    if t.adapter == "lora":
+        return
+    if t.adapter == "lokr":
+        if t.output_format != "kohya":
+            raise ConfigError("train.adapter=lokr has no diffusers format (diffusers' FLUX.1 pipelines load no LoKr); "
+                              "set train.output_format=kohya (LyCORIS lokr_w1/lokr_w2 keys, which ComfyUI loads)")
+        if t.lora_dropout:
+            raise ConfigError("train.adapter=lokr has no input dropout; set train.lora_dropout=0")
+        if t.init_lora:
+            raise ConfigError("train.init_lora starts a LoRA or DoRA from a LoRA file; a LoKr cannot hold one")
+    if t.base_sharding == "node":
+        raise ConfigError(f"train.adapter={t.adapter} needs the whole base on every worker (train.base_sharding: "
+                          "none); a sharded base is supported with lora only")

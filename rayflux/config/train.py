@@ -92,8 +92,16 @@ class TrainConfig:
     more; extra ``rayflux[fp8]``) or ``nf4`` (bitsandbytes 4-bit at load, the QLoRA recipe: about a quarter of bf16;
     extra ``rayflux[nf4]``). fp8 and nf4 need CUDA GPUs and ``base_sharding: none``; where they cannot run the job
     stops with the reason. The LoRA trains and saves in full precision and loads on the bf16 base."""
+    adapter: str = "lora"
+    """What is trained on each target: ``lora``, ``dora`` (peft's ``use_dora``: LoRA plus a learned magnitude per
+    output row, about the same size) or ``lokr`` (peft's ``LoKrConfig``: ``kron(w1, w2)``, w2 of rank
+    ``train.rank`` when that is under half its larger side). kohya's ``network_module`` maps to it as:
+    ``networks.lora``/``networks.lora_flux`` -> ``lora``; ``lycoris.kohya`` with ``network_args`` ``algo=lora``
+    and ``dora_wd=True`` -> ``dora``; ``lycoris.kohya`` with ``algo=lokr`` -> ``lokr``. LoKr exports only with
+    ``train.output_format=kohya`` (LyCORIS keys), has no ``train.lora_dropout`` and cannot start from
+    ``train.init_lora``. DoRA and LoKr need ``train.base_sharding: none`` (``auto`` keeps the base whole)."""
     rank: int = 4
-    """LoRA rank."""
+    """LoRA rank (LoKr: the rank of its factored w2)."""
     alpha: float = 4.0
     """LoRA alpha; the update is scaled by alpha / rank."""
     lora_dropout: float = 0.0
@@ -134,7 +142,8 @@ class TrainConfig:
     """How many of the newest checkpoints to keep in storage."""
     output_format: str = "diffusers"
     """Exported LoRA keys: ``diffusers`` (``transformer.*``, in ``lora/pytorch_lora_weights.safetensors``) or
-    ``kohya`` (``lora_unet_*`` with sd-scripts' ``ss_*`` metadata, for ComfyUI, in ``lora/<output_name>.safetensors``).
+    ``kohya`` (``lora_unet_*`` with sd-scripts' ``ss_*`` metadata, for ComfyUI, in ``lora/<output_name>.safetensors``;
+    DoRA adds LyCORIS's ``dora_scale``; LoKr writes LyCORIS's ``lycoris_*`` keys and needs this format).
     Every checkpoint also leaves ``lora/<output_name>-step00000500.safetensors`` in this format."""
     output_name: str = ""
     """Stem of the exported LoRA file names (kohya's ``output_name``). Empty: ``run.name``."""

@@ -11,6 +11,18 @@ and splits it back into per-part LoRAs of the original rank.
 ``alpha / rank`` is baked into ``lora_up`` and each ``alpha`` is written equal to its rank (strength 1), so a
 loader that ignores ``alpha`` still gets the right strength.
 
+DoRA (``train.adapter=dora``) adds LyCORIS's ``dora_scale`` per kohya module: peft's magnitudes, one per output
+row, as an ``(out, 1)`` column (the output-axis form ComfyUI's ``weight_decompose`` tells apart by its first
+dimension; a 1-D vector would broadcast wrongly there). A row's magnitude only scales that row, so a fused layer's
+is its parts' magnitudes stacked, and an untrained part's rows get their base weight's norms (no change).
+
+LoKr (``train.adapter=lokr``) writes LyCORIS's ``lokr_w1`` and ``lokr_w2`` (or ``lokr_w2_a``/``lokr_w2_b``) with
+``alpha / rank`` baked into ``lokr_w1`` and ``alpha`` equal to the rank (ComfyUI and diffusers scale a factored
+``w2`` by ``alpha / rank`` and a whole one not at all). A Kronecker product cannot be stacked with another, so no
+fused kohya layer can hold a LoKr per part: every module keeps its diffusers name under LyCORIS's prefix
+(``lycoris_transformer_blocks_0_attn_to_q``, the form LyCORIS writes for a diffusers model, e.g. SimpleTuner's),
+which ComfyUI maps for FLUX onto the module's rows of its fused weight and diffusers' FLUX.2 pipelines load.
+
 Only the blocks' layers have kohya names here. diffusers 0.42 drops a kohya file's ``final_layer`` keys when it
 loads one, so a LoRA on the model's outer layers (``proj_out``, ``norm_out.linear``, the embedders) would not survive
 the round trip; such targets are refused up front with ``output_format=kohya``.
@@ -21,6 +33,7 @@ from __future__ import annotations
 import torch
 
 PREFIX = "lora_unet_"
+LYCORIS_PREFIX = "lycoris_"
 KOHYA_NAME = "pytorch_lora_weights_kohya.safetensors"
 
 def locate(module: str, blocks: dict) -> tuple[str, int | None, int, list[str]]:
@@ -55,13 +68,16 @@ def check_adapter(transformer) -> None:
     check_targets(adapted_modules(transformer), of_transformer(transformer).kohya_blocks)
 
 
-def from_peft(state: dict, scale: float, out_features: dict[str, int], blocks: dict) -> dict[str, torch.Tensor]:
-    """Convert peft's ``<module>.lora_A.weight``/``lora_B`` tensors (strength ``scale``) to kohya keys by the family
-    key map ``blocks``.
+def from_peft(state: dict, scale: float, out_features: dict[str, int], blocks: dict,
+              row_norms: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Convert peft's tensors (strength ``scale``) to kohya keys by the family key map ``blocks``: LoRA's
+    ``<module>.lora_A.weight``/``lora_B`` (DoRA's also ``lora_magnitude_vector``), or LoKr's ``lokr_*``.
 
     ``out_features`` gives every sibling's output size, so an untrained part of a fused layer gets zero rows of the
-    right height.
+    right height; for DoRA, ``row_norms`` gives such a part's base row norms (its magnitudes).
     """
+    if any(".lokr_" in k for k in state):
+        return _lokr(state, scale, blocks)
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
     groups: dict[str, list] = {}
     for m in modules:
@@ -85,6 +101,31 @@ def from_peft(state: dict, scale: float, out_features: dict[str, int], blocks: d
         out[f"{key}.lora_down.weight"] = torch.cat(downs, dim=0).contiguous()
         out[f"{key}.lora_up.weight"] = torch.cat(ups, dim=0).contiguous()
         out[f"{key}.alpha"] = torch.tensor(float(rank * parts))
+        if f"{present[0]}.lora_magnitude_vector" in state:
+            mags = [state.get(f"{s}.lora_magnitude_vector", None) for s in siblings]
+            mags = [(row_norms or {})[s] if m is None else m for s, m in zip(siblings, mags)]
+            out[f"{key}.dora_scale"] = torch.cat(mags).to(a0.dtype).reshape(-1, 1).contiguous()
+    return out
+
+
+def _lokr(state: dict, scale: float, blocks: dict) -> dict[str, torch.Tensor]:
+    """LoKr tensors under LyCORIS's key names (see the module docstring): scale baked into ``lokr_w1``."""
+    out: dict[str, torch.Tensor] = {}
+    for m in sorted({k.rsplit(".lokr_", 1)[0] for k in state}):
+        locate(m, blocks)  # only the blocks' layers, as for LoRA (check_targets refused the rest before training)
+        key = LYCORIS_PREFIX + m.replace(".", "_")
+        rank = None
+        for k, v in state.items():
+            if k.rsplit(".lokr_", 1)[0] != m:
+                continue
+            suffix = "lokr_" + k.rsplit(".lokr_", 1)[1]
+            if suffix == "lokr_w1_a":  # never with peft's default decompose_both=False; w1 is the baked factor
+                raise ValueError(f"{m}: a factored lokr_w1 is not supported for the kohya export")
+            out[f"{key}.{suffix}"] = (v * scale if suffix == "lokr_w1" else v).contiguous()
+            if suffix == "lokr_w2_b":
+                rank = v.shape[0]
+        if rank is not None:  # ComfyUI scales a factored w2 by alpha / rank: 1 here, as the scale is in w1
+            out[f"{key}.alpha"] = torch.tensor(float(rank))
     return out
 
 
@@ -95,17 +136,21 @@ def save(transformer, directory, scale: float) -> str:
     from safetensors.torch import save_file
 
     from rayflux.families import of_transformer
-    from rayflux.train.lora import lora_state_dict
+    from rayflux.train.lora import adapted_modules, lora_state_dict
 
     blocks = of_transformer(transformer).kohya_blocks
     state = {k: v.detach().float().cpu() for k, v in lora_state_dict(transformer).items()}
-    modules = {k.rsplit(".lora_", 1)[0] for k in state}
+    modules = set(adapted_modules(transformer))
     siblings = {s for m in modules for s in locate(m, blocks)[3]}
-    out_features = {s: _base_out_features(transformer.get_submodule(s)) for s in siblings}
+    out_features = {s: _base(transformer.get_submodule(s)).out_features for s in siblings}
+    norms = {}
+    if any(k.endswith(".lora_magnitude_vector") for k in state):  # DoRA: untrained parts keep their row norms
+        norms = {s: _base(transformer.get_submodule(s)).weight.detach().float().norm(dim=1).cpu()
+                 for s in siblings - modules}  # fmt: skip
     path = os.path.join(str(directory), KOHYA_NAME)
-    save_file(from_peft(state, scale, out_features, blocks), path, metadata={"format": "pt"})
+    save_file(from_peft(state, scale, out_features, blocks, norms), path, metadata={"format": "pt"})
     return path
 
 
-def _base_out_features(module) -> int:
-    return getattr(module, "base_layer", module).out_features
+def _base(module):
+    return getattr(module, "base_layer", module)

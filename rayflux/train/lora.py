@@ -1,6 +1,11 @@
 """LoRA adapters through peft (``add_adapter``): target presets, saving and loading in diffusers' format, through
 the model family's pipeline (the family is the transformer's, see :func:`rayflux.families.of_transformer`).
 
+``train.adapter`` picks the kind: ``lora``, ``dora`` (peft's ``use_dora``: a LoRA plus one magnitude per output row
+of each target) or ``lokr`` (peft's ``LoKrConfig``: ``alpha / rank * kron(w1, w2)`` per target). All three are
+attached, saved and restored here; LoKr has no diffusers format for users (:mod:`rayflux.config.checks` refuses it),
+so its ``pytorch_lora_weights.safetensors`` is the checkpoint's own copy, written and read without diffusers.
+
 Targets resolve to full module names before peft sees them. Presets only reach into the transformer blocks: a bare
 suffix such as ``proj_out`` would otherwise also catch the model's final projection, which no FLUX recipe trains.
 An explicit list keeps peft's rule (a name matches itself or any module ending in ``.name``) over the whole model.
@@ -48,20 +53,35 @@ def resolve_targets(transformer, spec: str) -> list[str]:
     return chosen
 
 
-def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float = 0.0) -> list:
-    """Freeze the transformer, attach a LoRA adapter, and return its trainable parameters (kept in fp32)."""
-    import torch
+def adapter_config(adapter: str, rank: int, alpha: float, targets: list[str], dropout: float = 0.0):
+    """peft's config for ``train.adapter`` over the full module names ``targets``."""
+    if adapter == "lokr":
+        from peft import LoKrConfig
+
+        # peft's defaults are LyCORIS's: w1 whole and zero at init (no change at step 0), w2 a rank-r product when
+        # rank < half its larger side, else whole. No input dropout exists for LoKr (checks refuse lora_dropout).
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets)
     from peft import LoraConfig
 
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
+                      use_dora=adapter == "dora", target_modules=targets)  # fmt: skip
+
+
+def kind(transformer) -> str:
+    """``lora``, ``dora`` or ``lokr``: the adapter attached to ``transformer``."""
+    config = transformer.peft_config[ADAPTER]
+    if not hasattr(config, "lora_alpha"):
+        return "lokr"
+    return "dora" if config.use_dora else "lora"
+
+
+def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float = 0.0, adapter: str = "lora") -> list:
+    """Freeze the transformer, attach the adapter (``train.adapter``), and return its trainable parameters (kept in
+    fp32)."""
+    import torch
+
     transformer.requires_grad_(False)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        init_lora_weights="gaussian",
-        target_modules=resolve_targets(transformer, targets),
-    )
-    transformer.add_adapter(config)
+    transformer.add_adapter(adapter_config(adapter, rank, alpha, resolve_targets(transformer, targets), dropout))
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         # Adapter weights train in fp32 even when the frozen base is bf16: tiny updates survive rounding.
@@ -75,16 +95,38 @@ def adapted_modules(transformer) -> list[str]:
     Not ``peft_config[ADAPTER].target_modules``: from 20 targets on, peft replaces that list with the shortest
     suffixes that still select the same modules (``to_q``, ``10.attn.to_out``), which name no module on their own.
     """
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return sorted(n for n, m in transformer.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A)
+    return sorted(
+        n
+        for n, m in transformer.named_modules()
+        if isinstance(m, BaseTunerLayer) and any(ADAPTER in getattr(m, a) for a in m.adapter_layer_names)
+    )
 
 
-def trainable_count(transformer, rank: int, targets: str) -> int:
-    """The parameters :func:`add_lora` would attach at ``rank`` (``rank x (in + out)`` per targeted Linear), without
-    attaching them: the memory plan of a model that must stay bare (e.g. before it is sharded)."""
+def trainable_count(transformer, rank: int, targets: str, adapter: str = "lora") -> int:
+    """The parameters :func:`add_lora` would attach at ``rank``, without attaching them: the memory plan of a model
+    that must stay bare (e.g. before it is sharded). Per targeted Linear: ``rank x (in + out)`` for LoRA, plus
+    ``out`` magnitudes for DoRA; for LoKr, peft's own factorisation (:func:`lokr_count`)."""
     modules = dict(transformer.named_modules())
-    return sum(rank * (modules[n].in_features + modules[n].out_features) for n in resolve_targets(transformer, targets))
+    total = 0
+    for name in resolve_targets(transformer, targets):
+        n_in, n_out = modules[name].in_features, modules[name].out_features
+        if adapter == "lokr":
+            total += lokr_count(n_in, n_out, rank)
+        else:
+            total += rank * (n_in + n_out) + (n_out if adapter == "dora" else 0)
+    return total
+
+
+def lokr_count(n_in: int, n_out: int, rank: int) -> int:
+    """LoKr parameters peft attaches to an ``n_in -> n_out`` Linear by default: a whole ``w1`` of the small factors
+    and ``w2`` of the large ones, whole or as a rank-``rank`` product (peft's ``LoKrLayer.update_layer``)."""
+    from peft.tuners.lokr.layer import factorization
+
+    (out_l, out_k), (in_m, in_n) = factorization(n_out), factorization(n_in)
+    w2 = out_k * in_n if rank >= max(out_k, in_n) / 2 else rank * (out_k + in_n)
+    return out_l * in_m + w2
 
 
 def lora_state_dict(transformer) -> dict:
@@ -95,9 +137,10 @@ def lora_state_dict(transformer) -> dict:
 
 
 def scale(transformer) -> float:
-    """The adapter's ``alpha / rank``: how much of ``B @ A`` is added to each targeted weight."""
+    """The adapter's ``alpha / rank``: how much of ``B @ A`` (LoKr: of ``kron(w1, w2)``) is added to each targeted
+    weight."""
     config = transformer.peft_config[ADAPTER]
-    return config.lora_alpha / config.r
+    return getattr(config, "lora_alpha", getattr(config, "alpha", None)) / config.r
 
 
 def save_diffusers(transformer, directory: str | Path) -> Path:
@@ -113,12 +156,26 @@ def save_diffusers(transformer, directory: str | Path) -> Path:
 
     config = transformer.peft_config[ADAPTER].to_dict()
     config["target_modules"] = sorted(config["target_modules"])  # a set in peft; metadata must be JSON
+    if kind(transformer) == "lokr":
+        return _save_lokr(transformer, config, Path(directory))
     config["lora_alpha"] = config["r"]
     factor = scale(transformer)
     state = {k: (v * factor if ".lora_B." in k else v) for k, v in lora_state_dict(transformer).items()}
     pipeline = families.of_transformer(transformer).pipeline_class()
     pipeline.save_lora_weights(str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=config)
     return Path(directory) / WEIGHT_NAME
+
+
+def _save_lokr(transformer, config: dict, directory: Path) -> Path:
+    """LoKr's checkpoint copy: peft's tensors under ``transformer.*`` and its config, unbaked (diffusers loads no
+    LoKr, and :func:`load_into` copies them back as they are)."""
+    from safetensors.torch import save_file
+
+    config = {k: (v if not isinstance(v, set) else sorted(v)) for k, v in config.items()}
+    state = {f"transformer.{k}": v.detach().contiguous() for k, v in lora_state_dict(transformer).items()}
+    path = directory / WEIGHT_NAME
+    save_file(state, str(path), metadata={"format": "pt", METADATA_KEY: json.dumps(config, default=str)})
+    return path
 
 
 def file_scale(path: str | Path) -> float:
@@ -161,7 +218,8 @@ def load_into(transformer, path: str | Path) -> None:
 
 
 def init_from_file(transformer, path: str) -> int:
-    """Start the adapter from an existing LoRA file (diffusers or kohya keys; local path or URI).
+    """Start the adapter from an existing LoRA file (diffusers or kohya keys; local path or URI). A DoRA adapter needs
+    a DoRA file in diffusers' format (diffusers drops a kohya file's ``dora_scale``).
 
     diffusers' own converter reads the file. Its strength (metadata alpha/rank, else 1, which is also what the
     kohya converter bakes in) is rescaled to this adapter's ``alpha / rank``, so the starting model is exactly the
@@ -194,6 +252,9 @@ def init_from_file(transformer, path: str) -> int:
         for k, v in state.items()
         if k.startswith("transformer.")
     }
+    if kind(transformer) == "dora" and not any(k.endswith(".lora_magnitude_vector") for k in ours):
+        # Its magnitudes would stay the base's norms: the start would not be the file's model.
+        raise ValueError(f"{path}: a DoRA starts only from a DoRA file (diffusers format, with magnitudes)")
     set_state(transformer, ours, path)
     loaded = len({k.split(".lora_")[0] for k in ours})
     log.info("initialised %d LoRA modules from %s", loaded, path)

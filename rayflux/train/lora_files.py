@@ -79,6 +79,20 @@ def tag_frequency(text_files: tuple[str, ...]) -> dict[str, int]:
     return dict(counts.most_common(MAX_TAGS))
 
 
+LYCORIS_ARGS = {"dora": {"algo": "lora", "dora_wd": "True", "wd_on_output": "True"},
+                "lokr": {"algo": "lokr", "factor": "-1"}}
+"""LyCORIS ``network_args`` of the adapters only LyCORIS (``lycoris.kohya``) writes in kohya files: DoRA's
+magnitude on the output axis as peft trains it, LoKr with LyCORIS's and peft's default factorisation."""
+
+
+def network(adapter: str, family_module: str) -> dict:
+    """``ss_network_module`` (and ``ss_network_args``) of a kohya file of ``train.adapter``: the family's LoRA module,
+    else ``lycoris.kohya`` with its algorithm."""
+    if adapter not in LYCORIS_ARGS:
+        return {"ss_network_module": family_module}
+    return {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(LYCORIS_ARGS[adapter])}
+
+
 def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) -> dict[str, str]:
     """sd-scripts' ``ss_*`` keys and ``modelspec.*`` for a LoRA trained by ``cfg``, saved at ``step``."""
     from rayflux import datasets
@@ -94,12 +108,13 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_output_name": output_name(cfg),
         "ss_base_model_version": version,
         "ss_sd_model_name": os.path.basename(base.rstrip("/")) or base,
-        "ss_network_module": network_module,
+        **network(t.adapter, network_module),
         "ss_network_dim": t.rank,
         # The training alpha; the file's own alpha tensors equal their rank because alpha/rank is baked into up.
         "ss_network_alpha": t.alpha,
         "ss_network_dropout": t.lora_dropout,
-        "ss_training_comment": "alpha/rank is baked into lora_up; alpha tensors equal their rank (strength 1)",
+        "ss_training_comment": f"alpha/rank is baked into {'lokr_w1' if t.adapter == 'lokr' else 'lora_up'}; "
+                               "alpha tensors equal their rank (strength 1)",
         "ss_resolution": f"({d.resolution}, {d.resolution})",
         "ss_enable_bucket": True,
         "ss_learning_rate": t.learning_rate,

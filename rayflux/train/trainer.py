@@ -76,7 +76,7 @@ class LoraTrainer:
             transformer = self._load_base(rank, topology)
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
-        self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+        self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout, t.adapter)
         base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
         if t.output_format == "kohya":
             kohya.check_adapter(self.transformer)  # before training, not at export
@@ -101,14 +101,15 @@ class LoraTrainer:
         """The frozen transformer, whole or sharded as ``train.base_sharding`` decides; logs the choice (rank 0)."""
         t, m = self.cfg.train, self.cfg.model
         mode = t.base_sharding if topology and topology.world > 1 else "none"  # one worker: nothing to shard
-        if mode == "auto" and not base_dtype_rules.shardable(t.base_dtype):
-            mode = "none"  # an fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype)
+        if mode == "auto" and (not base_dtype_rules.shardable(t.base_dtype) or t.adapter != "lora"):
+            # An fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype), nor a DoRA's or LoKr's.
+            mode = "none"
         meta = None
         if mode == "auto":
             # Built once: counted here, and sharded and filled in place below when the choice is node.
             meta = shard_load.meta_transformer(m, self.dtype)
             whole = self._weight_bytes(base_weights.counts(meta), None)
-            trainable = lora.trainable_count(meta, t.rank, t.targets)
+            trainable = lora.trainable_count(meta, t.rank, t.targets, t.adapter)
             without, with_, on, device_bytes = self._estimates(dict(meta.config), whole, trainable)
             mode = sharding.choose(mode, self.device.type == "cuda", topology.local_world,
                                    (with_ if on else without).total, device_bytes)  # fmt: skip
