@@ -45,7 +45,8 @@ class ModelFacts:
     guidance_embeds: bool
     """The transformer embeds a guidance value (FLUX.1 [dev], FLUX.2 [dev])."""
     text_length: int
-    """Padded token length of every caption's text embedding (the model's ``max_sequence_length``)."""
+    """Padded token length of every caption's text embedding: the ``max_sequence_length`` the pipelines encode with
+    (``model.text_tokens``, else the family's default)."""
     text: tuple[TextTensor, ...] = field(default=())
     """The named text tensors one caption encodes to, in storage order."""
     identity: str = ""

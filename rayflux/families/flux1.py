@@ -2,7 +2,8 @@
 2x2, 3-axis ids, guidance embedded by [dev].
 
 T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are kept at
-the model's full ``max_sequence_length`` (512 for [dev], 256 for the distilled [schnell]).
+the model's full ``max_sequence_length`` (512 for [dev], 256 for the distilled [schnell]; ``model.text_tokens`` when
+set, and then every kept position's embedding differs a little from the full length's).
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@
 - Latents: ``AutoencoderKLFlux2``'s 32 channels, patchified 2x2 into 128 and normalised by the VAE's batch-norm
   statistics; the cache stores them so, and the transformer packs them 1x1 (a token per latent cell).
 - Text: the hidden states of three encoder layers stacked along the channels, through the encoder's chat template,
-  padded to the pipeline's 512 tokens; no pooled vector. One named tensor, ``prompt_embeds``.
+  padded to the pipeline's 512 tokens (``model.text_tokens`` when set: the encoders are causal and pad on the right,
+  so the kept tokens embed as at 512); no pooled vector. One named tensor, ``prompt_embeds``.
 - Ids: four axes (t, h, w, l), built with the pipeline's own helpers.
-- Guidance: only when the transformer embeds it ([dev]); [klein] base trains without.
+- Guidance: only when the transformer embeds it ([dev]); [klein] trains without. [klein] base (``model_index.json``
+  without ``is_distilled``) renders with classifier-free guidance, step-distilled [klein] without
+  (:meth:`Flux2.validation_settings`).
 
 Prompt encoding is the pipeline's own ``encode_prompt``; patchify, normalisation, packing and ids are the pure
 functions of :mod:`rayflux.families.flux2_math`, checked bitwise against the pipelines' helpers.
