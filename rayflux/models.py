@@ -179,7 +179,7 @@ def model_facts(cfg: ModelConfig) -> ModelFacts:
         "path": path if not Path(path).is_dir() else "",
         "revision": cfg.revision,
     }
-    return fam.facts(configs, identity)
+    return fam.facts(configs, identity, cfg.text_tokens)
 
 
 def shift_config(cfg: ModelConfig) -> dict:

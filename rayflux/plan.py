@@ -24,11 +24,11 @@ from rayflux.train import lora
 
 
 def text_tokens(cfg: config.JobConfig) -> int:
-    """Text tokens per sample: the padded length the model's family encodes every caption to, or the default
-    built-in model's when ``model.path`` is empty."""
+    """Text tokens per sample: ``model.text_tokens``, else the padded length the model's family encodes every
+    caption to, or the default built-in model's when ``model.path`` is empty."""
     if not cfg.model.path:
         tc = families.BUILT_IN[families.DEFAULT_BUILT_IN][0]
-        return families.of_transformer_config(tc).text_length_of(tc)
+        return families.of_transformer_config(tc).text_length(tc, cfg.model.text_tokens)
     from rayflux.models import model_facts
 
     return model_facts(cfg.model).text_length
@@ -99,7 +99,7 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
 
     tc, name = transformer_config(cfg, model)
     t = cfg.train
-    text = families.of_transformer_config(tc).text_length_of(tc) if model else text_tokens(cfg)
+    text = families.of_transformer_config(tc).text_length(tc, cfg.model.text_tokens) if model else text_tokens(cfg)
     float_bytes = 4 if cfg.model.dtype == "float32" else 2
     lines = [f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
              f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; {t.adapter} rank {t.rank}"]  # fmt: skip

@@ -47,6 +47,14 @@ def tiny_flux2_klein() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_klein_distilled() -> Path:
+    """The step-distilled tiny [klein] (``is_distilled: true``, like FLUX.2-klein-4B); ``tiny_flux2_klein`` is base."""
+    from rayflux.testing.tiny_flux2 import TinyFlux2Spec, ensure_tiny_flux2_klein
+
+    return ensure_tiny_flux2_klein(spec=TinyFlux2Spec(distilled=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_flux2_dev() -> Path:
     from rayflux.testing.tiny_flux2 import ensure_tiny_flux2_dev
 

@@ -72,6 +72,43 @@ def test_facts_and_inputs_match_the_pipeline(variant, request):
     assert torch.equal(family.unpack(args["hidden_states"], h, w), ours)
 
 
+def test_text_tokens_keep_the_first_tokens_under_a_cache_key_of_their_own(klein, demo_images):
+    """``model.text_tokens=16``: tensors of 16 tokens, the same as the default's first 16 (Qwen3 is causal and pads
+    on the right), and another cache key."""
+    from rayflux.cache.stage import cache_key
+
+    cfgs = [config.load(None, [f"model.path={klein}", f"data.images_dir={demo_images}", f"model.text_tokens={n}"])
+            for n in (0, 16)]  # fmt: skip
+    full, short = (models.model_facts(c.model) for c in cfgs)
+    assert (full.text_length, short.text_length, short.text[0].length) == (512, 16, 16)
+    assert cache_key(cfgs[0], full) != cache_key(cfgs[1], short)
+    family = models.family(cfgs[0].model)
+    encoders = family.load_text_encoders(klein, {}, "cpu", torch.float32)
+    a, b = (family.encode_text(encoders, [CAPTION, ""], f)["prompt_embeds"] for f in (full, short))
+    assert b.shape == (2, 16, a.shape[2]) and torch.equal(a[:, :16], b)
+
+
+@pytest.mark.parametrize("variant,steps,guidance", [("base", 50, 4.0), ("distilled", 4, 1.0)])
+def test_klein_renders_validation_as_its_kind_is_meant_to_run(variant, steps, guidance, request):
+    """[klein] base (no ``is_distilled``, as FLUX.2-klein-base-4B) renders with the pipeline's 50 steps and
+    classifier-free guidance 4 against the empty prompt; step-distilled [klein] in 4 steps without guidance. Each
+    render (at 2 steps, for time) is the pipeline's own with that guidance."""
+    from rayflux.train import validation
+
+    path = str(request.getfixturevalue("tiny_flux2_klein" if variant == "base" else "tiny_flux2_klein_distilled"))
+    cfg = config.load(None, [f"model.path={path}", f"data.resolution={SIZE}", f'train.validation_prompts=["{CAPTION}"]',
+                             "train.validation_inference_steps=2"])  # fmt: skip
+    assert models.family(cfg.model).validation_settings(path, {}) == (steps, guidance)
+    transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
+    ours = validation.render(transformer, cfg, "cpu", torch.float32)[0]
+    pipe = _pipe(path)
+    pipe.transformer = transformer
+    theirs = pipe(prompt=CAPTION, height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=guidance,
+                  max_sequence_length=models.model_facts(cfg.model).text_length,
+                  generator=torch.Generator().manual_seed(cfg.train.seed)).images[0]  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
 def _render(pipe, steps=4, output_type="np", **edit):
     return pipe(prompt=CAPTION, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=1.0,
                 generator=torch.Generator().manual_seed(0), output_type=output_type, **edit).images[0]  # fmt: skip
@@ -153,12 +190,13 @@ def _edit_set(root):
     return root
 
 
-@pytest.mark.parametrize("variant,fmt,edits", [("klein", "kohya", True), ("dev", "diffusers", False)])
+@pytest.mark.parametrize("variant,fmt,edits,tokens", [("klein", "kohya", True, 16), ("dev", "diffusers", False, 0)])
 def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_images, tmp_path, variant, fmt, edits,
-                                                             request):  # fmt: skip
+                                                             tokens, request):  # fmt: skip
     """Cache, train, validation and export with ``model.path`` at the tiny FLUX.2 ([klein] from an edit-pair set with
-    one and two references per edit, its validation an edit of two given references); the exported file loads with
-    the family pipeline's ``load_lora_weights`` and changes its output."""
+    one and two references per edit, its validation an edit of two given references, its text cut to
+    ``model.text_tokens=16``); the exported file loads with the family pipeline's ``load_lora_weights`` and changes
+    its output."""
     import json
 
     from PIL import Image
@@ -179,10 +217,10 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_i
     cfg = config.load(None, [f"model.path={path}", *data, f"run.output_dir={out}", "data.resolution=64",
                              "train.max_steps=2", f"train.output_format={fmt}",
                              f'train.validation_prompts=["{CAPTION}"]', "train.validation_inference_steps=2",
-                             "cache.batch_size=8"])  # fmt: skip
+                             "cache.batch_size=8", f"model.text_tokens={tokens}"])  # fmt: skip
     summary = job.run(cfg)
     manifest = generations.load_manifest(summary.cache_dir)
-    assert [t["name"] for t in manifest["layout"]["text"]] == ["prompt_embeds"]
+    assert [(t["name"], t["length"]) for t in manifest["layout"]["text"]] == [("prompt_embeds", tokens or 512)]
     assert all(e["latent_shape"][0] == 16 for e in manifest["buckets"].values())  # 4 VAE channels, patchified 2x2
     assert list((out / "validation").glob("step-*.png"))
     if edits:

@@ -104,6 +104,32 @@ def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
     assert generations.load_manifest(again.cache_dir)["committed_at"] == manifest_before["committed_at"]
 
 
+
+def test_shorter_text_is_its_own_cache_and_trains(ray_session, tiny_model, demo_images, tmp_path):
+    """``model.text_tokens=16``: a cache key of its own (T5 runs unmasked, so the kept positions' embeddings depend
+    on the length and must not mix with the default's), text tensors of 16 tokens, and a training step on them
+    (two of the demo images, for time)."""
+    import shutil
+
+    from rayflux import config, models
+    from rayflux.cache.stage import cache_key
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for p in sorted(Path(demo_images).iterdir())[:4]:  # two images with their captions
+        shutil.copy(p, images / p.name)
+    sets = [f"model.path={tiny_model}", f"data.images_dir={images}", f"run.output_dir={tmp_path / 'run'}",
+            "data.resolution=64", "train.max_steps=1", "cache.batch_size=8"]  # fmt: skip
+    plain, short = config.load(None, sets), config.load(None, [*sets, "model.text_tokens=16"])
+    assert cache_key(plain, models.model_facts(plain.model)) != cache_key(short, models.model_facts(short.model))
+    summary = job.run(short)
+    assert summary.steps == 1 and summary.lora_path
+    manifest = generations.load_manifest(summary.cache_dir)
+    assert [(t["name"], t["length"]) for t in manifest["layout"]["text"]] == [("t5", 16), ("clip_pooled", 0)]
+    rows = [r for path in generations.text_files(manifest) for r in pq.read_table(path).to_pylist()]
+    assert rows and all(r["t5_len"] == 16 and len(r["t5"]) == 16 * r["t5_dim"] * 4 for r in rows)
+
+
 _ENTRIES = {
     "jobs/train_flux.py": [sys.executable, str(ROOT / "jobs" / "train_flux.py")],
     "rayflux train": [str(Path(sys.executable).parent / "rayflux"), "train"],

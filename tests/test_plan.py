@@ -121,6 +121,11 @@ def test_text_tokens_come_from_the_models_family(tiny_model, tiny_flux2_klein):
     assert plan.text_tokens(config.load(None, [f"model.path={tiny_model}"])) == 512
     assert plan.text_tokens(config.load(None, [])) == 512
     assert gpu_memory.tokens(1024, 512) == 64 * 64 + 512
+    # model.text_tokens: what the job keeps, for a model.path and for a built-in config alike; beyond 512 refused.
+    assert plan.text_tokens(config.load(None, [f"model.path={tiny_flux2_klein}", "model.text_tokens=128"])) == 128
+    assert plan.text_tokens(config.load(None, ["model.text_tokens=128"])) == 128
+    with pytest.raises(ValueError, match="at most 512 text tokens"):
+        plan.text_tokens(config.load(None, ["model.text_tokens=1024"]))
 
 
 def test_flux2_is_counted_on_its_own_transformer():

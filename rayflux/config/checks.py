@@ -45,7 +45,6 @@ _POSITIVE = {
     ("train", "read_run"),
     ("train", "log_every"),
     ("train", "checkpoints_to_keep"),
-    ("train", "validation_inference_steps"),
     ("run", "lease_seconds"),
 }
 
@@ -115,6 +114,11 @@ def validate(cfg: JobConfig) -> None:
     if cfg.model.dtype == "float16":
         raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
                           "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
+    if cfg.train.validation_inference_steps < 0 or cfg.train.validation_guidance < 0:
+        raise ConfigError("train.validation_inference_steps and train.validation_guidance must be >= 0 (0: the "
+                          "model's own)")  # fmt: skip
+    if cfg.model.text_tokens < 0:
+        raise ConfigError(f"model.text_tokens must be >= 0 (0: the model's default), got {cfg.model.text_tokens}")
     check_pools(cfg.cache)
     # What is known before any work: CPU training by setting, or a sharding it cannot combine with.
     refused = refusal(cfg.train.base_dtype, gpu=cfg.train.use_gpu != "false", sharding=cfg.train.base_sharding)

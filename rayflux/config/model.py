@@ -20,3 +20,7 @@ class ModelConfig:
     """The VAE's dtype in the cache stage, when it should differ from ``dtype`` (``float16`` is allowed here). With
     both left at their defaults the VAE encodes in bf16 on GPUs and on CPUs that compute bf16 natively (AVX512-BF16,
     AMX: twice as fast as fp32 there), else in fp32; ``float32`` keeps it in fp32 everywhere."""
+    text_tokens: int = 0
+    """Text tokens the encoders keep per caption; 0: the family's default (FLUX.1: T5's 512 for [dev], 256 for
+    [schnell]; FLUX.2: 512). Fewer make smaller text caches and shorter steps; prompts longer than this are cut.
+    Part of the cache key; validation renders encode their prompts to the same length."""

@@ -45,7 +45,8 @@ class ModelFacts:
     guidance_embeds: bool
     """The transformer embeds a guidance value (FLUX.1 [dev], FLUX.2 [dev])."""
     text_length: int
-    """Padded token length of every caption's text embedding (the model's ``max_sequence_length``)."""
+    """Padded token length of every caption's text embedding: the ``max_sequence_length`` the pipelines encode with
+    (``model.text_tokens``, else the family's default)."""
     text: tuple[TextTensor, ...] = field(default=())
     """The named text tensors one caption encodes to, in storage order."""
     identity: str = ""
@@ -108,9 +109,21 @@ class Family(ABC):
 
     # -- facts and loading -------------------------------------------------------------------------------------
     @abstractmethod
-    def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
+    def facts(self, configs: dict[str, dict], identity: dict, text_tokens: int = 0) -> ModelFacts:
         """Facts from the parts' ``config.json`` (``configs[subfolder]``, see :attr:`config_parts`); ``identity``
-        holds what the cache key hashes besides (weights signature, path, revision), to which a family adds."""
+        holds what the cache key hashes besides (weights signature, path, revision), to which a family adds.
+        ``text_tokens``: ``model.text_tokens``, the text length to keep (0: :meth:`text_length_of`'s)."""
+
+    max_text_tokens: int = 512
+    """The longest text the family's pipelines encode (their ``max_sequence_length`` limit)."""
+
+    def text_length(self, transformer_config: dict, text_tokens: int = 0) -> int:
+        """The text length a job keeps: ``text_tokens`` (``model.text_tokens``) when set, else the family's default;
+        a length the pipelines refuse is refused here, before any encoder loads."""
+        if not 0 <= text_tokens <= self.max_text_tokens:
+            raise ValueError(f"model.text_tokens={text_tokens}: {', '.join(self.pipelines.values())} encodes at most "
+                             f"{self.max_text_tokens} text tokens (0: the default)")  # fmt: skip
+        return text_tokens or self.text_length_of(transformer_config)
 
     config_parts: tuple[str, ...] = ("vae", "transformer")
     """Subfolders whose ``config.json`` :meth:`facts` reads."""
@@ -174,6 +187,12 @@ class Family(ABC):
         """The pipeline call's keyword arguments that make a ``height`` x ``width`` render an edit of the reference
         ``images`` (PIL, already at the render's size)."""
         raise ValueError(f"{', '.join(self.pipelines.values())} takes no reference images")
+
+    def validation_settings(self, path: str, kw: dict) -> tuple[int, float]:
+        """``(denoising steps, guidance scale)`` a validation render of the model at ``path`` takes when
+        ``train.validation_inference_steps`` / ``train.validation_guidance`` are 0 (``kw``: ``from_pretrained``'s
+        revision)."""
+        return 20, 3.5
 
     @abstractmethod
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):

@@ -2,7 +2,8 @@
 2x2, 3-axis ids, guidance embedded by [dev].
 
 T5 runs without an attention mask in ``FluxPipeline``, so padded positions are part of the embedding and are kept at
-the model's full ``max_sequence_length`` (512 for [dev], 256 for the distilled [schnell]).
+the model's full ``max_sequence_length`` (512 for [dev], 256 for the distilled [schnell]; ``model.text_tokens`` when
+set, and then every kept position's embedding differs a little from the full length's).
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ class Flux1(Family):
     def text_length_of(self, transformer_config: dict) -> int:
         return t5_length(bool(transformer_config.get("guidance_embeds")))
 
-    def facts(self, configs: dict[str, dict], identity: dict) -> ModelFacts:
+    def facts(self, configs: dict[str, dict], identity: dict, text_tokens: int = 0) -> ModelFacts:
         vae, transformer = configs["vae"], configs["transformer"]
         guidance = bool(transformer.get("guidance_embeds", False))
-        t5_len = t5_length(guidance)
+        # model.text_tokens or T5's default; the blob below hashes it into the identity, so into the cache key.
+        t5_len = self.text_length(transformer, text_tokens)
         blob = {"vae": _plain(vae), "clip": _plain(configs["text_encoder"]), "t5": _plain(configs["text_encoder_2"]),
                 **identity, "t5_len": t5_len}  # fmt: skip
         return ModelFacts(

@@ -3,9 +3,12 @@
 - Latents: ``AutoencoderKLFlux2``'s 32 channels, patchified 2x2 into 128 and normalised by the VAE's batch-norm
   statistics; the cache stores them so, and the transformer packs them 1x1 (a token per latent cell).
 - Text: the hidden states of three encoder layers stacked along the channels, through the encoder's chat template,
-  padded to the pipeline's 512 tokens; no pooled vector. One named tensor, ``prompt_embeds``.
+  padded to the pipeline's 512 tokens (``model.text_tokens`` when set: the encoders are causal and pad on the right,
+  so the kept tokens embed as at 512); no pooled vector. One named tensor, ``prompt_embeds``.
 - Ids: four axes (t, h, w, l), built with the pipeline's own helpers.
-- Guidance: only when the transformer embeds it ([dev]); [klein] base trains without.
+- Guidance: only when the transformer embeds it ([dev]); [klein] trains without. [klein] base (``model_index.json``
+  without ``is_distilled``) renders with classifier-free guidance, step-distilled [klein] without
+  (:meth:`Flux2.validation_settings`).
 
 Prompt encoding is the pipeline's own ``encode_prompt``; patchify, normalisation, packing and ids are the pure
 functions of :mod:`rayflux.families.flux2_math`, checked bitwise against the pipelines' helpers.
@@ -89,13 +92,15 @@ class Flux2(Family):
 
     def text_length_of(self, transformer_config: dict) -> int:
         return TEXT_LENGTH
+
     kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
                     "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
 
-    def facts(self, configs, identity):
+    def facts(self, configs, identity, text_tokens=0):
         vae, transformer, encoder = configs["vae"], configs["transformer"], configs["text_encoder"]
         guidance = bool(transformer.get("guidance_embeds", False))
-        blob = {"vae": _plain(vae), "text_encoder": _plain(encoder), **identity, "text_length": TEXT_LENGTH}
+        length = self.text_length(transformer, text_tokens)
+        blob = {"vae": _plain(vae), "text_encoder": _plain(encoder), **identity, "text_length": length}
         arch = encoder.get("model_type", "")
         return ModelFacts(
             family=self.name,
@@ -103,8 +108,8 @@ class Flux2(Family):
             latent_channels=int(vae["latent_channels"]) * 4,
             pack=1,
             guidance_embeds=guidance,
-            text_length=TEXT_LENGTH,
-            text=(TextTensor("prompt_embeds", ("prompt_len", "prompt_dim"), "prompt", TEXT_LENGTH),),
+            text_length=length,
+            text=(TextTensor("prompt_embeds", ("prompt_len", "prompt_dim"), "prompt", length),),
             identity=hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16],
             architecture="flux-2-klein" if arch.startswith("qwen") else "flux-2-dev",
         )
@@ -201,6 +206,17 @@ class Flux2(Family):
                 e = pipe.encode_prompt(p, device=device, max_sequence_length=facts.text_length)[0].clone()
                 out.append({"prompt_embeds": e, **({"negative_prompt_embeds": empty.clone()} if negative else {})})
         return out
+
+    def validation_settings(self, path, kw):
+        """[klein] renders as its ``model_index.json`` says it was made: step-distilled ([klein] 4B/9B,
+        ``is_distilled: true``) in 4 steps without guidance, base ([klein] base 4B/9B, no ``is_distilled``, which
+        the pipeline reads as False) in 50 steps with classifier-free guidance 4, the pipeline's own defaults."""
+        from rayflux.families.model_index import pipeline_config
+
+        config = pipeline_config(path, kw.get("revision", ""))
+        if config.get("_class_name") != "Flux2KleinPipeline":
+            return super().validation_settings(path, kw)
+        return (4, 1.0) if config.get("is_distilled", False) else (50, 4.0)
 
     def reference_kwargs(self, images, height, width):
         return {"image": list(images)}

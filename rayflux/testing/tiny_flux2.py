@@ -16,7 +16,7 @@ from pathlib import Path
 from rayflux.testing.tiny import TINY_SEED, bpe_vocab_merges, default_home, ensure_pipeline_dir, train_bpe
 
 # Bumped whenever a tiny FLUX.2 config changes, so an old directory is rebuilt rather than silently reused.
-TINY_FLUX2_VERSION = "1"
+TINY_FLUX2_VERSION = "2"
 
 # Qwen3's chat template reduced to what FLUX.2 [klein] uses: user turns, the assistant header and, with thinking
 # off, the empty think block the real template inserts.
@@ -55,7 +55,9 @@ class TinyFlux2Spec:
     text_layers: int = 0
     """Text encoder depth; 0 takes one more than the pipeline's highest default layer (Qwen3: 28, Mistral: 31)."""
     distilled: bool = False
-    """[klein] only: a step-distilled model (no classifier-free guidance at inference); False is [klein] base."""
+    """[klein] only: a step-distilled model like FLUX.2-klein-4B (``model_index.json`` says ``is_distilled: true``;
+    renders in 4 steps without guidance); False is [klein] base like FLUX.2-klein-base-4B, whose
+    ``model_index.json`` has no ``is_distilled`` (the pipeline's default, False: classifier-free guidance)."""
 
 
 def _flux2_transformer(spec: TinyFlux2Spec, guidance_embeds: bool):
@@ -173,7 +175,13 @@ def build_klein(spec: TinyFlux2Spec = TinyFlux2Spec()):
             **_llm_sizes(spec, tok, 28), tie_word_embeddings=True, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>")
         )
     )
-    return _assemble(Flux2KleinPipeline, spec, text_encoder, tok, guidance_embeds=False, is_distilled=spec.distilled)
+    pipe = _assemble(Flux2KleinPipeline, spec, text_encoder, tok, guidance_embeds=False, is_distilled=spec.distilled)
+    if not spec.distilled:
+        # The released base checkpoints' model_index.json names no is_distilled; the constructor registered False.
+        from diffusers.configuration_utils import FrozenDict
+
+        pipe._internal_dict = FrozenDict({k: v for k, v in pipe.config.items() if k != "is_distilled"})
+    return pipe
 
 
 def build_dev(spec: TinyFlux2Spec = TinyFlux2Spec()):
@@ -204,8 +212,10 @@ def _info(variant: str, spec: TinyFlux2Spec) -> dict:
 
 
 def ensure_tiny_flux2_klein(path: str | Path | None = None, spec: TinyFlux2Spec = TinyFlux2Spec()) -> Path:
-    """Return a directory holding the current tiny FLUX.2 [klein], building it once if it is missing or stale."""
-    path = Path(path) if path else default_home() / f"tiny-flux2-klein-v{TINY_FLUX2_VERSION}"
+    """Return a directory holding the current tiny FLUX.2 [klein] (base unless ``spec.distilled``), building it once
+    if it is missing or stale."""
+    name = "klein" if spec.distilled else "klein-base"  # a default directory per kind: neither replaces the other
+    path = Path(path) if path else default_home() / f"tiny-flux2-{name}-v{TINY_FLUX2_VERSION}"
     return ensure_pipeline_dir(path, lambda: build_klein(spec), _info("klein", spec))
 
 

@@ -123,6 +123,7 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         vae = models.load_vae(cfg.model, str(device), dtype)
         family = models.family(cfg.model)
         pipe = family.render_pipeline(path, kw, scheduler, vae, transformer)
+        own_steps, own_guidance = family.validation_settings(path, kw)
         edits = [family.reference_kwargs(images, size, size) for images in _references(cfg, size)]
         pipe.set_progress_bar_config(disable=True)
         transformer.eval()
@@ -133,8 +134,8 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
                     **(edits[i] if edits else {}),
                     height=size,
                     width=size,
-                    num_inference_steps=t.validation_inference_steps,
-                    guidance_scale=t.validation_guidance,
+                    num_inference_steps=t.validation_inference_steps or own_steps,
+                    guidance_scale=t.validation_guidance or own_guidance,
                     generator=torch.Generator().manual_seed(t.seed + i),
                 ).images[0]
                 for i, prompt in enumerate(embeds)
