@@ -143,3 +143,33 @@ def test_the_memory_model_counts_each_optimizers_state():
     tc = families.BUILT_IN[families.DEFAULT_BUILT_IN][0]
     est = gpu_memory.estimate(tc, 0, 1000, 512, 1, True, optimizer="prodigy")
     assert est.lora_optimizer == 24000
+
+
+@_needs("schedulefree_adamw")
+def test_schedulefree_eval_loss_scores_its_average_and_training_goes_on_unchanged(tiny_model):
+    """The eval loss (and the best file behind it) scores the LoRA as it is used, schedule-free's average, not the
+    interpolation it trains at; the training weights come back exactly."""
+    from rayflux.train import evaluation
+
+    cfg = train_data.job(tiny_model, *OPTIONS, "train.optimizer=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
+    groups = train_data.groups(train_data.items(4), 2)
+    trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
+    _run(trainer, groups)
+    rows = train_data.items(2, seed=7)
+    held = [evaluation.EvalBatch(b, [f"held-{i}-{j}" for j in range(2)]) for i, b in
+            enumerate(train_data.groups(rows, 1)[k][0] for k in range(2))]  # fmt: skip
+    training = _weights(trainer)
+    with trainer.optimizer_eval():
+        averaged = evaluation.score(trainer, held, 1)["eval_loss"]
+    interpolated = evaluation.score(trainer, held, 1)["eval_loss"]
+    assert averaged != interpolated  # the two weights differ, so the choice shows in the number
+
+    evaluator = evaluation.Evaluator(trainer, [], rank=0, world=1, every=0, final_segment=True)
+    evaluator.batches = held  # the held-out batches, as a worker reads them from the cache
+    progress, kept = checkpoint.Progress(step=2), []
+    record = {"step": 2}
+    evaluator.run(record, progress, lambda r: kept.append(_weights(trainer)))
+    assert record["eval_loss"] == averaged and progress.best_step == 2
+    assert any(not torch.equal(kept[0][k], v) for k, v in training.items())  # the best file got the average
+    for k, v in _weights(trainer).items():
+        assert torch.equal(training[k], v), k
