@@ -17,6 +17,8 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import random
+import time
 from collections.abc import Iterator
 
 import pyarrow.fs as pafs
@@ -32,9 +34,33 @@ def settings() -> tuple[str, str]:
 REQUEST_TIMEOUT_S = 60.0
 """Seconds an S3 request may go without an answer before the SDK retries it (the SDK's own default is 3)."""
 
+ATTEMPTS_DEFAULT = 10
+"""Attempts per S3 request unless ``RAYFLUX_S3_ATTEMPTS`` says otherwise (see :func:`attempts`)."""
+
+
+def attempts() -> int:
+    """Tries per S3 request, the first included: ``RAYFLUX_S3_ATTEMPTS``, else :data:`ATTEMPTS_DEFAULT`.
+
+    A store under load answers 503 SlowDown and 500s and resets connections; both SDKs retry those (and timeouts)
+    with jittered exponential backoff, capped at 20 s a wait, so ten tries ride out about two minutes of trouble and
+    then fail the request with the store's own error. The SDKs' default (3) fails a long job on a short burst."""
+    value = os.environ.get("RAYFLUX_S3_ATTEMPTS", "")
+    try:
+        n = int(value) if value else ATTEMPTS_DEFAULT
+    except ValueError:
+        raise ValueError(f"RAYFLUX_S3_ATTEMPTS={value!r}: expected a whole number of tries, at least 1") from None
+    if n < 1:
+        raise ValueError(f"RAYFLUX_S3_ATTEMPTS={value!r}: expected a whole number of tries, at least 1")
+    return n
+
+
+def filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
+    """pyarrow's S3 filesystem for ``endpoint`` and ``region``, retrying each request :func:`attempts` times."""
+    return _filesystem(endpoint, region, attempts())
+
 
 @functools.lru_cache(maxsize=8)
-def filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
+def _filesystem(endpoint: str, region: str, tries: int) -> pafs.S3FileSystem:
     # pyarrow's S3 client, one per (endpoint, region): a preparation task reads thousands of objects and need not
     # reconnect for each. Credentials are left to the AWS default chain (environment, profile, instance role).
     scheme = "https" if endpoint.startswith("https") else "http"
@@ -43,7 +69,7 @@ def filesystem(endpoint: str, region: str) -> pafs.S3FileSystem:
     # pyarrow's requests wait as long.
     return pafs.S3FileSystem(
         endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True,
-        request_timeout=REQUEST_TIMEOUT_S,
+        request_timeout=REQUEST_TIMEOUT_S, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=tries),
     )
 
 
@@ -62,14 +88,19 @@ def direct(fs: pafs.FileSystem) -> bool:
             and _have_boto3())  # fmt: skip
 
 
-@functools.lru_cache(maxsize=8)
 def _client(endpoint: str, region: str):
+    return _boto3_client(endpoint, region, attempts())
+
+
+@functools.lru_cache(maxsize=8)
+def _boto3_client(endpoint: str, region: str, tries: int):
     # One client per process and endpoint: boto3 clients are thread-safe and pool their connections, so the read
     # threads of a task share its connections, as they share pyarrow's filesystem.
     import boto3
     from botocore.config import Config
 
-    config = Config(max_pool_connections=32, retries={"mode": "standard", "max_attempts": 5})
+    # "standard" mode: 503 SlowDown, 500s, throttling, resets and timeouts retried with jittered backoff.
+    config = Config(max_pool_connections=32, retries={"mode": "standard", "total_max_attempts": tries})
     return boto3.session.Session().client("s3", endpoint_url=endpoint or None, region_name=region, config=config)
 
 
@@ -87,13 +118,32 @@ def get(fs: pafs.S3FileSystem, inner: str, start: int | None = None, length: int
             return b""
         args["Range"] = f"bytes={start}-{start + length - 1}"
     try:
-        body = _client(settings()[0], fs.region).get_object(**args)["Body"]
-        with body:
-            return body.read()
+        return _get_body(_client(settings()[0], fs.region), args, f"s3://{inner}")
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
             raise FileNotFoundError(f"s3://{inner}: no such object") from None
         raise
+
+
+def _get_body(client, args: dict, uri: str) -> bytes:
+    """One GET's body, the GET sent again when the connection breaks while the body streams in.
+
+    botocore retries a request (:func:`attempts` tries) until the response's headers arrive; a body cut off after
+    them (a reset, a read timeout) surfaces from ``read()``, outside its retries, so that part is retried here, with
+    the SDK's own backoff (random up to 2^n s, at most 20 s), as many times."""
+    from botocore.exceptions import HTTPClientError, IncompleteReadError
+
+    tries = attempts()
+    for n in range(tries):
+        body = client.get_object(**args)["Body"]
+        try:
+            with body:
+                return body.read()
+        except (HTTPClientError, IncompleteReadError) as exc:
+            if n + 1 == tries:
+                raise OSError(f"{uri}: the object's body broke off {tries} times; last: {exc}") from exc
+            time.sleep(min(20.0, random.random() * 2**n))
+    raise AssertionError("unreachable")
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)

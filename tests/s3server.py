@@ -9,6 +9,7 @@ the server itself starts only when a test asks for the ``s3_server`` fixture, an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -126,3 +127,49 @@ def s3_bucket(s3_server, request):
     fs.create_dir(name)
     assert fs.get_file_info(name).type == pafs.FileType.Directory
     return f"s3://{name}"
+
+
+class FaultProxy:
+    """tests/fault_proxy.py in its own process, in front of the S3 server; ``url`` is its endpoint."""
+
+    def __init__(self, upstream: str):
+        port = _free_port()
+        self.url = f"http://{HOST}:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "fault_proxy.py"), str(port),
+             upstream.rsplit(":", 1)[1]],
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.fault_log()
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"fault proxy did not answer on {self.url}") from None
+                time.sleep(0.1)
+
+    def faults(self, **settings) -> None:
+        """Set the faults (see tests/fault_proxy.py): ``rate``, ``seed``, ``get_resets``, ``put_resets``,
+        ``delay_s``, ``delay_rate``."""
+        req = urllib.request.Request(f"{self.url}/__faults__/config", json.dumps(settings).encode(), method="POST")
+        urllib.request.urlopen(req, timeout=30).close()
+
+    def fault_log(self) -> list[tuple[str, str, str, bool, str]]:
+        """Every request so far: (method, path, query, ranged, outcome: ok, 503, reset or error)."""
+        with urllib.request.urlopen(f"{self.url}/__faults__/log", timeout=30) as r:
+            return [tuple(e) for e in json.loads(r.read())]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def fault_proxy(s3_server):
+    proxy = FaultProxy(s3_server.url)
+    yield proxy
+    proxy.stop()
