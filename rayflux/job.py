@@ -286,10 +286,12 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     gpus = cluster_has_gpus()
     if only != "cache":
         # The training modules import torch: a cache-only run's driver never loads it (seconds of its start).
+        from rayflux.train import wandb_log
         from rayflux.train.stage import check_base_dtype, check_optimizer
 
         check_base_dtype(cfg, gpus)
         check_optimizer(cfg, gpus)
+        wandb_log.check(cfg.run.wandb_project)
     stages = _Stages(cfg, facts, ledger, cache_root, gpus, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
 

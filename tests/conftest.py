@@ -30,6 +30,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 # every 0.5 s; the job and the benchmarks keep Ray's default. Ray reads this in the controller's process, which
 # inherits it from the Ray the tests start (cluster tests pass os.environ on too).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# run.wandb_project in tests logs offline, never to the network, into the session's home (Ray workers inherit it).
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_DIR"] = os.path.join(_HOME, "wandb")
+os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
+os.environ.setdefault("WANDB_SILENT", "true")
 
 
 @pytest.fixture(scope="session")

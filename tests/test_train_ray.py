@@ -16,6 +16,7 @@ straight one.
 import importlib.util
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from rayflux.train import batching, checkpoint, commits, elastic, kohya, lora, s
 SIZES = [(512, 512)] * 7 + [(640, 384)] * 5 + [(384, 640)] + [(768, 256)]
 PROMPTS = ["a red circle", "a blue square", "a green ring"]
 OPTIMIZER = "schedulefree_adamw" if importlib.util.find_spec("schedulefree") else "adamw"
+WANDB = importlib.util.find_spec("wandb") is not None  # with the test extra; offline (tests/conftest.py)
 COMMON = [
     "data.resolution=64",
     "train.num_workers=2",
@@ -268,7 +270,8 @@ def test_step_loras_outlive_pruned_checkpoints(cache, resumed, tiny_model):
     pipe.load_lora_weights(str(out / "lora"), weight_name=names[1])
 
 
-EVAL = ("train.gradient_accumulation=1", "data.eval_samples=3", "train.eval_every=2", "train.checkpoint_every=2")
+EVAL = ("train.gradient_accumulation=1", "data.eval_samples=3", "train.eval_every=2", "train.checkpoint_every=2",
+        *(["run.wandb_project=rayflux-test"] if WANDB else []))
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +356,24 @@ def test_eval_loss_shows_in_tensorboard_and_the_summary(evaluated):
     lines = summary.lines()
     assert "eval:       3 samples held out of training (e.txt)" in lines
     assert f"best:       eval loss {second.best[1]:.4f} at step {second.best[0]}: best.safetensors" in lines
+
+
+@pytest.mark.skipif(not WANDB, reason="wandb is not installed")
+def test_rank0_logs_steps_and_eval_loss_to_one_wandb_run_across_the_resume(evaluated):
+    from wandb_support import offline_runs
+
+    from rayflux.train import wandb_log
+
+    first, second, out = evaluated
+    run_id = wandb_log.run_id(commits.run_storage(str(out), "evaluated"), "evaluated")
+    runs = offline_runs(os.environ["WANDB_DIR"], run_id)  # offline, each trainer run writes its own part
+    assert [r[0] for r in runs] == [run_id, run_id]
+    history = {**runs[0][1], **runs[1][1]}
+    assert [s for s in sorted(history) if "train/eval_loss" in history[s]] == [0, 2, 3, 4, 6]
+    assert [history[s]["train/eval_loss"] for s in (0, 2, 3, 4, 6)] == pytest.approx(
+        [e["eval_loss"] for e in second.evals], rel=1e-6)  # fmt: skip
+    assert history[6]["eval/loss_q0.1"] == pytest.approx(second.evals[-1]["eval_loss_sigmas"][0], rel=1e-6)
+    assert [history[h["step"]]["train/loss"] for h in second.history] == pytest.approx(second.losses, rel=1e-6)
 
 
 def test_best_lora_is_the_lowest_eval_across_the_resume(evaluated):

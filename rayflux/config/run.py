@@ -21,5 +21,9 @@ class RunConfig:
     of this). A second job on the same ``output_dir`` refuses while the lease is live; once its holder is gone (killed,
     its machine lost) the next job takes over this long after the last heartbeat. Keep it well above the clock skew
     between machines sharing the directory."""
+    wandb_project: str = ""
+    """Weights & Biases project to log to as well (rank 0: the scalars, eval losses and validation grids TensorBoard
+    gets). Needs ``pip install 'rayflux[wandb]'``; ``WANDB_MODE``/``WANDB_DIR``/``WANDB_API_KEY`` apply as usual. A
+    resumed run continues the same wandb run. Empty: off, and wandb is never imported."""
     debug_slow_rank: str = ""
     """``RANK:SECONDS`` delays every step of one training rank, to shake out ordering races. Empty: off."""

@@ -25,7 +25,7 @@ import torch
 from rayflux import config as config_mod
 from rayflux import memory, progress as progress_mod
 from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, lora_files, metrics, optim, sharding,
-                           step, validation)
+                           step, validation, wandb_log)
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
@@ -158,6 +158,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         _record_start(progress, loop_config["checkpoints"], resume_from, ray.train.get_checkpoint())
     preemption = elastic.PreemptionNotice()
     board = metrics.TensorBoardLog(run_dir, purge_step=start + 1 if start else None) if rank == 0 else None
+    if board and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
+        board = wandb_log.Both(board, wandb_log.WandbLog(cfg.run.wandb_project, loop_config["checkpoints"],
+                                                         cfg.run.name, loop_config["job"]))  # fmt: skip
     steps_log = metrics.StepLog(run_dir) if rank == 0 else None
     bar = progress_mod.BoardSender(loop_config.get("progress") if rank == 0 else None)
     clock, window, preempted_once = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), False
