@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rayflux.cache import generations, index, writer
+from rayflux.cache import generations, writer
 from rayflux.cache.shards import CacheShapeError
 from rayflux.train import batching
 from rayflux.train.batching import load_batch
@@ -40,7 +40,7 @@ def _rows(gen_dir) -> dict[str, dict]:
 
 def _edit_index(gen_dir, sample_id: str, **change) -> None:
     """Rewrite the generation's sample index with plain pyarrow, one sample's entry changed (to make a bad cache)."""
-    path = gen_dir / index.SAMPLES
+    path = gen_dir / generations.load_manifest(str(gen_dir))["index"]["samples"]["path"]  # named by its build
     table = pq.read_table(path)
     rows = table.to_pylist()
     for r in rows:
