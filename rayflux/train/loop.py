@@ -8,7 +8,8 @@ copy of Ray Train's notice). Nothing else waits on other processes per step: the
 rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
 epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
 never touches a text encoder or the VAE: everything is in the cached shards, and validation images are rendered by
-a separate actor from the step's LoRA file (:mod:`rayflux.train.renderer`) while training goes on. With ``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
+a separate actor from the step's LoRA file (:mod:`rayflux.train.renderer`) while training goes on. With
+``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
 ``train.eval_every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
 """
 

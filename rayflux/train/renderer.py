@@ -3,14 +3,14 @@ training goes on.
 
 Rank 0 only writes the step's LoRA file in diffusers format (``lora/<name>-step<step>.safetensors``, the one a
 checkpoint at that step leaves anyway; for kohya output ``validation/step-<step>.safetensors`` beside the grid) and
-queues a fire-and-forget call; the actor loads the base pipeline once (transformer with the
-adapter attached, the prompts' embeddings, the reference images), applies each file with
-:func:`rayflux.train.lora.load_into` (the checkpoint-resume loader) and renders with :func:`rayflux.train.validation.render`, so its grid is
-the one an in-process render of that file draws. Training never waits for it: a render that fails is logged with its
-reason, a step due while ``train.validation_queue`` renders are still pending is skipped with a log line (the last
-step's render is always queued), and the driver waits at most ``train.validation_wait_seconds`` for the renders still
-due after the last step (:meth:`Renders.finish`), then kills the actor. No training worker ever loads a text
-encoder: the actor encodes the prompts.
+queues a fire-and-forget call. The actor loads the base once (the transformer with the adapter attached, the
+prompts' embeddings, the reference images), applies each file with :func:`rayflux.train.lora.load_into` (the
+checkpoint-resume loader) and renders with :func:`rayflux.train.validation.render`, so its grid is the one an
+in-process render of that file draws. Training never waits for it: a render that fails is logged with its reason, a
+step due while ``train.validation_queue`` renders are still pending is skipped with a log line (the last step's
+render is always queued), and the driver waits at most ``train.validation_wait_seconds`` for the renders still due
+after the last step (:meth:`Renders.finish`), then kills the actor. No training worker ever loads a text encoder:
+the actor encodes the prompts.
 """
 
 from __future__ import annotations
