@@ -36,6 +36,10 @@ def step_seconds(code: Path, out: Path, settings: list[str]) -> float:
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     loss = events.Scalars("train/loss")
+    grids = sorted((out / "validation").glob("step-*.png"))
+    during = sum(g.stat().st_mtime < loss[-1].wall_time for g in grids)
+    if grids:
+        print(f"{out.name}: {len(grids)} grids, {during} of them written before the last step")
     return (loss[-1].wall_time - loss[0].wall_time) / (loss[-1].step - loss[0].step)
 
 
