@@ -32,7 +32,9 @@ def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
     cfg = config.load(
         None,
         [f"model.path={heavy_t5_model}", f"data.images_dir={demo_images}", f"run.output_dir={tmp_path / 'run'}",
-         "data.resolution=64", "train.epochs=1", "train.num_workers=2", "train.checkpoint_every=2"],
+         "data.resolution=64", "train.epochs=1", "train.num_workers=2", "train.checkpoint_every=2",
+         # Validation on: its prompts are encoded by the render actor, never by a training worker.
+         'train.validation_prompts=["a red circle"]', "train.validation_every=2", "train.validation_inference_steps=1"],
     )  # fmt: skip
     summary = job.run(cfg)
     # The state API saw the text and VAE actors (so the check below can fail), and none is alive now.
@@ -47,6 +49,8 @@ def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
         assert r["encoders_alive"] == 0
         # Loading the text encoders would add at least their weights (256 MiB of T5 alone) to a worker's RSS.
         assert r["rss_growth_mb"] < t5_bytes_mb, r
+        assert r["peak_rss_mb"] - (r["rss_mb"] - r["rss_growth_mb"]) < t5_bytes_mb, r  # not even for a moment
+    assert [h["step"] for h in summary.history if "validation_image" in h] == [2, 4]
 
 
 def test_live_encoders_sees_a_loaded_text_encoder():

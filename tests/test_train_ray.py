@@ -199,6 +199,70 @@ def test_validation_grids_are_written_and_decode(full):
             assert len(set(img.crop((0, 0, 128, 64)).getdata())) > 1  # rendered content, not a blank canvas
 
 
+def test_validation_grids_are_the_in_process_render_of_each_step_lora(full, cache):
+    """The render actor's grid of a step is what :func:`validation.render` draws in-process with that step's LoRA
+    file on the base model (the training ranks never rendered it)."""
+    import numpy as np
+    from PIL import Image
+
+    from rayflux.train import validation
+
+    _, out = full
+    root, base, _, _ = cache
+    cfg = _cfg(base, "run.name=full", "train.validation_inference_steps=2", f"train.validation_prompts={PROMPTS}",
+               "train.output_format=kohya")  # fmt: skip
+    t = cfg.train
+    transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
+    lora.add_lora(transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+    transformer.eval()
+    for step in (2, 4):
+        lora.load_into(transformer, out / "validation" / f"step-{step:06d}.safetensors")  # kohya run: beside it
+        expected = np.asarray(validation.grid(validation.render(transformer, cfg, "cpu", torch.float32)), np.int16)
+        with Image.open(out / "validation" / f"step-{step:06d}.png") as img:
+            drawn = np.asarray(img.convert("RGB"), np.int16)
+        assert np.abs(drawn - expected).max() <= 2, step
+
+
+def test_a_killed_renderer_never_stops_training(cache):
+    """SIGKILL-like ``ray.kill`` of the render actor while it loads or renders step 1: training trains on to its
+    last step and LoRA, and the driver logs why the later grids are missing."""
+    import threading
+    import time
+
+    import ray
+
+    root, base, manifest, facts = cache
+    out = root / "killed"
+    cfg = _cfg(base, "run.name=killed", "train.validation_every=1", "train.validation_inference_steps=2",
+               f"train.validation_prompts={json.dumps(PROMPTS)}", "run.debug_slow_rank=0:1.5")  # fmt: skip
+    killed: list[float] = []
+
+    def kill_once_rendering() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out / "lora" / "killed-step00000001.safetensors").exists():
+            time.sleep(0.1)
+        time.sleep(0.5)  # render 1 is queued: the actor is loading the base or rendering
+        names = [n for n in ray.util.list_named_actors() if n.startswith("rayflux-renderer-")]
+        ray.kill(ray.get_actor(names[0]))
+        killed.append(time.time())
+
+    killer = threading.Thread(target=kill_once_rendering, daemon=True)
+    logger, handler = logging.getLogger("rayflux"), _Lines()
+    logger.addHandler(handler)
+    killer.start()
+    try:
+        result = stage.train(cfg, manifest, facts, str(out), False)
+    finally:
+        logger.removeHandler(handler)
+        killer.join(timeout=130)
+    assert result.steps == 4 and killed
+    final = out / "lora" / "killed-step00000004.safetensors"
+    assert final.stat().st_mtime > killed[0]  # the kill came while training was still running
+    assert load_file(Path(result.checkpoint_dir) / lora.WEIGHT_NAME)
+    assert not (out / "validation" / "step-000004.png").exists()
+    assert any("validation renderer died" in line for line in handler.lines), handler.lines
+
+
 def test_tensorboard_events_hold_the_reported_metrics(full):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

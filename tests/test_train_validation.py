@@ -67,3 +67,18 @@ def test_reference_images_are_decoded_as_the_cache_decodes_them_and_read_once(tm
     clear.unlink()
     again = validation._references(cfg, size)[0]  # a later render: nothing read again
     np.testing.assert_array_equal(np.asarray(again[0]), phone)
+
+
+def test_the_render_actor_goes_where_the_cluster_has_room():
+    from rayflux.train import renderer
+
+    def choose(use_gpu, gpus, *sets):
+        cfg = config.load(None, ["train.num_workers=2", *sets])
+        resources, _ = renderer.choose_resources(cfg, use_gpu, {"CPU": 16, "GPU": gpus})
+        return resources, renderer.gpu_share(resources)
+
+    assert choose(False, 0) == ({"CPU": 0.5}, 0.0)  # a CPU cluster: a CPU share, workers keep their GPUs (none)
+    assert choose(True, 2, "cache.accelerator_type=L4") == ({"CPU": 1, "GPU": 1, "accelerator_type:L4": 0.001}, 0.0)
+    assert choose(True, 3) == ({"CPU": 1, "GPU": 1}, 0.0)  # a spare GPU beside the 2 workers'
+    assert choose(True, 2) == ({"CPU": 1, "GPU": 0.25}, 0.25)  # no room: a quarter of each training GPU
+    assert choose(True, 2, 'train.validation_resources={"CPU": 0.5}') == ({"CPU": 0.5}, 0.0)

@@ -111,6 +111,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.resize_check_seconds must be >= 0")
     resource_map("train.worker_resources", cfg.train.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
+    custom = {k: v for k, v in cfg.train.validation_resources.items() if k not in ("CPU", "GPU")} if isinstance(
+        cfg.train.validation_resources, dict) else cfg.train.validation_resources  # fmt: skip
+    resource_map("train.validation_resources", custom)
+    if cfg.train.validation_queue < 1 or cfg.train.validation_wait_seconds < 0:
+        raise ConfigError("train.validation_queue must be >= 1 and train.validation_wait_seconds >= 0")
     if cfg.model.dtype == "float16":
         raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
                           "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip

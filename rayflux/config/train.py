@@ -154,7 +154,8 @@ class TrainConfig:
     eval_sigmas: int = 5
     """Noise levels each held-out sample is scored at: the quantiles of the training σ density, with fixed noise."""
     validation_prompts: list[str] = field(default_factory=list)
-    """Prompts rank 0 renders with the current LoRA (a YAML list). Empty: no validation images."""
+    """Prompts rendered with the LoRA of every ``train.validation_every``-th step (a YAML list), by a render actor
+    beside the training workers, while training goes on. Empty: no validation images."""
     validation_references: list = field(default_factory=list)
     """Edit models (FLUX.1 Kontext, FLUX.2): each validation prompt's reference image (a path or URI; for FLUX.2 also
     a list of them), in the prompts' order; the renders are then edits of them. Empty: plain renders."""
@@ -166,6 +167,16 @@ class TrainConfig:
     validation_guidance: float = 0.0
     """Guidance scale for validation images; 0: the model's own (FLUX.2 [klein] base: classifier-free guidance 4;
     distilled [klein]: none; 3.5 otherwise)."""
+    validation_resources: dict = field(default_factory=dict)
+    """Ray resources of the render actor, e.g. ``{GPU: 1, "accelerator_type:L4": 0.001}`` (a cheaper GPU type),
+    ``{GPU: 0.25}`` (a share of a training node's GPU: each worker then takes the rest of its GPU) or ``{CPU: 0.5}``.
+    Empty: what fits the cluster (a CPU share on a CPU cluster; else a ``cache.accelerator_type`` GPU, else a spare
+    GPU, else a quarter of a training GPU); the job logs what it chose."""
+    validation_queue: int = 2
+    """Renders that may be pending at once; a step due while this many are still pending is skipped (logged), so a
+    slow renderer never holds training back. The last step's render is always queued."""
+    validation_wait_seconds: float = 900.0
+    """How long the end of a trainer run waits for the renders still due before it abandons them (logged)."""
 
 
 def worker_range(num_workers: Any) -> tuple[int, int]:

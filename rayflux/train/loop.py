@@ -7,8 +7,9 @@ report is due" (its clock says ``train.report_seconds`` have passed) and "a pree
 copy of Ray Train's notice). Nothing else waits on other processes per step: the per-step log and TensorBoard are
 rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
 epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
-never touches a text encoder or the VAE outside rank 0's validation renders: everything else is in the cached
-shards. With ``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
+never touches a text encoder or the VAE: everything is in the cached shards, and validation images are rendered by
+a separate actor from the step's LoRA file (:mod:`rayflux.train.renderer`) while training goes on. With
+``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
 ``train.eval_every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
 """
 
@@ -23,9 +24,10 @@ import time
 import torch
 
 from rayflux import config as config_mod
-from rayflux import memory, progress as progress_mod
+from rayflux import memory, progress as progress_mod, storage
 from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, lora_files, metrics, optim, sharding,
                            step, validation, wandb_log)
+from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
 from rayflux.train.trainer import LoraTrainer
@@ -119,6 +121,24 @@ def _worst_rank(facts: dict, device, world: int) -> dict:
     return {k: (int(v) if isinstance(facts[k], int) else round(float(v), 1)) for k, v in zip(keys, t.tolist())}
 
 
+def _queue_render(renders, trainer, cfg, run_dir: str, record: dict, checkpointed: bool, last: bool,
+                  loop_config: dict) -> None:
+    """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
+    go on training. A diffusers-format checkpoint at this step has written it already; otherwise the live LoRA is
+    written as that file, or, for kohya output, beside the grid (``validation/step-<step>.safetensors``)."""
+    step = record["step"]
+    with trainer.optimizer_eval():  # the LoRA as it is used (schedule-free: its average), as checkpoints write it
+        if cfg.train.output_format == "kohya":
+            path = validation.lora_path(run_dir, step)
+            storage.write_bytes_atomic(path, lora_files.diffusers_bytes(trainer))
+        elif checkpointed:
+            path = storage.join(run_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step))
+        else:
+            path = lora_files.keep_live_step(trainer, cfg, run_dir, record, loop_config["caption_tables"])
+    if renders.submit(record["step"], path, last):
+        record["validation_image"] = validation.grid_path(run_dir, record["step"])  # where the actor writes it
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
@@ -172,6 +192,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         lora_files.keep_best(trainer, cfg, run_dir, record, loop_config["caption_tables"])
 
     best_writer = keep_best if rank == 0 else None
+    renderer = loop_config.get("renderer") if rank == 0 and t.validation_prompts else None
+    renders = renderer_mod.Queue(renderer, t.validation_queue) if renderer else None
     if evals.active and start == 0:
         baseline = {"step": 0, "epoch": 0}  # the untrained LoRA (the base model): what training must improve on
         evals.run(baseline, progress, best_writer)
@@ -234,14 +256,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
             evals.run(record, progress, best_writer)
         if board:
             board.scalars(progress.step, record)
-        due_images = last or (t.validation_every and progress.step % t.validation_every == 0)
-        if rank == 0 and t.validation_prompts and due_images:
-            with trainer.optimizer_eval():  # schedule-free renders its averaged weights
-                images = validation.render_trained(trainer, cfg, device)
-            record["validation_image"] = validation.save_grid(images, run_dir, progress.step)
-            board.image(progress.step, "validation", validation.grid(images))
+        due_images = bool(last or (t.validation_every and progress.step % t.validation_every == 0))
         if due_checkpoint or report_due:
-            report(record, due_checkpoint)
+            report(record, due_checkpoint)  # writes this step's LoRA file when it checkpoints
+        if renders and due_images:
+            _queue_render(renders, trainer, cfg, run_dir, record, due_checkpoint, last, loop_config)
         if steps_log:
             steps_log.write(record)
         bar.send(record, force=last or end_of_feed)

@@ -184,18 +184,40 @@ def best_name(cfg: JobConfig) -> str:
     return f"{output_name(cfg)}-best.safetensors"
 
 
+def diffusers_bytes(trainer) -> bytes:
+    """The live LoRA as the bytes of a diffusers-format file (:func:`rayflux.train.lora.save_diffusers`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rayflux-live-") as tmp:
+        with open(lora.save_diffusers(trainer.transformer, tmp), "rb") as f:
+            return f.read()
+
+
+def _live_bytes(trainer, cfg: JobConfig, record: dict, text_files=()) -> bytes:
+    """The live LoRA as the bytes of an exported file in ``train.output_format`` (with kohya metadata)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rayflux-live-") as tmp:
+        lora.save_diffusers(trainer.transformer, tmp)
+        if cfg.train.output_format == "kohya":
+            kohya.save(trainer.transformer, tmp, lora.scale(trainer.transformer))
+        return _file_bytes(tmp, cfg, int(record["step"]), int(record.get("epoch", 0)), tuple(text_files))
+
+
+def keep_live_step(trainer, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
+    """Write the live LoRA as ``<run_dir>/lora/<name>-step<step>.safetensors``: the file a checkpoint at this step
+    would leave (rank 0, for a validation render at a step without a checkpoint). Returns its path."""
+    dest = storage.join(run_dir, LORA_DIR, step_name(cfg, int(record["step"])))
+    storage.write_bytes_atomic(dest, _live_bytes(trainer, cfg, record, text_files))
+    return dest
+
+
 def keep_best(trainer, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
     """Write the live LoRA as ``<run_dir>/lora/<name>-best.safetensors`` (rank 0, when an eval loss is the lowest so
     far), with ``<name>-best.json`` naming its step and eval loss. Written from the live weights at eval time, so no
     checkpoint has to be kept for it: ``train.checkpoints_to_keep`` may prune every checkpoint of that step."""
-    import tempfile
-
     step = int(record["step"])
-    with tempfile.TemporaryDirectory(prefix="rayflux-best-") as tmp:
-        lora.save_diffusers(trainer.transformer, tmp)
-        if cfg.train.output_format == "kohya":
-            kohya.save(trainer.transformer, tmp, lora.scale(trainer.transformer))
-        data = _file_bytes(tmp, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
+    data = _live_bytes(trainer, cfg, record, text_files)
     dest = storage.join(run_dir, LORA_DIR, best_name(cfg))
     storage.write_bytes_atomic(dest, data)
     note = {"step": step, "eval_loss": record["eval_loss"], "file": best_name(cfg)}

@@ -1,4 +1,5 @@
-"""Training metrics: the per-step log, the throughput window, and TensorBoard event files (rank 0).
+"""Training metrics: the per-step log, the throughput window, and TensorBoard event files (rank 0; the validation
+render actor writes its images to an event file of its own in the same folder).
 
 Every optimizer step appends one JSON line to ``<run dir>/metrics/steps.jsonl`` (step, epoch, plan position, loss,
 lr, grad norm, samples/s, step time, what its reads cost and the epoch's read amplification so far; memory facts and

@@ -13,7 +13,7 @@ from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.config.base_dtype import refusal
 from rayflux.config.optimizer import refusal as optimizer_refusal
 from rayflux.models import ModelFacts
-from rayflux.train import batching, commits, metrics
+from rayflux.train import batching, commits, metrics, renderer
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
 from rayflux.train.loop import train_loop_per_worker
 
@@ -100,15 +100,16 @@ def check_optimizer(cfg: JobConfig, cluster_gpus: bool) -> None:
         raise ValueError(reason)
 
 
-def scaling_config(cfg: JobConfig, use_gpu: bool):
-    """Ray Train's ``ScalingConfig``: fixed or elastic (``num_workers: [min, max]``) and where workers may run."""
+def scaling_config(cfg: JobConfig, use_gpu: bool, gpu_left: float = 0.0):
+    """Ray Train's ``ScalingConfig``: fixed or elastic (``num_workers: [min, max]``) and where workers may run.
+    ``gpu_left``: the share of each worker's GPU left to the validation render actor."""
     import ray.train
 
     lo, hi = worker_range(cfg.train.num_workers)
     resources = {"CPU": cfg.train.cpus_per_worker}
     resources.update(resource_map("train.worker_resources", cfg.train.worker_resources))
     if use_gpu:
-        resources["GPU"] = 1
+        resources["GPU"] = 1 - gpu_left
     return ray.train.ScalingConfig(
         num_workers=hi if lo == hi else (lo, hi),
         use_gpu=use_gpu,
@@ -204,10 +205,31 @@ def _raise_integrity(error: BaseException) -> None:
 
 def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
          board, eval_plan=()):  # fmt: skip
+    import ray
     from ray.train.torch import TorchTrainer
 
     run_dir = commits.run_storage(output_dir, cfg.run.name)
-    trainer = TorchTrainer(
+    use_gpu = _use_gpu(cfg, cluster_gpus)
+    renders, gpu_left = None, 0.0
+    if cfg.train.validation_prompts:
+        resources, why = renderer.choose_resources(cfg, use_gpu, ray.cluster_resources())
+        gpu_left = renderer.gpu_share(resources) if use_gpu else 0.0
+        renders = renderer.Renders(cfg, output_dir, resources, why)
+    try:
+        result = _trainer(cfg, manifest, facts, output_dir, run_dir, (use_gpu, gpu_left), renders, refs, epochs,
+                          board, eval_plan).fit()  # fmt: skip
+    finally:
+        if renders:
+            renders.finish()  # waits for the renders still due (bounded), then kills the actor
+    return result
+
+
+def _trainer(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, run_dir: str, gpus: tuple, renders,
+             refs, epochs, board, eval_plan):  # fmt: skip
+    """The ``TorchTrainer`` of one trainer run; ``gpus``: ``(use GPUs, share of each GPU left to the renderer)``."""
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "job": cfg.to_dict(),
@@ -219,8 +241,9 @@ def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, clu
             "epochs": list(epochs or (0, cfg.train.epochs)),
             "text_length": facts.text_length,  # the driver read the model's configs once; workers need not
             "eval_plan": list(eval_plan),  # the held-out samples' batches (small: data.eval_samples samples)
+            "renderer": renders.actor if renders else None,  # rank 0 queues validation renders on it
         },
-        scaling_config=scaling_config(cfg, _use_gpu(cfg, cluster_gpus)),
+        scaling_config=scaling_config(cfg, *gpus),
         run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_dir)]),
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(
@@ -234,4 +257,3 @@ def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, clu
             run_dir=run_dir,
         ),
     )
-    return trainer.fit()

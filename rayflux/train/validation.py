@@ -1,11 +1,10 @@
-"""Validation images: rank 0 renders the configured prompts with the model family's pipeline and the LoRA being
-trained.
+"""Validation images: the configured prompts rendered with the model family's pipeline and a LoRA.
 
-The pipeline borrows the training transformer (adapter attached, so the images show the current LoRA). The first
-render loads both text encoders once, encodes the prompts and drops them again: that is the one moment a training
-process holds text encoders, and later renders reuse the embeddings instead of loading them from ``model.path``
-again while the other ranks wait. The small VAE is loaded for each render and freed after it. Rendering runs under a forked RNG, so it never shifts the
-random stream training draws from (a run with validation images trains exactly like one without).
+The render actor (:mod:`rayflux.train.renderer`) calls :func:`render` with its base transformer carrying each due
+step's LoRA file. The first render in a process loads both text encoders once, encodes the prompts and drops them;
+later renders reuse the embeddings. The small VAE is loaded for each render and freed after it. Rendering runs
+under a forked RNG, so it never shifts the random stream of the process that renders.
+:func:`render_trained` renders a live trainer's LoRA in-process (used by tests to compare layouts).
 
 With ``train.validation_references`` each prompt is an edit instruction: its reference images, read once per run and
 decoded by the cache's decoder (upright by their EXIF orientation, any mode to RGB), cut to the render's square
@@ -180,11 +179,21 @@ def render_trained(trainer, cfg: JobConfig, device) -> list:
         gc.collect()
 
 
+def grid_path(run_dir: str, step: int) -> str:
+    """Where the grid of ``step`` goes: ``<run_dir>/validation/step-<step>.png``."""
+    return storage.join(run_dir, "validation", f"step-{step:06d}.png")
+
+
+def lora_path(run_dir: str, step: int) -> str:
+    """Where a kohya-format run leaves the diffusers-format LoRA a grid was rendered with, beside the grid."""
+    return storage.join(run_dir, "validation", f"step-{step:06d}.safetensors")
+
+
 def save_grid(images: list, run_dir: str, step: int) -> str:
     """Write ``<run_dir>/validation/step-<step>.png`` (local or URI). Returns its path."""
     buf = io.BytesIO()
     grid(images).save(buf, format="PNG")
-    path = storage.join(run_dir, "validation", f"step-{step:06d}.png")
+    path = grid_path(run_dir, step)
     storage.write_bytes_atomic(path, buf.getvalue())
     log.info("validation images for step %d: %s", step, path)
     return path
