@@ -30,9 +30,10 @@ RAY_LINES = re.compile(r"Token authentication is enabled|\.cc:\d+:|Total Progres
 
 
 def _job_env(**extra: str) -> dict:
-    """A user's plain environment: no RAY_AUTH_MODE (conftest sets it; Ray then announces token auth itself)."""
+    """A user's plain environment: no RAY_AUTH_MODE (conftest sets it; Ray then announces token auth itself), and
+    Ray Data's bars on (.ci/run turns them off for the rest of the suite)."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra)
-    for name in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAYFLUX_VERBOSE"):
+    for name in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAYFLUX_VERBOSE", "RAY_DATA_DISABLE_PROGRESS_BARS"):
         env.pop(name, None)
     return env
 
