@@ -222,10 +222,8 @@ def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Tabl
 
 
 BATCH_ROWS = 1024
-"""Rows per :func:`batches` batch. What a batch costs the driver grows with it, downstream too: a :class:`Sink`
-writing 10,000 caption rows in one call raised the driver's RSS by 11 MB for 2 MB of rows (the Parquet writer's
-encoding buffers), and a look-up of 20,000 known captions peaked 26 MB above its start with batches of 8,192 rows
-against 9 MB with 1,024. Every row is read either way; a batch is only what is decoded at once."""
+"""Rows per :func:`batches` batch: what a batch costs the driver grows with it, downstream too, and every row is read
+either way (a batch is only what is decoded at once). Measured: BENCHMARKS.md, "Probes behind the defaults"."""
 
 
 def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:

@@ -13,6 +13,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
+def public_config(config: dict) -> dict:
+    """A diffusers ``config.json`` without its private ``_``-keys (class name, diffusers version, the path it was read
+    from): what decides the model's shapes, and so what a model identity hashes."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 @dataclass(frozen=True)
 class TextTensor:
     """One named per-caption text tensor as the cache stores it: a binary column and one shape column per axis."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from rayflux.families.base import Family, ModelFacts, TextTensor
+from rayflux.families.base import Family, ModelFacts, TextTensor, public_config
 
 # The tensor helpers (kontext_math, references, train.flow) import torch, so they are imported where they are used:
 # the driver reads a model's facts through this module and, for the cache stage, never needs torch (seconds of start).
@@ -78,10 +78,6 @@ def text_tensors(t5_len: int) -> tuple[TextTensor, ...]:
     return TextTensor("t5", ("t5_len", "t5_dim"), "t5", t5_len), TextTensor("clip_pooled", ("clip_dim",), "clip")
 
 
-def _plain(config: dict) -> dict:
-    return {k: v for k, v in config.items() if not k.startswith("_")}
-
-
 class Flux1(Family):
     name = "flux1"
     pipelines = {"FluxPipeline": "FLUX.1 [dev] / [schnell]"}
@@ -126,8 +122,13 @@ class Flux1(Family):
         guidance = bool(transformer.get("guidance_embeds", False))
         # model.text_tokens or T5's default; the blob below hashes it into the identity, so into the cache key.
         t5_len = self.text_length(transformer, text_tokens)
-        blob = {"vae": _plain(vae), "clip": _plain(configs["text_encoder"]), "t5": _plain(configs["text_encoder_2"]),
-                **identity, "t5_len": t5_len}  # fmt: skip
+        blob = {
+            "vae": public_config(vae),
+            "clip": public_config(configs["text_encoder"]),
+            "t5": public_config(configs["text_encoder_2"]),
+            **identity,
+            "t5_len": t5_len,
+        }
         return ModelFacts(
             family=self.name,
             vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),

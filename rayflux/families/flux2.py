@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from rayflux.families.base import Family, ModelFacts, TextTensor
+from rayflux.families.base import Family, ModelFacts, TextTensor, public_config
 from rayflux.families.flux1 import DOUBLE_ATTENTION
 
 # flux2_math and references import torch: imported where used, so reading facts on the driver needs no torch.
@@ -52,10 +52,6 @@ DOUBLE = {
 }
 # diffusers keeps the single blocks' fused projections fused, as the original code does.
 SINGLE = {"attn.to_qkv_mlp_proj": ("linear1", None, 1), "attn.to_out": ("linear2", None, 1)}
-
-
-def _plain(config: dict) -> dict:
-    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 class Flux2(Family):
@@ -100,7 +96,7 @@ class Flux2(Family):
         vae, transformer, encoder = configs["vae"], configs["transformer"], configs["text_encoder"]
         guidance = bool(transformer.get("guidance_embeds", False))
         length = self.text_length(transformer, text_tokens)
-        blob = {"vae": _plain(vae), "text_encoder": _plain(encoder), **identity, "text_length": length}
+        blob = {"vae": public_config(vae), "text_encoder": public_config(encoder), **identity, "text_length": length}
         arch = encoder.get("model_type", "")
         return ModelFacts(
             family=self.name,
