@@ -151,20 +151,26 @@ def model_flops(frozen: int, trainable: int, tokens: int, checkpointing: bool) -
 
 def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtype: torch.dtype) -> None:
     """What a user writes by hand: flow-matching loss with uniform sigmas, backward, AdamW."""
-    from rayflux.train import flow
+    from rayflux.families import flux1_math
 
     x = batch.latents.to(device)
     b, _, h, w = x.shape
     noise = torch.randn_like(x)
     sig = torch.rand(b, device=device)
-    noisy = flow.pack((1 - sig[:, None, None, None]) * x + sig[:, None, None, None] * noise).to(dtype)
+    noisy = flux1_math.pack((1 - sig[:, None, None, None]) * x + sig[:, None, None, None] * noise).to(dtype)
     with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
         t5 = batch.text["t5"]
-        pred = model(hidden_states=noisy, encoder_hidden_states=t5.to(device, dtype),
-                     pooled_projections=batch.text["clip_pooled"].to(device, dtype), timestep=sig.to(dtype),
-                     img_ids=flow.image_ids(h, w, device, dtype), txt_ids=flow.text_ids(t5.shape[1], device, dtype),
-                     guidance=torch.ones(b, device=device, dtype=dtype), return_dict=False)[0]  # fmt: skip
-    loss = torch.nn.functional.mse_loss(pred.float(), flow.pack(noise - x))
+        pred = model(
+            hidden_states=noisy,
+            encoder_hidden_states=t5.to(device, dtype),
+            pooled_projections=batch.text["clip_pooled"].to(device, dtype),
+            timestep=sig.to(dtype),
+            img_ids=flux1_math.image_ids(h, w, device, dtype),
+            txt_ids=flux1_math.text_ids(t5.shape[1], device, dtype),
+            guidance=torch.ones(b, device=device, dtype=dtype),
+            return_dict=False,
+        )[0]
+    loss = torch.nn.functional.mse_loss(pred.float(), flux1_math.pack(noise - x))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()

@@ -5,19 +5,20 @@ import math
 import pytest
 import torch
 
+from rayflux.families import flux1_math
 from rayflux.train import flow
 
 
 def test_pack_unpack_round_trip():
     x = torch.randn(2, 16, 6, 10)
-    packed = flow.pack(x)
+    packed = flux1_math.pack(x)
     assert packed.shape == (2, 3 * 5, 64)
-    assert torch.equal(flow.unpack(packed, 6, 10), x)
+    assert torch.equal(flux1_math.unpack(packed, 6, 10), x)
 
 
 def test_pack_groups_each_2x2_patch_into_one_token():
     x = torch.arange(1 * 1 * 4 * 4, dtype=torch.float32).view(1, 1, 4, 4)
-    packed = flow.pack(x)
+    packed = flux1_math.pack(x)
     # token 0 is the top-left 2x2 patch, in row-major order within the patch
     assert packed[0, 0].tolist() == [0.0, 1.0, 4.0, 5.0]
     # token 1 is the patch to its right
@@ -28,19 +29,19 @@ def test_pack_matches_diffusers_pipeline():
     from diffusers import FluxPipeline
 
     x = torch.randn(2, 4, 8, 6)
-    ours = flow.pack(x)
+    ours = flux1_math.pack(x)
     theirs = FluxPipeline._pack_latents(x, 2, 4, 8, 6)
     assert torch.equal(ours, theirs)
-    assert torch.equal(flow.unpack(ours, 8, 6), x)
+    assert torch.equal(flux1_math.unpack(ours, 8, 6), x)
 
 
 def test_pack_rejects_odd_sizes():
     with pytest.raises(ValueError, match="even"):
-        flow.pack(torch.zeros(1, 4, 5, 4))
+        flux1_math.pack(torch.zeros(1, 4, 5, 4))
 
 
 def test_image_ids_hold_row_and_column():
-    ids = flow.image_ids(4, 6)
+    ids = flux1_math.image_ids(4, 6)
     assert ids.shape == (2 * 3, 3)
     assert ids[:, 0].abs().sum() == 0
     assert ids[:, 1].tolist() == [0, 0, 0, 1, 1, 1]
@@ -50,13 +51,13 @@ def test_image_ids_hold_row_and_column():
 def test_image_ids_match_diffusers():
     from diffusers import FluxPipeline
 
-    ours = flow.image_ids(8, 6)
+    ours = flux1_math.image_ids(8, 6)
     theirs = FluxPipeline._prepare_latent_image_ids(1, 4, 3, "cpu", torch.float32)
     assert torch.equal(ours, theirs)
 
 
 def test_text_ids_are_zero():
-    t = flow.text_ids(7)
+    t = flux1_math.text_ids(7)
     assert t.shape == (7, 3) and t.abs().sum() == 0
 
 

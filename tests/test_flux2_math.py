@@ -11,7 +11,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline, FluxKontextPipeline
 from rayflux.families import flux2_math as f2
 from rayflux.families import kontext_math as kx
 from rayflux.families.references import target_prediction, with_references
-from rayflux.train import flow
+from rayflux.families import flux1_math
 
 TEXT_LEN = 48
 
@@ -140,7 +140,7 @@ def test_klein_edit_inputs_match_the_pipeline(klein):
 
 def test_kontext_reference_tokens_match_the_pipeline(kontext):
     image = _images(1, 64, 48, seed=9)
-    noise = flow.pack(_randn(1, 4, 8, 8, seed=10))
+    noise = flux1_math.pack(_randn(1, 4, 8, 8, seed=10))
     with torch.no_grad():
         _, expected_tokens, expected_latent_ids, expected_ids = kontext.prepare_latents(
             image, 1, 4, 64, 64, torch.float32, torch.device("cpu"), None, noise
@@ -149,7 +149,7 @@ def test_kontext_reference_tokens_match_the_pipeline(kontext):
         ref = (vae.encode(image).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
     assert torch.equal(kx.reference_tokens(ref), expected_tokens)
     assert torch.equal(kx.reference_ids(8, 6), expected_ids)
-    hidden, ids = with_references(noise, flow.image_ids(8, 8), kx.reference_tokens(ref), kx.reference_ids(8, 6))
+    hidden, ids = with_references(noise, flux1_math.image_ids(8, 8), kx.reference_tokens(ref), kx.reference_ids(8, 6))
     assert torch.equal(ids, torch.cat([expected_latent_ids, expected_ids]))
     assert hidden.shape == (1, 16 + 12, 16) and torch.equal(target_prediction(hidden, 16), noise)
 
@@ -215,7 +215,7 @@ def test_kontext_forward_args_with_a_reference_are_the_pipelines_transformer_inp
 
     family = for_class("FluxKontextPipeline")
     image = _pil(23)
-    noise = flow.pack(_randn(1, 4, 8, 8, seed=24))
+    noise = flux1_math.pack(_randn(1, 4, 8, 8, seed=24))
     seen, handle = _capture_transformer_inputs(kontext)
     try:
         kontext(prompt="make it red", latents=noise, num_inference_steps=1, max_sequence_length=TEXT_LEN,

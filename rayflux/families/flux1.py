@@ -188,14 +188,14 @@ class Flux1(Family):
         return (z - float(vae.config.shift_factor or 0.0)) * float(vae.config.scaling_factor)
 
     def pack(self, latents):
-        from rayflux.train import flow
+        from rayflux.families import flux1_math
 
-        return flow.pack(latents)
+        return flux1_math.pack(latents)
 
     def unpack(self, tokens, height, width):
-        from rayflux.train import flow
+        from rayflux.families import flux1_math
 
-        return flow.unpack(tokens, height, width)
+        return flux1_math.unpack(tokens, height, width)
 
     def seq_len(self, height, width):
         return (height // 2) * (width // 2)
@@ -205,10 +205,10 @@ class Flux1(Family):
         the transformer, and the job lets only a Kontext model train edit pairs (:attr:`max_references`)."""
         from rayflux.families import kontext_math
         from rayflux.families.references import with_references
-        from rayflux.train import flow
+        from rayflux.families import flux1_math
 
         t5 = text["t5"]
-        hidden, img_ids = tokens, flow.image_ids(height, width, tokens.device, tokens.dtype)
+        hidden, img_ids = tokens, flux1_math.image_ids(height, width, tokens.device, tokens.dtype)
         if references is not None:
             ref_tokens, ref_ids = kontext_math.cached_references(references, tokens.dtype)
             hidden, img_ids = with_references(tokens, img_ids, ref_tokens, ref_ids)
@@ -218,7 +218,7 @@ class Flux1(Family):
             "pooled_projections": text["clip_pooled"],
             "timestep": sigmas.to(tokens.dtype),
             "img_ids": img_ids,
-            "txt_ids": flow.text_ids(t5.shape[1], tokens.device, tokens.dtype),
+            "txt_ids": flux1_math.text_ids(t5.shape[1], tokens.device, tokens.dtype),
         }
         if guidance is not None:
             kwargs["guidance"] = guidance

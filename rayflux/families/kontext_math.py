@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rayflux.train import flow
+from rayflux.families import flux1_math
 
 REFERENCE_ID = 1
 """The value of the first position axis on every reference token (the target's tokens have 0)."""
@@ -18,7 +18,7 @@ REFERENCE_ID = 1
 
 def reference_tokens(latents: torch.Tensor) -> torch.Tensor:
     """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: a normalised reference latent packed as FLUX.1 packs a target."""
-    return flow.pack(latents)
+    return flux1_math.pack(latents)
 
 
 def cached_references(references: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +32,6 @@ def cached_references(references: torch.Tensor, dtype=torch.float32) -> tuple[to
 
 def reference_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """``[(H/2)(W/2), 3]`` ids of a ``height`` x ``width`` reference latent's tokens: ``(1, row, column)``."""
-    ids = flow.image_ids(height, width, device=device, dtype=dtype)
+    ids = flux1_math.image_ids(height, width, device=device, dtype=dtype)
     ids[:, 0] = REFERENCE_ID
     return ids
