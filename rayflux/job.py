@@ -260,6 +260,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         if ds.reference_dir:
             ref_key = key.replace("images_dir", "reference_dir")
             paths.check_disjoint(ds.reference_dir, ref_key, **{"cache.dir": cache_root, "run.output_dir": output})
+        if ds.mask_dir:
+            mask_key = key.replace("images_dir", "mask_dir")
+            paths.check_disjoint(ds.mask_dir, mask_key, **{"cache.dir": cache_root, "run.output_dir": output})
     # One job at a time per run directory: a second one refuses here, before any Ray work or any other write.
     held = lease.Lease(output, f"run.output_dir {output}", cfg.run.lease_seconds).acquire()
     try:
