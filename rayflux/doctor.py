@@ -115,24 +115,7 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
             w, h = buckets.parse_key(r["bucket"])
             b["latent"].add((channels, h // vae_scale, w // vae_scale))
             b["per_dataset"][name] = b["per_dataset"].get(name, 0) + 1
-        captions_used = [s.caption for s in found.sources]
-        report.datasets.append(
-            {
-                "name": name,
-                "images_dir": ds.images_dir,
-                "discovered": found.discovered,
-                "usable": found.discovered - len(skipped),
-                "unsampled": found.unsampled.get(name, 0),
-                "caption_strategy": ds.caption_strategy,
-                "unique_captions": len(set(captions_used)),
-                "empty_captions": sum(1 for c in captions_used if not c),
-                "resolution": ds.resolution,
-                "repeats": ds.repeats,
-                "regularisation": ds.regularisation,
-                **({"masks": {"mode": ds.mask, "mask_dir": ds.mask_dir, "missing_mask": ds.missing_mask, **coverage}}
-                   if coverage else {}),
-            }
-        )
+        report.datasets.append(_summary(ds, name, found, skipped, coverage))
         if found.discovered and len(skipped) == found.discovered:
             report.problems.append(f"dataset {name}: every image would be skipped")
     pool.shutdown()
@@ -140,6 +123,27 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
         if len(b["latent"]) > 1:  # cannot happen while bucket keys are target sizes; checked, not assumed
             report.problems.append(f"bucket {key} would mix latent shapes {sorted(b['latent'])}")
     return report
+
+
+def _summary(ds: config.DatasetConfig, name: str, found, skipped: list[dict], coverage: dict | None) -> dict:
+    """One dataset's line of the report: counts, captions, settings, and mask coverage when it has masks."""
+    captions_used = [s.caption for s in found.sources]
+    out = {
+        "name": name,
+        "images_dir": ds.images_dir,
+        "discovered": found.discovered,
+        "usable": found.discovered - len(skipped),
+        "unsampled": found.unsampled.get(name, 0),
+        "caption_strategy": ds.caption_strategy,
+        "unique_captions": len(set(captions_used)),
+        "empty_captions": sum(1 for c in captions_used if not c),
+        "resolution": ds.resolution,
+        "repeats": ds.repeats,
+        "regularisation": ds.regularisation,
+    }
+    if coverage is not None:
+        out["masks"] = {"mode": ds.mask, "mask_dir": ds.mask_dir, "missing_mask": ds.missing_mask, **coverage}
+    return out
 
 
 def mask_coverage(prepared: list[dict], skipped: list[dict]) -> dict[str, int]:

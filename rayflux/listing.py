@@ -35,9 +35,9 @@ LISTED = pa.schema(
 """A listed image: its path under the dataset root (prefixed by the dataset's key when the job lists several),
 size and mtime; either its caption file (``sidecar``, "" when none, with the ``size:mtime`` stamp the listing gave
 it and, when known from the previous generation, its ``sidecar_lines``) or the caption ``options`` of the other
-strategies; edit pairs' references (``missing_reference``: why they cannot be found); with ``data.mask=dir`` the
-URI of its mask file and the mask's ``size:mtime`` ("" when it has none, see :func:`_masks`). The image's URI and file name
-are not columns: both follow from the relative path (:func:`uris`), and the driver holds every listed row."""
+strategies; edit pairs' references (``missing_reference``: why they cannot be found); with ``data.mask=dir`` the URI
+of its mask file and the mask's ``size:mtime`` ("" when it has none, see :func:`_masks`). The image's URI and file
+name are not columns: both follow from the relative path (:func:`uris`), and the driver holds every listed row."""
 
 _STRINGS = pa.list_(pa.string())
 _REFERENCES = pa.struct([("r", _STRINGS), ("s", pa.string()), ("m", pa.string())])

@@ -287,7 +287,8 @@ def test_a_changed_mask_makes_the_row_stale_but_keeps_its_sample_id(tmp_path):
     fresh = _prep(tmp_path, _half((64, 64)))
     st = (tmp_path / "img.png").stat()
     prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 64, "orig_h": 64,
-            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns, "mask_sha256": fresh["mask_sha256"]}  # fmt: skip
+            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
+            "mask_sha256": fresh["mask_sha256"]}  # fmt: skip
     again = _prep(tmp_path, _half((64, 64)), prev=prev)
     assert again["reuse"] and again["mask_sha256"] == fresh["mask_sha256"]
     changed = _prep(tmp_path, _half((64, 64), left=0, right=255), prev=prev)
@@ -400,3 +401,12 @@ def test_the_doctor_reports_mask_coverage(tmp_path):
                           "missing": 1, "unreadable": 1, "all_zero": 1}  # fmt: skip
     text = "\n".join(doctor.render(report))
     assert f"masks (mask_dir {mask_dir}): 2 found, 1 missing (skipped), 1 unreadable, 1 all zero" in text
+
+
+def test_a_job_with_masks_stops_before_any_work_until_masks_reach_the_loss(tmp_path):
+    from rayflux import job
+
+    cfg = _cfg(f"data.images_dir={tmp_path}", "data.mask=alpha", f"run.output_dir={tmp_path / 'out'}")
+    with pytest.raises(config.ConfigError, match="masks are not yet stored in the cache or applied to the loss"):
+        job.run(cfg)
+    assert not (tmp_path / "out").exists()

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rayflux import allocator, buckets, datasets, sources, storage
-from rayflux.cache import fit, generations, index, masks, passes, reuse, shards, sidecars, staging, stall, text_input, writer
+from rayflux.cache import (fit, generations, index, masks, passes, reuse, shards, sidecars, staging, stall, text_input,
+                           writer)  # fmt: skip
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig

@@ -181,7 +181,8 @@ def _check_mask(ds: DatasetConfig, label) -> None:
             f"{label('mask_dir')} is set but {label('mask')}={ds.mask}; set mask: dir to train with those masks"
         )
     if not 0.0 <= ds.mask_floor <= 1.0:
-        raise ConfigError(f"{label('mask_floor')} must be in [0, 1] (the masked-out area's weight), got {ds.mask_floor}")
+        raise ConfigError(f"{label('mask_floor')} must be in [0, 1] (the masked-out area's weight), "
+                          f"got {ds.mask_floor}")  # fmt: skip
     if ds.mask_dir and ds.images_dir:
         from rayflux import paths, storage
 
