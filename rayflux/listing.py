@@ -192,8 +192,10 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
     out = Listing(ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])],
                   prefixed=prefix)  # fmt: skip
     pairs = _pairing(ds, metadata, listed, base)
-    masks = _masks(ds, out.problems)
-    excluded = pa.array(sorted(pairs.reference_only()), pa.string())
+    masks = _masks(ds, out.problems, listed, base)
+    # Files a metadata table names as references or masks inside images_dir are never training images themselves.
+    mask_only = _named_masks(metadata, listed, base) if metadata and metadata.masks and not ds.mask_dir else set()
+    excluded = pa.array(sorted(pairs.reference_only() | mask_only), pa.string())
     # Slices of the listing's own chunks (one per subfolder): popping them one by one frees each subfolder's
     # columns as soon as its rows are made.
     todo = [listed.slice(i, PART) for i in range(0, listed.num_rows, PART)]
@@ -258,8 +260,12 @@ def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: b
         cols.update(references=found.field("r"), references_stamp=found.field("s"), missing_reference=found.field("m"))
     else:
         cols.update(references=_lists(n, []), references_stamp=_repeat("", n), missing_reference=_repeat("", n))
-    if masks is not None:  # matched as caption files are: by the path without its extension, in any case
-        at = pc.index_in(_stems(rel), value_set=masks["key"])
+    if masks is not None:
+        # mask=dir: matched as caption files are, by the path without its extension, in any case; mask=column: by
+        # the path the metadata names (in any case).
+        wanted = _stems(rel) if ds.mask == "dir" else \
+            per_row(rel, lambda r: metadata.masks.get(r, "").lower(), pa.string())  # fmt: skip
+        at = pc.index_in(wanted, value_set=masks["key"])
         cols.update(mask_uri=pc.fill_null(pc.take(masks["uri"], at), ""),
                     mask_stamp=pc.fill_null(pc.take(masks["stamp"], at), ""))  # fmt: skip
     else:
@@ -268,8 +274,16 @@ def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: b
 
 
 MASKS = pa.schema([("key", pa.string()), ("uri", pa.string()), ("stamp", pa.string())])
-"""The image files under a dataset's ``mask_dir``: the key images find them by (the path under ``mask_dir``
-without its extension, lower-cased), their URI and ``size:mtime``."""
+"""A candidate mask file: the key images find it by (``mask=dir``: its path under ``mask_dir`` without the
+extension; ``mask=column``: its path; both lower-cased), its URI and its ``size:mtime``."""
+
+
+def _named_masks(metadata, listed: pa.Table, base: str) -> set[str]:
+    """The dataset's own files a metadata table names as masks, as listed (the table may name them in another case,
+    as masks are matched)."""
+    rel = pc.utf8_slice_codeunits(listed["path"], len(base))
+    named = pa.array(sorted({m.lower() for m in metadata.masks.values()}), pa.string())
+    return set(rel.filter(pc.is_in(pc.utf8_lower(rel), value_set=named)).to_pylist())
 
 
 def _stems(rel) -> pa.ChunkedArray:
@@ -277,27 +291,30 @@ def _stems(rel) -> pa.ChunkedArray:
     return pc.utf8_lower(pc.replace_substring_regex(rel, r"\.[^./]*$", ""))
 
 
-def _masks(ds: DatasetConfig, problems: list[str]) -> pa.Table | None:
-    """``mask_dir`` listed once, as :data:`MASKS` rows (None without ``data.mask=dir``): matching them to images is
-    Arrow compute over whole columns, with no request and no Python object per image. Two masks for one image
-    (``a.png`` and ``a.jpg``) are a problem; the first in path order is used."""
-    if ds.mask != "dir":
+def _masks(ds: DatasetConfig, problems: list[str], dataset_files: pa.Table, base: str) -> pa.Table | None:
+    """The candidate mask files as :data:`MASKS` rows (None without ``data.mask=dir`` or ``column``): ``mask_dir``
+    listed once, or for ``mask=column`` without ``mask_dir`` the dataset's own files (``dataset_files``, the
+    :func:`rayflux.walk.files` rows under ``base``). Matching them to images is Arrow compute over whole columns, with
+    no request and no Python object per image. ``mask=dir`` keys a mask by its path without the extension: two masks
+    for one image (``a.png`` and ``a.jpg``) are a problem, and the first in path order is used."""
+    if ds.mask not in ("dir", "column"):
         return None
-    fs, root = storage.resolve(ds.mask_dir)
-    if fs.get_file_info(root).type != pafs.FileType.Directory:
-        raise FileNotFoundError(f"mask_dir {ds.mask_dir!r} is not a directory (dataset {datasets.label(ds)})")
-    listed = files(fs, root)
-    base = root.rstrip("/") + "/"
+    if ds.mask_dir:
+        fs, root = storage.resolve(ds.mask_dir)
+        if fs.get_file_info(root).type != pafs.FileType.Directory:
+            raise FileNotFoundError(f"mask_dir {ds.mask_dir!r} is not a directory (dataset {datasets.label(ds)})")
+        listed, base, where = files(fs, root), root.rstrip("/") + "/", ds.mask_dir
+    else:
+        listed, where = dataset_files, ds.images_dir
     rel = pc.utf8_slice_codeunits(listed["path"], len(base))
     keep = _image_mask(rel, pc.replace_substring_regex(rel, r"^.*/", ""), pa.array([], pa.string()))
     listed, rel = listed.filter(keep), rel.filter(keep)
-    uri = pc.binary_join_element_wise(storage.join(ds.mask_dir, "x")[:-1], rel, "")
-    table = pa.table([_stems(rel), uri, stamps(listed)], schema=MASKS)
-    unique = pc.unique(table["key"])
-    if len(unique) < table.num_rows:
+    uri = pc.binary_join_element_wise(storage.join(where, "x")[:-1], rel, "")
+    table = pa.table([_stems(rel) if ds.mask == "dir" else pc.utf8_lower(rel), uri, stamps(listed)], schema=MASKS)
+    if pc.count_distinct(table["key"]).as_py() < table.num_rows:
         counts = pc.value_counts(table["key"].combine_chunks())
         twice = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
-        problems.append(f"dataset {datasets.label(ds)}: {len(twice)} images have several masks in mask_dir (e.g. "
+        problems.append(f"dataset {datasets.label(ds)}: {len(twice)} images have several masks (e.g. "
                         f"{twice[0].as_py()}.*); the first in path order is used")  # fmt: skip
     return table
 

@@ -48,7 +48,8 @@ class Source:
     references_stamp: str = ""
     """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
     mask_uri: str = ""
-    """With ``data.mask=dir``: the URI of the image's mask file ("" when it has none and ``missing_mask=ones``)."""
+    """With ``data.mask=dir`` or ``column``: the URI of the image's mask file ("" when it has none and
+    ``missing_mask=ones``)."""
     mask_stamp: str = ""
     """The mask file's ``size:mtime``: a changed mask changes the generation's inputs signature."""
 
@@ -254,8 +255,11 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
 
 def missing_mask_reason(row: dict, ds: DatasetConfig) -> str:
     """Why a listed image is skipped for want of a mask file ("" when it has one, or ``missing_mask=ones``)."""
-    if ds.mask != "dir" or row.get("mask_uri") or ds.missing_mask != "skip":
+    if ds.mask not in ("dir", "column") or row.get("mask_uri") or ds.missing_mask != "skip":
         return ""
+    if ds.mask == "column":
+        return (f"mask missing: metadata column {ds.mask_column!r} names no mask file for it, or names one that does "
+                "not exist (missing_mask=skip)")  # fmt: skip
     name = row["rel_path"].rsplit("/", 1)[-1]
     return f"mask missing: mask_dir {ds.mask_dir} has no mask for {name} (any image extension; missing_mask=skip)"
 
@@ -322,10 +326,10 @@ def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
             f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0].as_py()})"
         )
-    if ds.mask == "dir" and ds.missing_mask == "ones":
+    if ds.mask in ("dir", "column") and ds.missing_mask == "ones":
         maskless = settled["rel_path"].filter(pc.and_(pc.equal(settled["mask_uri"], ""), pc.invert(skipping)))
         if len(maskless):
-            found.problems.append(f"dataset {name}: {len(maskless)} images have no mask in mask_dir and train on "
+            found.problems.append(f"dataset {name}: {len(maskless)} images have no mask file and train on "
                                   f"their whole area (missing_mask=ones; first: {maskless[0].as_py()})")  # fmt: skip
     if ds.max_samples and found.table.num_rows < ds.max_samples and found.discovered:
         found.problems.append(

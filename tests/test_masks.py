@@ -70,7 +70,7 @@ def _prep(tmp_path, mask_img=None, mask_bytes=None, image=None, policy=masks.Mas
         (["data.mask=dir"], "data.mask=dir needs data.mask_dir"),
         (["data.mask_dir=/tmp/m"], "data.mask_dir is set but data.mask=none"),
         (["data.mask=alpha", "data.mask_floor=1.5"], r"data.mask_floor must be in \[0, 1\]"),
-        (["data.mask=blur"], "data.mask must be one of none, dir, alpha"),
+        (["data.mask=blur"], "data.mask must be one of none, dir, column, alpha"),
         (["data.mask=alpha", "data.missing_mask=zeros"], "data.missing_mask must be one of skip, ones"),
     ],
 )
@@ -358,24 +358,28 @@ def test_masked_out_tokens_have_no_gradient_effect_at_floor_zero():
     assert torch.equal(a, b)
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (division by a scalar differs there)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 @pytest.mark.parametrize("floor", [0.0, 0.1, 0.37])
 @pytest.mark.parametrize("n", [6, 768, 1000])  # token counts whose reciprocal is not exact
-def test_an_all_ones_mask_is_bitwise_no_mask(floor, n):
+def test_an_all_ones_mask_is_bitwise_no_mask(floor, n, device):
     torch.manual_seed(n)
-    target = torch.randn(3, n, 16)
-    weights = torch.rand(3) + 0.5
-    ones = by_name("flux1").pack_mask(torch.ones(3, 2, 2 * n))[:, :n]  # packed all-ones grid
-    assert torch.equal(flow.mask_weights(ones, floor), torch.ones(3, n))
+    target = torch.randn(3, n, 16).to(device)
+    weights = (torch.rand(3) + 0.5).to(device)
+    ones = by_name("flux1").pack_mask(torch.ones(3, 2, 2 * n))[:, :n].to(device)  # packed all-ones grid
+    assert torch.equal(flow.mask_weights(ones, floor), torch.ones(3, n, device=device))
     grads, losses = [], []
     for token_weights in (None, flow.mask_weights(ones, floor)):
-        pred = torch.randn(3, n, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        pred = torch.randn(3, n, 16, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(True)
         loss = flow.flow_loss(pred, target, weights, token_weights)
         loss.backward()
         losses.append(loss.detach())
         grads.append(pred.grad)
     assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
     # ...and no mask is the expression the step has always used.
-    pred = torch.randn(3, n, 16, generator=torch.Generator().manual_seed(1))
+    pred = torch.randn(3, n, 16, generator=torch.Generator().manual_seed(1)).to(device)
     old = (weights.float() * ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)).mean()
     assert torch.equal(old, losses[0])
 
@@ -410,3 +414,35 @@ def test_a_job_with_masks_stops_before_any_work_until_masks_reach_the_loss(tmp_p
     with pytest.raises(config.ConfigError, match="masks are not yet stored in the cache or applied to the loss"):
         job.run(cfg)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("in_mask_dir", [False, True])
+def test_a_metadata_column_names_each_images_mask(tmp_path, in_mask_dir):
+    root, mask_dir = tmp_path / "set", tmp_path / "masks"
+    for i, name in enumerate(["a.png", "b.png", "c.png", "d.png"]):
+        _save(root / name, cache_sets.picture(64, 64, i))
+    where = mask_dir if in_mask_dir else root / "m"
+    _save(where / "a_mask.png", _half((64, 64)))
+    _save(where / "b_mask.png", _half((64, 64), left=0, right=255))
+    prefix = "" if in_mask_dir else "m/"
+    rows = [{"file_name": "a.png", "text": "a", "mask": f"{prefix}a_mask.png"},
+            {"file_name": "b.png", "text": "b", "mask": f"{prefix}B_MASK.png"},  # any case
+            {"file_name": "c.png", "text": "c", "mask": f"{prefix}gone.png"},
+            {"file_name": "d.png", "text": "d", "mask": 7}]  # fmt: skip
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.mask=column"]
+    found = discover(_cfg(*sets, *([f"data.mask_dir={mask_dir}"] if in_mask_dir else [])).data)
+    by_rel = {s.rel_path: s for s in found.sources}
+    assert set(by_rel) == {"a.png", "b.png"}  # the masks named inside the dataset are never training images
+    assert by_rel["a.png"].mask_uri == str(where / "a_mask.png")
+    assert by_rel["b.png"].mask_uri == str(where / "b_mask.png")
+    assert sorted(s["source_uri"].rsplit("/", 1)[1] for s in found.skipped) == ["c.png", "d.png"]
+    assert all(s["reason"].startswith("mask missing: metadata column 'mask'") for s in found.skipped)
+    assert any("'mask' must be a file name, got 7" in p for p in found.problems)
+    row = prepare_row(_row_of(by_rel["b.png"]), SPEC, 0, LIMIT, masks.MaskPolicy("column"))
+    assert row["skip_reason"] == "" and (_grid(row)[:, 4:] == 1.0).all() and (_grid(row)[:, :4] == 0.0).all()
+
+
+def test_mask_column_needs_metadata_captions(tmp_path):
+    with pytest.raises(config.ConfigError, match="mask=column reads data.mask_column"):
+        datasets.datasets_of(_cfg(f"data.images_dir={tmp_path}", "data.mask=column").data)

@@ -41,7 +41,7 @@ class MaskPolicy:
     """One dataset's mask settings, as preparation needs them."""
 
     mode: str = "none"
-    """``data.mask``: ``none``, ``dir`` or ``alpha``."""
+    """``data.mask``: ``none``, ``dir``, ``column`` or ``alpha``."""
     missing: str = "skip"
     """``data.missing_mask``: ``skip`` or ``ones``."""
 
@@ -79,7 +79,8 @@ def area_average(grid: np.ndarray, cell: int) -> np.ndarray:
 
 def read(row: dict, policy: MaskPolicy) -> MaskInput | str | None:
     """The row's mask read and hashed, or a skip reason; None without masks. ``row["mask_uri"]`` is the mask file
-    discovery matched ("" when it found none, which discovery already skipped unless ``missing_mask=ones``)."""
+    discovery matched (``mask=dir`` or ``column``; "" when it found none, which discovery already skipped unless
+    ``missing_mask=ones``)."""
     if policy.mode == "none":
         return None
     if policy.mode == "alpha":
