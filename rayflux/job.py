@@ -137,6 +137,12 @@ def run_identity(cfg: JobConfig) -> str:
                 "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
                 "prefetch_reads"):  # fmt: skip
         d["train"].pop(key, None)
+    if all(ds.mask == "none" for ds in datasets.datasets_of(cfg.data)):
+        # Without masks their keys say nothing: runs started before masks existed keep their identity.
+        from rayflux.config.data import MASK_KEYS
+
+        for key in (*MASK_KEYS, "mask_floor"):
+            d["data"].pop(key, None)
     ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
     ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

@@ -446,3 +446,13 @@ def test_a_metadata_column_names_each_images_mask(tmp_path, in_mask_dir):
 def test_mask_column_needs_metadata_captions(tmp_path):
     with pytest.raises(config.ConfigError, match="mask=column reads data.mask_column"):
         datasets.datasets_of(_cfg(f"data.images_dir={tmp_path}", "data.mask=column").data)
+
+
+def test_mask_keys_enter_the_run_identity_only_with_masks(tmp_path):
+    from rayflux.job import run_identity
+
+    base = run_identity(_cfg(f"data.images_dir={tmp_path}"))
+    assert run_identity(_cfg(f"data.images_dir={tmp_path}", "data.mask_floor=0.5")) == base
+    alpha = run_identity(_cfg(f"data.images_dir={tmp_path}", "data.mask=alpha"))
+    assert alpha != base
+    assert run_identity(_cfg(f"data.images_dir={tmp_path}", "data.mask=alpha", "data.mask_floor=0.5")) != alpha
