@@ -36,6 +36,9 @@ class MetadataIndex:
     references: dict[str, list[str]] = field(default_factory=dict)
     """With ``reference_column``: each image's reference files, relative to ``reference_dir`` when it is set, else to
     the dataset root (in the order the table lists them)."""
+    masks: dict[str, str] = field(default_factory=dict)
+    """With ``mask=column``: each image's mask file, relative to ``mask_dir`` when it is set, else to the dataset
+    root."""
 
 
 def read_sidecar(fs: pafs.FileSystem, path: str) -> list[str]:
@@ -61,8 +64,10 @@ def _options(value) -> list[str] | None:
     return None
 
 
-def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[tuple[str, object, object, object]]:
-    """(where, file_name, caption cell, ``extra`` column's cell) for every row of one metadata table."""
+def _rows(fs: pafs.FileSystem, path: str, column: str, extras: dict[str, str] | None = None) -> list[tuple]:
+    """(where, file_name, caption cell, {extra column: its cell}) for every row of one metadata table. ``extras``:
+    further columns to read, each with the config key that named it (for the message when no row has it)."""
+    extras = extras or {}
     name = path.rsplit("/", 1)[-1]
     if name.endswith(".jsonl"):
         raw = storage.read_object(fs, path)
@@ -70,7 +75,7 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
             lines = raw.decode("utf-8-sig").splitlines()
         except UnicodeDecodeError as exc:
             raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
-        rows, has_column, has_extra = [], False, False
+        rows, has_column, seen = [], False, set()
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -82,13 +87,14 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
                 raise CaptionError(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
             if "file_name" not in obj:
                 raise CaptionError(f"{path} line {n}: no 'file_name' key (keys: {', '.join(sorted(obj))})")
-            rows.append((f"{name} line {n}", obj["file_name"], obj.get(column), obj.get(extra) if extra else None))
+            rows.append((f"{name} line {n}", obj["file_name"], obj.get(column), {e: obj.get(e) for e in extras}))
             has_column = has_column or column in obj
-            has_extra = has_extra or extra in obj
+            seen.update(e for e in extras if e in obj)
         if rows and not has_column:
             raise CaptionError(f"{path}: no row has a {column!r} key (set caption_column to the caption's key)")
-        if rows and extra and not has_extra:
-            raise CaptionError(f"{path}: no row has a {extra!r} key (set reference_column to the references' key)")
+        for extra, key in extras.items():
+            if rows and extra not in seen:
+                raise CaptionError(f"{path}: no row has a {extra!r} key (set {key} to the column's key)")
         return rows
     if name.endswith(".csv"):
         import pyarrow.csv as pacsv
@@ -113,12 +119,13 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extra: str = "") -> list[
     if "file_name" not in table.column_names:
         raise CaptionError(f"{path}: no 'file_name' column (columns: {', '.join(table.column_names)})")
     names = table["file_name"].to_pylist()
-    for col in (column, extra) if extra else (column,):
+    for col in (column, *extras):
         if col not in table.column_names:
             raise CaptionError(f"{path}: no {col!r} column (columns: {', '.join(table.column_names)})")
     cells = table[column].to_pylist()
-    extras = table[extra].to_pylist() if extra else [None] * len(cells)
-    return [(f"{name} row {i + 1}", n, c, e) for i, (n, c, e) in enumerate(zip(names, cells, extras))]
+    more = {e: table[e].to_pylist() for e in extras}
+    return [(f"{name} row {i + 1}", n, c, {e: more[e][i] for e in extras})
+            for i, (n, c) in enumerate(zip(names, cells))]  # fmt: skip
 
 
 def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetConfig) -> MetadataIndex:
@@ -150,7 +157,7 @@ def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetCo
         )
     seen: dict[str, str] = {}
     for tfs, path, folder in tables:
-        for where, file_name, cell, refs in _rows(tfs, path, ds.caption_column, ds.reference_column):
+        for where, file_name, cell, more in _rows(tfs, path, ds.caption_column, _extras(ds)):
             if not isinstance(file_name, str) or not file_name.strip():
                 index.problems.append(f"{path}: {where}: file_name is empty or not a string")
                 continue
@@ -171,14 +178,41 @@ def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetCo
                 index.problems.append(f"{path}: {where}: file_name {file_name!r} matches no file in the dataset")
                 continue
             if ds.reference_column:
-                named = _references(refs, folder, ds)
+                named = _references(more[ds.reference_column], folder, ds)
                 if isinstance(named, str):
                     index.problems.append(f"{path}: {where}: {named}")
                     continue
                 index.references[rel] = named
+            if ds.mask == "column":
+                mask = _mask_file(more[ds.mask_column], folder, ds)
+                if mask.startswith("!"):
+                    index.problems.append(f"{path}: {where}: {mask[1:]}")
+                elif mask:
+                    index.masks[rel] = mask
             seen[rel] = where
             index.captions[rel] = options
     return index
+
+
+def _extras(ds: DatasetConfig) -> dict[str, str]:
+    """The metadata columns read besides the caption, each with the config key that names it."""
+    out = {ds.reference_column: "reference_column"} if ds.reference_column else {}
+    if ds.mask == "column":
+        out[ds.mask_column] = "mask_column"
+    return out
+
+
+def _mask_file(cell, folder: str, ds: DatasetConfig) -> str:
+    """A mask cell as a path (relative to ``mask_dir``, or to the dataset root), "" when the row names none, or
+    ``"!"`` and what is wrong with it (the image then has no mask: ``missing_mask`` decides)."""
+    if cell is None or (isinstance(cell, str) and not cell.strip()):
+        return ""
+    if not isinstance(cell, str):
+        return f"!{ds.mask_column!r} must be a file name, got {cell!r}; the image has no mask"
+    rel = posixpath.normpath(cell.strip() if ds.mask_dir else posixpath.join(folder, cell.strip()))
+    if rel.startswith("../") or rel == ".." or rel.startswith("/"):
+        return f"!mask {cell!r} points outside the {'mask_dir' if ds.mask_dir else 'dataset'}; the image has no mask"
+    return rel
 
 
 def _references(cell, folder: str, ds: DatasetConfig) -> list[str] | str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rayflux.config.data import TRAINING_ONLY_KEYS, DataConfig, DatasetConfig, datasets_of, default_name
+from rayflux.config.data import MASK_KEYS, TRAINING_ONLY_KEYS, DataConfig, DatasetConfig, datasets_of, default_name
 
 
 def images_key(data: DataConfig, index: int) -> str:
@@ -36,10 +36,15 @@ def key(data: DataConfig, ds: DatasetConfig) -> str:
 
 
 def cache_identity(ds: DatasetConfig, canonical_images_dir: str) -> dict:
-    """The parts of a dataset that decide what its cache holds: everything except how often samples are used."""
+    """The parts of a dataset that decide what its cache holds: everything except how often samples are used and how
+    its loss is weighted; without masks, none of the mask keys (so older caches keep their key)."""
+    from rayflux.storage import canonical
+
     d = dataclasses.asdict(ds)
-    for key in TRAINING_ONLY_KEYS:
+    for key in TRAINING_ONLY_KEYS + (MASK_KEYS if ds.mask == "none" else ()):
         d.pop(key)
+    if d.get("mask_dir"):
+        d["mask_dir"] = canonical(ds.mask_dir)
     d["images_dir"] = canonical_images_dir
     return d
 

@@ -54,7 +54,7 @@ def _model_geometry(cfg: config.JobConfig, report: Report):
             f"could not read the model's configs ({type(exc).__name__}: {exc}); assuming FLUX geometry "
             f"(VAE x{v}, {c} latent channels)"
         )
-        return SimpleNamespace(vae_scale_factor=v, latent_channels=c, alignment=2 * v)
+        return SimpleNamespace(vae_scale_factor=v, latent_channels=c, alignment=2 * v, pack=2)
 
 
 def _check_paths(cfg: config.JobConfig, ds: config.DatasetConfig, images_key: str, report: Report) -> None:
@@ -62,12 +62,16 @@ def _check_paths(cfg: config.JobConfig, ds: config.DatasetConfig, images_key: st
     cache = cfg.cache.dir or storage.join(output, "cache")
     try:
         paths.check_disjoint(ds.images_dir, images_key, **{"cache.dir": cache, "run.output_dir": output})
+        if ds.mask_dir:
+            mask_key = images_key.replace("images_dir", "mask_dir")
+            paths.check_disjoint(ds.mask_dir, mask_key, **{"cache.dir": cache, "run.output_dir": output})
     except paths.PathOverlapError as exc:
         report.problems.append(f"dataset {datasets.label(ds)}: {exc}")
 
 
 def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
     """Everything the doctor checks, as data (``main`` prints it)."""
+    from rayflux.cache import masks
     from rayflux.cache.prepare import prepare_row, skip_reason
 
     from rayflux.cache.stage import bucket_spec
@@ -82,7 +86,9 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
         _check_paths(cfg, ds, datasets.images_key(cfg.data, i), report)
         spec = bucket_spec(ds, facts)
         # max_samples draws among usable images, so a capped dataset has every image checked while drawing.
-        usable = functools.partial(skip_reason, spec=spec, seed=cfg.cache.seed, max_pixels=cfg.data.max_image_pixels)
+        policy = masks.policy_of(ds)
+        usable = functools.partial(skip_reason, spec=spec, seed=cfg.cache.seed, max_pixels=cfg.data.max_image_pixels,
+                                   mask=policy)  # fmt: skip
         try:
             key = datasets.key(cfg.data, ds)
             found = discover_dataset(ds, cfg.cache.seed, key, prefix, usable if ds.max_samples else None)
@@ -92,7 +98,8 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
             continue
         report.problems.extend(found.problems)
         prepared = list(
-            pool.map(lambda s: prepare_row(asdict(s), spec, cfg.cache.seed, cfg.data.max_image_pixels), found.sources)
+            pool.map(lambda s: prepare_row(asdict(s), spec, cfg.cache.seed, cfg.data.max_image_pixels, policy),
+                     found.sources)  # fmt: skip
         )
         skipped = list(found.skipped) + [
             {"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]}
@@ -100,6 +107,7 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
             if r["skip_reason"]
         ]
         report.skipped.extend(skipped)
+        coverage = mask_coverage(prepared, skipped) if policy.active else None
         for r in prepared:
             if r["skip_reason"]:
                 continue
@@ -107,22 +115,7 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
             w, h = buckets.parse_key(r["bucket"])
             b["latent"].add((channels, h // vae_scale, w // vae_scale))
             b["per_dataset"][name] = b["per_dataset"].get(name, 0) + 1
-        captions_used = [s.caption for s in found.sources]
-        report.datasets.append(
-            {
-                "name": name,
-                "images_dir": ds.images_dir,
-                "discovered": found.discovered,
-                "usable": found.discovered - len(skipped),
-                "unsampled": found.unsampled.get(name, 0),
-                "caption_strategy": ds.caption_strategy,
-                "unique_captions": len(set(captions_used)),
-                "empty_captions": sum(1 for c in captions_used if not c),
-                "resolution": ds.resolution,
-                "repeats": ds.repeats,
-                "regularisation": ds.regularisation,
-            }
-        )
+        report.datasets.append(_summary(ds, name, found, skipped, coverage))
         if found.discovered and len(skipped) == found.discovered:
             report.problems.append(f"dataset {name}: every image would be skipped")
     pool.shutdown()
@@ -130,6 +123,43 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
         if len(b["latent"]) > 1:  # cannot happen while bucket keys are target sizes; checked, not assumed
             report.problems.append(f"bucket {key} would mix latent shapes {sorted(b['latent'])}")
     return report
+
+
+def _summary(ds: config.DatasetConfig, name: str, found, skipped: list[dict], coverage: dict | None) -> dict:
+    """One dataset's line of the report: counts, captions, settings, and mask coverage when it has masks."""
+    captions_used = [s.caption for s in found.sources]
+    out = {
+        "name": name,
+        "images_dir": ds.images_dir,
+        "discovered": found.discovered,
+        "usable": found.discovered - len(skipped),
+        "unsampled": found.unsampled.get(name, 0),
+        "caption_strategy": ds.caption_strategy,
+        "unique_captions": len(set(captions_used)),
+        "empty_captions": sum(1 for c in captions_used if not c),
+        "resolution": ds.resolution,
+        "repeats": ds.repeats,
+        "regularisation": ds.regularisation,
+    }
+    if coverage is not None:
+        out["masks"] = {"mode": ds.mask, "mask_dir": ds.mask_dir, "missing_mask": ds.missing_mask, **coverage}
+    return out
+
+
+def mask_coverage(prepared: list[dict], skipped: list[dict]) -> dict[str, int]:
+    """How many of a dataset's images have a usable mask (``found``), none (``missing``: skipped, or trained on
+    ones with ``missing_mask=ones``), one that cannot be read (``unreadable``) or one that is black (``all_zero``)."""
+    from rayflux.cache import masks
+
+    reasons = [s["reason"] for s in skipped]
+    kept = [r for r in prepared if not r["skip_reason"]]
+    return {
+        "found": sum(1 for r in kept if r["mask_sha256"] not in ("", masks.ONES)),
+        "missing": sum(1 for r in reasons if r.startswith("mask missing"))
+        + sum(1 for r in kept if r["mask_sha256"] == masks.ONES),
+        "unreadable": sum(1 for r in reasons if r.startswith("mask unreadable")),
+        "all_zero": sum(1 for r in reasons if r.startswith("mask all zero")),
+    }
 
 
 def render(report: Report) -> list[str]:
@@ -146,6 +176,12 @@ def render(report: Report) -> list[str]:
                 f"  captions: {d['caption_strategy']}, {d['unique_captions']} unique, {d['empty_captions']} empty; "
                 f"resolution {d['resolution']}, repeats {d['repeats']}{role}"
             )
+        if "masks" in d:
+            m = d["masks"]
+            where = f"mask_dir {m['mask_dir']}" if m["mode"] == "dir" else "alpha channel"
+            fate = "trained on ones" if m["missing_mask"] == "ones" else "skipped"
+            out.append(f"  masks ({where}): {m['found']} found, {m['missing']} missing ({fate}), "
+                       f"{m['unreadable']} unreadable, {m['all_zero']} all zero")  # fmt: skip
     out.append("buckets (target WxH -> latent CxHxW: images):")
     if not report.buckets:
         out.append("  (none)")

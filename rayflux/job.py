@@ -137,6 +137,12 @@ def run_identity(cfg: JobConfig) -> str:
                 "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
                 "prefetch_reads"):  # fmt: skip
         d["train"].pop(key, None)
+    if all(ds.mask == "none" for ds in datasets.datasets_of(cfg.data)):
+        # Without masks their keys say nothing: runs started before masks existed keep their identity.
+        from rayflux.config.data import MASK_KEYS
+
+        for key in (*MASK_KEYS, "mask_floor"):
+            d["data"].pop(key, None)
     ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
     ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -253,6 +259,7 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
+    _check_masks(cfg)
     # Refuse overlapping directories before any Ray work or any write.
     for i, ds in enumerate(datasets.datasets_of(cfg.data)):
         key = datasets.images_key(cfg.data, i)
@@ -260,6 +267,9 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
         if ds.reference_dir:
             ref_key = key.replace("images_dir", "reference_dir")
             paths.check_disjoint(ds.reference_dir, ref_key, **{"cache.dir": cache_root, "run.output_dir": output})
+        if ds.mask_dir:
+            mask_key = key.replace("images_dir", "mask_dir")
+            paths.check_disjoint(ds.mask_dir, mask_key, **{"cache.dir": cache_root, "run.output_dir": output})
     # One job at a time per run directory: a second one refuses here, before any Ray work or any other write.
     held = lease.Lease(output, f"run.output_dir {output}", cfg.run.lease_seconds).acquire()
     try:
@@ -368,6 +378,16 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
         done = ledger.find("export")
         summary.checkpoint = done["inputs"] if done else ""
     return summary
+
+
+def _check_masks(cfg: JobConfig) -> None:
+    """Masks are discovered, prepared and checked, but not stored in the cache or fed to the loss yet: a job with
+    masks stops here rather than train as if it had none (docs/masks.md)."""
+    masked = [ds for ds in datasets.datasets_of(cfg.data) if ds.mask != "none"]
+    if masked:
+        raise ConfigError(f"dataset {datasets.label(masked[0])} sets mask={masked[0].mask}, but masks are not yet "
+                          "stored in the cache or applied to the loss; python -m rayflux data check checks them "
+                          "(docs/masks.md)")  # fmt: skip
 
 
 def _check_edit_pairs(cfg: JobConfig, family) -> None:

@@ -30,13 +30,14 @@ LISTED = pa.schema(
     [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()), ("dataset", pa.string()),
      ("sidecar", pa.string()), ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string()),
      ("options", pa.list_(pa.string())), ("references", pa.list_(pa.string())), ("references_stamp", pa.string()),
-     ("missing_reference", pa.string())]
+     ("missing_reference", pa.string()), ("mask_uri", pa.string()), ("mask_stamp", pa.string())]
 )  # fmt: skip
 """A listed image: its path under the dataset root (prefixed by the dataset's key when the job lists several),
 size and mtime; either its caption file (``sidecar``, "" when none, with the ``size:mtime`` stamp the listing gave
 it and, when known from the previous generation, its ``sidecar_lines``) or the caption ``options`` of the other
-strategies; edit pairs' references (``missing_reference``: why they cannot be found). The image's URI and file name
-are not columns: both follow from the relative path (:func:`uris`), and the driver holds every listed row."""
+strategies; edit pairs' references (``missing_reference``: why they cannot be found); with ``data.mask=dir`` the URI
+of its mask file and the mask's ``size:mtime`` ("" when it has none, see :func:`_masks`). The image's URI and file
+name are not columns: both follow from the relative path (:func:`uris`), and the driver holds every listed row."""
 
 _STRINGS = pa.list_(pa.string())
 _REFERENCES = pa.struct([("r", _STRINGS), ("s", pa.string()), ("m", pa.string())])
@@ -191,14 +192,17 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
     out = Listing(ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])],
                   prefixed=prefix)  # fmt: skip
     pairs = _pairing(ds, metadata, listed, base)
-    excluded = pa.array(sorted(pairs.reference_only()), pa.string())
+    masks = _masks(ds, out.problems, listed, base)
+    # Files a metadata table names as references or masks inside images_dir are never training images themselves.
+    mask_only = _named_masks(metadata, listed, base) if metadata and metadata.masks and not ds.mask_dir else set()
+    excluded = pa.array(sorted(pairs.reference_only() | mask_only), pa.string())
     # Slices of the listing's own chunks (one per subfolder): popping them one by one frees each subfolder's
     # columns as soon as its rows are made.
     todo = [listed.slice(i, PART) for i in range(0, listed.num_rows, PART)]
     del listed
     parts, lone = [], [LONE.empty_table()]
     while todo:
-        rows, caps = _part_rows(todo.pop(0), base, ds, key, prefix, excluded, metadata, pairs)
+        rows, caps = _part_rows(todo.pop(0), base, ds, key, prefix, excluded, metadata, pairs, masks)
         parts.append(rows)
         lone.append(caps)
         trim()
@@ -213,7 +217,7 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
 
 
 def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: bool, excluded: pa.Array, metadata,
-               pairs: edit_pairs.Pairing) -> tuple[pa.Table, pa.Table]:  # fmt: skip
+               pairs: edit_pairs.Pairing, masks: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:  # fmt: skip
     """One part of the sorted listing (:data:`rayflux.walk.FILES` rows) as :data:`LISTED` rows, and its caption
     files that no image of the part named (:data:`LONE` rows)."""
     paths = part["path"]
@@ -256,7 +260,63 @@ def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: b
         cols.update(references=found.field("r"), references_stamp=found.field("s"), missing_reference=found.field("m"))
     else:
         cols.update(references=_lists(n, []), references_stamp=_repeat("", n), missing_reference=_repeat("", n))
+    if masks is not None:
+        # mask=dir: matched as caption files are, by the path without its extension, in any case; mask=column: by
+        # the path the metadata names (in any case).
+        wanted = _stems(rel) if ds.mask == "dir" else \
+            per_row(rel, lambda r: metadata.masks.get(r, "").lower(), pa.string())  # fmt: skip
+        at = pc.index_in(wanted, value_set=masks["key"])
+        cols.update(mask_uri=pc.fill_null(pc.take(masks["uri"], at), ""),
+                    mask_stamp=pc.fill_null(pc.take(masks["stamp"], at), ""))  # fmt: skip
+    else:
+        cols.update(mask_uri=_repeat("", n), mask_stamp=_repeat("", n))
     return pa.table(cols, schema=LISTED), lone
+
+
+MASKS = pa.schema([("key", pa.string()), ("uri", pa.string()), ("stamp", pa.string())])
+"""A candidate mask file: the key images find it by (``mask=dir``: its path under ``mask_dir`` without the
+extension; ``mask=column``: its path; both lower-cased), its URI and its ``size:mtime``."""
+
+
+def _named_masks(metadata, listed: pa.Table, base: str) -> set[str]:
+    """The dataset's own files a metadata table names as masks, as listed (the table may name them in another case,
+    as masks are matched)."""
+    rel = pc.utf8_slice_codeunits(listed["path"], len(base))
+    named = pa.array(sorted({m.lower() for m in metadata.masks.values()}), pa.string())
+    return set(rel.filter(pc.is_in(pc.utf8_lower(rel), value_set=named)).to_pylist())
+
+
+def _stems(rel) -> pa.ChunkedArray:
+    """Relative paths without their extension, lower-cased: the key an image and its mask share."""
+    return pc.utf8_lower(pc.replace_substring_regex(rel, r"\.[^./]*$", ""))
+
+
+def _masks(ds: DatasetConfig, problems: list[str], dataset_files: pa.Table, base: str) -> pa.Table | None:
+    """The candidate mask files as :data:`MASKS` rows (None without ``data.mask=dir`` or ``column``): ``mask_dir``
+    listed once, or for ``mask=column`` without ``mask_dir`` the dataset's own files (``dataset_files``, the
+    :func:`rayflux.walk.files` rows under ``base``). Matching them to images is Arrow compute over whole columns, with
+    no request and no Python object per image. ``mask=dir`` keys a mask by its path without the extension: two masks
+    for one image (``a.png`` and ``a.jpg``) are a problem, and the first in path order is used."""
+    if ds.mask not in ("dir", "column"):
+        return None
+    if ds.mask_dir:
+        fs, root = storage.resolve(ds.mask_dir)
+        if fs.get_file_info(root).type != pafs.FileType.Directory:
+            raise FileNotFoundError(f"mask_dir {ds.mask_dir!r} is not a directory (dataset {datasets.label(ds)})")
+        listed, base, where = files(fs, root), root.rstrip("/") + "/", ds.mask_dir
+    else:
+        listed, where = dataset_files, ds.images_dir
+    rel = pc.utf8_slice_codeunits(listed["path"], len(base))
+    keep = _image_mask(rel, pc.replace_substring_regex(rel, r"^.*/", ""), pa.array([], pa.string()))
+    listed, rel = listed.filter(keep), rel.filter(keep)
+    uri = pc.binary_join_element_wise(storage.join(where, "x")[:-1], rel, "")
+    table = pa.table([_stems(rel) if ds.mask == "dir" else pc.utf8_lower(rel), uri, stamps(listed)], schema=MASKS)
+    if pc.count_distinct(table["key"]).as_py() < table.num_rows:
+        counts = pc.value_counts(table["key"].combine_chunks())
+        twice = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+        problems.append(f"dataset {datasets.label(ds)}: {len(twice)} images have several masks (e.g. "
+                        f"{twice[0].as_py()}.*); the first in path order is used")  # fmt: skip
+    return table
 
 
 def _caption_keys(image_paths, ext: str) -> pa.ChunkedArray:

@@ -31,7 +31,7 @@ def overlap(a: str, b: str) -> str:
     return ""
 
 
-_HOW = {"same": "is the same directory as", "inside": "lies inside", "contains": "contains"}
+HOW = {"same": "is the same directory as", "inside": "lies inside", "contains": "contains"}
 
 
 def check_disjoint(images_dir: str, images_key: str = "data.images_dir", **others: str) -> None:
@@ -48,6 +48,6 @@ def check_disjoint(images_dir: str, images_key: str = "data.images_dir", **other
         how = overlap(resolved, img)
         if how:
             raise PathOverlapError(
-                f"{label} {other!r} {_HOW[how]} {images_key} {images_dir!r} (resolved: {resolved} vs {img}); "
+                f"{label} {other!r} {HOW[how]} {images_key} {images_dir!r} (resolved: {resolved} vs {img}); "
                 "choose a separate directory so that cache or run files can never touch training images"
             )

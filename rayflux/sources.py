@@ -47,6 +47,11 @@ class Source:
     """Edit pairs: the URIs of the image's reference images, in order (see :mod:`rayflux.edit_pairs`)."""
     references_stamp: str = ""
     """The references' ``size:mtime``, comma-joined: a changed reference changes the generation's inputs signature."""
+    mask_uri: str = ""
+    """With ``data.mask=dir`` or ``column``: the URI of the image's mask file ("" when it has none and
+    ``missing_mask=ones``)."""
+    mask_stamp: str = ""
+    """The mask file's ``size:mtime``: a changed mask changes the generation's inputs signature."""
 
 
 SKIPS = pa.schema([("source_uri", pa.string()), ("dataset", pa.string()), ("reason", pa.string())])
@@ -56,7 +61,8 @@ SETTLED = pa.schema(
     [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
      ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()), ("uncaptioned", pa.bool_()),
      ("references", pa.list_(pa.string())), ("references_stamp", pa.string()), ("sidecar", pa.string()),
-     ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string())]
+     ("mask_uri", pa.string()), ("mask_stamp", pa.string()), ("sidecar_stamp", pa.string()),
+     ("sidecar_lines", pa.string())]
 )  # fmt: skip
 """A listed image once settled (:func:`settle`): its caption or ``skip_reason``, whether it had no caption of its
 own, and its caption file's lines when they were read or known. Like a listed row it has no URI column: the
@@ -65,7 +71,7 @@ own, and its caption file's lines when they were read or known. Like a listed ro
 SOURCES = pa.schema(
     [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
      ("caption", pa.string()), ("dataset", pa.string()), ("references", pa.list_(pa.string())),
-     ("references_stamp", pa.string())]
+     ("references_stamp", pa.string()), ("mask_uri", pa.string()), ("mask_stamp", pa.string())]
 )  # fmt: skip
 """The :class:`Source` fields as Arrow columns but the URI: how a discovery holds its images (bytes per image on the
 driver, not a Python object each), in relative-path order per dataset. A URI is the dataset's root and the relative
@@ -215,6 +221,7 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
 
     def one(row: dict) -> dict:
         row = {**row, "caption": "", "skip_reason": row.get("missing_reference", ""), "uncaptioned": False}
+        row["skip_reason"] = row["skip_reason"] or missing_mask_reason(row, ds)
         if row["skip_reason"]:
             return row
         options = row.get("options") or []
@@ -244,6 +251,17 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
         return [one(r) for r in rows]
     with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
         return list(pool.map(one, rows))
+
+
+def missing_mask_reason(row: dict, ds: DatasetConfig) -> str:
+    """Why a listed image is skipped for want of a mask file ("" when it has one, or ``missing_mask=ones``)."""
+    if ds.mask not in ("dir", "column") or row.get("mask_uri") or ds.missing_mask != "skip":
+        return ""
+    if ds.mask == "column":
+        return (f"mask missing: metadata column {ds.mask_column!r} names no mask file for it, or names one that does "
+                "not exist (missing_mask=skip)")  # fmt: skip
+    name = row["rel_path"].rsplit("/", 1)[-1]
+    return f"mask missing: mask_dir {ds.mask_dir} has no mask for {name} (any image extension; missing_mask=skip)"
 
 
 def settle_table(
@@ -308,6 +326,11 @@ def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
             f"dataset {name}: {len(uncaptioned)} images have no {ds.caption_strategy} caption and got a "
             f"missing_caption={ds.missing_caption} one instead (first: {uncaptioned[0].as_py()})"
         )
+    if ds.mask in ("dir", "column") and ds.missing_mask == "ones":
+        maskless = settled["rel_path"].filter(pc.and_(pc.equal(settled["mask_uri"], ""), pc.invert(skipping)))
+        if len(maskless):
+            found.problems.append(f"dataset {name}: {len(maskless)} images have no mask file and train on "
+                                  f"their whole area (missing_mask=ones; first: {maskless[0].as_py()})")  # fmt: skip
     if ds.max_samples and found.table.num_rows < ds.max_samples and found.discovered:
         found.problems.append(
             f"dataset {name}: max_samples={ds.max_samples}, but only {found.table.num_rows} of its images are usable "

@@ -33,16 +33,19 @@ def _to_8bit(img):
     return Image.fromarray(scaled, "L")
 
 
+def _has_alpha(img) -> bool:
+    return img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or (
+        img.mode in ("P", "L", "RGB") and "transparency" in img.info
+    )
+
+
 def to_rgb(img):
     """Convert any Pillow mode to RGB; transparency is composited onto white rather than dropped to black."""
     from PIL import Image
 
     if img.mode in _WIDE_MODES:
         img = _to_8bit(img)
-    has_alpha = img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or (
-        img.mode in ("P", "L", "RGB") and "transparency" in img.info
-    )
-    if has_alpha:
+    if _has_alpha(img):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
@@ -58,8 +61,8 @@ def _orient(img):
         return img
 
 
-def decode(data: bytes, max_pixels: int):
-    """Decode ``data`` fully into an upright RGB ``PIL.Image``, or raise :class:`BadImage`.
+def _open(data: bytes, max_pixels: int):
+    """Decode ``data`` fully into an upright ``PIL.Image`` in its own mode, or raise :class:`BadImage`.
 
     The pixel count is checked from the header, before any pixel is decoded, so a bomb costs no memory.
     """
@@ -85,7 +88,37 @@ def decode(data: bytes, max_pixels: int):
         img.load()
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data
         raise BadImage(f"corrupt or truncated image data: {type(exc).__name__}: {exc}") from None
+    return _orient(img)
+
+
+def decode(data: bytes, max_pixels: int):
+    """Decode ``data`` fully into an upright RGB ``PIL.Image``, or raise :class:`BadImage`."""
+    return decode_with_alpha(data, max_pixels, alpha=False)[0]
+
+
+def decode_with_alpha(data: bytes, max_pixels: int, alpha: bool = True):
+    """``(upright RGB image, its alpha channel as an ``L`` image or None when it has none)``, or :class:`BadImage`.
+
+    The RGB image is the one :func:`decode` gives, transparency composited on white, whether or not the alpha is
+    wanted: with ``data.mask=alpha`` the VAE still encodes what a viewer shows, so a mask changes only the loss."""
+    img = _open(data, max_pixels)
     try:
-        return to_rgb(_orient(img))
+        rgb = to_rgb(img)
+        mask = img.convert("RGBA").getchannel("A") if alpha and _has_alpha(img) else None
     except Exception as exc:  # noqa: BLE001 - a mode Pillow cannot convert (e.g. LAB without a profile)
         raise BadImage(f"unsupported image mode {img.mode}: {type(exc).__name__}: {exc}") from None
+    return rgb, mask
+
+
+def decode_mask(data: bytes, max_pixels: int):
+    """A mask file's bytes as an upright 8-bit grayscale (``L``) image, or :class:`BadImage`.
+
+    A colour mask counts by its luminance (Pillow's ITU-R 601 ``L`` conversion); a mask file's own alpha channel is
+    ignored (its colour is the mask); 16-bit masks are scaled by their full scale, as images are."""
+    img = _open(data, max_pixels)
+    try:
+        if img.mode in _WIDE_MODES:
+            return _to_8bit(img)
+        return img if img.mode == "L" else img.convert("RGB").convert("L")
+    except Exception as exc:  # noqa: BLE001 - a mode Pillow cannot convert
+        raise BadImage(f"unsupported mask mode {img.mode}: {type(exc).__name__}: {exc}") from None

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayflux import allocator, datasets, listing, sources
-from rayflux.cache import fit, sidecars
+from rayflux.cache import fit, masks, sidecars
 from rayflux.cache.prepare import skip_reason
 from rayflux.config import JobConfig
 from rayflux.models import ModelFacts
@@ -57,7 +57,8 @@ def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
         ls = by_key[key]
         ds = ls.ds
         group = batch.filter(pc.equal(batch["dataset"], key))
-        usable = functools.partial(skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels)
+        usable = functools.partial(skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels,
+                                   mask=masks.policy_of(ds))  # fmt: skip
         # A capped dataset's images are read here: their URIs are made for this block only.
         settled = sources.settle_table(ls.with_uris(group) if ds.max_samples else group, ds, seed,
                                        usable if ds.max_samples else None)  # fmt: skip

@@ -18,13 +18,14 @@ import json
 import numpy as np
 
 from rayflux import buckets, storage
-from rayflux.cache.decode import BadImage, decode
+from rayflux.cache import masks
+from rayflux.cache.decode import BadImage, decode, decode_with_alpha
 
 # Every column prepare_row adds, with its value for a row that has none yet.
 PREPARED_DEFAULTS = dict(
     skip_reason="", reuse=False, sample_id="", source_sha256="", bucket="", pixels=b"",
     orig_w=0, orig_h=0, crop_left=0, crop_top=0, crop_w=0, crop_h=0, target_w=0, target_h=0,
-    ref_count=0, ref_sha256="", ref_pixels=b"",
+    ref_count=0, ref_sha256="", ref_pixels=b"", mask=b"", mask_sha256="",
 )  # fmt: skip
 
 
@@ -53,7 +54,7 @@ def _plan_or_none(width: int, height: int, spec: buckets.BucketSpec, seed: int, 
 
 
 def _skip(row: dict, reason: str) -> dict:
-    row.update(skip_reason=reason, pixels=b"", ref_pixels=b"")
+    row.update(skip_reason=reason, pixels=b"", ref_pixels=b"", mask=b"")
     return row
 
 
@@ -99,17 +100,18 @@ def _read(row: dict) -> bytes | str:
         return f"unreadable: {type(exc).__name__}: {exc}"
 
 
-def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int) -> dict:
+def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int,
+                mask: masks.MaskPolicy = masks.NO_MASKS) -> dict:  # fmt: skip
     """Ray Data ``map`` function: one discovered source row in, one prepared (or skipped, or reused) row out.
 
     ``row["prev"]`` is the previous generation's index row for the same relative path (JSON), or empty. The same
     content (the same hash, or the same size and mtime) decodes to the same upright size, so the plan and sample id
     are checked without decoding; the file is not even read when its size and mtime are unchanged. An edit pair's
     references are always read and hashed (their hashes are part of the sample id), but decoded only when the sample
+    is not reused. ``mask``: the dataset's mask settings; a mask is read and hashed like a reference (its hash
+    decides whether the cached row is current, see :mod:`rayflux.cache.masks`), cut and reduced only when the sample
     is not reused.
     """
-    from PIL import Image
-
     row = {**PREPARED_DEFAULTS, **row}
     prev = json.loads(row["prev"]) if row.get("prev") else None
     data: bytes | None = None
@@ -126,19 +128,32 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
         return _skip(row, refs)
     ref_data, ref_shas = refs
     row["ref_sha256"] = ",".join(ref_shas)
-    if prev and prev["source_sha256"] == sha:
+    got_mask = masks.read(row, mask)
+    if isinstance(got_mask, str):
+        return _skip(row, got_mask)
+    if prev and prev["source_sha256"] == sha and masks.current(prev.get("mask_sha256", ""), got_mask):
         w, h = prev["orig_w"], prev["orig_h"]
         p = _plan_or_none(w, h, spec, seed, row["rel_path"])
         if p is not None and sample_id(row["rel_path"], sha, p, tuple(ref_shas)) == prev["sample_id"]:
-            row.update(_geometry(p, w, h), sample_id=prev["sample_id"], reuse=True, ref_count=len(ref_data))
+            row.update(_geometry(p, w, h), sample_id=prev["sample_id"], reuse=True, ref_count=len(ref_data),
+                       mask_sha256=prev.get("mask_sha256", ""))  # fmt: skip
             return row
     if data is None:
         got = _read(row)
         if isinstance(got, str):
             return _skip(row, got)
         data = got
+    return _prepare_pixels(row, data, sha, ref_data, ref_shas, got_mask, spec, seed, max_pixels, mask)
+
+
+def _prepare_pixels(row: dict, data: bytes, sha: str, ref_data: list[bytes], ref_shas: list[str],
+                    got_mask: masks.MaskInput | None, spec: buckets.BucketSpec, seed: int, max_pixels: int,
+                    policy: masks.MaskPolicy) -> dict:  # fmt: skip
+    """Decode, plan, cut and resize a sample that is not reused: its image, references and mask."""
+    from PIL import Image
+
     try:
-        img = decode(data, max_pixels)
+        img, alpha = decode_with_alpha(data, max_pixels, alpha=policy.mode == "alpha")
     except BadImage as exc:
         return _skip(row, str(exc))
     w, h = img.size
@@ -146,6 +161,12 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
         p = buckets.plan(w, h, spec, seed=seed, salt=row["rel_path"])
     except buckets.ImageTooSmall as exc:
         return _skip(row, str(exc))
+    if got_mask is not None:
+        made = masks.prepare(got_mask, alpha, (w, h), p, spec.vae_scale_factor, row.get("mask_uri") or row["uri"],
+                             max_pixels, policy)  # fmt: skip
+        if isinstance(made, str):
+            return _skip(row, made)
+        row["mask"], row["mask_sha256"] = made
     resized = img.resize((p.target_width, p.target_height), Image.Resampling.LANCZOS, box=p.crop_box)
     ref_pixels = _cut_references(row, ref_data, p, (w, h), max_pixels) if ref_data else b""
     if isinstance(ref_pixels, str):
@@ -161,10 +182,11 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int)
     return row
 
 
-def skip_reason(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int) -> str:
+def skip_reason(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int,
+                mask: masks.MaskPolicy = masks.NO_MASKS) -> str:  # fmt: skip
     """Why a listed image would not be cached ("" when it would): the same read, decode and plan as
     :func:`prepare_row`, for the ``max_samples`` draw, which must choose among usable images only."""
     refs = row.get("references")
     if isinstance(refs, str):  # a listed row carries its references as JSON (see sources.list_dataset)
         refs = json.loads(refs or "[]")
-    return prepare_row({**row, "references": refs, "prev": ""}, spec, seed, max_pixels)["skip_reason"]
+    return prepare_row({**row, "references": refs, "prev": ""}, spec, seed, max_pixels, mask)["skip_reason"]

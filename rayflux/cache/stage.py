@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rayflux import allocator, buckets, datasets, sources, storage
-from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, staging, stall, text_input, writer
+from rayflux.cache import (fit, generations, index, masks, passes, reuse, shards, sidecars, staging, stall, text_input,
+                           writer)  # fmt: skip
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -244,7 +245,8 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
     )  # fmt: skip
     ds = ds.map(
         _prepare_in_dataset,
-        fn_kwargs={"specs": bucket_specs(b.cfg, b.facts), "seed": b.seed, "max_pixels": b.cfg.data.max_image_pixels},
+        fn_kwargs={"specs": bucket_specs(b.cfg, b.facts), "policies": mask_policies(b.cfg), "seed": b.seed,
+                   "max_pixels": b.cfg.data.max_image_pixels},
         num_cpus=fit.PREPARE_CPUS,
     )
     ds = ds.map_batches(
@@ -288,9 +290,16 @@ def _with_previous(block, samples, roots) -> object:
     return block.append_column("prev", pa.array([prev.get(r, "") for r in block["rel_path"].to_pylist()], pa.string()))
 
 
-def _prepare_in_dataset(row: dict, specs: dict, **kwargs) -> dict:
-    """``prepare_row`` with the bucket spec of the row's own dataset (each dataset has its resolution and crop)."""
-    return prepare_row(row, specs[row["dataset"]], **kwargs)
+def _prepare_in_dataset(row: dict, specs: dict, policies: dict | None = None, **kwargs) -> dict:
+    """``prepare_row`` with the bucket spec and mask settings of the row's own dataset (each dataset has its
+    resolution, crop and masks)."""
+    policy = (policies or {}).get(row["dataset"], masks.NO_MASKS)
+    return prepare_row(row, specs[row["dataset"]], mask=policy, **kwargs)
+
+
+def mask_policies(cfg: JobConfig) -> dict[str, masks.MaskPolicy]:
+    """Each dataset's mask settings, keyed by its ``dataset`` column value."""
+    return {datasets.key(cfg.data, ds): masks.policy_of(ds) for ds in datasets.datasets_of(cfg.data)}
 
 
 def build_generation(
@@ -439,6 +448,8 @@ def inputs_signature(discovery: Discovery) -> str:
     for batch in discovery.table.to_batches(max_chunksize=4096):  # a few thousand rows as Python at a time
         for s in batch.to_pylist():
             refs = f"|{','.join(s['references'])}|{s['references_stamp']}" if s["references"] else ""
+            # A mask file's path and stamp only when there is one: a discovery without masks keeps its signature.
+            refs += f"|mask:{s['mask_uri']}|{s['mask_stamp']}" if s.get("mask_uri") else ""
             h.update(f"{s['rel_path']}|{s['size']}|{s['mtime_ns']}|{s['caption']}{refs}\n".encode())
     for batch in discovery.skips.to_batches(max_chunksize=4096):
         for s in batch.to_pylist():

@@ -74,10 +74,31 @@ class DatasetConfig:
     """Edit pairs from a metadata table (``caption_strategy=metadata``): the column naming each image's reference
     file, or a list of them (FLUX.2 takes several), relative to ``reference_dir`` when it is set, else to the table's
     folder. Files named there are references only, never training images themselves."""
+    mask: str = "none"
+    """Loss masks (see docs/masks.md): ``none``; ``dir``, a grayscale image per training image in ``mask_dir`` with
+    the same relative path and any image extension; ``column``, the file a metadata column names
+    (``mask_column``); or ``alpha``, the image's own alpha channel (the VAE still sees the image composited on white). White trains fully, black keeps ``mask_floor``; an RGB mask counts by its
+    luminance. The mask is cut and resized with its image and reduced to the latent grid by area average."""
+    mask_dir: str = ""
+    """For ``mask=dir``: the folder or URI (``s3://bucket/prefix``) of the masks; for ``mask=column``, what the
+    column's file names are relative to (empty: the metadata table's folder). It must not overlap ``images_dir``,
+    ``cache.dir`` or ``run.output_dir``."""
+    mask_column: str = "mask"
+    """For ``mask=column`` (``caption_strategy=metadata``): the metadata column naming each image's mask file. Files
+    named there inside ``images_dir`` are masks only, never training images."""
+    mask_floor: float = 0.0
+    """The loss weight the masked-out (black) area keeps, from 0 (no gradient from it) to 1 (masks have no effect),
+    as ai-toolkit's minimum mask value: a token's weight is ``floor + (1 - floor) * mask``."""
+    missing_mask: str = "skip"
+    """When an image has no mask (no file in ``mask_dir``, or no alpha channel with ``mask=alpha``): ``skip`` it
+    with the reason recorded, or train it with a mask of ``ones`` (its whole area, counted in the report)."""
 
 
 # Keys a dataset mapping may set; they decide what is cached, except these, which only shape the epoch.
-TRAINING_ONLY_KEYS = ("repeats", "regularisation")
+TRAINING_ONLY_KEYS = ("repeats", "regularisation", "mask_floor")
+MASK_KEYS = ("mask", "mask_dir", "mask_column", "missing_mask")
+"""Keys that decide a dataset's cached masks: left out of its cache identity while ``mask`` is ``none``, so caches
+made before masks existed keep their key."""
 
 
 @dataclass
@@ -108,6 +129,8 @@ _CHOICES = {
     "missing_caption": ("skip", "empty", "filename", "instance"),
     "resolution_type": ("area", "shorter_edge"),
     "crop": ("center", "random"),
+    "mask": ("none", "dir", "column", "alpha"),
+    "missing_mask": ("skip", "ones"),
 }
 _POSITIVE = ("resolution", "min_image_size", "repeats", "bucket_step")
 MIN_RESOLUTION = 16
@@ -147,8 +170,35 @@ def _check(ds: DatasetConfig, label) -> None:
             f"{label('reference_column')} names a metadata column, so it needs caption_strategy=metadata (got "
             f"{ds.caption_strategy}); for a folder of references with the images' own names use reference_dir"
         )
+    _check_mask(ds, label)
     if ds.name and not _NAME.match(ds.name):
         raise ConfigError(f"{label('name')} {ds.name!r} may only hold letters, digits, '.', '_' and '-'")
+
+
+def _check_mask(ds: DatasetConfig, label) -> None:
+    """The mask keys agree with each other: a folder only with ``mask=dir``, a floor in [0, 1], a folder apart from
+    the images (masks listed as training images, or images as masks, would train on the wrong files)."""
+    if ds.mask == "dir" and not ds.mask_dir:
+        raise ConfigError(f"{label('mask')}=dir needs {label('mask_dir')}: the folder of mask images")
+    if ds.mask_dir and ds.mask not in ("dir", "column"):
+        raise ConfigError(
+            f"{label('mask_dir')} is set but {label('mask')}={ds.mask}; set mask: dir to train with those masks"
+        )
+    if ds.mask == "column" and (ds.caption_strategy != "metadata" or not ds.mask_column):
+        raise ConfigError(f"{label('mask')}=column reads {label('mask_column')} of the metadata table, so it needs "
+                          f"caption_strategy=metadata (got {ds.caption_strategy}) and a column name")  # fmt: skip
+    if not 0.0 <= ds.mask_floor <= 1.0:
+        raise ConfigError(f"{label('mask_floor')} must be in [0, 1] (the masked-out area's weight), "
+                          f"got {ds.mask_floor}")  # fmt: skip
+    if ds.mask_dir and ds.images_dir:
+        from rayflux import paths, storage
+
+        how = paths.overlap(storage.canonical(ds.mask_dir), storage.canonical(ds.images_dir))
+        if how:
+            raise ConfigError(
+                f"{label('mask_dir')} {ds.mask_dir!r} {paths.HOW[how]} {label('images_dir')} {ds.images_dir!r}; "
+                "keep masks in a folder of their own, or they would be listed as training images"
+            )
 
 
 def _resolution_hint(ds: DatasetConfig, key: str) -> str:

@@ -166,6 +166,13 @@ class Family(ABC):
     def unpack(self, tokens, height: int, width: int):
         """Inverse of :meth:`pack` for a stored latent of ``height`` x ``width``."""
 
+    def pack_mask(self, mask):
+        """A loss mask on the stored-latent grid ``[B, H, W]`` -> per-token weights ``[B, N]``, in :meth:`pack`'s
+        token order: each token's weight is the mean of the latent cells it packs (FLUX.1: its 2x2 cells; FLUX.2's
+        patchified latent: its one cell). Packed by :meth:`pack` itself, so a token's weight can never come from
+        other cells than its latent values."""
+        return self.pack(mask.unsqueeze(1)).mean(dim=-1)
+
     @abstractmethod
     def seq_len(self, height: int, width: int) -> int:
         """Image tokens of a stored latent of ``height`` x ``width`` (drives ``flux_shift``)."""

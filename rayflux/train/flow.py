@@ -89,9 +89,39 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
     return compute_loss_weighting_for_sd3(scheme, sigmas)
 
 
-def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Batch mean of the per-sample mean of ``w (pred - target)²``."""
-    per_sample = ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+def mask_weights(mask: torch.Tensor, floor: float) -> torch.Tensor:
+    """Per-token loss weights ``floor + (1 - floor) m`` from a packed mask ``m`` in [0, 1] (``data.mask_floor``).
+
+    Computed as ``1 - (1 - floor)(1 - m)``, the same value, so that ``m = 1`` gives exactly 1.0 for every floor and
+    a mask of all ones weighs every token exactly as no mask does (see :func:`flow_loss`)."""
+    return 1.0 - (1.0 - float(floor)) * (1.0 - mask.float())
+
+
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+              token_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Batch mean of ``w_b L_b``: ``weights`` ``[B]`` are the per-sample weights (σ weighting, dataset weights).
+
+    ``pred`` and ``target`` are the target's packed tokens ``[B, N, D]`` (an edit's reference tokens already cut off).
+    Without ``token_weights``, ``L_b`` is the mean of ``(pred - target)²`` over the sample's tokens and channels. With
+    per-token weights ``t`` ``[B, N]`` (:func:`mask_weights` of a packed mask), it is the mask-weighted mean over
+    tokens, ``L_b = Σ_n t_n e_n / Σ_n t_n`` with ``e_n`` the token's mean squared error over its channels.
+
+    The weighted mean is computed as ``mean(t ⊙ (pred - target)²) / mean(t)``: the unweighted expression with two
+    extra operations that are exact when ``t`` is all ones (a product by 1.0 and a division by ``N / N = 1.0``), so a
+    mask of all ones gives bitwise the loss and gradients of no mask. ``mean(t)`` is a tensor divided by a tensor,
+    never by a Python scalar, which CUDA would turn into a product by an inexact reciprocal."""
+    sq = (pred.float() - target.float()) ** 2
+    if token_weights is None:
+        per_sample = sq.flatten(1).mean(dim=1)
+    else:
+        t = token_weights.to(sq.device, torch.float32)
+        if t.shape != sq.shape[:2]:
+            raise ValueError(f"token weights {tuple(t.shape)} do not match the {tuple(sq.shape[:2])} tokens")
+        mean_t = t.sum(dim=1) / torch.full_like(t[:, 0], t.shape[1])
+        # A sample whose weights are all 0 (floor 0, a mask black on every token) adds 0, not NaN; preparation
+        # skips such masks, so this only guards.
+        mean_t = mean_t.clamp_min(torch.finfo(torch.float32).tiny)
+        per_sample = (sq * t.unsqueeze(-1)).flatten(1).mean(dim=1) / mean_t
     return (weights.float() * per_sample).mean()
 
 
