@@ -106,7 +106,7 @@ def run_one(name: str, args, work: Path) -> dict:
     from rayflux import config, models
     from rayflux.cache import generations
     from rayflux.cache.stage import build_generation, cache_key, inputs_signature
-    from rayflux.sources import discover
+    from rayflux.discovery.in_process import discover
     from rayflux.testing.tiny import TinySpec, ensure_tiny_model
 
     model = ensure_tiny_model(work / f"model-{name}", TinySpec(**MODELS[name]))

@@ -40,7 +40,7 @@ def main() -> int:
     from rayflux import config, models
     from rayflux.cache import generations
     from rayflux.cache.stage import build_generation
-    from rayflux.sources import discover
+    from rayflux.discovery.in_process import discover
     from rayflux.testing.images import write_images
     from rayflux.testing.tiny import TinySpec, write_tiny_model
     from rayflux.train import batching, lora

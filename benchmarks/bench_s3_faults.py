@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def _phase(proxy, root: str, blobs: dict[str, bytes]) -> dict:
-    from rayflux import storage, walk
+    from rayflux import storage
+    from rayflux.discovery import walk
     from rayflux.cache import ranges
 
     before = len(proxy.fault_log())

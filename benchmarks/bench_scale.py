@@ -313,7 +313,7 @@ def _run(server: Server | None, args) -> None:
 
     from rayflux import config, job, models, progress
     from rayflux.ledger import Ledger
-    from rayflux.cache import draw
+    from rayflux.discovery import distributed
     from rayflux.testing.tiny import ensure_tiny_model
 
     n, bucket = args.images, f"s3://bench-{args.variant}-{os.getpid()}"
@@ -366,7 +366,7 @@ def _run(server: Server | None, args) -> None:
         return out, rec
 
     facts = models.model_facts(cfg.model)
-    phase("discover", lambda: draw.discover(cfg, facts, cfg.cache.seed))
+    phase("discover", lambda: distributed.discover(cfg, facts, cfg.cache.seed))
     if args.discover_only:
         if server is None:
             local.cleanup()

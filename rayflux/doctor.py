@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
 from rayflux import buckets, config, datasets, paths, storage
-from rayflux.captions import CaptionError
-from rayflux.sources import discover_dataset
+from rayflux.discovery.captions import CaptionError
+from rayflux.discovery.in_process import discover_dataset
 
 # What the job would read from a FLUX model's configs; used when the model cannot be read here (say, a hub id on an
 # offline machine), so that the doctor still checks the dataset.
@@ -73,7 +73,6 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
     """Everything the doctor checks, as data (``main`` prints it)."""
     from rayflux.cache import masks
     from rayflux.cache.prepare import prepare_row, skip_reason
-
     from rayflux.cache.stage import bucket_spec
 
     report = Report()

@@ -178,8 +178,9 @@ class _Stages:
         return lease.Lease(key_dir, f"cache key {self.key}", self.cfg.run.lease_seconds).acquire(wait=True)
 
     def _generation(self, g: int) -> dict:
-        from rayflux.cache import draw, generations, integrity
+        from rayflux.cache import generations, integrity
         from rayflux.cache.stage import build_generation, inputs_signature
+        from rayflux.discovery import distributed
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
         t0 = time.perf_counter()
@@ -189,7 +190,7 @@ class _Stages:
         key_dir = storage.join(self.cache_root, self.key)
         present = set(generations.files_in(key_dir))
         previous, broken = generations.latest_intact(key_dir, present)
-        discovery = draw.discover(self.cfg, self.facts, seed, previous)
+        discovery = distributed.discover(self.cfg, self.facts, seed, previous)
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
                 log.warning("%s", problem)

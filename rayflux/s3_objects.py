@@ -7,7 +7,7 @@ told a size already known. A cache build reads every image and every caption fil
 requests; training reads byte ranges whose offsets and file sizes the generation index already holds. boto3 (the AWS
 SDK: ``cluster.yaml`` installs it on every node, and the ``rayflux[s3]`` extra adds it) fetches an object or a range
 with a single GET. Without boto3, or with ``RAYFLUX_S3_READS=pyarrow``, the same reads go through pyarrow and cost
-the HEAD. Discovery lists through boto3 too (:func:`list_pages`, see :mod:`rayflux.walk`): the same LIST requests
+the HEAD. Discovery lists through boto3 too (:func:`list_pages`, see :mod:`rayflux.discovery.walk`): the same LIST requests
 as pyarrow, without a ``FileInfo`` object per key. Endpoint, region and credentials are the ones pyarrow uses: the
 standard AWS environment and chain.
 """

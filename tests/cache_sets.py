@@ -141,7 +141,7 @@ def build(cfg, previous: dict | None = None, generation: int = 0, facts=None) ->
     from rayflux import models
     from rayflux.cache import generations
     from rayflux.cache.stage import build_generation, cache_key, inputs_signature
-    from rayflux.sources import discover
+    from rayflux.discovery.in_process import discover
 
     facts = facts or models.model_facts(cfg.model)
     discovery = discover(cfg.data, seed=cfg.cache.seed)

@@ -13,7 +13,7 @@ import pytest
 from rayflux import job, models
 from rayflux.cache import generations, verify
 from rayflux.cache.stage import cache_key, inputs_signature
-from rayflux.sources import discover
+from rayflux.discovery.in_process import discover
 
 CAPTIONS = {"a": "a red circle", "b": "a blue square", "c": "a red circle", "d": "a green ring"}
 
@@ -148,7 +148,7 @@ def test_the_cache_key_follows_what_shapes_tensors_not_caption_rules(tiny_model,
 
 
 def test_unchanged_caption_files_are_taken_from_the_generation_not_read(runs, ray_session):
-    from rayflux.cache import draw
+    from rayflux.discovery import distributed
 
     m = generations.load_manifest(runs["grown"].cache_dir)
     assert m["index"]["sidecars"]["rows"] == 5
@@ -160,8 +160,8 @@ def test_unchanged_caption_files_are_taken_from_the_generation_not_read(runs, ra
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     try:
         facts = models.model_facts(cfg.model)
-        kept = {s.rel_path: s.caption for s in draw.discover(cfg, facts, cfg.cache.seed, m).sources}
-        read = {s.rel_path: s.caption for s in draw.discover(cfg, facts, cfg.cache.seed).sources}
+        kept = {s.rel_path: s.caption for s in distributed.discover(cfg, facts, cfg.cache.seed, m).sources}
+        read = {s.rel_path: s.caption for s in distributed.discover(cfg, facts, cfg.cache.seed).sources}
     finally:
         path.write_text(CAPTIONS["d"])
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -12,7 +12,7 @@ from rayflux import buckets, config
 from rayflux.cache import generations
 from rayflux.cache.decode import BadImage, decode
 from rayflux.cache.prepare import prepare_row
-from rayflux.sources import discover
+from rayflux.discovery.in_process import discover
 
 LIMIT = 10_000_000
 

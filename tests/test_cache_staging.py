@@ -60,7 +60,7 @@ def test_the_text_input_stages_only_the_captions_no_earlier_generation_holds(ray
     them), the known ones' index rows from the previous generation, and only the new ones staged to encode."""
     import pyarrow.parquet as pq
 
-    from rayflux import sources
+    from rayflux.discovery import caption_hash
     from rayflux.cache import index, text_input
 
     built = cache_sets.shared_cache(tmp_path_factory, tiny_model)
@@ -76,7 +76,7 @@ def test_the_text_input_stages_only_the_captions_no_earlier_generation_holds(ray
     fresh = staging.read_block(found.staged.path, found.staged.file_bytes, int(found.staged.offsets[0]),
                                int(found.staged.lengths[0]))  # fmt: skip
     assert sorted(fresh["caption"].to_pylist()) == ["a caption no generation holds", "another new one"]
-    assert fresh["caption_id"].to_pylist() == [sources.caption_id(c) for c in fresh["caption"].to_pylist()]
+    assert fresh["caption_id"].to_pylist() == [caption_hash.caption_id(c) for c in fresh["caption"].to_pylist()]
     known = pa.concat_tables(list(text_input.known_rows(found)))
     assert sorted(known["caption"].to_pylist()) == sorted(["", *reused])  # the empty caption was encoded before
     held = old.filter(pa.compute.is_in(old["caption"], value_set=pa.array(["", *reused])))

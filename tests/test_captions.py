@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from rayflux.captions import CaptionError
+from rayflux.discovery.captions import CaptionError
 from rayflux.config import DatasetConfig
-from rayflux.sources import choose, discover_dataset
+from rayflux.discovery.settling import choose
+from rayflux.discovery.in_process import discover_dataset
 
 
 def _image(path, size=(80, 64)):
@@ -188,13 +189,14 @@ def test_each_listed_part_finds_its_known_caption_files_in_a_few_row_groups(tmp_
 
     import pyarrow.parquet as pq
 
-    from rayflux import listing, sources
-    from rayflux.cache import sidecars
+    from rayflux.discovery import listing
+    from rayflux.discovery import schemas, sidecar_spool
+    from rayflux.discovery import sidecars
 
     rng = random.Random(7)
     names = sorted({f"root/{rng.choice('abc')}/{rng.randrange(300):03d}.txt" for _ in range(400)})
     table = pa.table([names, [f"{i}:5" for i in range(len(names))], [json.dumps([n]) for n in names]],
-                     schema=sources.SIDECARS)  # fmt: skip
+                     schema=schemas.SIDECARS)  # fmt: skip
     listed = sorted(rng.sample(names, 150) + [f"root/z/{i}.txt" for i in range(5)])
     rows = pa.table({**{f.name: pa.nulls(len(listed), f.type) for f in listing.LISTED},
                      "sidecar": [p if rng.random() < 0.9 else "" for p in listed],
@@ -202,7 +204,7 @@ def test_each_listed_part_finds_its_known_caption_files_in_a_few_row_groups(tmp_
                     schema=listing.LISTED)  # fmt: skip
     shuffled = table.take(pa.array(rng.sample(range(table.num_rows), table.num_rows)))
     for name, written in (("ordered", table), ("shuffled", shuffled)):
-        spool = sources.Spool()
+        spool = sidecar_spool.Spool()
         for start in range(0, written.num_rows, 32):  # a row group per write, as discovery writes its parts
             spool.write(written.slice(start, 32))
         gen = tmp_path / name

@@ -3,7 +3,7 @@
 ``tracemalloc`` counts the driver's own Python allocations and not Arrow buffers (pyarrow's memory pool), so a
 discovery that turned listed or settled rows into Python dicts again (about 1-2 KB per image with its strings) shows
 up as a heap peak growing with the number of images. The columnar one holds at most a bounded chunk of listed
-entries as Python objects at a time (:mod:`rayflux.walk`), far below that. Both paths are measured: a first discovery, whose caption files are read in
+entries as Python objects at a time (:mod:`rayflux.discovery.walk`), far below that. Both paths are measured: a first discovery, whose caption files are read in
 real Ray tasks and come back as Arrow blocks, and a rerun whose caption files are all known from the previous
 generation's sidecar table, which settles on the driver a bounded chunk at a time.
 """
@@ -14,8 +14,9 @@ import tracemalloc
 import cache_sets
 import pytest
 
-from rayflux import config, models, sources
-from rayflux.cache import draw, sidecars
+from rayflux import config, models
+
+from rayflux.discovery import caption_hash, distributed, settling, sidecars
 
 FOLDERS = 4
 SMALL, LARGE = 400, 2400
@@ -24,7 +25,9 @@ BOUND = 700  # bytes of Python heap per image, at the peak; a dict per image wou
 
 @pytest.fixture
 def bounded(monkeypatch):
-    monkeypatch.setattr(sources, "_CHUNK", 128)  # the driver's Python chunk stays far below the image counts
+    # The driver's Python chunks stay far below the image counts.
+    monkeypatch.setattr(settling, "_CHUNK", 128)
+    monkeypatch.setattr(caption_hash, "_CHUNK", 128)
 
 
 def _dataset(root, n: int):
@@ -52,12 +55,12 @@ def _run(tmp_path, tiny_model, n: int) -> tuple[int, int]:
     root = _dataset(tmp_path / f"images{n}", n)
     cfg = config.load(None, [f"model.path={tiny_model}", f"data.images_dir={root}", "data.resolution=64"])
     facts = models.model_facts(cfg.model)
-    first, found = _peak(lambda: draw.discover(cfg, facts, seed=3))
+    first, found = _peak(lambda: distributed.discover(cfg, facts, seed=3))
     assert found.table.num_rows == n and found.skips.num_rows == 0 and found.sidecars.rows == n
     gen = tmp_path / f"gen{n}"
     gen.mkdir()
     previous = {"dir": str(gen), "index": {"sidecars": sidecars.write(str(gen), found.sidecars)}}
-    rerun, again = _peak(lambda: draw.discover(cfg, facts, seed=3, previous=previous))
+    rerun, again = _peak(lambda: distributed.discover(cfg, facts, seed=3, previous=previous))
     assert again.table.equals(found.table)  # the same sources and captions, with no caption file read
     return first, rerun
 

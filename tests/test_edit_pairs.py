@@ -13,7 +13,7 @@ import pytest
 
 from rayflux import buckets, config
 from rayflux.cache.prepare import prepare_row
-from rayflux.sources import discover
+from rayflux.discovery.in_process import discover
 
 LIMIT = 10_000_000
 

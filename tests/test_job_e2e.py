@@ -15,7 +15,7 @@ from pipeline_support import render
 
 from rayflux import job
 from rayflux.cache import generations
-from rayflux.sources import IMAGE_EXTENSIONS
+from rayflux.discovery.listing import IMAGE_EXTENSIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 

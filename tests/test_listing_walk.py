@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from rayflux import config, datasets, listing, storage, walk
+from rayflux import config, datasets, storage
+from rayflux.discovery import listing, walk
 
 # Names chosen so that top-level files sort on both sides of the folders ("a-b" < "a/" < "a0"): the parts are merged
 # in order, not sorted again together.

@@ -16,7 +16,7 @@ from rayflux import buckets, config, datasets, doctor
 from rayflux.cache import masks
 from rayflux.cache.prepare import prepare_row
 from rayflux.families import by_name
-from rayflux.sources import discover
+from rayflux.discovery.in_process import discover
 from rayflux.train import flow
 
 LIMIT = 10_000_000

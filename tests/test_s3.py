@@ -186,7 +186,7 @@ def test_without_boto3_ranged_reads_open_each_object_once_per_process(s3_server,
 
 @pytest.mark.parametrize("reads, expected", [("boto3", ["GET"]), ("pyarrow", ["HEAD", "GET"])])
 def test_a_whole_object_read_costs_one_get(s3_server, s3_bucket, monkeypatch, reads, expected):
-    from rayflux import captions
+    from rayflux.discovery import captions
 
     monkeypatch.setenv("RAYFLUX_S3_READS", reads)
     uri = f"{s3_bucket}/whole-{reads}.txt"

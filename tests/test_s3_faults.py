@@ -6,7 +6,8 @@ the store's own error.
 
 import pytest
 
-from rayflux import s3_objects, storage, walk
+from rayflux import s3_objects, storage
+from rayflux.discovery import walk
 
 
 @pytest.fixture

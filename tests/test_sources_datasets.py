@@ -10,7 +10,7 @@ from rayflux import buckets, config, datasets, storage
 from rayflux.cache import generations, shards
 from rayflux.cache.stage import bucket_spec
 from rayflux.models import ModelFacts
-from rayflux.sources import discover
+from rayflux.discovery.in_process import discover
 from rayflux.train import batching
 
 FACTS = ModelFacts(8, 4, 0.0, 1.0, False, 8, "test")
@@ -148,7 +148,7 @@ def _generation(gen_dir, parts) -> dict:
 
     from rayflux.cache import index, writer
     from rayflux.families.flux1 import text_tensors
-    from rayflux.sources import caption_id
+    from rayflux.discovery.caption_hash import caption_id
 
     zeros = lambda n: np.zeros(n, np.float32).tobytes()  # noqa: E731
     layout = shards.ShardLayout("samples", "float32", latent_channels=1, vae_scale_factor=8, text=text_tensors(1))
@@ -223,7 +223,7 @@ def test_sidecars_match_extensions_in_any_case(tmp_path):
 
 
 def test_files_differing_only_by_case_are_refused(tmp_path):
-    from rayflux.captions import CaptionError
+    from rayflux.discovery.captions import CaptionError
 
     root = tmp_path / "photos"
     root.mkdir()

@@ -8,7 +8,7 @@ import torch
 import train_data
 from rayflux.cache import shards, tensors
 from rayflux.families import flux1
-from rayflux.sources import caption_id
+from rayflux.discovery.caption_hash import caption_id
 from rayflux.train import captions, checkpoint, lora, step
 from rayflux.train.trainer import LoraTrainer
 

@@ -22,14 +22,27 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rayflux import allocator, buckets, datasets, sources, storage
-from rayflux.cache import (fit, generations, index, masks, passes, reuse, shards, sidecars, staging, stall, text_input,
-                           writer)  # fmt: skip
+from rayflux import allocator, buckets, datasets, storage
+from rayflux.cache import (
+    fit,
+    generations,
+    index,
+    masks,
+    passes,
+    reuse,
+    shards,
+    staging,
+    stall,
+    text_input,
+    writer,  # fmt: skip
+)
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
+from rayflux.discovery import discoveries, sidecars
+from rayflux.discovery.caption_hash import caption_id
+from rayflux.discovery.discoveries import Discovery
 from rayflux.models import ModelFacts
-from rayflux.sources import Discovery, caption_id
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +248,7 @@ def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing:
 def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading.Event) -> list[dict]:
     """Prepare, encode (or reference) and write every discovered image (``ds``: the discovery's rows as
     :func:`_stage`; each task adds its rows' caption ids and previous index entries itself; ``roots``: the
-    discovery's :attr:`~rayflux.sources.Discovery.roots`). Returns the sample shards' metadata rows."""
+    discovery's :attr:`~rayflux.discovery.discoveries.Discovery.roots`). Returns the sample shards' metadata rows."""
     c = b.cfg.cache
     if ds is None:
         return []
@@ -285,7 +298,7 @@ def _with_previous(block, samples, roots) -> object:
     """Ray Data batch function: a block of discovered images with each one's ``uri``, ``caption_id`` and ``prev``
     (its previous index row as JSON, or "")."""
     prev = reuse.rows_for(samples, block["rel_path"])
-    block = block.append_column("uri", sources.uris(block, roots))
+    block = block.append_column("uri", discoveries.uris(block, roots))
     block = block.append_column("caption_id", pa.array([caption_id(t) for t in block["caption"].to_pylist()]))
     return block.append_column("prev", pa.array([prev.get(r, "") for r in block["rel_path"].to_pylist()], pa.string()))
 
@@ -381,7 +394,7 @@ class _Found:
 
     discovered: int
     skipped: list[dict]
-    """The inputs discovery itself skipped, as :attr:`rayflux.sources.Discovery.skipped` lists them."""
+    """The inputs discovery itself skipped, as :attr:`rayflux.discovery.discoveries.Discovery.skipped` lists them."""
     inputs: str
     """:func:`inputs_signature` of the discovery."""
     sidecars: int

@@ -24,8 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayflux import sources, storage
+from rayflux import storage
 from rayflux.cache import index, reuse, staging
+from rayflux.discovery import caption_hash, discoveries
 
 KNOWN = "known-captions.parquet"
 """The known captions' index rows, in the generation's staging directory."""
@@ -54,14 +55,14 @@ def find(images: staging.Staged | None, gen_dir: str, previous: dict | None, row
          for o, n in zip(images.offsets, images.lengths)] if images is not None else [],
         pa.string(),
     )  # fmt: skip
-    captions = sources.unique_captions(column)
+    captions = caption_hash.unique_captions(column)
     del column
-    ids = sources.caption_ids(captions)
+    ids = caption_hash.caption_ids(captions)
     known_path, known_bytes, known = "", 0, pa.array([], pa.string())
     if previous is not None:
         known_path, known_bytes, known = _write_known(reuse.Previous(manifest=previous), ids, gen_dir, build)
     fresh = pa.table({"caption_id": ids, "caption": captions})
-    fresh = sources.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
+    fresh = discoveries.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
     return TextInput(staging.stage(fresh, gen_dir, "captions", rows_per_block, build), known_path, known_bytes,
                      len(captions))  # fmt: skip
 

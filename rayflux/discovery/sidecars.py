@@ -1,7 +1,7 @@
 """The sidecar table: each generation records the caption files its discovery knew, so the next one reads only
 the files that changed.
 
-A generation's ``index/sidecars.parquet`` (:data:`rayflux.sources.SIDECARS` rows, named by the manifest like the
+A generation's ``index/sidecars.parquet`` (:data:`rayflux.discovery.schemas.SIDECARS` rows, named by the manifest like the
 other index files) holds every caption file's path, its ``size:mtime`` as listed, and its lines. Discovery lists
 every folder anyway; a caption file listed with the same path, size and mtime as in the newest committed generation
 of the cache key has the same lines, so it is not read again. A rerun with nothing changed therefore reads no
@@ -26,8 +26,9 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rayflux import sources, storage
+from rayflux import storage
 from rayflux.cache import index
+from rayflux.discovery import schemas, sidecar_spool
 
 PATH = "index/sidecars.parquet"
 
@@ -41,7 +42,7 @@ class Known:
     The driver holds the listing while it settles it, and the table is about as large again (a caption file's path,
     stamp and lines: 117 bytes per image at 20,000 images, against 138 for the listed row); held whole beside the
     listing, it set the peak of a rerun's discovery. Its row groups carry the minimum and maximum path (see
-    :class:`rayflux.sources.Spool`), and the table is written in about the order discovery lists, so the rows a part
+    :class:`rayflux.discovery.sidecar_spool.Spool`), and the table is written in about the order discovery lists, so the rows a part
     of the listing needs lie in a few row groups. A table on an object store is first copied to a local file, a few
     large reads, so that each part's look-up costs no request."""
 
@@ -79,9 +80,9 @@ class Known:
 
     def around(self, listed: pa.Table) -> pa.Table:
         """The table's rows whose paths lie between the least and the greatest caption file of some listed rows
-        (:data:`rayflux.listing.LISTED`): all :func:`attach` needs for them, from the row groups whose paths
+        (:data:`rayflux.discovery.listing.LISTED`): all :func:`attach` needs for them, from the row groups whose paths
         overlap that span."""
-        empty = sources.SIDECARS.empty_table()
+        empty = schemas.SIDECARS.empty_table()
         paths = listed["sidecar"].filter(pc.not_equal(listed["sidecar"], ""))
         if self._file is None or not len(paths):
             return empty
@@ -90,8 +91,8 @@ class Known:
         groups = pc.indices_nonzero(pc.fill_null(overlap, True)).to_pylist()
         if not groups:
             return empty
-        rows = self._file.read_row_groups(groups, columns=sources.SIDECARS.names, use_threads=False)
-        rows = rows.cast(sources.SIDECARS)
+        rows = self._file.read_row_groups(groups, columns=schemas.SIDECARS.names, use_threads=False)
+        rows = rows.cast(schemas.SIDECARS)
         inside = pc.and_(pc.greater_equal(rows["path"], least), pc.less_equal(rows["path"], most))
         return rows.filter(inside)
 
@@ -110,8 +111,8 @@ def _remove(path: str) -> None:
 
 
 def attach(listed: pa.Table, table: pa.Table) -> pa.Table:
-    """The listed rows (:data:`rayflux.listing.LISTED`) with ``sidecar_lines`` set where the caption file is listed
-    unchanged in ``table`` (:data:`rayflux.sources.SIDECARS` rows, such as :meth:`Known.around` gives: same path
+    """The listed rows (:data:`rayflux.discovery.listing.LISTED`) with ``sidecar_lines`` set where the caption file is listed
+    unchanged in ``table`` (:data:`rayflux.discovery.schemas.SIDECARS` rows, such as :meth:`Known.around` gives: same path
     and ``size:mtime``, the mtime known), so settling does not read it."""
     if not table.num_rows or not listed.num_rows:
         return listed
@@ -123,7 +124,7 @@ def attach(listed: pa.Table, table: pa.Table) -> pa.Table:
     return listed.set_column(listed.schema.get_field_index("sidecar_lines"), "sidecar_lines", lines)
 
 
-def write(gen_dir: str, spool: sources.Spool, build: str = "") -> dict:
-    """Upload a discovery's sidecar table (its :class:`~rayflux.sources.Spool`) into ``gen_dir``; the manifest's
+def write(gen_dir: str, spool: sidecar_spool.Spool, build: str = "") -> dict:
+    """Upload a discovery's sidecar table (its :class:`~rayflux.discovery.sidecar_spool.Spool`) into ``gen_dir``; the manifest's
     ``index.sidecars`` entry."""
     return index.upload(spool.close(), gen_dir, index.own_name(PATH, build), spool.rows)

@@ -4,17 +4,17 @@ The driver only lists folders (and reads metadata tables). Every per-image read 
 few hundred images each: a dataset with sidecar captions has its caption files read there, and a dataset with
 ``max_samples`` has each image read, decoded and planned there, exactly as the cache stage will, so that the draw
 keeps only images that will really be cached. Each task keeps its own ``max_samples`` lowest-ranked usable images
-(:func:`rayflux.sources.draw`) and counts the rest; the driver draws again among those few, which gives the same
+(:func:`rayflux.discovery.subset.draw`) and counts the rest; the driver draws again among those few, which gives the same
 subset as one draw over the whole dataset. Bad images found on the way are recorded skips, like any other.
 
 A caption file the previous generation already read, listed unchanged, is not read again (see
-:mod:`rayflux.cache.sidecars`): a dataset whose caption files are all known, and that has no ``max_samples``,
+:mod:`rayflux.discovery.sidecars`): a dataset whose caption files are all known, and that has no ``max_samples``,
 settles on the driver without a single read.
 
-The driver holds each image about once. The listing is made a bounded part at a time (:mod:`rayflux.listing`);
+The driver holds each image about once. The listing is made a bounded part at a time (:mod:`rayflux.discovery.listing`);
 each part is then settled here or sent to settling tasks (a window of them in flight at a time) and released. The
 rows that come back keep only the columns the discovery needs, and their caption files' paths, stamps and lines go
-to a local file (:class:`rayflux.sources.Spool`) that the generation uploads at commit.
+to a local file (:class:`rayflux.discovery.sidecar_spool.Spool`) that the generation uploads at commit.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import allocator, datasets, listing, sources
-from rayflux.cache import fit, masks, sidecars
+from rayflux import allocator, datasets
+from rayflux.cache import fit, masks
 from rayflux.cache.prepare import skip_reason
 from rayflux.config import JobConfig
+from rayflux.discovery import discoveries, listing, schemas, settling, sidecar_spool, sidecars, subset
 from rayflux.models import ModelFacts
 
 # Images per settling task: as for preparation, hundreds, so the tasks spread over the cluster.
@@ -48,11 +49,11 @@ def _needs_task(ds, listed: pa.Table) -> pa.ChunkedArray:
 
 
 def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
-    """Ray task: settle one block of listed rows (:data:`rayflux.sources.SETTLED` rows); per capped dataset, keep
+    """Ray task: settle one block of listed rows (:data:`rayflux.discovery.schemas.SETTLED` rows); per capped dataset, keep
     only its local draw and say how many it left out (:data:`_LEFT_OUT`). ``shared``: each dataset's
-    :class:`rayflux.listing.Listing` without its rows (``by_key``), bucket specs, seed and pixel cap."""
+    :class:`rayflux.discovery.listing.Listing` without its rows (``by_key``), bucket specs, seed and pixel cap."""
     by_key, specs, seed, max_pixels = shared["by_key"], shared["specs"], shared["seed"], shared["max_pixels"]
-    parts, left_out = [sources.SETTLED.empty_table()], {}
+    parts, left_out = [schemas.SETTLED.empty_table()], {}
     for key in sorted(set(batch["dataset"].to_pylist())):
         ls = by_key[key]
         ds = ls.ds
@@ -60,12 +61,12 @@ def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
         usable = functools.partial(skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels,
                                    mask=masks.policy_of(ds))  # fmt: skip
         # A capped dataset's images are read here: their URIs are made for this block only.
-        settled = sources.settle_table(ls.with_uris(group) if ds.max_samples else group, ds, seed,
+        settled = settling.settle_table(ls.with_uris(group) if ds.max_samples else group, ds, seed,
                                        usable if ds.max_samples else None)  # fmt: skip
         left = 0
         if ds.max_samples:
             skipping = pc.not_equal(settled["skip_reason"], "")
-            kept, left = sources.draw(settled.filter(pc.invert(skipping)), ds.max_samples)
+            kept, left = subset.draw(settled.filter(pc.invert(skipping)), ds.max_samples)
             settled = pa.concat_tables([settled.filter(skipping), kept])
         parts.append(settled)
         if left:
@@ -73,7 +74,7 @@ def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
     return pa.concat_tables(parts).combine_chunks().replace_schema_metadata({_LEFT_OUT: json.dumps(left_out)})
 
 
-def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None) -> sources.Discovery:
+def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None) -> discoveries.Discovery:
     """Discover every dataset of the job, in config order: listings here, per-image reads in Ray tasks.
 
     ``previous``: the manifest of the newest committed generation of the cache key, whose caption files listed
@@ -84,29 +85,29 @@ def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None
         return _discover(cfg, facts, seed, previous)
 
 
-def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None) -> sources.Discovery:
+def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None) -> discoveries.Discovery:
     data = cfg.data
     prefix = datasets.prefixes_paths(data)
     listings = [listing.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
     # The caption files the previous generation read: attached to each part of the listing as it is settled.
     known = sidecars.Known(previous if any(ls.ds.caption_strategy == "sidecar" for ls in listings) else None)
-    spool = sources.Spool()
+    spool = sidecar_spool.Spool()
     try:
         settled, left_out = _settle_all(cfg, facts, seed, listings, spool, known)
     finally:
         known.close()
     allocator.trim()
-    found = sources.Discovery(sidecars=spool)
+    found = discoveries.Discovery(sidecars=spool)
     for ls in listings:
-        found.extend(sources.gather(ls, pa.concat_tables(settled.pop(ls.key)), left_out[ls.key]))
+        found.extend(discoveries.gather(ls, pa.concat_tables(settled.pop(ls.key)), left_out[ls.key]))
         allocator.trim()
     return found
 
 
-def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, spool: sources.Spool,
+def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, spool: sidecar_spool.Spool,
                 known: sidecars.Known) -> tuple:  # fmt: skip
     """Settle every listed row, in listing order: those that need no read here, the others in Ray tasks of
-    :data:`_IMAGES_PER_TASK` rows. Returns each dataset's settled parts (:data:`rayflux.sources.GATHERED` columns)
+    :data:`_IMAGES_PER_TASK` rows. Returns each dataset's settled parts (:data:`rayflux.discovery.schemas.GATHERED` columns)
     and how many usable images its local draws left out; the caption files go to ``spool`` as rows arrive.
     ``known``: the previous generation's sidecar table (empty when there is none).
 
@@ -130,8 +131,8 @@ def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, sp
                 if known.rows and ls.ds.caption_strategy == "sidecar":
                     part = sidecars.attach(part, known.around(part))
                 needs = _needs_task(ls.ds, part)
-                tasks.keep(ls.key, sources.settle_table(sources.where(part, pc.invert(needs)), ls.ds, seed))
-                remote = sources.where(part, needs)
+                tasks.keep(ls.key, settling.settle_table(discoveries.where(part, pc.invert(needs)), ls.ds, seed))
+                remote = discoveries.where(part, needs)
                 del part, needs
                 for i in range(0, remote.num_rows, _IMAGES_PER_TASK):
                     tasks.send(ls.key, remote.slice(i, _IMAGES_PER_TASK))
@@ -148,7 +149,7 @@ class _Tasks:
     """Settling tasks in flight, and every dataset's settled parts in listing order (a task's place is kept for
     it until it returns)."""
 
-    def __init__(self, shared, listings: list, spool: sources.Spool):
+    def __init__(self, shared, listings: list, spool: sidecar_spool.Spool):
         import ray
 
         self.spool = spool
@@ -157,7 +158,7 @@ class _Tasks:
         self.window = _window()
         self.running: dict = {}
         """Task -> (dataset key, its place in that dataset's parts)."""
-        self.settled: dict[str, list] = {ls.key: [sources.SETTLED.empty_table().select(sources.GATHERED)]
+        self.settled: dict[str, list] = {ls.key: [schemas.SETTLED.empty_table().select(schemas.GATHERED)]
                                          for ls in listings}  # fmt: skip
         self.left_out = {ls.key: 0 for ls in listings}
 
@@ -177,7 +178,7 @@ class _Tasks:
         """Spool settled rows' caption files and keep the rest of their columns: at place ``at`` of the dataset's
         parts (a task's rows), or after the others (rows settled here)."""
         self.spool.add(settled)
-        slim = settled.select(sources.GATHERED)
+        slim = settled.select(schemas.GATHERED)
         if at is None:
             self.settled[key].append(slim)
             return

@@ -1,6 +1,6 @@
 """List a dataset into Arrow: one row per image with what its caption will come from, no caption file read yet.
 
-The listing is columnar from the start: every file under the dataset's root comes as Arrow (:mod:`rayflux.walk`
+The listing is columnar from the start: every file under the dataset's root comes as Arrow (:mod:`rayflux.discovery.walk`
 builds no object per file), and matching images to caption files, hidden files, extensions and orphans are Arrow
 compute over whole columns. Nothing here builds a Python object per image, except for edit pairs and metadata
 captions, which map one image at a time in bounded chunks.
@@ -17,10 +17,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from rayflux import captions, datasets, edit_pairs, storage
+from rayflux import datasets, storage
 from rayflux.allocator import trim
 from rayflux.config import DatasetConfig
-from rayflux.walk import files
+from rayflux.discovery import captions, edit_pairs
+from rayflux.discovery.walk import files
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _CHUNK = 4096  # rows mapped through Python at a time where a value needs Python (edit pairs, metadata captions)
@@ -165,7 +166,7 @@ its ``size:mtime`` and its path lower-cased, the key images are matched by."""
 def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> Listing:
     """List every image under ``ds.images_dir`` (recursively, sorted) with what its caption will come from.
 
-    Only listings (and a metadata table) are read here: caption files are read by :func:`rayflux.sources.settle`,
+    Only listings (and a metadata table) are read here: caption files are read by :func:`rayflux.discovery.settling.settle`,
     which the cache stage runs inside its preparation tasks. Raises FileNotFoundError or CaptionError when the
     dataset as a whole is unusable.
 
@@ -218,7 +219,7 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
 
 def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: bool, excluded: pa.Array, metadata,
                pairs: edit_pairs.Pairing, masks: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:  # fmt: skip
-    """One part of the sorted listing (:data:`rayflux.walk.FILES` rows) as :data:`LISTED` rows, and its caption
+    """One part of the sorted listing (:data:`rayflux.discovery.walk.FILES` rows) as :data:`LISTED` rows, and its caption
     files that no image of the part named (:data:`LONE` rows)."""
     paths = part["path"]
     rel = pc.if_else(pc.starts_with(paths, base), pc.utf8_slice_codeunits(paths, len(base)), paths)
@@ -294,7 +295,7 @@ def _stems(rel) -> pa.ChunkedArray:
 def _masks(ds: DatasetConfig, problems: list[str], dataset_files: pa.Table, base: str) -> pa.Table | None:
     """The candidate mask files as :data:`MASKS` rows (None without ``data.mask=dir`` or ``column``): ``mask_dir``
     listed once, or for ``mask=column`` without ``mask_dir`` the dataset's own files (``dataset_files``, the
-    :func:`rayflux.walk.files` rows under ``base``). Matching them to images is Arrow compute over whole columns, with
+    :func:`rayflux.discovery.walk.files` rows under ``base``). Matching them to images is Arrow compute over whole columns, with
     no request and no Python object per image. ``mask=dir`` keys a mask by its path without the extension: two masks
     for one image (``a.png`` and ``a.jpg``) are a problem, and the first in path order is used."""
     if ds.mask not in ("dir", "column"):
