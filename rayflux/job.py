@@ -209,7 +209,7 @@ class _Stages:
             log.info("cache generation %d is committed and up to date (%s); nothing to encode", g, gen_dir)
             if not self.ledger.done(f"cache:g{g}", gen_dir):
                 entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, reused=True)
-                self.ledger.finish(entry, cached=manifest["cached"])
+                self.ledger.finish(entry, cached=manifest.cached)
             return manifest
         if storage.exists(gen_dir):
             # Left half-built (or retired) by an earlier, interrupted run: nothing committed reads it, so drop it.
@@ -221,7 +221,7 @@ class _Stages:
         # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
         manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
-        self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest["cached"])
+        self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)
         return manifest
 
     def retire(self, g: int) -> None:
@@ -313,12 +313,13 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
     first_g = (pending[0] if pending else segs[-1]).generation
     first = stages.generation(first_g)
-    summary.cache_dir = first["dir"]
-    summary.discovered, summary.cached, summary.skipped = first["discovered"], first["cached"], first["skipped"]
-    _account(summary, cfg, stages.discoveries[first_g], first["dir"])
+    summary.cache_dir = first.dir
+    counts = first.skip_counts()
+    summary.discovered, summary.cached, summary.skipped = counts.discovered, counts.cached, counts.skipped
+    _account(summary, cfg, stages.discoveries[first_g], first.dir)
     if only == "cache":
         return summary
-    if first["cached"] == 0:
+    if first.cached == 0:
         raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
 
     from rayflux.train import lora_files
@@ -330,11 +331,11 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
             nxt = segs[seg.index + 1] if seg.index + 1 < len(segs) else None
             name = f"train:seg{seg.index}"
             manifest = stages.generation(seg.generation)
-            summary.generations.append(manifest["dir"])
+            summary.generations.append(manifest.dir)
             prebuild = None
             if nxt is not None and nxt.generation != seg.generation and stages.room_for_overlap():
                 prebuild = pool.submit(stages.generation, nxt.generation)
-            entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest["dir"])
+            entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest.dir)
             t0 = time.perf_counter()
             result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
             summary.stage_seconds[name] = time.perf_counter() - t0

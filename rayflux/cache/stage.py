@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from rayflux import allocator, buckets, datasets, sources, storage
 from rayflux.cache import fit, generations, index, passes, reuse, shards, sidecars, staging, stall, text_input, writer
+from rayflux.cache import layout as sample_layout
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
 from rayflux.config import ConfigError, DatasetConfig, JobConfig
@@ -97,6 +98,7 @@ def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
     blob = json.dumps(
         {
             "schema": shards.SCHEMA_VERSION,
+            "samples": [t.to_json() for t in sample_layout.SAMPLE_TENSORS],
             "model": facts.identity,
             "datasets": identities,
             "max_image_pixels": cfg.data.max_image_pixels,
@@ -328,7 +330,8 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
     run_cfg, plan = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, use_gpu, prev, plan.encoders)
 
-    sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
+    samples = layout(cfg, facts, use_gpu=use_gpu).samples
+    sample_index, caption_index = index.Sink("samples", samples=samples), index.Sink("captions", facts.text)
     found = _Found(discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows)
     try:
         staged = {"images": _stage(b, discovery.table, "images")}
@@ -402,7 +405,7 @@ def _manifest(b: _Build, found: _Found, spec, specs, text_meta, sample_meta, sam
         "encode_id": b.encode_id,
         "config_hash": cfg.fingerprint("data", "model", "cache"),
         "model_identity": facts.identity,
-        "layout": dataclasses.asdict(layout(cfg, facts, use_gpu=b.use_gpu)),
+        "layout": layout(cfg, facts, use_gpu=b.use_gpu).to_json(),
         "bucket_spec": dataclasses.asdict(spec),
         "bucket_specs": {k: dataclasses.asdict(v) for k, v in specs.items()},
         "latent_channels": facts.latent_channels,

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayflux import buckets, storage
-from rayflux.cache import generations, index, integrity, shards, tensors
+from rayflux.cache import generations, index, integrity, shards
 from rayflux.cache.prepare import sample_id
 
 
@@ -165,8 +165,11 @@ class _Checker:
                 self.problem(f"{where}: caption {e['caption_id']} is not in the caption index")
             want = self.layout.latent_shape(e["bucket"])
             got = (e["latent_c"], e["latent_h"], e["latent_w"])
-            if got != want or e["length"] != tensors.nbytes(want, self.layout.dtype):
-                self.problem(f"{where}: bucket {e['bucket']}: latent {got} of {e['length']} bytes, expected {want}")
+            for t in self.layout.samples:
+                length, nbytes = e[t.columns()[1]], t.nbytes(want, e, self.layout.dtype_of(t))
+                if got != want or (length != nbytes and not (t.optional and length == 0)):
+                    self.problem(f"{where}: bucket {e['bucket']}: {t.name} of latent shape {got} and {length} bytes, "
+                                 f"expected {want} and {nbytes}")  # fmt: skip
             by_file.setdefault(e["file"], []).append(e)
         for c in captions:
             by_file.setdefault(c["file"], []).append(c)
@@ -208,7 +211,7 @@ class _Checker:
                         self.problem(f"{where}: holds {key} {row[key]}, index says {e[key]}")
                         continue
                     rg = md.row_group(e["row"])
-                    samples = {"": "latent", "ref_": "ref_latent"}
+                    samples = {t.key: t.name for t in self.layout.samples}
                     cols = {f"{t.key}_": t.name for t in self.layout.text} if text else samples
                     for prefix, col in cols.items():
                         chunk = rg.column(names.index(col))
