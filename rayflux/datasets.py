@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rayflux.config.data import TRAINING_ONLY_KEYS, DataConfig, DatasetConfig, datasets_of, default_name
+from rayflux.config import identity
+from rayflux.config.data import DataConfig, DatasetConfig, datasets_of, default_name
 
 
 def images_key(data: DataConfig, index: int) -> str:
@@ -36,12 +37,9 @@ def key(data: DataConfig, ds: DatasetConfig) -> str:
 
 
 def cache_identity(ds: DatasetConfig, canonical_images_dir: str) -> dict:
-    """The parts of a dataset that decide what its cache holds: everything except how often samples are used."""
-    d = dataclasses.asdict(ds)
-    for key in TRAINING_ONLY_KEYS:
-        d.pop(key)
-    d["images_dir"] = canonical_images_dir
-    return d
+    """The parts of a dataset that decide what its cache holds: the fields that declare so
+    (:data:`rayflux.config.identity.CACHED`), its folder in its one canonical form."""
+    return {**identity.values(ds, "cache"), "images_dir": canonical_images_dir}
 
 
 def sample_weights(data: DataConfig) -> dict[str, tuple[int, float]]:

@@ -124,21 +124,20 @@ def cluster_has_gpus() -> bool:
 
 
 def run_identity(cfg: JobConfig) -> str:
-    """What makes a run the same run: everything but resources and length, which may change between reruns."""
+    """What makes a run the same run: every config field that declares itself part of it (all but ``UNTRACKED``,
+    :mod:`rayflux.config.identity`); resources, feed tuning, run length and what is written beside the weights may
+    change between reruns."""
+    import dataclasses
     import hashlib
     import json
 
-    d = cfg.to_dict()
-    # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation,
-    # file format) may change between reruns without changing what is being trained.
-    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "report_seconds", "epochs", "max_steps",
-                "checkpoint_every", "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
-                "validation_inference_steps", "validation_guidance", "eval_every", "eval_sigmas",
-                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
-                "prefetch_reads"):  # fmt: skip
-        d["train"].pop(key, None)
-    ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
-    ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
+    from rayflux.config import identity
+
+    ident = {}
+    for f in dataclasses.fields(cfg):
+        fields = identity.values(getattr(cfg, f.name), "cache", "captions", "run")
+        if fields:
+            ident[f.name] = fields
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
