@@ -163,7 +163,7 @@ def latest_committed(key_dir: str, exclude: str | set[str] = "") -> Manifest | N
         manifest = load_manifest(gen_dir)
         if manifest is not None:
             found.append(manifest)
-    return max(found, key=lambda m: m["committed_at"], default=None)
+    return max(found, key=lambda m: m.committed_at, default=None)
 
 
 def latest_intact(key_dir: str, present: set[str]) -> tuple[Manifest | None, dict[str, str]]:

@@ -1,17 +1,18 @@
 """Parquet shards: one sample per row, explicit shape columns, validated per bucket as they are written and read.
 
-Any pyarrow reader can rebuild every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to
-``(latent_c, latent_h, latent_w)``; a text row holds the named tensors its model family encodes (the layout's
-``text``), each reshaped by its own shape columns: FLUX.1's ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to
-``(clip_dim,)``, FLUX.2's ``prompt_embeds`` to ``(prompt_len, prompt_dim)`` (``bfloat16`` is stored as raw 16-bit
-patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Text embeddings live once per caption in the text
-shards; a sample row names its caption by ``caption_id``.
+The columns and the declared per-sample tensors are :mod:`rayflux.cache.layout`'s. Any pyarrow reader can rebuild
+every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to ``(latent_c, latent_h, latent_w)``,
+each other declared tensor by its declaration's shape rule; a text row holds the named tensors its model family
+encodes (the layout's ``text``), each reshaped by its own shape columns: FLUX.1's ``t5`` to ``(t5_len, t5_dim)`` and
+``clip_pooled`` to ``(clip_dim,)``, FLUX.2's ``prompt_embeds`` to ``(prompt_len, prompt_dim)`` (``bfloat16`` is
+stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Text embeddings live once per
+caption in the text shards; a sample row names its caption by ``caption_id``.
 
 Each row is its own Parquet row group, written uncompressed, without dictionaries, as one version-1 data page per
 tensor column, so a tensor's bytes are one contiguous range of the file. :func:`value_ranges` finds those ranges when
 a shard is written (and checks them byte for byte); the generation index records them, and training reads each
-tensor with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet key-value
-metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
+row's tensors with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet
+key-value metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
 """
 
 from __future__ import annotations

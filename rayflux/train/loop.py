@@ -31,6 +31,7 @@ from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, l
 from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
+from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 from rayflux.train.trainer import LoraTrainer
 
 log = logging.getLogger(__name__)
@@ -120,37 +121,6 @@ def _worst_rank(facts: dict, device, world: int) -> dict:
     t = torch.tensor([float(facts[k]) for k in keys], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return {k: (int(v) if isinstance(facts[k], int) else round(float(v), 1)) for k, v in zip(keys, t.tolist())}
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    """What the driver hands every training worker (``train_loop_config={LOOP_KEY: LoopConfig(...)}``)."""
-
-    job: dict
-    """The run's :class:`~rayflux.config.JobConfig` as a dict (rebuilt on the worker; Weights & Biases logs it)."""
-    output_dir: str
-    """``run.output_dir``: validation images, TensorBoard events, the step log and the LoRA files."""
-    checkpoints: str
-    """Ray Train's storage of this run (:func:`rayflux.train.commits.run_storage`): its checkpoints and commits."""
-    empty_caption: dict
-    """Where the empty caption's embeddings are (:meth:`rayflux.cache.manifest.Manifest.empty_caption`), for
-    caption dropout: one ranged read."""
-    caption_tables: tuple[str, ...]
-    """The generation's caption index files: caption tag counts for kohya metadata."""
-    epochs: tuple[int, int]
-    """The half-open range of epochs this trainer run covers (one refresh segment)."""
-    text_length: int
-    """The model's padded text length (the driver read the model's configs once; workers need not)."""
-    eval_plan: tuple = ()
-    """The held-out samples' planned batches (small: ``data.eval_samples`` samples)."""
-    progress: object = None
-    """The driver's progress board actor: rank 0 tells the bar about each step."""
-    renderer: object = None
-    """The validation render actor: rank 0 queues renders on it."""
-
-
-LOOP_KEY = "loop"
-"""The one key of ``train_loop_config`` (Ray Train takes a dict): its :class:`LoopConfig`."""
 
 
 @dataclass

@@ -16,7 +16,8 @@ from rayflux.config.optimizer import refusal as optimizer_refusal
 from rayflux.models import ModelFacts
 from rayflux.train import batching, commits, metrics, renderer
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
-from rayflux.train.loop import LOOP_KEY, LoopConfig, train_loop_per_worker
+from rayflux.train.loop import train_loop_per_worker
+from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 
 log = logging.getLogger(__name__)
 
