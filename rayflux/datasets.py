@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rayflux.config.data import MASK_KEYS, TRAINING_ONLY_KEYS, DataConfig, DatasetConfig, datasets_of, default_name
+from rayflux.config import identity
+from rayflux.config.data import MASK_KEYS, DataConfig, DatasetConfig, datasets_of, default_name
 
 
 def images_key(data: DataConfig, index: int) -> str:
@@ -36,17 +37,17 @@ def key(data: DataConfig, ds: DatasetConfig) -> str:
 
 
 def cache_identity(ds: DatasetConfig, canonical_images_dir: str) -> dict:
-    """The parts of a dataset that decide what its cache holds: everything except how often samples are used and how
-    its loss is weighted; without masks, none of the mask keys (so older caches keep their key)."""
+    """The parts of a dataset that decide what its cache holds: the fields that declare so
+    (:data:`rayflux.config.identity.CACHED`), its folders in their one canonical form; without masks, none of the
+    mask keys (:data:`~rayflux.config.data.MASK_KEYS`)."""
     from rayflux.storage import canonical
 
-    d = dataclasses.asdict(ds)
-    for key in TRAINING_ONLY_KEYS + (MASK_KEYS if ds.mask == "none" else ()):
-        d.pop(key)
-    if d.get("mask_dir"):
+    d = identity.values(ds, "cache")
+    if ds.mask == "none":
+        d = {k: v for k, v in d.items() if k not in MASK_KEYS}
+    elif ds.mask_dir:
         d["mask_dir"] = canonical(ds.mask_dir)
-    d["images_dir"] = canonical_images_dir
-    return d
+    return {**d, "images_dir": canonical_images_dir}
 
 
 def sample_weights(data: DataConfig) -> dict[str, tuple[int, float]]:

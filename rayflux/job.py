@@ -124,27 +124,27 @@ def cluster_has_gpus() -> bool:
 
 
 def run_identity(cfg: JobConfig) -> str:
-    """What makes a run the same run: everything but resources and length, which may change between reruns."""
+    """What makes a run the same run: every config field that declares itself part of it (all but ``UNTRACKED``,
+    :mod:`rayflux.config.identity`); resources, feed tuning, run length and what is written beside the weights may
+    change between reruns."""
+    import dataclasses
     import hashlib
     import json
 
-    d = cfg.to_dict()
-    # Resources, feed tuning, run length, and what is written beside the weights (checkpoint cadence, validation,
-    # file format) may change between reruns without changing what is being trained.
-    for key in ("num_workers", "cpus_per_worker", "use_gpu", "log_every", "report_seconds", "epochs", "max_steps",
-                "checkpoint_every", "checkpoints_to_keep", "output_format", "validation_prompts", "validation_every",
-                "validation_inference_steps", "validation_guidance", "eval_every", "eval_sigmas",
-                "accelerator_type", "worker_resources", "max_failures", "resize_check_seconds", "batches_per_read",
-                "prefetch_reads"):  # fmt: skip
-        d["train"].pop(key, None)
+    from rayflux.config import identity
+
+    ident = {}
+    for f in dataclasses.fields(cfg):
+        fields = identity.values(getattr(cfg, f.name), "cache", "captions", "run")
+        if fields:
+            ident[f.name] = fields
     if all(ds.mask == "none" for ds in datasets.datasets_of(cfg.data)):
         # Without masks their keys say nothing: runs started before masks existed keep their identity.
         from rayflux.config.data import MASK_KEYS
 
-        for key in (*MASK_KEYS, "mask_floor"):
-            d["data"].pop(key, None)
-    ident = {"data": d["data"], "model": d["model"], "train": d["train"]}
-    ident["cache"] = {k: d["cache"][k] for k in ("refresh", "seed", "dtype")}
+        for part in (ident["data"], *ident["data"].get("datasets", [])):
+            for key in MASK_KEYS:
+                part.pop(key, None)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -216,7 +216,7 @@ class _Stages:
             log.info("cache generation %d is committed and up to date (%s); nothing to encode", g, gen_dir)
             if not self.ledger.done(f"cache:g{g}", gen_dir):
                 entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, reused=True)
-                self.ledger.finish(entry, cached=manifest["cached"])
+                self.ledger.finish(entry, cached=manifest.cached)
             return manifest
         if storage.exists(gen_dir):
             # Left half-built (or retired) by an earlier, interrupted run: nothing committed reads it, so drop it.
@@ -228,7 +228,7 @@ class _Stages:
         # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
         manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
-        self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest["cached"])
+        self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)
         return manifest
 
     def retire(self, g: int) -> None:
@@ -324,12 +324,13 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
     first_g = (pending[0] if pending else segs[-1]).generation
     first = stages.generation(first_g)
-    summary.cache_dir = first["dir"]
-    summary.discovered, summary.cached, summary.skipped = first["discovered"], first["cached"], first["skipped"]
-    _account(summary, cfg, stages.discoveries[first_g], first["dir"])
+    summary.cache_dir = first.dir
+    counts = first.skip_counts()
+    summary.discovered, summary.cached, summary.skipped = counts.discovered, counts.cached, counts.skipped
+    _account(summary, cfg, stages.discoveries[first_g], first.dir)
     if only == "cache":
         return summary
-    if first["cached"] == 0:
+    if first.cached == 0:
         raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
 
     from rayflux.train import lora_files
@@ -341,11 +342,11 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
             nxt = segs[seg.index + 1] if seg.index + 1 < len(segs) else None
             name = f"train:seg{seg.index}"
             manifest = stages.generation(seg.generation)
-            summary.generations.append(manifest["dir"])
+            summary.generations.append(manifest.dir)
             prebuild = None
             if nxt is not None and nxt.generation != seg.generation and stages.room_for_overlap():
                 prebuild = pool.submit(stages.generation, nxt.generation)
-            entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest["dir"])
+            entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest.dir)
             t0 = time.perf_counter()
             result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
             summary.stage_seconds[name] = time.perf_counter() - t0

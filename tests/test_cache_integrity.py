@@ -42,8 +42,9 @@ def test_a_changed_latent_is_caught_by_a_read_and_by_verify_but_not_by_quick(bui
     refs = _samples(gen, 3)
     _read(refs)  # intact: reads
     bad = refs[1]
-    cache_sets.scale_one_value(bad.file, bad.offset, bad.length)
-    span = f"bytes {bad.offset}..{bad.offset + bad.length}"
+    at = bad.range("latent")
+    cache_sets.scale_one_value(bad.file, at.offset, at.length)
+    span = f"bytes {at.offset}..{at.offset + at.length}"
     with pytest.raises(CacheIntegrityError) as exc:
         _read(refs)
     for part in (bad.file, span, f"latent of sample {bad.sample_id} ({bad.source})", f"cache verify {gen}`"):
@@ -95,7 +96,7 @@ def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(b
     gen = tmp_path / "cache" / Path(built.gen_dir).parent.name / Path(built.gen_dir).name
     refs = batching.index_samples(generations.load_manifest(str(gen)))
     bad = refs[len(refs) // 2]
-    cache_sets.scale_one_value(bad.file, bad.offset, bad.length)
+    cache_sets.scale_one_value(bad.file, bad.range("latent").offset, bad.range("latent").length)
     sets = [f"model.path={tiny_model}", f"data.images_dir={built.images}", f"cache.dir={tmp_path / 'cache'}",
             f"run.output_dir={tmp_path / 'run'}", "data.resolution=128", f"data.max_image_pixels={cache_sets.MAX_PIXELS}",
             "cache.batch_size=8", "data.missing_caption=filename", "train.epochs=1", "train.batch_size=1",
@@ -126,7 +127,8 @@ def test_a_cache_written_before_checksums_is_named_by_verify_and_not_reused(buil
     assert {"t5_crc32", "clip_crc32"} <= set(manifest["empty_caption"])
     (gen / generations.MANIFEST).write_text(json.dumps({**manifest, "schema_version": 6}))
     code, text = _verify(gen)
-    assert code == 1 and "schema version 6; this rayflux reads 7 (a run of the job builds a new cache" in text
+    reads = f"schema version 6; this rayflux reads {shards.SCHEMA_VERSION} (a run of the job builds a new cache"
+    assert code == 1 and reads in text
     today = stage.cache_key(built.cfg, built.facts)
     monkeypatch.setattr(shards, "SCHEMA_VERSION", 6)
     assert stage.cache_key(built.cfg, built.facts) != today

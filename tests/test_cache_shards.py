@@ -225,3 +225,36 @@ def test_exif_orientation_is_applied_before_bucketing(built, rows):
     (r,) = [r for r in rows if r["rel_path"] == "exif/rotated.jpg"]
     assert (r["orig_w"], r["orig_h"]) == (128, 192)  # stored 192x128, shown upright as portrait
     assert r["target_h"] > r["target_w"]
+
+
+def test_a_declared_dummy_tensor_reaches_the_steps_batch(ray_session, tiny_model, tmp_path, monkeypatch):
+    """Adding a per-sample tensor costs its declaration, a producer and a consumer, all in this test: a real build
+    writes it in each row with its byte range in the index (the writer's check included), and a real read brings it
+    to the step's batch beside the latent, from the same ranged read."""
+    from rayflux.cache import layout
+    from rayflux.train import batching, step
+
+    def produce(row: dict) -> bytes:  # the producer: a value the consumer can recompute from the row
+        return np.full((2, row["latent_h"], row["latent_w"]), row["orig_w"] % 97, np.float32).tobytes()
+
+    dummy = layout.SampleTensor("dummy", (2, "h", "w"), key="dummy_", dtype="float32", produce=produce)
+    monkeypatch.setattr(layout, "SAMPLE_TENSORS", (*layout.SAMPLE_TENSORS, dummy))  # the declaration
+    images = tmp_path / "images"
+    images.mkdir()
+    for k, (w, h) in enumerate([(96, 64), (64, 64), (100, 64)]):
+        cache_sets.picture(w, h, k).save(images / f"{k}.png")
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64", "data.missing_caption=filename")
+    _, manifest = cache_sets.build(cfg)
+    refs = {r.sample_id: r for r in batching.index_samples(manifest)}
+    orig_w = {r["sample_id"]: r["orig_w"] for r in cache_sets.generation_rows(manifest)}
+    plan, _ = batching.plan_epoch(list(refs.values()), 1, seed=0, epoch=0, world_size=1)
+    assert len(plan) == 3
+    for item in plan:
+        row = batching.load_batch({**item, "step": 0, "total_steps": 1})
+        batch = step.from_item(row)
+        got = batch.tensors["dummy"]  # the consumer
+        (sid,) = json.loads(row["sample_ids"])
+        assert got.shape == (1, 2, *batch.latents.shape[2:]) and bool((got == orig_w[sid] % 97).all())
+        latent, extra = refs[sid].range("latent"), refs[sid].range("dummy")
+        assert extra.length == got.numel() * 4 and row["read_requests"] <= 2  # the latent's read, and its caption's
+        assert 0 < extra.offset - latent.offset - latent.length < 1024  # the same row group, right after the latent

@@ -93,7 +93,8 @@ def test_a_batch_says_what_reading_it_cost_and_a_run_of_neighbours_is_one_read(b
     # Again, the captions now come from the process's cache: only the latents are read. The holes between them
     # (the rows' other columns, about 1.3 KB here) are more than 5% of three 4 KiB latents, so each is its own GET;
     # with the captions' bytes in the same read they were not (and at 1024 px a latent is 512 KiB).
-    holes = sum(b.offset - a.offset - a.length for a, b in zip(run, run[1:]))
+    at = [r.range("latent") for r in run]
+    holes = sum(b.offset - a.offset - a.length for a, b in zip(at, at[1:]))
     assert holes > ranges.WASTE * 3 * latent_bytes
     again = load_batch(_batch_item(run))
     assert again["tensor_bytes"] == used and again["read_requests"] == 3 and again["read_bytes"] == 3 * latent_bytes
@@ -115,7 +116,7 @@ def test_truncated_tensor_bytes_are_named_at_train_time(built, tmp_path):
     gen = cache_sets.copy_generation(built, tmp_path)
     refs = _refs(gen, "128x128", 2)
     bad = _rows(gen)[refs[0].sample_id]
-    _edit_index(gen, bad["sample_id"], length=refs[0].length - 4)
+    _edit_index(gen, bad["sample_id"], length=refs[0].range("latent").length - 4)
     with pytest.raises(CacheShapeError) as exc:
         load_batch(_batch_item(_refs(gen, "128x128", 2)))
     _expect_named(exc, bad, "latent bytes", "expected 4096", "got 4092")
@@ -131,10 +132,10 @@ def test_non_finite_bytes_in_a_shard_are_named_at_train_time(built, tmp_path):
     (ref,) = _refs(gen, "128x128", 1)
     bad = _rows(gen)[ref.sample_id]
     with open(ref.file, "r+b") as f:
-        f.seek(ref.offset)
+        f.seek(ref.range("latent").offset)
         f.write(np.full(4, np.nan, np.float32).tobytes())
-        f.seek(ref.offset)
-        crc = zlib.crc32(f.read(ref.length))
+        f.seek(ref.range("latent").offset)
+        crc = zlib.crc32(f.read(ref.range("latent").length))
     _edit_index(gen, bad["sample_id"], crc32=crc)
     with pytest.raises(CacheShapeError) as exc:
         load_batch(_batch_item(_refs(gen, "128x128", 1)))

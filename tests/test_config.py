@@ -123,3 +123,24 @@ def test_kohya_and_simpletuner_names_are_aliases(tmp_path):
     assert all(own in {f.name for f in dataclasses.fields(config.SECTIONS[section])}
                for (section, _), own in config.ALIASES.items())  # fmt: skip
     assert "train.network_dim -> train.rank" in config.help_text()
+
+
+def test_every_config_field_declares_its_identity():
+    """The cache key and the run identity are read from each field's own declaration (rayflux.config.identity), so a
+    field that declares nothing would silently be left out of both: every field of every section must declare one."""
+    from rayflux.config import identity
+
+    for section, cls in config.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert identity.kind(f) in identity.KINDS, f"{section}.{f.name} declares no identity (field metadata)"
+    # The declarations are what the identities are made of: a caption setting changes the run, not the cache key's
+    # dataset identity; a bucket knob changes both; a resource neither.
+    from rayflux import datasets
+    from rayflux.job import run_identity
+
+    base = config.load(None, [])
+    for sets, cached, run in ((["data.caption_ext=.caption"], False, True), (["data.crop=random"], True, True),
+                              (["train.num_workers=4"], False, False)):  # fmt: skip
+        cfg = config.load(None, sets)
+        ident = [datasets.cache_identity(c.data, "/x") for c in (base, cfg)]
+        assert (ident[0] != ident[1], run_identity(base) != run_identity(cfg)) == (cached, run), sets

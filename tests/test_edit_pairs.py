@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rayflux import buckets, config
+from rayflux.cache.layout import decode_planned
 from rayflux.cache.prepare import prepare_row
 from rayflux.discovery.in_process import discover
 
@@ -205,11 +206,12 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
     from rayflux.train import batching
 
     ref = batching.index_samples(manifest)[0]
-    cache_sets.scale_one_value(ref.file, ref.ref_offset, ref.ref_length)
+    at = ref.range("ref_latent")
+    cache_sets.scale_one_value(ref.file, at.offset, at.length)
     (item,), _ = batching.plan_epoch([ref], 1, seed=0, epoch=0, world_size=1)
     with pytest.raises(CacheIntegrityError) as exc:
         batching.load_batch({**item, "step": 0, "total_steps": 1})
-    span = f"bytes {ref.ref_offset}..{ref.ref_offset + ref.ref_length} (ref_latent of sample {ref.sample_id}"
+    span = f"bytes {at.offset}..{at.offset + at.length} (ref_latent of sample {ref.sample_id}"
     assert ref.file in str(exc.value) and span in str(exc.value)
     out = io.StringIO()
     assert verify.main([gen_dir], out=out) == 1
@@ -298,15 +300,17 @@ def test_plan_groups_edits_by_reference_count_and_a_batch_row_carries_its_refere
     plan, dropped = batching.plan_epoch(refs, 4, seed=1, epoch=0, world_size=1)
     assert dropped == 0 and len(plan) == 3
     for b in plan:
-        assert len({r[9] for r in json.loads(b["refs"])}) == 1  # one reference count per batch
+        assert len({r.ref_count for r in decode_planned(b["refs"])}) == 1  # one reference count per batch
     counts = batching.epoch_counts({"64x64": 4, "64x64+1ref": 4, "64x64+2ref": 4}, 4, 1, 0, 1)
     assert counts == {"samples": 12, "dropped": 0, "batches": 3}
     lat = [np.full((4, 2, 2), i, np.float32) for i in range(2)]
     text = {"t5": [np.zeros((3, 2), np.float32)] * 2, "clip_pooled": [np.zeros(2, np.float32)] * 2}
     item = {"epoch": 0, "index": 0, "seed": 5, "step": 0, "total_steps": 1, "bucket": "32x32"}
-    edit = step.from_item(batching.stack_batch(item, 0, ["a", "b"], lat, text, None, [x[None] + 10 for x in lat]))
+    refs = [x[None] + 10 for x in lat]
+    edit = step.from_item(batching.stack_batch(item, 0, ["a", "b"], {"latent": lat, "ref_latent": refs}, text))
     assert edit.references.shape == (2, 1, 4, 2, 2) and torch.equal(edit.references[:, 0], edit.latents + 10)
-    assert step.from_item(batching.stack_batch(item, 0, ["a", "b"], lat, text)).references is None
+    plain = batching.stack_batch(item, 0, ["a", "b"], {"latent": lat, "ref_latent": None}, text)
+    assert step.from_item(plain).references is None
 
 
 def test_an_edit_with_more_references_than_the_family_takes_is_refused():
@@ -346,7 +350,8 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
     # The feed: each sample's reference latents come back with its latent, from one range of its shard.
     manifest = generations.load_manifest(summary.cache_dir)
     samples = batching.index_samples(manifest)
-    assert all(r.ref_count == 1 and 0 <= r.ref_offset - (r.offset + r.length) <= ranges.HOLE for r in samples)
+    assert all(r.ref_count == 1 and 0 <= r.range("ref_latent").offset - sum(r.range("latent")[:2]) <= ranges.HOLE
+               for r in samples)
     plan, _ = batching.plan_epoch(samples, 1, seed=0, epoch=0, world_size=1)
     rows = {r["sample_id"]: r for r in cache_sets.generation_rows(manifest)}
     layout_dtype = manifest["layout"]["dtype"]
@@ -354,7 +359,7 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
     family = models.family(cfg.model)
     for item in plan:
         batch = step.from_item(batching.load_batch({**item, "step": 0, "total_steps": 1}))
-        row = rows[json.loads(item["refs"])[0][2]]
+        row = rows[decode_planned(item["refs"])[0].sample_id]
         want = tensors.from_bytes_numpy(row["ref_latent"], layout_dtype, batch.references.shape[1:])
         assert np.array_equal(batch.references.numpy()[0], want.astype(np.float32))
         # The step feeds them: the same noise and sigma give another loss without them.

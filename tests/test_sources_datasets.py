@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from rayflux.cache.layout import decode_planned
 from rayflux import buckets, config, datasets, storage
 from rayflux.cache import generations, shards
 from rayflux.cache.stage import bucket_spec
@@ -173,7 +174,7 @@ def _generation(gen_dir, parts) -> dict:
         samples.add(index.from_ipc(meta["index"][0]))
         files.append({"path": meta["path"][0], "rows": n, "bytes": meta["bytes"][0]})
     manifest = {"files": files, "text_files": [{"path": tmeta["path"][0], "rows": 1, "bytes": tmeta["bytes"][0]}],
-                "layout": dataclasses.asdict(layout), "empty_caption": captions.empty}  # fmt: skip
+                "layout": layout.to_json(), "empty_caption": captions.empty}  # fmt: skip
     manifest["index"] = {"samples": samples.commit(str(gen_dir)), "captions": captions.commit(str(gen_dir))}
     generations.commit(str(gen_dir), manifest, [], "0123456789abcdef")
     return generations.load_manifest(str(gen_dir))
@@ -192,7 +193,7 @@ def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
     planned, dropped = batching.plan_epoch(refs, batch_size=7, seed=1, epoch=0, world_size=1)
     assert dropped == 0 and len(planned) == 1
     # Seed 1 puts the reg sample mid-batch, in another file than its neighbours: weights must follow it.
-    assert [r[2] for r in json.loads(planned[0]["refs"])].index("r0") < 6
+    assert [r.sample_id for r in decode_planned(planned[0]["refs"])].index("r0") < 6
     batch = batching.load_batch({**planned[0], "step": 1, "total_steps": 1})
     latents = np.frombuffer(batch["latent"], np.float32).reshape(json.loads(batch["latent_shape"]))
     weights = json.loads(batch["weights"])

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rayflux.cache.layout import decode_planned
 from rayflux.train import batching, step
 
 
@@ -38,7 +39,7 @@ def test_plan_is_bucket_pure_and_equal_per_rank(bucket_sizes, batch_size, world,
     assert len(per_rank[0]) % accumulation == 0  # ...forming whole optimizer steps
     ids = []
     for b in plan:
-        members = [ref[2] for ref in json.loads(b["refs"])]  # [file, row, sample_id, ...where its bytes are]
+        members = [ref.sample_id for ref in decode_planned(b["refs"])]  # [file, row, sample_id, ...where its bytes are]
         assert {bucket_of[s] for s in members} == {b["bucket"]}  # one bucket per batch
         assert 1 <= len(members) == b["size"] <= batch_size
         ids.extend(members)
@@ -73,7 +74,7 @@ def test_stacked_row_round_trips_to_tensors():
     t5 = [np.full((7, 3), 10 + i, np.float32) for i in range(2)]
     clip = [np.full((3,), 20 + i, np.float32) for i in range(2)]
     plan = {"epoch": 1, "index": 4, "seed": 99, "step": 3, "total_steps": 8, "bucket": "80x48"}
-    row = batching.stack_batch(plan, 2, ["a", "b"], lat, {"t5": t5, "clip_pooled": clip})
+    row = batching.stack_batch(plan, 2, ["a", "b"], {"latent": lat}, {"t5": t5, "clip_pooled": clip})
     batch = step.from_item(row)
     assert batch.seed == 99 and row["size"] == 2 and json.loads(row["sample_ids"]) == ["a", "b"]
     assert (row["step"], row["total_steps"], row["generation"]) == (3, 8, 2)
@@ -93,7 +94,7 @@ def test_repeats_are_spread_so_no_batch_holds_a_sample_twice(unique, repeats, ba
     """kohya's and SimpleTuner's repeats mean more variety per epoch, not copies inside one batch."""
     refs = [r for r in _refs([unique]) for _ in range(repeats)]  # as rayflux.datasets.mix repeats them
     plan, dropped = batching.plan_epoch(refs, batch_size, 7, epoch, world_size=1)
-    batches = [[ref[2] for ref in json.loads(b["refs"])] for b in plan]
+    batches = [[ref.sample_id for ref in decode_planned(b["refs"])] for b in plan]
     assert sorted(s for b in batches for s in b) == sorted(r.sample_id for r in refs) and dropped == 0
     if repeats <= len(batches) - 1:  # enough batches to keep the copies apart
         assert all(len(set(b)) == len(b) for b in batches), batches
@@ -106,4 +107,4 @@ def test_read_run_one_is_a_per_sample_shuffle_of_the_storage_order():
     members = sorted(refs, key=lambda r: (r.file, r.row))
     batching._rng(3, 0, refs[0].bucket).shuffle(members)
     cut = [[r.sample_id for r in members[i : i + 4]] for i in range(0, 9, 4)]
-    assert sorted([ref[2] for ref in json.loads(b["refs"])] for b in plan) == sorted(cut)
+    assert sorted([ref.sample_id for ref in decode_planned(b["refs"])] for b in plan) == sorted(cut)

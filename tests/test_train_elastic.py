@@ -7,6 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rayflux.cache.layout import decode_planned
 from rayflux.train import batching, elastic
 from rayflux.train.checkpoint import Progress
 from rayflux.train.loop import grouped
@@ -21,7 +22,7 @@ def _run(refs, batch_size, epochs, accumulation, world, saved, steps_allowed):
     record) and the training loop steps; returns the new position record and the steps' log records."""
     per_rank = elastic.plan_rows(refs, batch_size, 0, (0, epochs), epochs, world, accumulation, saved)
     # What the feed's read adds to each planned row that the loop's digest records: the batch's sample ids.
-    per_rank = [[{**r, "sample_ids": json.dumps([x[2] for x in json.loads(r["refs"])])} for r in rows]
+    per_rank = [[{**r, "sample_ids": json.dumps([x.sample_id for x in decode_planned(r["refs"])])} for r in rows]
                 for rows in per_rank]  # fmt: skip
     resume = {row["resume_step"] for rows in per_rank for row in rows}
     assert resume <= {saved["step"] if saved else 0}, "rows disagree on the restored step"

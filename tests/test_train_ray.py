@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rayflux.cache.layout import decode_planned
 from rayflux import config, datasets, job, models
 from rayflux.cache import generations
 from rayflux.testing.images import write_images
@@ -134,10 +135,10 @@ def test_uneven_buckets_give_both_ranks_the_same_steps_and_pure_batches(cache, f
     for epoch in (0, 1):
         planned = batching.plan_epoch(refs, 2, 0, epoch, 2, 2)[0]
         trained = [planned[h["index"] + k] for h in result.history if h["epoch"] == epoch for k in range(h["span"])]
-        samples = [s[2] for b in trained for s in json.loads(b["refs"])]
+        samples = [s.sample_id for b in trained for s in decode_planned(b["refs"])]
         assert len(samples) == len(set(samples)) == result.epoch_counts[epoch]["samples"]
         assert sum(h["samples"] for h in result.history if h["epoch"] == epoch) == len(samples)
-        assert all(len({bucket_of[s[2]] for s in json.loads(b["refs"])}) == 1 for b in trained)
+        assert all(len({bucket_of[s.sample_id] for s in decode_planned(b["refs"])}) == 1 for b in trained)
         assert {b["size"] for b in trained} == {1, 2}  # uneven buckets: some batches are a bucket's short remainder
         assert result.epoch_counts[epoch]["batches"] == 8 and result.epoch_counts[epoch]["dropped"] > 0
     digests = checkpoint.read_digests(result.checkpoint_dir)
@@ -363,7 +364,7 @@ def test_held_out_samples_are_listed_and_never_trained(cache, evaluated):
     for rank, mine in enumerate(rows):
         digest = ""
         for row in mine:
-            row = {**row, "sample_ids": json.dumps([ref[2] for ref in json.loads(row["refs"])])}
+            row = {**row, "sample_ids": json.dumps([ref.sample_id for ref in decode_planned(row["refs"])])}
             digest = checkpoint.chain(digest, checkpoint.batch_key(row["step"], row))
         want[rank] = digest
     assert (first.steps, second.steps) == (3, 6)

@@ -1,11 +1,11 @@
 """Read runs: batches filled with shuffled runs of storage neighbours (rayflux.train.runs), as plan_epoch plans them."""
 
-import json
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rayflux.cache.layout import decode_planned
 from rayflux.train import batching, runs
 
 
@@ -19,7 +19,7 @@ def _refs(per_file: list[int], bucket: str = "64x64", every: int = 1) -> list[ba
 
 
 def _batches(plan) -> list[list[tuple[str, int]]]:
-    return [[(ref[0], ref[1]) for ref in json.loads(b["refs"])] for b in plan]  # (file, row)
+    return [[(ref.file, ref.row) for ref in decode_planned(b["refs"])] for b in plan]  # (file, row)
 
 
 def _pieces(batch: list[tuple[str, int]], rows_of: dict) -> int:
@@ -100,7 +100,7 @@ def test_repeats_are_spread_over_batches(plain, repeated, repeats, batch_size, k
     many = [batching.SampleRef(f"r-{i}", "64x64", "shard-r.parquet", i) for i in range(repeated)]
     refs = once + [r for r in many for _ in range(repeats)]
     plan, dropped = batching.plan_epoch(refs, batch_size, 7, epoch, world_size=1, read_run=k)
-    batches = [[ref[2] for ref in json.loads(b["refs"])] for b in plan]
+    batches = [[ref.sample_id for ref in decode_planned(b["refs"])] for b in plan]
     assert sorted(s for b in batches for s in b) == sorted(r.sample_id for r in refs) and dropped == 0
     if len(batches) >= repeats + 1:
         assert all(len(set(b)) == len(b) for b in batches), batches
@@ -111,7 +111,7 @@ def test_repeated_runs_stay_runs():
     """With every sample repeated, each copy of a run still reads as one run."""
     many = [batching.SampleRef(f"r-{i}", "64x64", "shard.parquet", i) for i in range(32)]
     refs = [r for r in many for _ in range(3)]
-    batches = [sorted(ref[1] for ref in json.loads(b["refs"])) for b in batching.plan_epoch(refs, 8, 3, 0, 1)[0]]
+    batches = [sorted(ref.row for ref in decode_planned(b["refs"])) for b in batching.plan_epoch(refs, 8, 3, 0, 1)[0]]
     assert all(len(set(b)) == 8 for b in batches)
     assert all(len({row // 4 for row in b}) == 2 for b in batches)  # two runs of 4 neighbours, whole
 
@@ -133,8 +133,8 @@ def test_held_out_samples_are_stable_and_never_planned():
     ids = {r.sample_id for r in held}
     for world in (1, 2, 3):
         planned = batching.plan_epoch(train, 2, 0, 0, world)[0]
-        assert not ids & {ref[2] for b in planned for ref in json.loads(b["refs"])}
+        assert not ids & {ref.sample_id for b in planned for ref in decode_planned(b["refs"])}
     plan = batching.plan_eval(held, 3)
-    assert sorted(ref[2] for b in plan for ref in json.loads(b["refs"])) == sorted(ids)
-    assert all(len({ref[2].split("-")[0] for ref in json.loads(b["refs"])}) == 1 for b in plan)
+    assert sorted(ref.sample_id for b in plan for ref in decode_planned(b["refs"])) == sorted(ids)
+    assert all(len({ref.sample_id.split("-")[0] for ref in decode_planned(b["refs"])}) == 1 for b in plan)
     assert batching.split_held_out(refs, 0, seed=7) == (refs, [])

@@ -31,7 +31,7 @@ def items(n: int, batch_size: int = 2, seed: int = 0) -> list[dict]:
         clip = [torch.randn(CLIP, generator=g).numpy() for _ in range(batch_size)]
         plan = {"epoch": 0, "index": i, "seed": 1000 + i, "step": i + 1, "total_steps": n, "bucket": "64x64"}
         ids = [f"sample-{i}-{j}" for j in range(batch_size)]
-        out.append(batching.stack_batch(plan, 0, ids, lat, {"t5": t5, "clip_pooled": clip}))
+        out.append(batching.stack_batch(plan, 0, ids, {"latent": lat}, {"t5": t5, "clip_pooled": clip}))
     return out
 
 

@@ -26,6 +26,7 @@ import time
 import pyarrow.fs as pafs
 
 from rayflux import storage
+from rayflux.cache.manifest import Manifest
 
 log = logging.getLogger("rayflux")
 
@@ -53,9 +54,7 @@ def generation_name(gen_dir: str) -> str:
 
 def listed(manifest: dict) -> set[str]:
     """Every file a committed generation's directory holds, relative to it: what its manifest lists."""
-    files = {f["path"] for f in manifest.get("files", []) + manifest.get("text_files", [])}
-    files |= {e["path"] for e in manifest.get("index", {}).values()}
-    return files | {SKIPPED, MANIFEST}
+    return Manifest.of(manifest).listed() | {SKIPPED, MANIFEST}
 
 
 def files_in(gen_dir: str) -> list[str]:
@@ -73,7 +72,7 @@ def _remove_empty_dirs(root: str) -> None:
             os.rmdir(parent)
 
 
-def commit(gen_dir: str, manifest: dict, skipped: list[dict], build: str) -> dict:
+def commit(gen_dir: str, manifest: dict, skipped: list[dict], build: str) -> Manifest:
     """Write the skipped report, remove every file of build ``build`` the manifest does not list, then create the
     manifest (the commit point) unless another build of this generation committed first. Returns the committed
     manifest: this one as written, or the winner's (this build's files removed).
@@ -85,14 +84,14 @@ def commit(gen_dir: str, manifest: dict, skipped: list[dict], build: str) -> dic
         storage.join(gen_dir, SKIPPED), "".join(json.dumps(s, sort_keys=True) + "\n" for s in skipped).encode()
     )
     _remove_own(gen_dir, build, keep=listed(manifest))
-    manifest = {**manifest, "committed_at": time.time()}
+    manifest = Manifest({**manifest, "committed_at": time.time()})
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if storage.create_exclusive(storage.join(gen_dir, MANIFEST), data):
         return manifest
     _remove_own(gen_dir, build, keep=set())
     winner = load_manifest(gen_dir)
     log.warning("cache %s: another build (%s) committed this generation first; this build's files are removed and "
-                "its commit is used", gen_dir, winner.get("encode_id"))  # fmt: skip
+                "its commit is used", gen_dir, winner.encode_id)  # fmt: skip
     return winner
 
 
@@ -111,12 +110,13 @@ def missing(manifest: dict, present: set[str]) -> list[str]:
     """The files a committed generation needs that are not in ``present`` (every file under its cache key's
     directory, relative to it: :func:`files_in` of the key's directory): its own listed files and those it
     borrows from earlier generations. Empty when it can be reused."""
-    name = generation_name(manifest["dir"])
-    need = {f"{name}/{rel}" for rel in listed(manifest)} | set(manifest.get("borrowed", []))
+    manifest = Manifest.of(manifest)
+    name = generation_name(manifest.dir)
+    need = {f"{name}/{rel}" for rel in listed(manifest)} | set(manifest.borrowed)
     return sorted(need - present)
 
 
-def load_manifest(gen_dir: str) -> dict | None:
+def load_manifest(gen_dir: str) -> Manifest | None:
     """The committed manifest of a generation, or None when it was never committed.
 
     ``dir`` is set to where the manifest was found, so a cache that was moved or synced elsewhere still reads its
@@ -125,7 +125,7 @@ def load_manifest(gen_dir: str) -> dict | None:
     path = storage.join(gen_dir, MANIFEST)
     if not storage.exists(path):
         return None
-    return {**json.loads(storage.read_bytes(path)), "dir": gen_dir}
+    return Manifest({**json.loads(storage.read_bytes(path)), "dir": gen_dir})
 
 
 def load_skipped(gen_dir: str) -> list[dict]:
@@ -150,7 +150,7 @@ def generation_dirs(key_dir: str) -> list[str]:
     return sorted(found, key=lambda d: (generation_number(d), d))
 
 
-def latest_committed(key_dir: str, exclude: str | set[str] = "") -> dict | None:
+def latest_committed(key_dir: str, exclude: str | set[str] = "") -> Manifest | None:
     """The manifest of the most recently committed, unretired generation of a cache key (other than ``exclude``, a
     generation directory or a set of them).
 
@@ -163,10 +163,10 @@ def latest_committed(key_dir: str, exclude: str | set[str] = "") -> dict | None:
         manifest = load_manifest(gen_dir)
         if manifest is not None:
             found.append(manifest)
-    return max(found, key=lambda m: m["committed_at"], default=None)
+    return max(found, key=lambda m: m.committed_at, default=None)
 
 
-def latest_intact(key_dir: str, present: set[str]) -> tuple[dict | None, dict[str, str]]:
+def latest_intact(key_dir: str, present: set[str]) -> tuple[Manifest | None, dict[str, str]]:
     """(the newest committed generation of a cache key that still holds every file it lists, {generation directory:
     what is missing} for the newer ones that do not). ``present``: every file under ``key_dir`` (one listing)."""
     broken: dict[str, str] = {}
@@ -175,16 +175,18 @@ def latest_intact(key_dir: str, present: set[str]) -> tuple[dict | None, dict[st
         lost = missing(manifest, present) if manifest is not None else []
         if not lost:
             return manifest, broken
-        broken[manifest["dir"]] = f"{len(lost)} of its listed files are missing (first: {lost[0]})"
-        log.warning("cache generation %s: %s; it is not reused", manifest["dir"], broken[manifest["dir"]])
+        broken[manifest.dir] = f"{len(lost)} of its listed files are missing (first: {lost[0]})"
+        log.warning("cache generation %s: %s; it is not reused", manifest.dir, broken[manifest.dir])
 
 
 def sample_files(manifest: dict) -> list[str]:
-    return [storage.join(manifest["dir"], f["path"]) for f in manifest["files"]]
+    manifest = Manifest.of(manifest)
+    return [storage.join(manifest.dir, f["path"]) for f in manifest.shard_files("samples")]
 
 
 def text_files(manifest: dict) -> list[str]:
-    return [storage.join(manifest["dir"], f["path"]) for f in manifest["text_files"]]
+    manifest = Manifest.of(manifest)
+    return [storage.join(manifest.dir, f["path"]) for f in manifest.shard_files("text")]
 
 
 RETIRED = "RETIRED"
@@ -221,7 +223,7 @@ def retire(gen_dir: str) -> None:
             m = load_manifest(d)
             if m is not None:
                 live.append(m)
-    referenced = {f for m in live for f in m.get("borrowed", [])}
+    referenced = {f for m in live for f in m.borrowed}
     for d in retired:
         fs, inner = storage.resolve(d)
         name = generation_name(d)

@@ -23,6 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayflux import storage
+from rayflux.cache import layout as sample_layout
+from rayflux.cache.manifest import Manifest
 
 SAMPLES = "index/samples.parquet"
 CAPTIONS = "index/captions.parquet"
@@ -33,37 +35,46 @@ _LOCATION = [
     ("row", pa.int32()),
 ]
 
-SAMPLE_INDEX = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("dataset", pa.string()),
-        ("bucket", pa.string()),
-        ("latent_c", pa.int32()),
-        ("latent_h", pa.int32()),
-        ("latent_w", pa.int32()),
-        ("caption_id", pa.string()),
-        ("source_uri", pa.string()),
-        ("rel_path", pa.string()),
-        ("source_sha256", pa.string()),
-        ("source_size", pa.int64()),
-        ("source_mtime_ns", pa.int64()),
-        ("orig_w", pa.int32()),
-        ("orig_h", pa.int32()),
-        *_LOCATION,
-        ("offset", pa.int64()),
-        ("length", pa.int64()),
-        ("crc32", pa.uint32()),
-        ("ref_count", pa.int32()),
-        ("ref_offset", pa.int64()),
-        ("ref_length", pa.int64()),
-        ("ref_crc32", pa.uint32()),
-        ("generation", pa.int32()),
-        ("encode_id", pa.string()),
-    ]
-)
-"""One row per sample of the generation. ``generation`` and ``encode_id`` are those of the build that wrote the
-latent, which is an earlier generation's for a reused row. ``crc32`` and ``ref_crc32`` are the checksums of the
-latent's and the reference latents' bytes as the writer wrote them (:mod:`rayflux.cache.integrity`)."""
+def sample_index(samples=None) -> pa.Schema:
+    """One row per sample of the generation: what it is, where its row is, and the byte range and checksum of each
+    declared per-sample tensor (a :class:`~rayflux.cache.layout.SampleTensor`) as ``<key>offset``/``<key>length``/
+    ``<key>crc32`` (the latent's are plain ``offset``/``length``/``crc32``). ``generation`` and ``encode_id`` are
+    those of the build that wrote the row, which is an earlier generation's for a reused row. The checksums are of
+    the tensors' bytes as the writer wrote them (:mod:`rayflux.cache.integrity`)."""
+    samples = sample_layout.SAMPLE_TENSORS if samples is None else samples
+    ranges = [(c, pa.uint32() if c.endswith("crc32") else pa.int64()) for t in samples for c in t.columns()]
+    return pa.schema([*_SAMPLE_FIELDS, *_LOCATION, *[(c, pa.int32()) for c in sample_layout.COUNT_COLUMNS], *ranges,
+                      ("generation", pa.int32()), ("encode_id", pa.string())])  # fmt: skip
+
+
+_SAMPLE_FIELDS = [
+    ("sample_id", pa.string()),
+    ("dataset", pa.string()),
+    ("bucket", pa.string()),
+    ("latent_c", pa.int32()),
+    ("latent_h", pa.int32()),
+    ("latent_w", pa.int32()),
+    ("caption_id", pa.string()),
+    ("source_uri", pa.string()),
+    ("rel_path", pa.string()),
+    ("source_sha256", pa.string()),
+    ("source_size", pa.int64()),
+    ("source_mtime_ns", pa.int64()),
+    ("orig_w", pa.int32()),
+    ("orig_h", pa.int32()),
+]
+"""What a sample is and which generation's use of it the row describes (not where its tensors are)."""
+
+SAMPLE_INDEX = sample_index()
+"""The sample index's columns with the current declarations (:data:`rayflux.cache.layout.SAMPLE_TENSORS`)."""
+
+
+def borrowed_columns(samples) -> list[str]:
+    """The index columns a reused row takes from the earlier generation's index: where its row and tensors are,
+    their shapes, and the build that wrote them."""
+    return ["latent_c", "latent_h", "latent_w", *(n for n, _ in _LOCATION), *sample_layout.COUNT_COLUMNS,
+            *(c for t in samples for c in t.columns()), "generation", "encode_id"]  # fmt: skip
+
 
 def caption_index(text) -> pa.Schema:
     """One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it):
@@ -106,7 +117,7 @@ def relative(gen_dir: str, path: str) -> str:
 
 def resolve(manifest: dict, file: str) -> str:
     """An index ``file`` as a full path or URI, from the manifest's own location."""
-    return storage.join(key_dir(manifest["dir"]), file)
+    return Manifest.of(manifest).resolve(file)
 
 
 ROW_GROUP_ROWS = 4096
@@ -121,9 +132,9 @@ class Sink:
     stream, which keeps nothing per part, turned into the committed Parquet file (row groups of
     :data:`ROW_GROUP_ROWS`) a row group at a time at commit."""
 
-    def __init__(self, kind: str, text=()):
+    def __init__(self, kind: str, text=(), samples=None):
         self.kind = kind
-        self.schema = SAMPLE_INDEX if kind == "samples" else caption_index(text)
+        self.schema = sample_index(samples) if kind == "samples" else caption_index(text)
         fd, self.path = tempfile.mkstemp(prefix=f"rayflux-index-{kind}-", suffix=".arrows")
         self._out = os.fdopen(fd, "wb")
         options = pa.ipc.IpcWriteOptions(compression="zstd")
@@ -214,8 +225,7 @@ def upload(local: str, gen_dir: str, rel: str, rows: int) -> dict:
 def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Table:
     """One of a committed generation's index tables (``samples``, ``captions`` or ``sidecars``), whole or some
     columns."""
-    entry = manifest["index"][kind]
-    fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
+    fs, inner = storage.resolve(Manifest.of(manifest).index_path(kind))
     # One file: a handful of requests however many rows it holds.
     with fs.open_input_file(inner) as f:
         return pq.read_table(f, columns=columns)
@@ -229,7 +239,7 @@ either way (a batch is only what is decoded at once). Measured: BENCHMARKS.md, "
 def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:
     """One of a committed generation's index tables :data:`BATCH_ROWS` rows at a time: for a look-up that keeps only
     some rows, without holding the whole table."""
-    yield from file_batches(storage.join(manifest["dir"], manifest["index"][kind]["path"]))
+    yield from file_batches(Manifest.of(manifest).index_path(kind))
 
 
 def file_batches(path: str) -> Iterator[pa.RecordBatch]:
@@ -241,11 +251,10 @@ def file_batches(path: str) -> Iterator[pa.RecordBatch]:
 
 def caption_table(manifest: dict) -> str:
     """The full path of a committed generation's caption index (one row per caption, with its text)."""
-    return storage.join(manifest["dir"], manifest["index"]["captions"]["path"])
+    return Manifest.of(manifest).index_path("captions")
 
 
 def empty_caption(manifest: dict) -> dict:
     """Where the empty caption's embeddings are (its caption index row), with the file resolved to a full path, the
-    generation's stored ``text_dtype`` and its named text tensors (``text``): what :func:`rayflux.train.captions.load_empty` reads."""
-    return {**manifest["empty_caption"], "file": resolve(manifest, manifest["empty_caption"]["file"]),
-            "text_dtype": manifest["layout"]["dtype"], "text": manifest["layout"]["text"]}  # fmt: skip
+    generation's stored ``text_dtype`` and its named text tensors (``text``): :meth:`Manifest.empty_caption`."""
+    return Manifest.of(manifest).empty_caption()

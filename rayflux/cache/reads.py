@@ -18,21 +18,23 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from rayflux.cache import generations, integrity, ranges, shards, tensors
+from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, decode_planned
 
 TEXT_CACHE_BYTES = 256 << 20
 _text_cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
 _text_cache_bytes = 0
 
 
-def _text_key(loc: list) -> str:
+def _text_key(loc: TextLocator) -> str:
     """The process-wide text cache's key: a caption's id within its text file. The id alone names the caption, not
     the model that embedded it: two caches (other models) of the same captions, read by one long-lived Ray worker,
     must not share entries."""
-    return f"{loc[0]}#{loc[2]}"
+    return f"{loc.file}#{loc.caption_id}"
 
 
 def _keep_text(caption_id: str, text: dict[str, np.ndarray]) -> None:
@@ -76,87 +78,129 @@ def _array(data: bytes, dtype: str, shape, error, what: str, crc: int, at: tuple
     return arr
 
 
+@dataclass
+class _Plan:
+    """One planned batch of a read task: its row, its samples and the layout every row must match."""
+
+    item: dict
+    samples: list[PlannedSample]
+    layout: shards.ShardLayout
+
+
+class _Asks:
+    """The byte ranges a read task fetches, by file, and which batch each one is charged to."""
+
+    def __init__(self):
+        self.tensors: dict[str, list] = {}
+        self.text: dict[str, list] = {}
+        self.sizes: dict[str, int] = {}
+        self.owner: dict = {}
+        self.texts: set[str] = set()
+        self.local: dict[str, dict[str, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
+
+    def add_sample(self, b: int, j: int, s: PlannedSample, layout: shards.ShardLayout) -> None:
+        for t in layout.samples:
+            rng = TensorRange(*s.ranges[t.name])
+            if rng.length:  # an optional tensor the row lacks has nothing to fetch
+                self.tensors.setdefault(s.file, []).append(((b, j, t.name), rng.offset, rng.length))
+                self.owner[(b, j, t.name)] = b
+        self.sizes[s.file] = s.file_bytes
+        loc = TextLocator.decode(s.text)
+        cid = _text_key(loc)
+        if cid in _text_cache:
+            _text_cache.move_to_end(cid)
+            self.local[cid] = _text_cache[cid]
+        elif cid not in self.texts:
+            self.texts.add(cid)
+            asks = self.text.setdefault(loc.file, [])
+            asks.extend(((cid, t.name), p.offset, p.length) for t, p in zip(layout.text, loc.parts))
+            self.owner.update({(cid, t.name): b for t in layout.text})
+            self.sizes[loc.file] = loc.file_bytes
+
+
 def stack_all(items: list[dict], stack) -> list[dict]:
-    """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, latents, text,
-    weights, references)`` for each, ``text`` holding each named text tensor's per-sample arrays and
-    ``references`` each sample's reference latents ``[k, C, H, W]`` (None for a plain batch; see
-    :func:`rayflux.train.batching.stack_batch`)."""
-    plans = [(item, json.loads(item["refs"]), shards.ShardLayout(**json.loads(item["layout"]))) for item in items]
-    lat_asks: dict[str, list] = {}
-    text_asks: dict[str, list] = {}
-    sizes: dict[str, int] = {}
-    texts: dict[str, list] = {}
-    local: dict[str, dict[str, np.ndarray]] = {}  # this call's captions, safe from the cache's eviction
-    owner: dict = {}  # each asked key's batch: a caption's text is fetched for the first batch that needs it
-    for b, (_, refs, layout) in enumerate(plans):
-        for j, (file, _, _, offset, length, file_bytes, _, _, text, ref_count, ref_off, ref_len, *_) in enumerate(refs):
-            lat_asks.setdefault(file, []).append(((b, j), offset, length))
-            owner[(b, j)] = owner[(b, j, "ref")] = b
-            if ref_count:
-                lat_asks[file].append(((b, j, "ref"), ref_off, ref_len))
-            sizes[file] = file_bytes
-            loc = json.loads(text)
-            cid = _text_key(loc)
-            if cid in _text_cache:
-                _text_cache.move_to_end(cid)
-                local[cid] = _text_cache[cid]
-            elif cid not in texts:
-                texts[cid] = loc
-                asks = text_asks.setdefault(loc[0], [])
-                asks.extend(((cid, t.name), off, n) for t, (off, n, *_) in zip(layout.text, loc[3]))
-                owner.update({(cid, t.name): b for t in layout.text})
-                sizes[loc[0]] = loc[1]
-    raw, fetched, requests = _fetch({**text_asks, **lat_asks}, sizes)  # latent and text files never coincide
+    """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, samples, text,
+    weights)`` for each: ``samples`` holds each declared per-sample tensor's per-sample arrays (None for an optional
+    one the batch lacks), ``text`` each named text tensor's (see :func:`rayflux.train.batching.stack_batch`)."""
+    plans = [_Plan(item, decode_planned(item["refs"]), shards.ShardLayout(**json.loads(item["layout"])))
+             for item in items]  # fmt: skip
+    asks = _Asks()
+    for b, plan in enumerate(plans):
+        for j, s in enumerate(plan.samples):
+            asks.add_sample(b, j, s, plan.layout)
+    raw, fetched, requests = _fetch({**asks.text, **asks.tensors}, asks.sizes)  # tensor and text files never coincide
     bytes_read, request_count = [0.0] * len(plans), [0] * len(plans)
     for key, n in fetched.items():
-        bytes_read[owner[key]] += n
+        bytes_read[asks.owner[key]] += n
     for key in requests:
-        request_count[owner[key]] += 1
+        request_count[asks.owner[key]] += 1
     out = []
-    for b, (item, refs, layout) in enumerate(plans):
-        bucket = item["bucket"]
-        want = layout.latent_shape(bucket)
-        lat, sids, references = [], [], []
-        text: dict[str, list] = {t.name: [] for t in layout.text}
-        gen_dir = item["generation_dir"]
-        for j, (file, _, sid, off, _, _, shape, source, where, ref_count, ref_off, _, crc, ref_crc) in enumerate(refs):
-
-            def error(what, expected, actual, sid=sid, source=source):
-                return shards.shape_error(bucket, sid, source, what, expected, actual)
-
-            got = tuple(int(x) for x in shape.split(","))
-            if got != want:
-                raise error("latent shape", want, got)
-            at = (file, off, f"latent of sample {sid} ({source})", gen_dir)
-            lat.append(_array(raw[(b, j)], layout.dtype, want, error, "latent", crc, at))
-            if ref_count != refs[0][9]:
-                raise error("reference count (the batch's)", refs[0][9], ref_count)
-            if ref_count:
-                at = (file, ref_off, f"ref_latent of sample {sid} ({source})", gen_dir)
-                data = raw[(b, j, "ref")]
-                references.append(_array(data, layout.dtype, (ref_count, *want), error, "ref_latent", ref_crc, at))
-            loc = json.loads(where)
-            cid = _text_key(loc)
-            if cid not in local:
-                arrays = {}
-                for t, (t_off, _, dims, t_crc) in zip(layout.text, loc[3]):
-                    if t.length and dims[0] != t.length:
-                        raise error(f"{t.name} length", t.length, dims[0])
-                    at = (loc[0], t_off, f"{t.name} of caption {loc[2]}, used by sample {sid} ({source})", gen_dir)
-                    arrays[t.name] = _array(raw[(cid, t.name)], layout.dtype, dims, error, t.name, t_crc, at)
-                local[cid] = arrays
-                _keep_text(cid, arrays)
-            for name, arr in local[cid].items():
-                if text[name] and arr.shape != text[name][0].shape:
-                    raise error(f"{name} shape", text[name][0].shape, arr.shape)
-                text[name].append(arr)
-            sids.append(sid)
-        weights = json.loads(item["weights"]) if "weights" in item else None
-        gen = generations.generation_number(item["generation_dir"])
-        row = stack(item, gen, sids, lat, text, weights, references or None)
+    for b, plan in enumerate(plans):
+        samples, text, sids = _batch_arrays(b, plan, raw, asks.local)
+        weights = json.loads(plan.item["weights"]) if "weights" in plan.item else None
+        gen = generations.generation_number(plan.item["generation_dir"])
+        row = stack(plan.item, gen, sids, samples, text, weights)
         # What the batch fetched against the stored bytes of every tensor it uses (a cached caption's included).
-        used = [*lat, *references, *(a for arrays in text.values() for a in arrays)]
-        row.update(read_bytes=round(bytes_read[b]), read_requests=request_count[b],
-                   tensor_bytes=sum(tensors.nbytes(a.shape, layout.dtype) for a in used))  # fmt: skip
+        dtypes = {**{t.name: plan.layout.dtype_of(t) for t in plan.layout.samples},
+                  **{t.name: plan.layout.dtype for t in plan.layout.text}}  # fmt: skip
+        used = sum(tensors.nbytes(a.shape, dtypes[name]) for name, arrays in [*samples.items(), *text.items()]
+                   for a in arrays or ())  # fmt: skip
+        row.update(read_bytes=round(bytes_read[b]), read_requests=request_count[b], tensor_bytes=used)
         out.append(row)
     return out
+
+
+def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, dict, list[str]]:
+    """One planned batch's checked arrays: ``({tensor: [array] or None}, {text tensor: [array]}, sample ids)``."""
+    layout, bucket, gen_dir = plan.layout, plan.item["bucket"], plan.item["generation_dir"]
+    want = layout.latent_shape(bucket)
+    first = plan.samples[0]
+    samples: dict[str, list | None] = {t.name: [] for t in layout.samples}
+    text: dict[str, list] = {t.name: [] for t in layout.text}
+    sids = []
+    for j, s in enumerate(plan.samples):
+
+        def error(what, expected, actual, sid=s.sample_id, source=s.source):
+            return shards.shape_error(bucket, sid, source, what, expected, actual)
+
+        got = tuple(int(x) for x in s.latent_shape.split(","))
+        if got != want:
+            raise error("latent shape", want, got)
+        if s.ref_count != first.ref_count:
+            raise error("reference count (the batch's)", first.ref_count, s.ref_count)
+        for t in layout.samples:
+            rng = TensorRange(*s.ranges[t.name])
+            shape = t.shape_of(want, s.counts())
+            if t.optional and (not rng.length or not tensors.nbytes(shape, layout.dtype_of(t))):
+                if samples[t.name]:
+                    raise error(f"{t.name} (the batch's)", "present", "absent")
+                samples[t.name] = None
+                continue
+            if samples[t.name] is None:
+                raise error(f"{t.name} (the batch's)", "absent", "present")
+            at = (s.file, rng.offset, f"{t.name} of sample {s.sample_id} ({s.source})", gen_dir)
+            data = raw[(b, j, t.name)]
+            samples[t.name].append(_array(data, layout.dtype_of(t), shape, error, t.name, rng.crc32, at))
+        for name, arr in _text_arrays(s, layout, raw, local, error, gen_dir).items():
+            if text[name] and arr.shape != text[name][0].shape:
+                raise error(f"{name} shape", text[name][0].shape, arr.shape)
+            text[name].append(arr)
+        sids.append(s.sample_id)
+    return samples, text, sids
+
+
+def _text_arrays(s: PlannedSample, layout, raw: dict, local: dict, error, gen_dir: str) -> dict[str, np.ndarray]:
+    """The checked text tensors of sample ``s``'s caption: read by this call, or kept by this process."""
+    loc = TextLocator.decode(s.text)
+    cid = _text_key(loc)
+    if cid not in local:
+        arrays = {}
+        for t, part in zip(layout.text, loc.parts):
+            if t.length and part.shape[0] != t.length:
+                raise error(f"{t.name} length", t.length, part.shape[0])
+            what = f"{t.name} of caption {loc.caption_id}, used by sample {s.sample_id} ({s.source})"
+            at = (loc.file, part.offset, what, gen_dir)
+            arrays[t.name] = _array(raw[(cid, t.name)], layout.dtype, part.shape, error, t.name, part.crc32, at)
+        local[cid] = arrays
+        _keep_text(cid, arrays)
+    return local[cid]

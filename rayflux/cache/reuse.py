@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayflux.cache import index, integrity
+from rayflux.cache.manifest import Manifest
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Previous:
     """The previous sample index in Ray's object store (an ObjectRef; None when there is none), read there by a
     task: a preparation task looks up its own rows' entries in it (see :func:`rows_for`), and the driver never
     holds it (at real sizes about 0.4 KB an image)."""
-    manifest: dict | None = None
+    manifest: Manifest | None = None
     """The previous generation's manifest (None when there is none): its caption index is read when the text pass's
     input is found (:mod:`rayflux.cache.text_input`, see :meth:`known_captions`)."""
 
@@ -42,7 +43,7 @@ class Previous:
         known = [pa.array([], pa.string())]
         if self.manifest is None:
             return known[0]
-        damage = integrity.load(self.manifest["dir"])
+        damage = integrity.load(self.manifest.dir)
         if damage is not None and damage.captions:  # recorded by cache verify: encoded again, not offered
             ids = pc.filter(ids, pc.invert(pc.is_in(ids, value_set=pa.array(damage.captions, pa.string()))))
         for batch in index.batches(self.manifest, "captions"):
@@ -61,10 +62,11 @@ def load(manifest: dict | None) -> Previous:
         return Previous()
     import ray
 
-    damage = integrity.load(manifest["dir"]) or integrity.Damage()
+    manifest = Manifest.of(manifest)
+    damage = integrity.load(manifest.dir) or integrity.Damage()
     samples, rows = ray.remote(num_returns=2)(_read_samples).remote(manifest, damage.samples)
     ray.get(rows)  # the read's error, if any, here and now rather than in a preparation task
-    return Previous(dir=manifest["dir"], samples=samples, manifest=manifest)
+    return Previous(dir=manifest.dir, samples=samples, manifest=manifest)
 
 
 def _read_samples(manifest: dict, damaged: list[str]) -> tuple[pa.Table, int]:

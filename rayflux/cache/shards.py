@@ -1,137 +1,41 @@
 """Parquet shards: one sample per row, explicit shape columns, validated per bucket as they are written and read.
 
-Any pyarrow reader can rebuild every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to
-``(latent_c, latent_h, latent_w)``; a text row holds the named tensors its model family encodes (the layout's
-``text``), each reshaped by its own shape columns: FLUX.1's ``t5`` to ``(t5_len, t5_dim)`` and ``clip_pooled`` to
-``(clip_dim,)``, FLUX.2's ``prompt_embeds`` to ``(prompt_len, prompt_dim)`` (``bfloat16`` is stored as raw 16-bit
-patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Text embeddings live once per caption in the text
-shards; a sample row names its caption by ``caption_id``.
+The columns and the declared per-sample tensors are :mod:`rayflux.cache.layout`'s. Any pyarrow reader can rebuild
+every tensor: ``np.frombuffer(row["latent"], row["latent_dtype"])`` reshaped to ``(latent_c, latent_h, latent_w)``,
+each other declared tensor by its declaration's shape rule; a text row holds the named tensors its model family
+encodes (the layout's ``text``), each reshaped by its own shape columns: FLUX.1's ``t5`` to ``(t5_len, t5_dim)`` and
+``clip_pooled`` to ``(clip_dim,)``, FLUX.2's ``prompt_embeds`` to ``(prompt_len, prompt_dim)`` (``bfloat16`` is
+stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Text embeddings live once per
+caption in the text shards; a sample row names its caption by ``caption_id``.
 
 Each row is its own Parquet row group, written uncompressed, without dictionaries, as one version-1 data page per
 tensor column, so a tensor's bytes are one contiguous range of the file. :func:`value_ranges` finds those ranges when
 a shard is written (and checks them byte for byte); the generation index records them, and training reads each
-tensor with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet key-value
-metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
+row's tensors with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet
+key-value metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayflux import buckets, storage
+from rayflux import storage
 from rayflux.cache import integrity, tensors
-from rayflux.families.base import TextTensor
-
-# 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards; 5: text tensors by
-# the names and shape columns the model family gives them (the layout's ``text``); 6: edit pairs' reference latents;
-# 7: a checksum per tensor in the generation index (rayflux.cache.integrity)
-SCHEMA_VERSION = 7
-_META_KEY = b"rayflux"
-
-
-def _tensor(name: str) -> pa.Field:
-    # Non-nullable: a missing tensor is an error at write time, and no definition levels are stored per value.
-    return pa.field(name, pa.binary(), nullable=False)
-
-
-SAMPLE_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("source_uri", pa.string()),
-        ("rel_path", pa.string()),
-        ("dataset", pa.string()),
-        ("source_sha256", pa.string()),
-        ("caption", pa.string()),
-        ("caption_id", pa.string()),
-        ("bucket", pa.string()),
-        ("orig_w", pa.int32()),
-        ("orig_h", pa.int32()),
-        ("crop_left", pa.int32()),
-        ("crop_top", pa.int32()),
-        ("crop_w", pa.int32()),
-        ("crop_h", pa.int32()),
-        ("target_w", pa.int32()),
-        ("target_h", pa.int32()),
-        ("latent_c", pa.int32()),
-        ("latent_h", pa.int32()),
-        ("latent_w", pa.int32()),
-        ("latent_dtype", pa.string()),
-        _tensor("latent"),
-        # Edit pairs: ``ref_count`` reference latents of the row's own latent shape, back to back (empty bytes for a
-        # plain sample), and their content hashes, comma-joined in the same order (part of the sample id).
-        ("ref_count", pa.int32()),
-        ("ref_sha256", pa.string()),
-        _tensor("ref_latent"),
-        ("generation", pa.int32()),
-        ("encode_id", pa.string()),
-    ]
-)
-
-
-def text_schema(text: tuple[TextTensor, ...]) -> pa.Schema:
-    """A text shard's columns for the named tensors ``text``: their shape columns, then their bytes."""
-    dims = [(d, pa.int32()) for t in text for d in t.dims]
-    tensors_ = [_tensor(t.name) for t in text]
-    return pa.schema([("caption_id", pa.string()), ("caption", pa.string()), *dims, ("text_dtype", pa.string()),
-                      *tensors_, ("encode_id", pa.string())])  # fmt: skip
-
+from rayflux.cache.layout import (_SAMPLE_COLUMNS, SAMPLE_SCHEMA, SCHEMA_VERSION, ShardLayout, layout_of,  # noqa: F401
+                                  sample_schema, text_schema)
 
 # The only columns worth a dictionary or statistics; on tensor columns both would store each tensor again.
-_STRING_COLUMNS = sorted({f.name for f in SAMPLE_SCHEMA if f.type == pa.string()} | {"text_dtype"})
+_STRING_COLUMNS = sorted({n for n, t in _SAMPLE_COLUMNS if t == pa.string()} | {"text_dtype"})
 _STATS_COLUMNS = ["sample_id", "caption_id"]
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """What every row of a shard must look like; written into the shard's own metadata and into the manifest."""
-
-    kind: str
-    """``samples`` or ``text``."""
-    dtype: str
-    """Stored dtype of every tensor column."""
-    latent_channels: int
-    """VAE latent channels; with ``vae_scale_factor`` and a bucket key it fixes the latent shape."""
-    vae_scale_factor: int
-    """Pixel-to-latent downscale of the VAE."""
-    text: tuple[TextTensor, ...] = ()
-    """The named text tensors of every caption, as the model family encodes them (see
-    :class:`rayflux.families.base.TextTensor`)."""
-    schema_version: int = SCHEMA_VERSION
-    """Version of the column layout above."""
-
-    def __post_init__(self):
-        # A layout read back from JSON (a manifest, a shard's metadata) carries plain dicts and lists.
-        text = tuple(t if isinstance(t, TextTensor) else TextTensor(**t) for t in self.text)
-        object.__setattr__(self, "text", text)
-
-    @property
-    def tensor_columns(self) -> list[str]:
-        """The binary tensor columns of this kind of shard."""
-        return ["latent", "ref_latent"] if self.kind == "samples" else [t.name for t in self.text]
-
-    def latent_shape(self, bucket: str) -> tuple[int, int, int]:
-        return buckets.latent_shape_of(bucket, self.latent_channels, self.vae_scale_factor)
-
-    def schema(self) -> pa.Schema:
-        base = SAMPLE_SCHEMA if self.kind == "samples" else text_schema(self.text)
-        return base.with_metadata({_META_KEY: json.dumps(asdict(self), sort_keys=True).encode()})
-
-
-def layout_of(schema: pa.Schema) -> ShardLayout | None:
-    """The layout a shard's schema carries, or None for a file rayflux did not write."""
-    raw = (schema.metadata or {}).get(_META_KEY)
-    return ShardLayout(**json.loads(raw)) if raw else None
 
 
 class CacheShapeError(ValueError):
@@ -179,12 +83,14 @@ def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values:
         raise error("latent shape", want, got)
     if row["latent_dtype"] != layout.dtype:
         raise error("latent dtype", layout.dtype, row["latent_dtype"])
-    _check_tensor(row, "latent", want, layout.dtype, error, values)
     refs = int(row["ref_count"])
     hashes = [h for h in (row["ref_sha256"] or "").split(",") if h]
     if refs < 0 or len(hashes) != refs:
         raise error("reference hashes for ref_count", refs, len(hashes))
-    _check_tensor(row, "ref_latent", (refs, *want), layout.dtype, error, values)
+    for t in layout.samples:
+        if t.optional and not t.counts() and not row.get(t.name):
+            continue  # a row may lack it
+        _check_tensor(row, t.name, t.shape_of(want, row), layout.dtype_of(t), error, values)
 
 
 def encode_table(table: pa.Table, layout: ShardLayout | None = None) -> bytes:

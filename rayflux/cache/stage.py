@@ -23,36 +23,18 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rayflux import allocator, buckets, datasets, storage
-from rayflux.cache import (
-    fit,
-    generations,
-    index,
-    masks,
-    passes,
-    reuse,
-    shards,
-    staging,
-    stall,
-    text_input,
-    writer,  # fmt: skip
-)
+from rayflux.cache import fit, generations, index, masks, passes, reuse, shards, staging, stall, text_input, writer
+from rayflux.cache import layout as sample_layout
+from rayflux.cache import manifest as manifest_mod
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.prepare import prepare_row
-from rayflux.config import ConfigError, DatasetConfig, JobConfig
+from rayflux.config import ConfigError, DatasetConfig, JobConfig, identity
 from rayflux.discovery import discoveries, sidecars
 from rayflux.discovery.caption_hash import caption_id
 from rayflux.discovery.discoveries import Discovery
 from rayflux.models import ModelFacts
 
 log = logging.getLogger(__name__)
-
-# Data settings that decide which captions a generation holds, not how anything is encoded: a change re-encodes
-# only the captions that changed (incrementally), never the latents, so they stay out of the cache key.
-_CAPTION_SETTINGS = (
-    "caption_strategy", "caption_ext", "metadata_file", "caption_column", "missing_caption", "instance_prompt",
-    "prepend_instance_prompt",
-)  # fmt: skip
-
 
 class BadInputError(ValueError):
     """``cache.strict`` is on and an input could not be cached."""
@@ -103,18 +85,23 @@ def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketS
 
 
 def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
-    """A cache's identity: encoders, preprocessing and shard schema. Anything else never invalidates it."""
-    identities = []
-    for ds in datasets.datasets_of(cfg.data):
-        ident = datasets.cache_identity(ds, storage.canonical(ds.images_dir))
-        identities.append({k: v for k, v in ident.items() if k not in _CAPTION_SETTINGS})
+    """A cache's identity: the encoders (the model's identity, from its files), the shard schema and its declared
+    per-sample tensors, and every config field that declares itself part of it (``CACHED``,
+    :mod:`rayflux.config.identity`): each dataset's, the data section's own, and the cache section's with
+    ``cache.dtype`` resolved. Anything else never invalidates it."""
+    identities = [datasets.cache_identity(ds, storage.canonical(ds.images_dir))
+                  for ds in datasets.datasets_of(cfg.data)]  # fmt: skip
+    own = set(identity.names(DatasetConfig)) | {"datasets"}  # each dataset's are in its identity above
+    data = {k: v for k, v in identity.values(cfg.data, "cache").items() if k not in own}
+    cache = identity.values(dataclasses.replace(cfg.cache, dtype=store_dtype(cfg, use_gpu)), "cache")
     blob = json.dumps(
         {
             "schema": shards.SCHEMA_VERSION,
+            "samples": [t.to_json() for t in sample_layout.SAMPLE_TENSORS],
             "model": facts.identity,
             "datasets": identities,
-            "max_image_pixels": cfg.data.max_image_pixels,
-            "dtype": store_dtype(cfg, use_gpu),
+            "data": data,
+            "cache": cache,
         },
         sort_keys=True,
     )
@@ -350,8 +337,10 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
     run_cfg, plan = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, use_gpu, prev, plan.encoders)
 
-    sample_index, caption_index = index.Sink("samples"), index.Sink("captions", facts.text)
-    found = _Found(discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows)
+    samples = layout(cfg, facts, use_gpu=use_gpu).samples
+    sample_index, caption_index = index.Sink("samples", samples=samples), index.Sink("captions", facts.text)
+    found = manifest_mod.Found(discovery.discovered, discovery.skipped, inputs_signature(discovery),
+                               discovery.sidecars.rows)  # fmt: skip
     try:
         staged = {"images": _stage(b, discovery.table, "images")}
         discovery.table = discovery.table.schema.empty_table()  # the staged file holds the rows now
@@ -368,91 +357,25 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
             text_flowing=flowing,
         )
         allocator.trim()  # what the passes' threads kept for themselves until they ended
-        manifest = _manifest(b, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
-        manifest["passes"] = {**times, "encoders": b.encoders}
-        manifest["unique_captions"] = text.unique
-        manifest["staged_bytes"] = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
-        manifest["reused"]["captions"] = text.unique - manifest["encoded"]["captions"]
-        manifest["index"] = {"samples": sample_index.commit(gen_dir, encode_id),
-                             "captions": caption_index.commit(gen_dir, encode_id)}  # fmt: skip
-        if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
-            manifest["index"]["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
+        build = manifest_mod.Build(b.generation, gen_dir, seed, encode_id, b.cfg.fingerprint("data", "model", "cache"),
+                                   facts, layout(b.cfg, facts, use_gpu=use_gpu), b.previous.dir)  # fmt: skip
+        manifest = manifest_mod.compose(build, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
+        files = {kind: sink.commit(gen_dir, encode_id)
+                 for kind, sink in (("samples", sample_index), ("captions", caption_index))}  # fmt: skip
+        if found.sidecars:  # the caption files read, for the next discovery (see discovery.sidecars)
+            files["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
+        staged_bytes = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
+        manifest.finish(files, {**times, "encoders": b.encoders}, text.unique, staged_bytes)
     finally:
         sample_index.discard()
         caption_index.discard()
+    counts, n = manifest.skip_counts(), manifest.counts()
     log.info(
         "cache %s: %d discovered = %d cached + %d skipped; encoded %d samples and %d captions, reused %d and %d",
-        gen_dir, found.discovered, manifest["cached"], manifest["skipped"], manifest["encoded"]["samples"],
-        manifest["encoded"]["captions"], manifest["reused"]["samples"], manifest["reused"]["captions"],
+        gen_dir, counts.discovered, counts.cached, counts.skipped, n["encoded"]["samples"], n["encoded"]["captions"],
+        n["reused"]["samples"], n["reused"]["captions"],
     )  # fmt: skip
-    return generations.commit(gen_dir, manifest, manifest["skipped_inputs"], encode_id)
-
-
-@dataclass(frozen=True)
-class _Found:
-    """What a build's manifest needs of its discovery, taken before the discovery's rows are released."""
-
-    discovered: int
-    skipped: list[dict]
-    """The inputs discovery itself skipped, as :attr:`rayflux.discovery.discoveries.Discovery.skipped` lists them."""
-    inputs: str
-    """:func:`inputs_signature` of the discovery."""
-    sidecars: int
-    """Rows of the discovery's sidecar table."""
-
-
-def _manifest(b: _Build, found: _Found, spec, specs, text_meta, sample_meta, samples: index.Sink, captions: index.Sink):
-    """The manifest of a finished build (without its index entries), after checking its accounting."""
-    cfg, facts, gen_dir = b.cfg, b.facts, b.gen_dir
-    skipped = sorted(
-        [*found.skipped, *(x for m in sample_meta for x in json.loads(m["skipped"]))], key=lambda x: x["source_uri"]
-    )
-    cached = samples.rows
-    if cached + len(skipped) != found.discovered:
-        raise RuntimeError(
-            f"cache accounting broke: cached {cached} + skipped {len(skipped)} != discovered {found.discovered}"
-        )
-    if captions.empty is None:
-        raise RuntimeError("the cache's text pass produced no empty-caption row")
-    own = generations.generation_name(gen_dir) + "/"
-    dtype = store_dtype(cfg, b.use_gpu)
-    return {
-        "schema_version": shards.SCHEMA_VERSION,
-        "generation": b.generation,
-        "dir": gen_dir,
-        "seed": b.seed,
-        "encode_id": b.encode_id,
-        "config_hash": cfg.fingerprint("data", "model", "cache"),
-        "model_identity": facts.identity,
-        "layout": dataclasses.asdict(layout(cfg, facts, use_gpu=b.use_gpu)),
-        "bucket_spec": dataclasses.asdict(spec),
-        "bucket_specs": {k: dataclasses.asdict(v) for k, v in specs.items()},
-        "latent_channels": facts.latent_channels,
-        "vae_scale_factor": facts.vae_scale_factor,
-        "dtype": dtype,
-        "files": sorted((_file_entry(m) for m in sample_meta if m["rows"]), key=lambda f: f["path"]),
-        "text_files": sorted((_file_entry(m, with_buckets=False) for m in text_meta), key=lambda f: f["path"]),
-        "borrowed": sorted(f for f in samples.files | captions.files if not f.startswith(own)),
-        "empty_caption": captions.empty,
-        "buckets": {k: {**v, "dtype": dtype} for k, v in sorted(samples.buckets.items())},
-        "discovered": found.discovered,
-        "cached": cached,
-        "skipped": len(skipped),
-        "skipped_inputs": skipped,
-        "encoded": {
-            "samples": sum(int(m["encoded"]) for m in sample_meta),
-            "captions": sum(int(m["encoded"]) for m in text_meta),
-        },
-        "reused": {"samples": sum(int(m["reused"]) for m in sample_meta), "from": b.previous.dir},
-        "inputs": found.inputs,
-    }
-
-
-def _file_entry(meta: dict, with_buckets: bool = True) -> dict:
-    entry = {"path": meta["path"], "rows": int(meta["rows"]), "bytes": int(meta["bytes"])}
-    if with_buckets:
-        entry["buckets"] = json.loads(meta["buckets"])
-    return entry
+    return generations.commit(gen_dir, manifest, manifest.skipped_inputs, encode_id)
 
 
 def inputs_signature(discovery: Discovery) -> str:

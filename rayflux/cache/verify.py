@@ -22,6 +22,7 @@ checksums and the value checks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterator
 
@@ -29,7 +30,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayflux import buckets, storage
-from rayflux.cache import generations, index, integrity, shards, tensors
+from rayflux.cache import generations, index, integrity, shards
+from rayflux.cache.manifest import Manifest
 from rayflux.cache.prepare import sample_id
 
 
@@ -62,10 +64,10 @@ class _Checker:
         """The samples and captions whose tensors fail their checksums."""
         self.problems: list[str] = []
         self.buckets: dict[str, dict] = {}
-        self.layout = shards.ShardLayout(**manifest["layout"])
-        self.spec = buckets.BucketSpec(**manifest["bucket_spec"])
+        self.m = Manifest.of(manifest)
+        self.layout = self.m.layout
         # Each dataset of a multi-dataset cache has its own resolution and crop.
-        self.specs = {k: buckets.BucketSpec(**v) for k, v in manifest.get("bucket_specs", {}).items()}
+        self.spec, self.specs = self.m.bucket_specs()
         self.own_rows: set[tuple[str, int]] = set()
         """(index-style file, row) of every row in the generation's own shards."""
         self.name = generations.generation_name(gen_dir)
@@ -88,7 +90,7 @@ class _Checker:
             return
         if "bytes" in entry and size != entry["bytes"]:
             self.problem(f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']}")
-        want = shards.ShardLayout(**{**self.m["layout"], "kind": kind})
+        want = dataclasses.replace(self.layout, kind=kind)
         try:
             with shards.open_shard(path) as f:
                 if not f.schema_arrow.remove_metadata().equals(want.schema().remove_metadata()):
@@ -106,7 +108,7 @@ class _Checker:
             self.problem(f"{entry['path']}: unreadable Parquet: {type(exc).__name__}: {exc}")
 
     def check_text(self) -> None:
-        for entry in self.m["text_files"]:
+        for entry in self.m.shard_files("text"):
             for _, table, _ in self._row_groups(entry, "text"):
                 for i, row in enumerate(table.to_pylist()):
                     where = f"{entry['path']}: caption {row['caption_id']}"
@@ -117,7 +119,7 @@ class _Checker:
 
     def check_samples(self) -> None:
         seen: set[str] = set()
-        for entry in self.m["files"]:
+        for entry in self.m.shard_files("samples"):
             parts = []
             for i, table, stored in self._row_groups(entry, "samples"):
                 part = shards.bucket_summary(table)
@@ -145,12 +147,12 @@ class _Checker:
         except Exception as exc:  # noqa: BLE001 - a missing or unreadable index is a finding
             self.problem(f"generation index unreadable: {type(exc).__name__}: {exc}")
             return
-        allowed = {f"{self.name}/{f['path']}" for f in self.m["files"] + self.m["text_files"]}
-        allowed |= set(self.m.get("borrowed", []))
+        allowed = {f"{self.name}/{f['path']}" for f in self.m.shard_files("samples") + self.m.shard_files("text")}
+        allowed |= set(self.m.borrowed)
         caption_ids = [c["caption_id"] for c in captions]
         if len(set(caption_ids)) != len(caption_ids):
             self.problem("caption index: a caption appears twice")
-        empty = self.m.get("empty_caption") or {}
+        empty = self.m.empty_caption_row()
         if empty.get("caption") != "" or empty.get("caption_id") not in caption_ids:
             self.problem("caption index: no empty caption where the manifest says it is")
         known = set(caption_ids)
@@ -165,8 +167,11 @@ class _Checker:
                 self.problem(f"{where}: caption {e['caption_id']} is not in the caption index")
             want = self.layout.latent_shape(e["bucket"])
             got = (e["latent_c"], e["latent_h"], e["latent_w"])
-            if got != want or e["length"] != tensors.nbytes(want, self.layout.dtype):
-                self.problem(f"{where}: bucket {e['bucket']}: latent {got} of {e['length']} bytes, expected {want}")
+            for t in self.layout.samples:
+                length, nbytes = e[t.columns()[1]], t.nbytes(want, e, self.layout.dtype_of(t))
+                if got != want or (length != nbytes and not (t.optional and length == 0)):
+                    self.problem(f"{where}: bucket {e['bucket']}: {t.name} of latent shape {got} and {length} bytes, "
+                                 f"expected {want} and {nbytes}")  # fmt: skip
             by_file.setdefault(e["file"], []).append(e)
         for c in captions:
             by_file.setdefault(c["file"], []).append(c)
@@ -208,7 +213,7 @@ class _Checker:
                         self.problem(f"{where}: holds {key} {row[key]}, index says {e[key]}")
                         continue
                     rg = md.row_group(e["row"])
-                    samples = {"": "latent", "ref_": "ref_latent"}
+                    samples = {t.key: t.name for t in self.layout.samples}
                     cols = {f"{t.key}_": t.name for t in self.layout.text} if text else samples
                     for prefix, col in cols.items():
                         chunk = rg.column(names.index(col))
@@ -250,7 +255,7 @@ class _Checker:
             return
         try:
             spec = self.specs.get(row.get("dataset") or "", self.spec)
-            p = buckets.plan(row["orig_w"], row["orig_h"], spec, seed=self.m["seed"], salt=row["rel_path"])
+            p = buckets.plan(row["orig_w"], row["orig_h"], spec, seed=self.m.seed, salt=row["rel_path"])
         except ValueError as exc:
             self.problem(f"{where}: sample {sid}: the bucket function refuses its size: {exc}")
             return
@@ -260,26 +265,26 @@ class _Checker:
         refs = tuple(h for h in row["ref_sha256"].split(",") if h)
         if sid != sample_id(row["rel_path"], row["source_sha256"], p, refs):
             self.problem(f"{where}: sample id {sid} does not match its path, content hash, crop and references")
-        if row["generation"] != self.m["generation"]:
-            self.problem(f"{where}: sample {sid}: generation {row['generation']}, manifest says {self.m['generation']}")
+        if row["generation"] != self.m.generation:
+            self.problem(f"{where}: sample {sid}: generation {row['generation']}, manifest says {self.m.generation}")
 
     def check_totals(self) -> None:
-        m = self.m
+        m, n = self.m, self.m.skip_counts()
         got = getattr(self, "index_buckets", None)
-        if got is not None and got != m["buckets"]:
-            self.problem(f"per-bucket totals {got} differ from the manifest's {m['buckets']}")
+        if got is not None and got != m.buckets:
+            self.problem(f"per-bucket totals {got} differ from the manifest's {m.buckets}")
         rows = sum(e["rows"] for e in (got or {}).values())
-        if got is not None and rows != m["cached"]:
-            self.problem(f"{rows} samples in the index, manifest says cached={m['cached']}")
-        if m["cached"] + m["skipped"] != m["discovered"]:
-            self.problem(f"cached {m['cached']} + skipped {m['skipped']} != discovered {m['discovered']}")
+        if got is not None and rows != n.cached:
+            self.problem(f"{rows} samples in the index, manifest says cached={n.cached}")
+        if n.cached + n.skipped != n.discovered:
+            self.problem(f"cached {n.cached} + skipped {n.skipped} != discovered {n.discovered}")
         try:
             skipped = generations.load_skipped(self.dir)
         except (OSError, ValueError) as exc:
             self.problem(f"{generations.SKIPPED}: unreadable: {exc}")
             return
-        if len(skipped) != m["skipped"] or skipped != m.get("skipped_inputs", skipped):
-            self.problem(f"{generations.SKIPPED} lists {len(skipped)} inputs, manifest says {m['skipped']}")
+        if len(skipped) != n.skipped or skipped != (m.skipped_inputs or skipped):
+            self.problem(f"{generations.SKIPPED} lists {len(skipped)} inputs, manifest says {n.skipped}")
 
     def unlisted(self) -> list[str]:
         """Files in the generation's directory that its manifest does not list: commit removes them, so any one
@@ -295,8 +300,9 @@ def verify_generation(gen_dir: str, manifest: dict, quick: bool = False) -> tupl
     """(problems, per-bucket numbers, unlisted files) of one committed generation. Tensors whose checksums fail are
     recorded for the next build to re-encode (:func:`rayflux.cache.integrity.record`); ``quick`` skips checksums and
     value checks."""
-    if manifest.get("schema_version") != shards.SCHEMA_VERSION:
-        return [f"schema version {manifest.get('schema_version')}; this rayflux reads {shards.SCHEMA_VERSION} (a run "
+    manifest = Manifest.of(manifest)
+    if manifest.schema_version != shards.SCHEMA_VERSION:
+        return [f"schema version {manifest.schema_version}; this rayflux reads {shards.SCHEMA_VERSION} (a run "
                 "of the job builds a new cache for it)"], {}, []  # fmt: skip
     c = _Checker(gen_dir, manifest, quick)
     c.check_text()

@@ -15,9 +15,9 @@ import numpy as np
 import pyarrow as pa
 
 from rayflux import storage
-from rayflux.cache import index, shards, tensors
+from rayflux.cache import index, shards
+from rayflux.cache import layout as sample_layout
 from rayflux.testing.faults import kill_point
-
 
 
 def _plain(v):
@@ -105,20 +105,49 @@ def _index_row(batch: dict, i: int) -> dict:
     }
 
 
-_BORROWED = ("latent_c", "latent_h", "latent_w", "file", "file_bytes", "row", "offset", "length", "crc32", "ref_count",
-             "ref_offset", "ref_length", "ref_crc32", "generation", "encode_id")  # fmt: skip
-
-
 def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
-    """A reused row is checked by its index entry: its bucket's latent shape, and a byte length to match."""
+    """A reused row is checked by its index entry: its bucket's latent shape, and each declared tensor's byte length
+    to match its shape (an optional one may be absent)."""
     want = layout.latent_shape(entry["bucket"])
     got = (entry["latent_c"], entry["latent_h"], entry["latent_w"])
-    nbytes = tensors.nbytes(want, layout.dtype)
-    if got != want or entry["length"] != nbytes or entry["ref_length"] != entry["ref_count"] * nbytes:
-        err = shards.shape_error(entry["bucket"], entry["sample_id"], entry["source_uri"], "reused latent shape",
-                                 (want, nbytes), (got, entry["length"]))  # fmt: skip
-        return str(err)
+    for t in layout.samples:
+        nbytes, length = t.nbytes(want, entry, layout.dtype_of(t)), entry[t.columns()[1]]
+        if got != want or (length != nbytes and not (t.optional and length == 0)):
+            err = shards.shape_error(entry["bucket"], entry["sample_id"], entry["source_uri"],
+                                     f"reused {t.name} shape", (want, nbytes), (got, length))  # fmt: skip
+            return str(err)
     return ""
+
+
+def _fresh_rows(batch: dict, fresh: list[int], layout: shards.ShardLayout, generation: int) -> list[dict]:
+    """The shard rows of the inputs ``fresh``: the batch's columns of the shard's schema, and the tensors that a
+    declaration produces itself (:attr:`rayflux.cache.layout.SampleTensor.produce`) when the batch lacks them."""
+    names = layout.schema().names
+    rows = []
+    for i in fresh:
+        row = {k: _plain(batch[k][i]) for k in names if k in batch}
+        row.update(source_uri=str(batch["uri"][i]), generation=generation)
+        for t in layout.samples:
+            if t.name not in row and t.produce is not None:
+                row[t.name] = t.produce(row)
+            elif t.name not in row and t.optional and not t.counts():
+                row[t.name] = b""  # no producer output for this row: it lacks the tensor
+        rows.append(row)
+    return rows
+
+
+def _fresh_entries(batch, fresh, rows, layout, written: tuple[str, int, dict], generation: int) -> list[dict]:
+    """The index rows of the freshly written ``rows``: where each declared tensor's bytes are in the new shard."""
+    file, nbytes, ranges = written
+    counts = ("latent_c", "latent_h", "latent_w", *sample_layout.COUNT_COLUMNS, "encode_id")
+    entries = []
+    for j, (i, row) in enumerate(zip(fresh, rows)):
+        entry = {**_index_row(batch, i), **{k: row[k] for k in counts}}
+        entry.update(file=file, file_bytes=nbytes, row=j, generation=generation)
+        for t in layout.samples:
+            entry.update(zip(t.columns(), ranges[t.name][j]))
+        entries.append(entry)
+    return entries
 
 
 def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generation: int, build: str = "") -> dict:
@@ -136,16 +165,13 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
     # batches are filled with (rayflux.train.runs) hold no other bucket's latents between them: one short read each.
     fresh = sorted((i for i in kept if not batch["reuse"][i]),
                    key=lambda i: (str(batch["bucket"][i]), int(batch["ref_count"][i]) if "ref_count" in batch else 0))
-    rows = []
-    for i in fresh:
-        row = {k: _plain(batch[k][i]) for k in shards.SAMPLE_SCHEMA.names if k in batch}
-        row.update(source_uri=str(batch["uri"][i]), generation=generation)
-        rows.append(row)
+    rows = _fresh_rows(batch, fresh, layout, generation)
+    borrowed = index.borrowed_columns(layout.samples)
     entries = []
     for i in kept:
         if batch["reuse"][i]:
             prev = json.loads(batch["prev"][i])
-            entries.append({**_index_row(batch, i), **{k: prev[k] for k in _BORROWED}})
+            entries.append({**_index_row(batch, i), **{k: prev[k] for k in borrowed}})
     # Counted from the encoder's own stamp on the batch, not from the reuse decision.
     encoded = sum(1 for i in kept if batch["encode_id"][i])
     extra = {"skipped": json.dumps(skipped), "buckets": "{}", "encoded": encoded, "reused": len(entries)}
@@ -156,17 +182,7 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
     if rows:
         path, nbytes, table, ranges = _write(rows, out_dir, layout, build)
         extra["buckets"] = json.dumps(shards.bucket_summary(table))
-        file = index.relative(out_dir, path)
-        for j, (i, row) in enumerate(zip(fresh, rows)):
-            offset, length, crc = ranges["latent"][j]
-            ref_offset, ref_length, ref_crc = ranges["ref_latent"][j]
-            entries.append(
-                {
-                    **_index_row(batch, i),
-                    **{k: row[k] for k in ("latent_c", "latent_h", "latent_w", "ref_count", "encode_id")},
-                    "file": file, "file_bytes": nbytes, "row": j, "offset": offset, "length": length, "crc32": crc,
-                    "ref_offset": ref_offset, "ref_length": ref_length, "ref_crc32": ref_crc, "generation": generation,
-                }  # fmt: skip
-            )
-    table = pa.Table.from_pylist(entries, schema=index.SAMPLE_INDEX)
+        written = (index.relative(out_dir, path), nbytes, ranges)
+        entries.extend(_fresh_entries(batch, fresh, rows, layout, written, generation))
+    table = pa.Table.from_pylist(entries, schema=index.sample_index(layout.samples))
     return _meta(path, len(rows), nbytes, index=index.to_ipc(table), **extra)

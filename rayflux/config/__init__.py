@@ -9,7 +9,7 @@ from the fields' docstrings, ``checks`` validates the whole job, and ``arguments
 from rayflux.config.arguments import add_set_arg, load_or_report
 from rayflux.config.cache import CacheConfig, actor_count, actor_cpus, check_pools, refresh_interval
 from rayflux.config.checks import validate
-from rayflux.config.data import TRAINING_ONLY_KEYS, DataConfig, DatasetConfig, datasets_of
+from rayflux.config.data import DataConfig, DatasetConfig, datasets_of
 from rayflux.config.job import SECTIONS, JobConfig
 from rayflux.config.loader import ALIASES, apply, field_docs, from_dict, help_text, load, parse_set
 from rayflux.config.model import ModelConfig
@@ -20,7 +20,6 @@ from rayflux.config.values import ConfigError, coerce, resource_map
 __all__ = [
     "ALIASES",
     "SECTIONS",
-    "TRAINING_ONLY_KEYS",
     "CacheConfig",
     "ConfigError",
     "DataConfig",

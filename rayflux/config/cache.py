@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayflux.config.identity import CACHED, TRAINED, UNTRACKED
 from rayflux.config.values import ConfigError
 
 
@@ -12,45 +13,45 @@ from rayflux.config.values import ConfigError
 class CacheConfig:
     """The cache stage: VAE latents and text embeddings written as Parquet shards."""
 
-    dir: str = ""
+    dir: str = field(default="", metadata=UNTRACKED)
     """Where cache generations are written. Empty: ``<run.output_dir>/cache``."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata=UNTRACKED)
     """Images per VAE call in an encoder actor."""
-    text_batch_size: int = 16
+    text_batch_size: int = field(default=16, metadata=UNTRACKED)
     """Unique captions per text-encoder call."""
-    vae_actors: Any = "auto"
+    vae_actors: Any = field(default="auto", metadata=UNTRACKED)
     """VAE encoder actors: a number, all started at once, or ``auto``: one per ``cache.gpus_per_actor`` share of the
     cluster's GPUs (scaling up to the autoscaler's maximum), or on a CPU-only cluster the CPUs that preparation and
     writing leave, in actors of up to 8 CPUs. A request that cannot fit fails before the stage starts."""
-    text_actors: Any = "auto"
+    text_actors: Any = field(default="auto", metadata=UNTRACKED)
     """Text encoder actors: a number or ``auto`` (as ``vae_actors`` on GPUs; one actor on CPU, as T5-XXL takes about
     19 GB per copy there). Text work scales with unique captions, not images."""
-    actor_cpus: Any = "auto"
+    actor_cpus: Any = field(default="auto", metadata=UNTRACKED)
     """CPUs reserved by each encoder actor: a number, or ``auto``: 1 with GPUs (or a named node type), else the
     pool's share of the CPUs preparation and writing leave. Torch in the actor runs that many threads (rounded up)."""
-    gpus_per_actor: float = 1.0
+    gpus_per_actor: float = field(default=1.0, metadata=UNTRACKED)
     """GPU share of each GPU encoder actor, e.g. 0.25 to run four VAE actors on one card; above 1, a whole number."""
-    stall_seconds: float = 600.0
+    stall_seconds: float = field(default=600.0, metadata=UNTRACKED)
     """Fail a cache pipeline that makes no progress (no task output, no finished task) for this long, naming what
     Ray Data reports as pending. Loading or downloading an encoder counts as no progress: raise it for slow hubs."""
-    rows_per_shard: int = 256
+    rows_per_shard: int = field(default=256, metadata=UNTRACKED)
     """Rows per Parquet shard file (a shard never mixes more than one writer's batch)."""
-    dtype: str = "auto"
+    dtype: str = field(default="auto", metadata=CACHED)
     """Stored tensor dtype: ``auto`` (``bfloat16`` when the encoders run on GPUs, else ``float32``), ``float32``,
     ``float16`` or ``bfloat16``."""
-    refresh: str = "never"
+    refresh: str = field(default="never", metadata=TRAINED)
     """Build a new cache generation ``never``, ``every_epoch``, or every N epochs (an integer)."""
-    strict: bool = False
+    strict: bool = field(default=False, metadata=UNTRACKED)
     """Fail the job on the first bad input instead of skipping it with a recorded reason."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=TRAINED)
     """Seed for random crops and caption choice; each generation derives its own from it."""
-    use_gpu: str = "auto"
+    use_gpu: str = field(default="auto", metadata=UNTRACKED)
     """Encoder actors on GPUs: ``auto`` (when the cluster has GPUs or ``cache.accelerator_type`` is set), ``true`` or
     ``false``. Set ``true`` on an autoscaling cluster whose GPU nodes are not up yet when the job starts."""
-    accelerator_type: str = ""
+    accelerator_type: str = field(default="", metadata=UNTRACKED)
     """GPU type each encoder actor needs (e.g. ``L4``, ``A10G``), so encoding runs on cheaper GPU nodes than training.
     Empty: any GPU. Implies GPU encoders."""
-    actor_resources: dict = field(default_factory=dict)
+    actor_resources: dict = field(default_factory=dict, metadata=UNTRACKED)
     """Extra Ray resources each encoder actor reserves, e.g. ``{encode_node: 1}`` for a node type that declares that
     custom resource in ``cluster.yaml``."""
 

@@ -11,6 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from rayflux.config.identity import CACHED, CAPTIONS, TRAINED
 from rayflux.config.values import ConfigError, coerce
 
 
@@ -18,87 +19,85 @@ from rayflux.config.values import ConfigError, coerce
 class DatasetConfig:
     """One folder of training images: how it is captioned, cropped, and mixed into each epoch."""
 
-    name: str = ""
+    name: str = field(default="", metadata=CACHED)
     """Short name (letters, digits, ``.``, ``_``, ``-``) shown in summaries. In ``data.datasets`` it also prefixes the
     dataset's sample paths in the cache, so it must be unique there. Empty: the last folder name of ``images_dir``."""
-    images_dir: str = ""
+    images_dir: str = field(default="", metadata=CACHED)
     """Folder or URI (``s3://bucket/prefix``, or any pyarrow/fsspec filesystem) of training images. Empty: the
     generated demo images."""
-    caption_strategy: str = "sidecar"
+    caption_strategy: str = field(default="sidecar", metadata=CAPTIONS)
     """Where captions come from: ``sidecar`` files, the ``filename``, a ``metadata`` table (``metadata.jsonl``,
     ``.csv`` or ``.parquet`` with ``file_name`` and ``text`` columns, as Hugging Face imagefolder) or the fixed
     ``instance`` prompt."""
-    caption_ext: str = ".txt"
+    caption_ext: str = field(default=".txt", metadata=CAPTIONS)
     """Sidecar caption extension. Several lines in one file are several captions; one is chosen per generation."""
-    metadata_file: str = ""
+    metadata_file: str = field(default="", metadata=CAPTIONS)
     """For ``caption_strategy=metadata``: the table's path relative to ``images_dir`` (or a URI). Empty: every
     ``metadata.jsonl``, ``metadata.csv`` or ``metadata.parquet`` in the tree, each naming files relative to its own
     folder."""
-    caption_column: str = "text"
+    caption_column: str = field(default="text", metadata=CAPTIONS)
     """Metadata column holding the caption: a string, or a list of strings (one chosen per generation)."""
-    missing_caption: str = "filename"
+    missing_caption: str = field(default="filename", metadata=CAPTIONS)
     """When an image has no caption: ``skip`` it, use an ``empty`` caption, its ``filename``, or ``instance``."""
-    instance_prompt: str = ""
+    instance_prompt: str = field(default="", metadata=CAPTIONS)
     """Fixed caption for ``caption_strategy=instance`` and ``missing_caption=instance``; the prefix for
     ``prepend_instance_prompt``."""
-    prepend_instance_prompt: bool = False
+    prepend_instance_prompt: bool = field(default=False, metadata=CAPTIONS)
     """Put ``instance_prompt`` and a space in front of every caption (e.g. a trigger word)."""
-    resolution: int = 512
+    resolution: int = field(default=512, metadata=CACHED)
     """Target size in pixels: the shorter edge, or the square root of the area (see ``resolution_type``)."""
-    resolution_type: str = "area"
+    resolution_type: str = field(default="area", metadata=CACHED)
     """``area`` keeps about resolution² pixels per image (SimpleTuner's ``pixel_area``, not its megapixel ``area``);
     ``shorter_edge`` fixes the shorter side."""
-    bucket_step: int = 64
+    bucket_step: int = field(default=64, metadata=CACHED)
     """Bucket sides are multiples of this many pixels (kohya's ``bucket_reso_steps``): fewer, fuller buckets than the
     model's 16. Rounded down to the model's alignment and capped at ``resolution / 8``."""
-    alignment: int = 0
+    alignment: int = field(default=0, metadata=CACHED)
     """Exact bucket granularity in pixels, overriding ``bucket_step``; a multiple of the model's own alignment, 2 x its
     VAE downscale (16 for FLUX). 0: use ``bucket_step``."""
-    crop: str = "center"
+    crop: str = field(default="center", metadata=CACHED)
     """How an image is cut to its bucket's aspect ratio: ``center`` or ``random`` (seeded per generation)."""
-    max_aspect: float = 2.5
+    max_aspect: float = field(default=2.5, metadata=CACHED)
     """Aspect ratios beyond this (either way) are cropped down to it."""
-    min_image_size: int = 64
+    min_image_size: int = field(default=64, metadata=CACHED)
     """Images whose shorter edge is below this many pixels are skipped with a reason."""
-    repeats: int = 1
+    repeats: int = field(default=1, metadata=TRAINED)
     """Times each cached sample of this dataset appears in every epoch."""
-    max_samples: int = 0
+    max_samples: int = field(default=0, metadata=CACHED)
     """Use at most this many images of the dataset (a stable choice by path hash). 0: all of them."""
-    regularisation: bool = False
+    regularisation: bool = field(default=False, metadata=TRAINED)
     """A regularisation (prior-preservation) set: its samples' loss is weighted by ``data.reg_loss_weight``."""
-    reference_dir: str = ""
+    reference_dir: str = field(default="", metadata=CACHED)
     """Edit pairs: a folder or URI of reference images with the same relative paths as ``images_dir`` (any image
     extension). Each training image is the edit's result, its caption the instruction; an image without its reference
     is skipped with the reason. Empty: no references (unless ``reference_column`` names them)."""
-    reference_column: str = ""
+    reference_column: str = field(default="", metadata=CACHED)
     """Edit pairs from a metadata table (``caption_strategy=metadata``): the column naming each image's reference
     file, or a list of them (FLUX.2 takes several), relative to ``reference_dir`` when it is set, else to the table's
     folder. Files named there are references only, never training images themselves."""
-    mask: str = "none"
+    mask: str = field(default="none", metadata=CACHED)
     """Loss masks (see docs/masks.md): ``none``; ``dir``, a grayscale image per training image in ``mask_dir`` with
     the same relative path and any image extension; ``column``, the file a metadata column names
     (``mask_column``); or ``alpha``, the image's own alpha channel (the VAE still sees the image composited on white). White trains fully, black keeps ``mask_floor``; an RGB mask counts by its
     luminance. The mask is cut and resized with its image and reduced to the latent grid by area average."""
-    mask_dir: str = ""
+    mask_dir: str = field(default="", metadata=CACHED)
     """For ``mask=dir``: the folder or URI (``s3://bucket/prefix``) of the masks; for ``mask=column``, what the
     column's file names are relative to (empty: the metadata table's folder). It must not overlap ``images_dir``,
     ``cache.dir`` or ``run.output_dir``."""
-    mask_column: str = "mask"
+    mask_column: str = field(default="mask", metadata=CACHED)
     """For ``mask=column`` (``caption_strategy=metadata``): the metadata column naming each image's mask file. Files
     named there inside ``images_dir`` are masks only, never training images."""
-    mask_floor: float = 0.0
+    mask_floor: float = field(default=0.0, metadata=TRAINED)
     """The loss weight the masked-out (black) area keeps, from 0 (no gradient from it) to 1 (masks have no effect),
     as ai-toolkit's minimum mask value: a token's weight is ``floor + (1 - floor) * mask``."""
-    missing_mask: str = "skip"
+    missing_mask: str = field(default="skip", metadata=CACHED)
     """When an image has no mask (no file in ``mask_dir``, or no alpha channel with ``mask=alpha``): ``skip`` it
     with the reason recorded, or train it with a mask of ``ones`` (its whole area, counted in the report)."""
 
 
-# Keys a dataset mapping may set; they decide what is cached, except these, which only shape the epoch.
-TRAINING_ONLY_KEYS = ("repeats", "regularisation", "mask_floor")
-MASK_KEYS = ("mask", "mask_dir", "mask_column", "missing_mask")
-"""Keys that decide a dataset's cached masks: left out of its cache identity while ``mask`` is ``none``, so caches
-made before masks existed keep their key."""
+MASK_KEYS = ("mask", "mask_dir", "mask_column", "missing_mask", "mask_floor")
+"""A dataset's mask settings: left out of its cache identity and of the run identity while ``mask`` is ``none`` (they
+say nothing then), so caches and runs made before masks existed keep their keys."""
 
 
 @dataclass
@@ -109,17 +108,17 @@ class DataConfig(DatasetConfig):
     ``data.datasets`` they are the defaults every listed dataset starts from.
     """
 
-    datasets: list = field(default_factory=list)
+    datasets: list = field(default_factory=list, metadata=CACHED)
     """Several datasets in one job: a list of mappings with the dataset keys above (``images_dir``, ``name``,
     ``caption_strategy``, ``resolution``, ``repeats``, ``max_samples``, ``regularisation``...). A key a mapping leaves
     out takes its ``data.*`` value. Empty: the one dataset ``data.images_dir``."""
-    reg_loss_weight: float = 1.0
+    reg_loss_weight: float = field(default=1.0, metadata=TRAINED)
     """Loss weight of samples from regularisation datasets (1.0: weighted like any other sample)."""
-    eval_samples: int = 0
+    eval_samples: int = field(default=0, metadata=TRAINED)
     """Hold out this many cached samples for the eval loss (``train.eval_every``): a stable choice by sample id hash
     (the same for every world size, cache generation and rerun), never trained on, named in ``<output_dir>/
     eval_samples.txt``. 0: no eval loss."""
-    max_image_pixels: int = 178_956_970
+    max_image_pixels: int = field(default=178_956_970, metadata=CACHED)
     """Images with more pixels than this are refused as decompression bombs (Pillow's own default limit)."""
 
 

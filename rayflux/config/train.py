@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayflux.config.identity import TRAINED, UNTRACKED
 from rayflux.config.values import ConfigError
 
 
@@ -12,45 +13,45 @@ from rayflux.config.values import ConfigError
 class TrainConfig:
     """The LoRA training stage."""
 
-    epochs: int = 2
+    epochs: int = field(default=2, metadata=UNTRACKED)
     """Passes over the cached samples."""
-    max_steps: int = 0
+    max_steps: int = field(default=0, metadata=UNTRACKED)
     """Stop after this many optimizer steps per worker (0: run all epochs). Also the LR schedule's horizon."""
-    num_workers: Any = 2
+    num_workers: Any = field(default=2, metadata=UNTRACKED)
     """Ray Train workers: an integer, or ``[min, max]`` for an elastic run."""
-    cpus_per_worker: float = 0.5
+    cpus_per_worker: float = field(default=0.5, metadata=UNTRACKED)
     """CPUs reserved per worker. Fractional values let two workers share a small machine."""
-    use_gpu: str = "auto"
+    use_gpu: str = field(default="auto", metadata=UNTRACKED)
     """``auto`` (use GPUs when the cluster has them or ``train.accelerator_type`` is set), ``true`` or ``false``."""
-    accelerator_type: str = ""
+    accelerator_type: str = field(default="", metadata=UNTRACKED)
     """GPU type every train worker needs (e.g. ``H100``), so workers go only to such nodes. Empty: any. Implies GPU
     training."""
-    worker_resources: dict = field(default_factory=dict)
+    worker_resources: dict = field(default_factory=dict, metadata=UNTRACKED)
     """Extra Ray resources each train worker reserves, e.g. ``{train_node: 1}`` to keep training on a node type that
     declares that custom resource."""
-    max_failures: int = 3
+    max_failures: int = field(default=3, metadata=UNTRACKED)
     """Restarts after a worker or node failure before the job gives up (-1: no limit). Each resumes from the latest
     checkpoint. Announced preemptions (node drains) are not counted here: Ray Train retries those without limit."""
-    resize_check_seconds: float = 60.0
+    resize_check_seconds: float = field(default=60.0, metadata=UNTRACKED)
     """How often an elastic run (``num_workers: [min, max]``) looks for room for more workers. Growing restarts the
     worker group from the latest checkpoint."""
-    batch_size: int = 1
+    batch_size: int = field(default=1, metadata=TRAINED)
     """Samples per batch on each worker. A batch always holds one bucket."""
-    gradient_accumulation: int = 1
+    gradient_accumulation: int = field(default=1, metadata=TRAINED)
     """Batches per optimizer step on each worker."""
-    batches_per_read: int = 8
+    batches_per_read: int = field(default=8, metadata=UNTRACKED)
     """Planned batches that one Ray Data read task loads and stacks for a worker. Larger reads cost the worker less
     scheduling per step (its share of the feed runs beside the step); the first step waits for one whole read."""
-    prefetch_reads: int = 2
+    prefetch_reads: int = field(default=2, metadata=UNTRACKED)
     """Reads each worker's feed keeps ahead of the step it is training (0: none), so the Parquet reads of the next
     batches overlap the current step. Host memory held: about ``prefetch_reads × batches_per_read`` batches."""
-    read_run: int = 4
+    read_run: int = field(default=4, metadata=TRAINED)
     """Batches are filled with shuffled runs of up to this many neighbouring rows of one shard (a block shuffle, as
     MosaicML Streaming and WebDataset do), so a run's latents are one read: ``1 + 1/read_run`` requests per sample
     when every caption differs, against 2 for a per-sample shuffle (``1``). Larger runs mean fewer requests and less
     varied batches (a batch holds ``batch_size / read_run`` groups of storage neighbours). Runs save requests only
     within a batch: they pay off when ``batch_size`` is at least ``read_run``."""
-    optimizer: str = "adamw"
+    optimizer: str = field(default="adamw", metadata=TRAINED)
     """The LoRA's optimizer: ``adamw`` (torch), ``adamw8bit`` (bitsandbytes' 8-bit AdamW: a quarter of AdamW's state;
     CUDA GPUs only; extra ``rayflux[adamw8bit]``), ``prodigy`` (prodigyopt: estimates its own step size, so
     ``learning_rate`` is a multiplier, 1.0 by its convention; extra ``rayflux[prodigy]``), ``adafactor``
@@ -58,41 +59,41 @@ class TrainConfig:
     ``schedulefree_adamw`` (schedulefree: no LR schedule, so ``lr_scheduler`` must be ``constant`` or
     ``constant_with_warmup`` and ``warmup_steps`` is its own warmup; validation images and every saved LoRA use its
     averaged weights; extra ``rayflux[schedulefree]``). Each package is imported only when chosen."""
-    learning_rate: float = 1e-4
+    learning_rate: float = field(default=1e-4, metadata=TRAINED)
     """The optimizer's learning rate (the peak, after warmup). ``prodigy``: a multiplier of its own estimate, 1.0 by
     convention."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=TRAINED)
     """The optimizer's weight decay (decoupled, as AdamW's)."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = field(default="constant", metadata=TRAINED)
     """Learning-rate schedule, by diffusers' names and meanings (``diffusers.optimization.get_scheduler``):
     ``constant`` (no warmup), ``constant_with_warmup``, ``linear``, ``cosine`` (to 0 at the last step),
     ``cosine_with_restarts`` or ``polynomial``."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=TRAINED)
     """Optimizer steps of linear warmup from 0 up to ``learning_rate`` (every schedule but ``constant``;
     ``schedulefree_adamw`` warms up by itself)."""
-    lr_cycles: int = 1
+    lr_cycles: int = field(default=1, metadata=TRAINED)
     """Hard restarts of ``cosine_with_restarts`` (kohya's ``lr_scheduler_num_cycles``)."""
-    lr_power: float = 1.0
+    lr_power: float = field(default=1.0, metadata=TRAINED)
     """Power of the ``polynomial`` decay (kohya's ``lr_scheduler_power``); 1 is linear."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata=TRAINED)
     """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
-    mixed_precision: str = "auto"
+    mixed_precision: str = field(default="auto", metadata=TRAINED)
     """``auto`` (bf16 autocast on GPU, fp32 on CPU), ``bf16`` (autocast everywhere) or ``fp32`` (no autocast)."""
-    gradient_checkpointing: Any = "auto"
+    gradient_checkpointing: Any = field(default="auto", metadata=TRAINED)
     """Recompute block activations in the backward pass: ``auto`` (on for GPU runs at 768 px or more, or when the
     memory estimate printed at start exceeds 90% of the GPU), ``true`` or ``false``."""
-    base_sharding: str = "none"
+    base_sharding: str = field(default="none", metadata=TRAINED)
     """How the frozen transformer is held across workers: ``none`` (every worker holds all of it, as DDP does),
     ``node`` (FSDP2 shards it across the workers of each node and replicates across nodes; the LoRA and its AdamW
     state stay whole on every worker) or ``auto`` (``node`` when the memory plan says the whole base does not fit
     beside the activations on one GPU)."""
-    base_dtype: str = "bf16"
+    base_dtype: str = field(default="bf16", metadata=TRAINED)
     """How the frozen transformer's Linear layers are held and multiplied: ``bf16`` (``model.dtype``), ``fp8``
     (torchao's float8 matmuls over the kept bf16 weights: faster, not smaller; GPUs of compute capability 8.9 or
     more; extra ``rayflux[fp8]``) or ``nf4`` (bitsandbytes 4-bit at load, the QLoRA recipe: about a quarter of bf16;
     extra ``rayflux[nf4]``). fp8 and nf4 need CUDA GPUs and ``base_sharding: none``; where they cannot run the job
     stops with the reason. The LoRA trains and saves in full precision and loads on the bf16 base."""
-    adapter: str = "lora"
+    adapter: str = field(default="lora", metadata=TRAINED)
     """What is trained on each target: ``lora``, ``dora`` (peft's ``use_dora``: LoRA plus a learned magnitude per
     output row, about the same size) or ``lokr`` (peft's ``LoKrConfig``: ``kron(w1, w2)``, w2 of rank
     ``train.rank`` when that is under half its larger side). kohya's ``network_module`` maps to it as:
@@ -100,82 +101,82 @@ class TrainConfig:
     and ``dora_wd=True`` -> ``dora``; ``lycoris.kohya`` with ``algo=lokr`` -> ``lokr``. LoKr exports only with
     ``train.output_format=kohya`` (LyCORIS keys), has no ``train.lora_dropout`` and cannot start from
     ``train.init_lora``. DoRA and LoKr need ``train.base_sharding: none`` (``auto`` keeps the base whole)."""
-    rank: int = 4
+    rank: int = field(default=4, metadata=TRAINED)
     """LoRA rank (LoKr: the rank of its factored w2)."""
-    alpha: float = 4.0
+    alpha: float = field(default=4.0, metadata=TRAINED)
     """LoRA alpha; the update is scaled by alpha / rank."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = field(default=0.0, metadata=TRAINED)
     """Dropout on the LoRA branch's input during training."""
-    targets: str = "attention"
+    targets: str = field(default="attention", metadata=TRAINED)
     """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
-    init_lora: str = ""
+    init_lora: str = field(default="", metadata=TRAINED)
     """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
-    guidance: float = 1.0
+    guidance: float = field(default=1.0, metadata=TRAINED)
     """Guidance value fed to guidance-distilled models (ignored when the model has no guidance embedding)."""
-    guidance_max: float = 0.0
+    guidance_max: float = field(default=0.0, metadata=TRAINED)
     """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
-    sigma_sampling: str = "logit_normal"
+    sigma_sampling: str = field(default="logit_normal", metadata=TRAINED)
     """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
-    logit_mean: float = 0.0
+    logit_mean: float = field(default=0.0, metadata=TRAINED)
     """Mean of the normal behind ``logit_normal``."""
-    logit_std: float = 1.0
+    logit_std: float = field(default=1.0, metadata=TRAINED)
     """Standard deviation of the normal behind ``logit_normal``; the scale for ``sigmoid``."""
-    shift: float = 3.0
+    shift: float = field(default=3.0, metadata=TRAINED)
     """The fixed shift for ``sigma_sampling=shift``."""
-    loss_weighting: str = "none"
+    loss_weighting: str = field(default="none", metadata=TRAINED)
     """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
-    caption_dropout: float = 0.0
+    caption_dropout: float = field(default=0.0, metadata=TRAINED)
     """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=TRAINED)
     """Seed for noise, σ and the batch order. Every rank derives its own stream from it."""
-    log_every: int = 1
+    log_every: int = field(default=1, metadata=UNTRACKED)
     """Report metrics to Ray Train no more often than every this many steps (and ``report_seconds``; the later of
     the two wins). Per-step metrics go to TensorBoard and ``metrics/steps.jsonl`` at every step regardless."""
-    report_seconds: float = 30.0
+    report_seconds: float = field(default=30.0, metadata=UNTRACKED)
     """Wall-clock seconds between metrics reports to Ray Train (checkpoints report whenever they are due). Each
     report is a barrier of all ranks that costs tens of milliseconds, and Ray Train collects reports only every 2 s,
     so reporting every step would stall a fast step for up to 2 s; 30 s keeps the cost under 1% of the time at any
     step time. 0: report every step."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=UNTRACKED)
     """Checkpoint every this many optimizer steps (0: only at the end; the last step always checkpoints)."""
-    checkpoints_to_keep: int = 2
+    checkpoints_to_keep: int = field(default=2, metadata=UNTRACKED)
     """How many of the newest checkpoints to keep in storage."""
-    output_format: str = "diffusers"
+    output_format: str = field(default="diffusers", metadata=UNTRACKED)
     """Exported LoRA keys: ``diffusers`` (``transformer.*``, in ``lora/pytorch_lora_weights.safetensors``) or
     ``kohya`` (``lora_unet_*`` with sd-scripts' ``ss_*`` metadata, for ComfyUI, in ``lora/<output_name>.safetensors``;
     DoRA adds LyCORIS's ``dora_scale``; LoKr writes LyCORIS's ``lycoris_*`` keys and needs this format).
     Every checkpoint also leaves ``lora/<output_name>-step00000500.safetensors`` in this format."""
-    output_name: str = ""
+    output_name: str = field(default="", metadata=TRAINED)
     """Stem of the exported LoRA file names (kohya's ``output_name``). Empty: ``run.name``."""
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata=UNTRACKED)
     """With ``data.eval_samples``: score the eval loss every this many steps, besides before the first step (the
     base model's baseline) and at the end (0: only those two). The LoRA with the lowest eval loss so far is kept as
     ``lora/<output_name>-best.safetensors``."""
-    eval_sigmas: int = 5
+    eval_sigmas: int = field(default=5, metadata=UNTRACKED)
     """Noise levels each held-out sample is scored at: the quantiles of the training σ density, with fixed noise."""
-    validation_prompts: list[str] = field(default_factory=list)
+    validation_prompts: list[str] = field(default_factory=list, metadata=UNTRACKED)
     """Prompts rendered with the LoRA of every ``train.validation_every``-th step (a YAML list), by a render actor
     beside the training workers, while training goes on. Empty: no validation images."""
-    validation_references: list = field(default_factory=list)
+    validation_references: list = field(default_factory=list, metadata=TRAINED)
     """Edit models (FLUX.1 Kontext, FLUX.2): each validation prompt's reference image (a path or URI; for FLUX.2 also
     a list of them), in the prompts' order; the renders are then edits of them. Empty: plain renders."""
-    validation_every: int = 0
+    validation_every: int = field(default=0, metadata=UNTRACKED)
     """Render validation images every this many steps (0: only at the end)."""
-    validation_inference_steps: int = 0
+    validation_inference_steps: int = field(default=0, metadata=UNTRACKED)
     """Denoising steps per validation image; 0: what the model is meant to run with (its family says: FLUX.2
     [klein] 4 when step-distilled, 50 for [klein] base; 20 otherwise)."""
-    validation_guidance: float = 0.0
+    validation_guidance: float = field(default=0.0, metadata=UNTRACKED)
     """Guidance scale for validation images; 0: the model's own (FLUX.2 [klein] base: classifier-free guidance 4;
     distilled [klein]: none; 3.5 otherwise)."""
-    validation_resources: dict = field(default_factory=dict)
+    validation_resources: dict = field(default_factory=dict, metadata=TRAINED)
     """Ray resources of the render actor, e.g. ``{GPU: 1, "accelerator_type:L4": 0.001}`` (a cheaper GPU type),
     ``{GPU: 0.25}`` (a share of a training node's GPU: each worker then takes the rest of its GPU) or ``{CPU: 0.5}``.
     Empty: what fits the cluster (a CPU share on a CPU cluster; else a ``cache.accelerator_type`` GPU, else a spare
     GPU, else a quarter of a training GPU); the job logs what it chose."""
-    validation_queue: int = 2
+    validation_queue: int = field(default=2, metadata=TRAINED)
     """Renders that may be pending at once; a step due while this many are still pending is skipped (logged), so a
     slow renderer never holds training back. The last step's render is always queued."""
-    validation_wait_seconds: float = 900.0
+    validation_wait_seconds: float = field(default=900.0, metadata=TRAINED)
     """How long the end of a trainer run waits for the renders still due before it abandons them (logged)."""
 
 

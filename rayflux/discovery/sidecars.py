@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from rayflux import storage
 from rayflux.cache import index
+from rayflux.cache.manifest import Manifest
 from rayflux.discovery import schemas, sidecar_spool
 
 PATH = "index/sidecars.parquet"
@@ -50,10 +51,10 @@ class Known:
         self._file: pq.ParquetFile | None = None
         self._copy: weakref.finalize | None = None
         self._least = self._most = pa.array([], pa.string())
-        entry = (manifest or {}).get("index", {}).get("sidecars")
-        if not entry:
+        path = Manifest.of(manifest).index_path("sidecars") if manifest else None
+        if not path:
             return
-        fs, inner = storage.resolve(storage.join(manifest["dir"], entry["path"]))
+        fs, inner = storage.resolve(path)
         if isinstance(fs, pafs.LocalFileSystem):
             local = inner
         else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayflux import storage
+from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, TextPart, encode_planned
 from rayflux.train import runs
 
 
@@ -40,10 +41,6 @@ class SampleRef:
     """The index's ``dataset`` column; decides repeats and loss weight (see :func:`rayflux.datasets.mix`)."""
     weight: float = 1.0
     """Loss weight of this sample (regularisation datasets use ``data.reg_loss_weight``)."""
-    offset: int = 0
-    """Byte offset of the latent's value in ``file``."""
-    length: int = 0
-    """Byte length of the latent's value."""
     file_bytes: int = 0
     """Size of ``file``: a reader that knows it need not ask the object store."""
     latent_shape: str = ""
@@ -51,62 +48,69 @@ class SampleRef:
     source: str = ""
     """The source image, for error messages."""
     text: str = ""
-    """Where its caption's embeddings are: JSON ``[file, file_bytes, caption_id, [[offset, length, shape, crc32],
-    ...]]``, one entry per named text tensor in the layout's order; the same string object for every sample of one
-    caption."""
+    """Where its caption's embeddings are: a :class:`~rayflux.cache.layout.TextLocator` as JSON; the same string
+    object for every sample of one caption."""
     gen_dir: str = ""
     """The generation being read: a read task checks once that it is committed and not retired."""
     layout: str = ""
     """The generation's :class:`~rayflux.cache.shards.ShardLayout` as JSON: what every row must look like."""
     ref_count: int = 0
     """Edit pairs: reference latents stored beside the latent (0 for a plain sample)."""
-    ref_offset: int = 0
-    """Byte offset of the reference latents' value in ``file`` (right after the latent's, so both are one read)."""
-    ref_length: int = 0
-    """Byte length of the reference latents' value."""
-    crc32: int = 0
-    """Checksum of the latent's bytes as they were written (:mod:`rayflux.cache.integrity`); every read compares it."""
-    ref_crc32: int = 0
-    """Checksum of the reference latents' bytes."""
+    lacks: str = ""
+    """The optional, uncounted declared tensors this row lacks, comma-joined (a batch stacks rows that lack the
+    same ones, see :func:`group`)."""
+    ranges: str = "{}"
+    """Where each declared per-sample tensor's bytes are in ``file`` (:mod:`rayflux.cache.layout`): JSON
+    ``{name: [offset, length, crc32]}``, checked on every read; an optional tensor the row lacks has length 0."""
+
+    def range(self, name: str) -> TensorRange:
+        """The byte range and checksum of the declared tensor ``name``."""
+        return TensorRange(*json.loads(self.ranges)[name])
+
+    def planned(self) -> PlannedSample:
+        return PlannedSample(self.file, self.row, self.sample_id, self.file_bytes, self.latent_shape, self.source,
+                             self.text, self.ref_count, json.loads(self.ranges))  # fmt: skip
 
 
 def group(ref: SampleRef) -> str:
     """What a batch must share: its bucket, and for edit pairs their reference count too (the references' tokens
-    join the target's in the transformer's sequence, so a batch stacks only edits with as many references)."""
-    return ref.bucket if not ref.ref_count else f"{ref.bucket}+{ref.ref_count}ref"
+    join the target's in the transformer's sequence, so a batch stacks only edits with as many references), and
+    the optional tensors it lacks (a batch stacks each declared tensor for every sample or for none)."""
+    key = ref.bucket if not ref.ref_count else f"{ref.bucket}+{ref.ref_count}ref"
+    return f"{key}+no-{ref.lacks}" if ref.lacks else key
 
 
 def index_samples(manifest: dict) -> list[SampleRef]:
     """Every sample of a committed generation, from its index (two Parquet reads, whatever the sample count)."""
     from rayflux.cache import index
+    from rayflux.cache.manifest import Manifest
 
-    layout = json.dumps(manifest["layout"], sort_keys=True)
-    gen_dir = manifest["dir"]
+    manifest = Manifest.of(manifest)
+    layout = manifest.layout
+    layout_json = json.dumps(layout.to_json(), sort_keys=True)
+    gen_dir = manifest.dir
     files: dict[str, str] = {}  # one string object per file, shared by its refs
 
     def full(f: str) -> str:
         return files.setdefault(f, index.resolve(manifest, f))
 
-    from rayflux.cache.shards import ShardLayout
-
-    specs = ShardLayout(**manifest["layout"]).text
     text = {}
     for c in index.read(manifest, "captions").to_pylist():
-        parts = [[c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims], c[f"{t.key}_crc32"]]
-                 for t in specs]  # fmt: skip
-        text[c["caption_id"]] = json.dumps([full(c["file"]), c["file_bytes"], c["caption_id"], parts])
-    cols = ["sample_id", "bucket", "file", "row", "dataset", "offset", "length", "file_bytes", "latent_c", "latent_h",
-            "latent_w", "source_uri", "caption_id", "ref_count", "ref_offset", "ref_length", "crc32",
-            "ref_crc32"]  # fmt: skip
+        parts = [TextPart(c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims], c[f"{t.key}_crc32"])
+                 for t in layout.text]  # fmt: skip
+        text[c["caption_id"]] = TextLocator(full(c["file"]), c["file_bytes"], c["caption_id"], parts).encode()
+    cols = ["sample_id", "bucket", "file", "row", "dataset", "file_bytes", "latent_c", "latent_h", "latent_w",
+            "source_uri", "caption_id", "ref_count", *(c for t in layout.samples for c in t.columns())]  # fmt: skip
     refs = []
     for r in index.read(manifest, "samples", cols).to_pylist():
+        ranges = {t.name: [r[c] for c in t.columns()] for t in layout.samples}
+        lacks = ",".join(t.name for t in layout.samples if t.optional and not t.counts() and not ranges[t.name][1])
         refs.append(
             SampleRef(
-                r["sample_id"], r["bucket"], full(r["file"]), r["row"], r["dataset"],
-                offset=r["offset"], length=r["length"], file_bytes=r["file_bytes"],
+                r["sample_id"], r["bucket"], full(r["file"]), r["row"], r["dataset"], file_bytes=r["file_bytes"],
                 latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}", source=r["source_uri"],
-                text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout, ref_count=r["ref_count"],
-                ref_offset=r["ref_offset"], ref_length=r["ref_length"], crc32=r["crc32"], ref_crc32=r["ref_crc32"],
+                text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout_json, ref_count=r["ref_count"],
+                ranges=json.dumps(ranges), lacks=lacks,
             )  # fmt: skip
         )
     return refs
@@ -159,9 +163,7 @@ def _planned(b: list[SampleRef], epoch: int, index: int, seed: int) -> dict:
         "seed": seed,
         "bucket": b[0].bucket,
         "size": len(b),
-        "refs": json.dumps([[r.file, r.row, r.sample_id, r.offset, r.length, r.file_bytes, r.latent_shape,
-                             r.source, r.text, r.ref_count, r.ref_offset, r.ref_length, r.crc32, r.ref_crc32]
-                            for r in b]),  # fmt: skip
+        "refs": encode_planned([r.planned() for r in b]),
         "weights": json.dumps([r.weight for r in b]),
         "generation_dir": b[0].gen_dir,
         "layout": b[0].layout,
@@ -237,13 +239,13 @@ def load_batches(items: list[dict]) -> list[dict]:
 
 
 def stack_batch(
-    item: dict, generation: int, sample_ids: list[str], latents: list, text: dict[str, list],
-    weights: list | None = None, references: list | None = None,
+    item: dict, generation: int, sample_ids: list[str], samples: dict[str, list | None], text: dict[str, list],
+    weights: list | None = None,
 ) -> dict:
-    """One training row: the plan fields of ``item``, the cache generation, the stacked float32 tensors (the latents
-    and each named text tensor, ``text_<name>`` with its ``text_<name>_shape``), each sample's loss weight, and an edit
-    batch's reference latents ``[B, k, C, H, W]`` (``references``; empty bytes for a plain batch)."""
-    lat = np.stack([np.asarray(x, np.float32) for x in latents])
+    """One training row: the plan fields of ``item``, the cache generation, each declared per-sample tensor stacked
+    as float32 ``[B, ...]`` (``<name>`` bytes and ``<name>_shape``; empty bytes and ``[]`` for an optional tensor
+    the batch lacks), each named text tensor likewise (``text_<name>``, ``text_<name>_shape``), and each sample's
+    loss weight."""
     row = {
         "epoch": item["epoch"],
         "index": item["index"],
@@ -254,17 +256,18 @@ def stack_batch(
         "bucket": item["bucket"],
         "size": len(sample_ids),
         "sample_ids": json.dumps(sample_ids),
-        "latent": lat.tobytes(),
-        "latent_shape": json.dumps(list(lat.shape)),
+        "sample_tensors": json.dumps(list(samples)),
         "text_names": json.dumps(list(text)),
     }
+    # Every row has every declared tensor's keys, so the rows of one read task (a batch that lacks an optional
+    # tensor and one that has it alike) make one Arrow table.
+    for name, xs in samples.items():
+        arr = np.stack([np.asarray(x, np.float32) for x in xs]) if xs else None
+        row[name] = b"" if arr is None else arr.tobytes()
+        row[f"{name}_shape"] = json.dumps([] if arr is None else list(arr.shape))
     for name, xs in text.items():
         arr = np.stack([np.asarray(x, np.float32) for x in xs])
         row[f"text_{name}"] = arr.tobytes()
         row[f"text_{name}_shape"] = json.dumps(list(arr.shape))
     row["weights"] = json.dumps(weights or [1.0] * len(sample_ids))
-    refs = np.stack([np.asarray(x, np.float32) for x in references]) if references else None
-    # Every row has both keys, so the rows of one read task (plain and edit batches alike) make one Arrow table.
-    row["references"] = b"" if refs is None else refs.tobytes()
-    row["references_shape"] = json.dumps([] if refs is None else list(refs.shape))
     return row

@@ -20,6 +20,7 @@ import itertools
 import logging
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,11 +31,12 @@ from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, l
 from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
+from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 from rayflux.train.trainer import LoraTrainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train_loop_per_worker"]
+__all__ = ["LOOP_KEY", "LoopConfig", "train_loop_per_worker"]
 
 
 def grouped(rows, size: int):
@@ -121,8 +123,86 @@ def _worst_rank(facts: dict, device, world: int) -> dict:
     return {k: (int(v) if isinstance(facts[k], int) else round(float(v), 1)) for k, v in zip(keys, t.tolist())}
 
 
+@dataclass
+class _Worker:
+    """What one training process is: its config, rank, world and device."""
+
+    lc: LoopConfig
+    cfg: object
+    rank: int
+    world: int
+    device: object
+    local_world: int
+    node_rank: int
+    start_rss: float
+
+
+def _worker(lc: LoopConfig) -> _Worker:
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    return _Worker(lc, config_mod.from_dict(lc.job), ctx.get_world_rank(), ctx.get_world_size(),
+                   ray.train.torch.get_device(), ctx.get_local_world_size(), ctx.get_node_rank(),
+                   memory.rss_mb())  # fmt: skip
+
+
+def _restore(w: _Worker, first: dict) -> tuple[LoraTrainer, Progress, int, str]:
+    """The trainer, restored from the checkpoint the feed cut the plan at (see :mod:`rayflux.train.feed`) when there
+    is one; ``(trainer, progress, total steps, that checkpoint)``. Every row carries the run's planned step count,
+    which fixes the LR schedule's horizon."""
+    import ray.train.torch
+
+    t = w.cfg.train
+    empty = captions.load_empty(w.lc.empty_caption) if t.caption_dropout > 0 else None
+    progress = Progress(world_size=w.world)
+    resume_from = first["resume_from"]
+    restored = commits.checkpoint_at(resume_from) if resume_from else None
+    with restored.as_directory() if restored else contextlib.nullcontext() as d:
+        total = optim.total_steps(int(first["total_steps"]), t.max_steps)
+        topology = sharding.Topology(w.world, w.local_world, w.node_rank)
+        trainer = LoraTrainer(w.cfg, w.device, total, w.rank, empty, wrap=ray.train.torch.prepare_model,
+                              topology=topology, text_length=w.lc.text_length)  # fmt: skip
+        if d:
+            progress = checkpoint.restore(d, trainer, w.rank, w.world)
+    if progress.step != int(first["resume_step"]):
+        raise RuntimeError(f"the data feed was planned from step {first['resume_step']}, but checkpoint "
+                           f"{resume_from or '(none)'} holds step {progress.step}")  # fmt: skip
+    return trainer, progress, total, resume_from
+
+
+class _Logs:
+    """Rank 0's outputs of every step: TensorBoard (and Weights & Biases), the step log and the progress bar."""
+
+    def __init__(self, w: _Worker, start: int):
+        cfg, lc = w.cfg, w.lc
+        self.board = metrics.TensorBoardLog(lc.output_dir, purge_step=start + 1 if start else None) if w.rank == 0 \
+            else None  # fmt: skip
+        if self.board and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
+            wandb = wandb_log.WandbLog(cfg.run.wandb_project, lc.checkpoints, cfg.run.name, lc.job)
+            self.board = wandb_log.Both(self.board, wandb)
+        self.steps = metrics.StepLog(lc.output_dir) if w.rank == 0 else None
+        self.bar = progress_mod.BoardSender(lc.progress if w.rank == 0 else None)
+
+    def write(self, record: dict, scalars: bool = True) -> None:
+        if self.board and scalars:
+            self.board.scalars(record["step"], record)
+        if self.steps:
+            self.steps.write(record)
+
+    def flush(self) -> None:
+        if self.board:
+            self.board.flush()
+            self.steps.sync()
+
+    def close(self) -> None:
+        if self.board:
+            self.board.close()
+            self.steps.close()
+
+
 def _queue_render(renders, trainer, cfg, run_dir: str, record: dict, checkpointed: bool, last: bool,
-                  loop_config: dict) -> None:
+                  caption_tables) -> None:
     """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
     go on training. A diffusers-format checkpoint at this step has written it already; otherwise the live LoRA is
     written as that file, or, for kohya output, beside the grid (``validation/step-<step>.safetensors``)."""
@@ -134,140 +214,162 @@ def _queue_render(renders, trainer, cfg, run_dir: str, record: dict, checkpointe
         elif checkpointed:
             path = storage.join(run_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step))
         else:
-            path = lora_files.keep_live_step(trainer, cfg, run_dir, record, loop_config["caption_tables"])
+            path = lora_files.keep_live_step(trainer, cfg, run_dir, record, caption_tables)
     if renders.submit(record["step"], path, last):
         record["validation_image"] = validation.grid_path(run_dir, record["step"])  # where the actor writes it
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
-    import ray.train
-    import ray.train.torch
-    from ray.train import Checkpoint
+@dataclass(frozen=True)
+class _Due:
+    """What a step must do besides training, the same on every rank."""
 
-    cfg = config_mod.from_dict(loop_config["job"])
-    t, run_dir = cfg.train, loop_config["run_dir"]
-    start_rss = memory.rss_mb()
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
+    last: bool
+    end_of_feed: bool
+    checkpoint: bool
+    report: bool
+    images: bool
 
-    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_reads))
-    first = next(rows, None)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
-    if first is None:
-        # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
-        log.info("rank %d: nothing left to train in epochs %s", rank, loop_config.get("epochs"))
-        return
-    rows = itertools.chain([first], rows)
-    empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
 
-    progress = Progress(world_size=world)
-    resume_from = first["resume_from"]  # the checkpoint the feed cut the plan at (see rayflux.train.feed)
-    restored = commits.checkpoint_at(resume_from) if resume_from else None
-    with restored.as_directory() if restored else contextlib.nullcontext() as d:
-        total = optim.total_steps(int(first["total_steps"]), t.max_steps)
-        topology = sharding.Topology(world, ctx.get_local_world_size(), ctx.get_node_rank())
-        trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model, topology=topology,
-                              text_length=loop_config["text_length"])  # fmt: skip
-        if d:
-            progress = checkpoint.restore(d, trainer, rank, world)
-    if progress.step != int(first["resume_step"]):
-        raise RuntimeError(f"the data feed was planned from step {first['resume_step']}, but checkpoint "
-                           f"{resume_from or '(none)'} holds step {progress.step}")  # fmt: skip
-    start = progress.step
-    if rank == 0:
-        _record_start(progress, loop_config["checkpoints"], resume_from, ray.train.get_checkpoint())
-    preemption = elastic.PreemptionNotice()
-    board = metrics.TensorBoardLog(run_dir, purge_step=start + 1 if start else None) if rank == 0 else None
-    if board and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
-        board = wandb_log.Both(board, wandb_log.WandbLog(cfg.run.wandb_project, loop_config["checkpoints"],
-                                                         cfg.run.name, loop_config["job"]))  # fmt: skip
-    steps_log = metrics.StepLog(run_dir) if rank == 0 else None
-    bar = progress_mod.BoardSender(loop_config.get("progress") if rank == 0 else None)
-    clock, window, preempted_once = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), False
-    reads = metrics.ReadTotals()
-    evals = evaluation.Evaluator(trainer, loop_config.get("eval_plan") or [], rank, world, t.eval_every,
-                                 final_segment=int(loop_config["epochs"][1]) >= t.epochs)  # fmt: skip
+class _Run:
+    """One worker's training run: the trainer and everything each step updates."""
 
-    def keep_best(record: dict) -> None:
-        lora_files.keep_best(trainer, cfg, run_dir, record, loop_config["caption_tables"])
+    def __init__(self, w: _Worker, first: dict):
+        t = w.cfg.train
+        self.w, self.t = w, t
+        self.trainer, self.progress, self.total, resume_from = _restore(w, first)
+        self.start = self.progress.step
+        if w.rank == 0:
+            _record_start(self.progress, w.lc.checkpoints, resume_from, _offered())
+        self.preemption, self.preempted_once = elastic.PreemptionNotice(), False
+        self.logs = _Logs(w, self.start)
+        self.clock, self.window, self.reads = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), \
+            metrics.ReadTotals()  # fmt: skip
+        final = int(w.lc.epochs[1]) >= t.epochs
+        self.evals = evaluation.Evaluator(self.trainer, list(w.lc.eval_plan), w.rank, w.world, t.eval_every,
+                                          final_segment=final)  # fmt: skip
+        renderer = w.lc.renderer if w.rank == 0 and t.validation_prompts else None
+        self.renders = renderer_mod.Queue(renderer, t.validation_queue) if renderer else None
 
-    best_writer = keep_best if rank == 0 else None
-    renderer = loop_config.get("renderer") if rank == 0 and t.validation_prompts else None
-    renders = renderer_mod.Queue(renderer, t.validation_queue) if renderer else None
-    if evals.active and start == 0:
-        baseline = {"step": 0, "epoch": 0}  # the untrained LoRA (the base model): what training must improve on
-        evals.run(baseline, progress, best_writer)
-        if board:
-            board.scalars(0, baseline)
-            steps_log.write(baseline)
-        bar.send(baseline, force=True)
-        window.restart()
+    def keep_best(self, record: dict) -> None:
+        lora_files.keep_best(self.trainer, self.w.cfg, self.w.lc.output_dir, record, self.w.lc.caption_tables)
 
-    def report(record: dict, with_checkpoint: bool) -> None:
-        directory = None
-        if with_checkpoint:
-            # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
-            record.update(_worst_rank(memory.snapshot(start_rss), device, world))
-            directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
-            checkpoint.save(directory, trainer, rank, progress, t.output_format)
-            if rank == 0:
-                lora_files.keep_step(directory, cfg, run_dir, record, loop_config["caption_tables"])
-        if board:
-            board.flush()
-            steps_log.sync()
-        ray.train.report(
-            record,
-            checkpoint=Checkpoint.from_directory(directory) if directory else None,
-            delete_local_checkpoint_after_upload=bool(directory),
-        )
-        clock.reset(progress.step)
-        if directory:
-            # Every rank's report returned, so every rank's files are in storage: the checkpoint is whole.
-            _barrier(device, world)
-            if rank == 0:
-                commits.commit(ray.train.get_checkpoint())
-                commits.prune(loop_config["checkpoints"])
+    @property
+    def best_writer(self):
+        return self.keep_best if self.w.rank == 0 else None
 
-    for group, end_of_feed in with_last(grouped(rows, t.gradient_accumulation)):
-        if progress.step >= total:
-            break
-        _debug_delay(cfg, rank)
-        stats = trainer.train_step([step.from_item(item) for item in group])
-        position = elastic.step_position(group, rank, world)
-        progress.advance(int(group[0]["step"]), position, group)
+    def baseline(self) -> None:
+        """The eval loss of the untrained LoRA (the base model), before a fresh run's first step: what training
+        must improve on."""
+        if not (self.evals.active and self.start == 0):
+            return
+        record = {"step": 0, "epoch": 0}
+        self.evals.run(record, self.progress, self.best_writer)
+        self.logs.write(record)
+        self.logs.bar.send(record, force=True)
+        self.window.restart()
+
+    def step(self, group: list[dict], end_of_feed: bool) -> None:
+        """Train one optimizer step on ``group``, then log, evaluate, report, checkpoint and render as due."""
+        _debug_delay(self.w.cfg, self.w.rank)
+        record, report_due, preempted = self._train(group)
+        due = self._due(record, end_of_feed, report_due, preempted)
+        due_eval = self.evals.due(self.progress.step, due.last, end_of_feed)
+        if due_eval:
+            self.evals.run(record, self.progress, self.best_writer)
+        if self.logs.board:
+            self.logs.board.scalars(self.progress.step, record)
+        if due.checkpoint or due.report:
+            self.report(record, due.checkpoint)  # writes this step's LoRA file when it checkpoints
+        if self.renders and due.images:
+            _queue_render(self.renders, self.trainer, self.w.cfg, self.w.lc.output_dir, record, due.checkpoint,
+                          due.last, self.w.lc.caption_tables)  # fmt: skip
+        if self.logs.steps:
+            self.logs.steps.write(record)
+        self.logs.bar.send(record, force=due.last or end_of_feed)
+        if due.checkpoint or due.images or due_eval:
+            self.window.restart()  # rates exclude the time spent rendering and checkpointing
+
+    def _train(self, group: list[dict]) -> tuple[dict, bool, bool]:
+        """The optimizer step and its all-rank record; ``(record, report due, preemption announced)``."""
+        w = self.w
+        stats = self.trainer.train_step([step.from_item(item) for item in group])
+        position = elastic.step_position(group, w.rank, w.world)
+        self.progress.advance(int(group[0]["step"]), position, group)
         loss, samples, report_due, preempted, step_reads = _agree(
-            stats.loss, stats.samples, rank == 0 and clock.due(progress.step), preemption.local(), device, world,
-            metrics.batch_reads(group),
-        )
-        record = {"step": progress.step, "epoch": int(group[0]["epoch"]), "generation": int(group[0]["generation"]),
-                  "samples": samples, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                  **window.take(samples)}  # fmt: skip
+            stats.loss, stats.samples, w.rank == 0 and self.clock.due(self.progress.step), self.preemption.local(),
+            w.device, w.world, metrics.batch_reads(group),
+        )  # fmt: skip
+        record = {"step": self.progress.step, "epoch": int(group[0]["epoch"]), "samples": samples, "loss": loss,
+                  "generation": int(group[0]["generation"]), "lr": stats.lr, "grad_norm": stats.grad_norm,
+                  **self.window.take(samples)}  # fmt: skip
         record.update(position)
-        record.update(reads.add(record["epoch"], samples, step_reads))
-        last = progress.step >= total
-        every = t.checkpoint_every and progress.step % t.checkpoint_every == 0
-        preempted, preempted_once = preempted and not preempted_once, preempted_once or preempted
+        record.update(self.reads.add(record["epoch"], samples, step_reads))
+        return record, report_due, preempted
+
+    def _due(self, record: dict, end_of_feed: bool, report_due: bool, preempted: bool) -> _Due:
+        step_, t = self.progress.step, self.t
+        last = step_ >= self.total
+        every = t.checkpoint_every and step_ % t.checkpoint_every == 0
+        preempted, self.preempted_once = preempted and not self.preempted_once, self.preempted_once or preempted
         if preempted:
             record["preempted"] = True
-        due_checkpoint = bool(last or end_of_feed or every or preempted)
-        progress.feed_done = end_of_feed
-        due_eval = evals.due(progress.step, last, end_of_feed)
-        if due_eval:
-            evals.run(record, progress, best_writer)
-        if board:
-            board.scalars(progress.step, record)
-        due_images = bool(last or (t.validation_every and progress.step % t.validation_every == 0))
-        if due_checkpoint or report_due:
-            report(record, due_checkpoint)  # writes this step's LoRA file when it checkpoints
-        if renders and due_images:
-            _queue_render(renders, trainer, cfg, run_dir, record, due_checkpoint, last, loop_config)
-        if steps_log:
-            steps_log.write(record)
-        bar.send(record, force=last or end_of_feed)
-        if due_checkpoint or due_images or due_eval:
-            window.restart()  # rates exclude the time spent rendering and checkpointing
-    if progress.step == start and rank == 0:
-        log.info("nothing left to train: the checkpoint at step %d already reached train.max_steps", start)
-    if board:
-        board.close()
-        steps_log.close()
+        self.progress.feed_done = end_of_feed
+        images = bool(last or (t.validation_every and step_ % t.validation_every == 0))
+        return _Due(last, end_of_feed, bool(last or end_of_feed or every or preempted), report_due, images)
+
+    def report(self, record: dict, with_checkpoint: bool) -> None:
+        """``ray.train.report`` (a barrier of every rank) of ``record``, with a checkpoint when due; rank 0 then
+        commits it and prunes old ones."""
+        import ray.train
+        from ray.train import Checkpoint
+
+        w, directory = self.w, None
+        if with_checkpoint:
+            # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
+            record.update(_worst_rank(memory.snapshot(w.start_rss), w.device, w.world))
+            directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
+            checkpoint.save(directory, self.trainer, w.rank, self.progress, self.t.output_format)
+            if w.rank == 0:
+                lora_files.keep_step(directory, w.cfg, w.lc.output_dir, record, w.lc.caption_tables)
+        self.logs.flush()
+        ray.train.report(record, checkpoint=Checkpoint.from_directory(directory) if directory else None,
+                         delete_local_checkpoint_after_upload=bool(directory))  # fmt: skip
+        self.clock.reset(self.progress.step)
+        if directory:
+            # Every rank's report returned, so every rank's files are in storage: the checkpoint is whole.
+            _barrier(w.device, w.world)
+            if w.rank == 0:
+                commits.commit(ray.train.get_checkpoint())
+                commits.prune(w.lc.checkpoints)
+
+    def close(self) -> None:
+        if self.progress.step == self.start and self.w.rank == 0:
+            log.info("nothing left to train: the checkpoint at step %d already reached train.max_steps", self.start)
+        self.logs.close()
+
+
+def _offered():
+    import ray.train
+
+    return ray.train.get_checkpoint()
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """One training worker: restore, evaluate the baseline, train every planned optimizer step, close."""
+    import ray.train
+
+    lc: LoopConfig = loop_config[LOOP_KEY]
+    w = _worker(lc)
+    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.prefetch_reads))
+    first = next(rows, None)
+    if first is None:
+        # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
+        log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.epochs)
+        return
+    run = _Run(w, first)
+    run.baseline()
+    for group, end_of_feed in with_last(grouped(itertools.chain([first], rows), w.cfg.train.gradient_accumulation)):
+        if run.progress.step >= run.total:
+            break
+        run.step(group, end_of_feed)
+    run.close()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from rayflux import datasets, models, progress, storage
 from rayflux.cache import index, integrity
+from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.config.base_dtype import refusal
 from rayflux.config.optimizer import refusal as optimizer_refusal
@@ -16,6 +17,7 @@ from rayflux.models import ModelFacts
 from rayflux.train import batching, commits, metrics, renderer
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
 from rayflux.train.loop import train_loop_per_worker
+from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,7 @@ def train(
     epochs: tuple[int, int] | None = None,
 ) -> TrainResult:
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
+    manifest = Manifest.of(manifest)
     _, hi = worker_range(cfg.train.num_workers)
     refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
     batching.check_references(refs, models.family(cfg.model))
@@ -151,7 +154,7 @@ def train(
     counts = plan_counts(cfg, refs, hi)
     if counts[0]["batches"] == 0:
         raise RuntimeError(
-            f"no full set of batches for {hi} workers: {manifest['cached']} samples, batch_size {cfg.train.batch_size}"
+            f"no full set of batches for {hi} workers: {manifest.cached} samples, batch_size {cfg.train.batch_size}"
         )
     first, end = epochs or (0, cfg.train.epochs)
     dropped = [counts[e]["dropped"] for e in range(first, end)]
@@ -203,7 +206,7 @@ def _raise_integrity(error: BaseException) -> None:
         raise found from None
 
 
-def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
+def _fit(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
          board, eval_plan=()):  # fmt: skip
     import ray
     from ray.train.torch import TorchTrainer
@@ -224,25 +227,25 @@ def _fit(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, clu
     return result
 
 
-def _trainer(cfg: JobConfig, manifest: dict, facts: ModelFacts, output_dir: str, run_dir: str, gpus: tuple, renders,
+def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str, run_dir: str, gpus: tuple, renders,
              refs, epochs, board, eval_plan):  # fmt: skip
     """The ``TorchTrainer`` of one trainer run; ``gpus``: ``(use GPUs, share of each GPU left to the renderer)``."""
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "job": cfg.to_dict(),
-            "run_dir": output_dir,  # validation images, TensorBoard events and the step log
-            "text_files": index.empty_caption(manifest),  # the empty caption, for caption dropout (one ranged read)
-            "caption_tables": [index.caption_table(manifest)],  # caption tag counts for kohya metadata
-            "progress": board,  # rank 0 tells the driver's bar about each step
-            "checkpoints": run_dir,
-            "epochs": list(epochs or (0, cfg.train.epochs)),
-            "text_length": facts.text_length,  # the driver read the model's configs once; workers need not
-            "eval_plan": list(eval_plan),  # the held-out samples' batches (small: data.eval_samples samples)
-            "renderer": renders.actor if renders else None,  # rank 0 queues validation renders on it
-        },
+        train_loop_config={LOOP_KEY: LoopConfig(
+            job=cfg.to_dict(),
+            output_dir=output_dir,
+            checkpoints=run_dir,
+            empty_caption=manifest.empty_caption(),
+            caption_tables=(index.caption_table(manifest),),
+            epochs=tuple(epochs or (0, cfg.train.epochs)),
+            text_length=facts.text_length,
+            eval_plan=tuple(eval_plan),
+            progress=board,
+            renderer=renders.actor if renders else None,
+        )},
         scaling_config=scaling_config(cfg, *gpus),
         run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_dir)]),
         datasets={DATASET: index_dataset(refs)},

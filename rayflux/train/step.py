@@ -8,11 +8,12 @@ batch's planned ``seed``, in that order, so a batch trains the same way on which
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from rayflux.cache.layout import declared
 from rayflux.config import TrainConfig
 from rayflux.families.base import Family
 from rayflux.families.references import target_prediction
@@ -31,6 +32,9 @@ class Batch:
     """Per-sample loss weights ``[B]`` (regularisation datasets); None weighs every sample 1."""
     references: torch.Tensor | None = None
     """Edit pairs: each sample's cached reference latents ``[B, k, C, H, W]``; None for a plain batch."""
+    tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    """Every other declared per-sample tensor (:mod:`rayflux.cache.layout`), by name, stacked ``[B, ...]``; None
+    for an optional one the batch lacks."""
 
 
 @dataclass
@@ -45,12 +49,19 @@ def _array(data: bytes, shape) -> torch.Tensor:
 
 
 def from_item(item: dict) -> Batch:
-    """Rebuild the tensors of a row made by :func:`rayflux.train.batching.stack_batch`."""
-    lat = _array(item["latent"], json.loads(item["latent_shape"]))
+    """Rebuild the tensors of a row made by :func:`rayflux.train.batching.stack_batch`: each declared per-sample
+    tensor lands on the :class:`Batch` attribute its declaration names, or in ``Batch.tensors``."""
     text = {n: _array(item[f"text_{n}"], json.loads(item[f"text_{n}_shape"])) for n in json.loads(item["text_names"])}
     weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None
-    refs = _array(item["references"], json.loads(item["references_shape"])) if item.get("references") else None
-    return Batch(lat, text, int(item["seed"]), weights, refs)
+    fields: dict = {"tensors": {}}
+    for name in json.loads(item["sample_tensors"]):
+        value = _array(item[name], json.loads(item[f"{name}_shape"])) if item[name] else None
+        t = declared(name)
+        if t is not None and t.batch:
+            fields[t.batch] = value
+        else:
+            fields["tensors"][name] = value
+    return Batch(text=text, seed=int(item["seed"]), weights=weights, **fields)
 
 
 def flow_loss(

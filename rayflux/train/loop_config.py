@@ -1,0 +1,37 @@
+"""What the driver hands every training worker: one frozen record, the only value of Ray Train's
+``train_loop_config`` dict (under :data:`LOOP_KEY`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the driver hands every training worker (``train_loop_config={LOOP_KEY: LoopConfig(...)}``)."""
+
+    job: dict
+    """The run's :class:`~rayflux.config.JobConfig` as a dict (rebuilt on the worker; Weights & Biases logs it)."""
+    output_dir: str
+    """``run.output_dir``: validation images, TensorBoard events, the step log and the LoRA files."""
+    checkpoints: str
+    """Ray Train's storage of this run (:func:`rayflux.train.commits.run_storage`): its checkpoints and commits."""
+    empty_caption: dict
+    """Where the empty caption's embeddings are (:meth:`rayflux.cache.manifest.Manifest.empty_caption`), for
+    caption dropout: one ranged read."""
+    caption_tables: tuple[str, ...]
+    """The generation's caption index files: caption tag counts for kohya metadata."""
+    epochs: tuple[int, int]
+    """The half-open range of epochs this trainer run covers (one refresh segment)."""
+    text_length: int
+    """The model's padded text length (the driver read the model's configs once; workers need not)."""
+    eval_plan: tuple = ()
+    """The held-out samples' planned batches (small: ``data.eval_samples`` samples)."""
+    progress: object = None
+    """The driver's progress board actor: rank 0 tells the bar about each step."""
+    renderer: object = None
+    """The validation render actor: rank 0 queues renders on it."""
+
+
+LOOP_KEY = "loop"
+"""The one key of ``train_loop_config`` (Ray Train takes a dict): its :class:`LoopConfig`."""
