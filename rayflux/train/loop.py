@@ -24,7 +24,7 @@ import time
 import torch
 
 from rayflux import config as config_mod
-from rayflux import memory, progress as progress_mod, storage
+from rayflux import memory, phases, progress as progress_mod, storage
 from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, lora_files, metrics, optim, sharding,
                            step, validation, wandb_log)
 from rayflux.train import renderer as renderer_mod
@@ -144,6 +144,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train.torch
     from ray.train import Checkpoint
 
+    phases.mark("worker_start")
     cfg = config_mod.from_dict(loop_config["job"])
     t, run_dir = cfg.train, loop_config["run_dir"]
     start_rss = memory.rss_mb()
@@ -157,6 +158,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
         log.info("rank %d: nothing left to train in epochs %s", rank, loop_config.get("epochs"))
         return
+    phases.mark("first_read_end")
     rows = itertools.chain([first], rows)
     empty = captions.load_empty(loop_config["text_files"]) if t.caption_dropout > 0 else None
 
