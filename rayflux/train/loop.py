@@ -30,7 +30,7 @@ from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, l
 from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
-from rayflux.train.trainer import LoraTrainer
+from rayflux.train.trainer import LoraTrainer, import_for_load
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
 
+    import_for_load(cfg)  # the model load's imports run while the first read below is in flight
     rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_reads))
     first = next(rows, None)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
     if first is None:
