@@ -152,9 +152,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
 
-    import_for_load(cfg)  # the model load's imports run while the first read below is in flight
+    imports = import_for_load(cfg)  # the model load's imports run while the first read below is in flight
     rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_reads))
     first = next(rows, None)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
+    imports.join()  # diffusers' lazy module is not safe to import from two threads at once
     if first is None:
         # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
         log.info("rank %d: nothing left to train in epochs %s", rank, loop_config.get("epochs"))

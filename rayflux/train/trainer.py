@@ -44,8 +44,9 @@ class StepStats:
 def import_for_load(cfg: JobConfig) -> threading.Thread:
     """Start importing, in a daemon thread, the modules :class:`LoraTrainer` loads the base model with (the family's
     diffusers transformer class, peft): seconds of a worker's start that then overlap its first read, which waits on
-    other processes. A failure here is left to the load itself, which imports the same modules again and says what
-    is wrong."""
+    other processes. Join the thread before anything else imports them: diffusers' lazy module fails an import
+    that runs in two threads at once. A failure here is left to the load itself, which imports the same modules
+    again and says what is wrong."""
 
     def run() -> None:
         try:
