@@ -83,11 +83,17 @@ def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -
     if proc.returncode != 0:
         raise SystemExit(f"job failed ({' '.join(settings)}): {proc.stderr[-3000:]}")
     times = {"launch": t0, "exit": t1}
+    starts, ends = [], []
     if marks.exists():
         for line in marks.read_text().splitlines():
             rec = json.loads(line)
             times.setdefault(rec["phase"], rec["time"])  # the first of each (the first worker's, the first step)
             times[f"last_{rec['phase']}"] = rec["time"]
+            {"step_start": starts, "step_end": ends}.get(rec["phase"], []).append(rec["time"])
+    if len(starts) > 2 and len(starts) == len(ends):
+        # Per step after the first: inside LoraTrainer.train_step, and the loop's own work between two of them.
+        times["compute"] = statistics.mean(e - s for s, e in zip(starts[1:], ends[1:]))
+        times["between"] = statistics.mean(s - e for e, s in zip(ends[1:], starts[2:]))
     stages = {s["name"]: s for s in json.loads((out / "ledger.json").read_text())["stages"]}
     for name, key in (("train:seg0", "train"), ("export", "export")):
         times[f"{key}_start"], times[f"{key}_end"] = stages[name]["start"], stages[name]["end"]
@@ -105,6 +111,7 @@ def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -
         times["committed"] = manifest["committed_at"]
     else:
         times["committed"] = cache["end"]
+    (out.parent / f"{out.name}.times.json").write_text(json.dumps({"launch": t0, "exit": t1}))
     steps = [json.loads(x) for x in (out / "metrics" / "steps.jsonl").read_text().splitlines() if x.strip()]
     times["steps"] = len(steps)
     times["step_time"] = statistics.mean(s["step_time"] for s in steps[1:]) if len(steps) > 1 else 0.0
@@ -182,6 +189,10 @@ def slope_report(long: list[dict], short: list[dict], extra: int, args) -> None:
     step = statistics.median(w["step_time"] for w in long)
     print(f"extra step ({args.slope} -> {args.steps} steps), ms per step (median of {len(long)}); step log's mean "
           f"step_time {step * 1000:.1f} ms")
+    if all("compute" in w for w in long):
+        compute, between = (statistics.median(w[k] for w in long) for k in ("compute", "between"))
+        print(f"  of which LoraTrainer.train_step {compute * 1000:.1f} ms, the loop's work between steps "
+              f"{between * 1000:.1f} ms")
     for label, a, b in SLOPE_PARTS:
         if all(a in r and b in r for r in long + short):
             added = [((w[b] - w[a]) - (s[b] - s[a])) / extra for w, s in zip(long, short)]

@@ -206,6 +206,7 @@ class LoraTrainer:
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
         """Forward and backward every batch (gradients averaged over them), clip, then one optimizer step."""
+        phases.mark("step_start")
         t = self.cfg.train
         lr = optim.step_lr(self.optimizer, t)
         step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype, self.family)
