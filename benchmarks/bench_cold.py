@@ -54,6 +54,7 @@ PHASES = [
     ("export", "export_start", "export_end"),
     ("exit", "export_end", "exit"),
     ("time to first step", "launch", "step_end"),
+    ("Ray start -> export end", "ray_start", "export_end"),
     ("end to end", "launch", "exit"),
 ]
 
@@ -82,7 +83,17 @@ def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -
     t1 = time.time()
     if proc.returncode != 0:
         raise SystemExit(f"job failed ({' '.join(settings)}): {proc.stderr[-3000:]}")
-    times = {"launch": t0, "exit": t1}
+    (out.parent / f"{out.name}.times.json").write_text(json.dumps({"launch": t0, "exit": t1}))
+    return read_run(out)
+
+
+def read_run(out: Path) -> dict:
+    """The named Unix times of the finished run in ``out`` (its marks, ledger and manifest), ``steps``, ``step_time``
+    and, from the marks of every step, the mean ``compute`` (inside ``train_step``) and ``between`` (the loop's own
+    work between two steps)."""
+    marks = out.parent / f"{out.name}.phases.jsonl"
+    saved = out.parent / f"{out.name}.times.json"
+    times = json.loads(saved.read_text()) if saved.exists() else {}
     starts, ends = [], []
     if marks.exists():
         for line in marks.read_text().splitlines():
@@ -111,7 +122,6 @@ def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -
         times["committed"] = manifest["committed_at"]
     else:
         times["committed"] = cache["end"]
-    (out.parent / f"{out.name}.times.json").write_text(json.dumps({"launch": t0, "exit": t1}))
     steps = [json.loads(x) for x in (out / "metrics" / "steps.jsonl").read_text().splitlines() if x.strip()]
     times["steps"] = len(steps)
     times["step_time"] = statistics.mean(s["step_time"] for s in steps[1:]) if len(steps) > 1 else 0.0
@@ -140,6 +150,8 @@ def main() -> int:
     ap.add_argument("--code", type=Path, action="append", default=[], help="another checkout to run side by side")
     ap.add_argument("--slope", type=int, default=0, help="also time train.max_steps=N runs on the warm cache")
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--from", dest="source", type=Path, default=None,
+                    help="only report on the runs an earlier call left in this --work folder")
     ap.add_argument("--simpletuner", action="store_true", help="SimpleTuner side by side (see simpletuner_side)")
     ap.add_argument("--simpletuner-python", default="/work/simpletuner-venv/bin/python")
     args = ap.parse_args()
@@ -152,6 +164,8 @@ def main() -> int:
     codes = [ROOT, *[c.resolve() for c in args.code]]
     results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
     st_runs: dict[str, list[float]] = {"cold": [], "warm": []}
+    if args.source:
+        return report_from(args.source, codes, results, st_runs, args)
     for r in range(args.rounds):
         for i, code in enumerate(codes if r % 2 == 0 else codes[::-1]):
             tag = f"r{r}-c{codes.index(code)}"
@@ -176,6 +190,26 @@ def main() -> int:
             print(f"round {r} SimpleTuner: cold {st_runs['cold'][-1]:.1f}s, warm {st_runs['warm'][-1]:.1f}s")
     report(codes, results, st_runs, args)
     print(f"load average at the end: {os.getloadavg()}")
+    return 0
+
+
+def report_from(work: Path, codes: list[Path], results: dict, st_runs: dict, args) -> int:
+    """Report on the finished runs under ``work`` (``<kind>-r<round>-c<code>``, code as ordered by ``--code``); a
+    round is used only when all its runs finished. Runs without a saved launch time have no end-to-end rows."""
+    rounds = sorted({int(p.name.split("-")[1][1:]) for p in work.glob("cold-r*-c*") if p.is_dir()})
+    kinds = ["cold", "warm"] + (["short"] if args.slope else [])
+    for r in rounds:
+        outs = {(k, c): work / f"{k}-r{r}-c{c}" for k in kinds for c in range(len(codes))}
+        if not all((o / "ledger.json").exists() and (o / "metrics").exists() for o in outs.values()):
+            continue
+        try:
+            runs = {key: read_run(o) for key, o in outs.items()}
+        except (KeyError, TypeError, json.JSONDecodeError):
+            continue  # a run cut off before its end
+        for (k, c), run in runs.items():
+            results[str(codes[c])][k].append(run)
+    args.rounds = len(results[str(codes[0])]["cold"])
+    report(codes, results, st_runs, args)
     return 0
 
 
@@ -213,11 +247,14 @@ def report(codes: list[Path], results: dict, st_runs: dict, args) -> None:
             slope_report(res["warm"], res["short"], args.steps - args.slope, args)
     base = results[str(codes[0])]
     for kind in ("cold", "warm"):
-        for code in codes[1:]:
-            ratios = [(a["exit"] - a["launch"]) / (b["exit"] - b["launch"])
-                      for a, b in zip(base[kind], results[str(code)][kind])]
-            print(f"{kind}: this tree ÷ {code} end to end: median {statistics.median(ratios):.3f} "
-                  f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
+        for label, a, b in (("end to end", "launch", "exit"), ("Ray start -> export end", "ray_start", "export_end")):
+            for code in codes[1:]:
+                pairs = [(x, y) for x, y in zip(base[kind], results[str(code)][kind]) if all(
+                    k in r for r in (x, y) for k in (a, b))]  # fmt: skip
+                ratios = [(x[b] - x[a]) / (y[b] - y[a]) for x, y in pairs]
+                if ratios:
+                    print(f"{kind}: this tree ÷ {code}, {label}: median {statistics.median(ratios):.3f} "
+                          f"(rounds: {', '.join(f'{v:.3f}' for v in ratios)})")
         if st_runs[kind]:
             ratios = [(a["exit"] - a["launch"]) / s for a, s in zip(base[kind], st_runs[kind])]
             print(f"{kind}: rayflux ÷ SimpleTuner end to end: median {statistics.median(ratios):.3f} "
