@@ -30,7 +30,7 @@ from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, l
 from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
-from rayflux.train.trainer import LoraTrainer, import_for_load
+from rayflux.train.trainer import LoraTrainer
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
 
-    imports = import_for_load(cfg)  # the model load's imports run while the first read below is in flight
     rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), t.prefetch_reads))
     first = next(rows, None)  # every row carries the run's planned step count, which fixes the LR schedule's horizon
-    imports.join()  # diffusers' lazy module is not safe to import from two threads at once
     if first is None:
         # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
         log.info("rank %d: nothing left to train in epochs %s", rank, loop_config.get("epochs"))

@@ -11,7 +11,6 @@ import hashlib
 import logging
 import math
 import random
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,27 +38,6 @@ class StepStats:
     """Learning rate the step used."""
     samples: int
     """Samples this rank trained on in the step."""
-
-
-def import_for_load(cfg: JobConfig) -> threading.Thread:
-    """Start importing, in a daemon thread, the modules :class:`LoraTrainer` loads the base model with (the family's
-    diffusers transformer class, peft): seconds of a worker's start that then overlap its first read, which waits on
-    other processes. Join the thread before anything else imports them: diffusers' lazy module fails an import
-    that runs in two threads at once. A failure here is left to the load itself, which imports the same modules
-    again and says what is wrong."""
-
-    def run() -> None:
-        try:
-            import diffusers
-            import peft  # noqa: F401
-
-            getattr(diffusers, models.family(cfg.model).transformer_class)
-        except Exception:  # noqa: BLE001 - the load reports it
-            pass
-
-    thread = threading.Thread(target=run, name="rayflux-model-imports", daemon=True)
-    thread.start()
-    return thread
 
 
 def worker_seed(seed: int, rank: int) -> int:
