@@ -2,7 +2,7 @@
 cache) and warm (the cache reused), and the wall time each extra training step adds.
 
     python benchmarks/bench_cold.py [--images 32] [--resolution 256] [--steps 40] [--rounds 3]
-                                    [--code DIR ...] [--slope 8] [--simpletuner]
+                                    [--code DIR ...] [--slope 8] [--from WORK_DIR]
 
 The job as a user runs it with its defaults except: ``--images`` generated captioned images (the demo's shapes and
 sizes, repeated), ``data.resolution``, ``train.max_steps``, one worker, ``run.ray_address=local`` (its own Ray).
@@ -14,7 +14,8 @@ seconds are from the process's launch.
 and prints each one's median end-to-end time and its ratio to the first (older checkouts have no phase marks; their
 totals still compare). ``--slope N``: also time each code's train stage with ``train.max_steps=N`` on the warm cache,
 so ``(stage(steps) - stage(N)) / (steps - N)`` is the wall each extra step adds, against the step log's mean
-``step_time``. ``--simpletuner``: SimpleTuner on the same model and images (see ``--simpletuner-python``).
+``step_time``. No SimpleTuner side yet: it needs Python 3.12 or later, which this project's machines cannot
+install (BENCHMARKS.md, "Cold start and fixed overhead").
 """
 
 from __future__ import annotations
@@ -153,8 +154,6 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--from", dest="source", type=Path, default=None,
                     help="only report on the runs an earlier call left in this --work folder")
-    ap.add_argument("--simpletuner", action="store_true", help="SimpleTuner side by side (see simpletuner_side)")
-    ap.add_argument("--simpletuner-python", default="/work/simpletuner-venv/bin/python")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     work = args.work or Path(tempfile.mkdtemp(prefix="rayflux-bench-cold-"))
@@ -164,9 +163,8 @@ def main() -> int:
               f"train.epochs={epochs}", "run.ray_address=local"]  # fmt: skip
     codes = [ROOT, *[c.resolve() for c in args.code]]
     results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
-    st_runs: dict[str, list[float]] = {"cold": [], "warm": []}
     if args.source:
-        return report_from(args.source, codes, results, st_runs, args)
+        return report_from(args.source, codes, results, args)
     for r in range(args.rounds):
         for i, code in enumerate(codes if r % 2 == 0 else codes[::-1]):
             tag = f"r{r}-c{codes.index(code)}"
@@ -183,18 +181,12 @@ def main() -> int:
             c, w = res["cold"][-1], res["warm"][-1]
             print(f"round {r} {code}: cold {c['exit'] - c['launch']:.1f}s, warm {w['exit'] - w['launch']:.1f}s",
                   flush=True)
-        if args.simpletuner:
-            from benchmarks.simpletuner_side import run_simpletuner
-
-            for kind in ("cold", "warm"):
-                st_runs[kind].append(run_simpletuner(args.simpletuner_python, work, images, args, fresh=kind == "cold"))
-            print(f"round {r} SimpleTuner: cold {st_runs['cold'][-1]:.1f}s, warm {st_runs['warm'][-1]:.1f}s")
-    report(codes, results, st_runs, args)
+    report(codes, results, args)
     print(f"load average at the end: {os.getloadavg()}")
     return 0
 
 
-def report_from(work: Path, codes: list[Path], results: dict, st_runs: dict, args) -> int:
+def report_from(work: Path, codes: list[Path], results: dict, args) -> int:
     """Report on the finished runs under ``work`` (``<kind>-r<round>-c<code>``, code as ordered by ``--code``); a
     round is used only when all its runs finished. Runs without a saved launch time have no end-to-end rows."""
     rounds = sorted({int(p.name.split("-")[1][1:]) for p in work.glob("cold-r*-c*") if p.is_dir()})
@@ -210,7 +202,7 @@ def report_from(work: Path, codes: list[Path], results: dict, st_runs: dict, arg
         for (k, c), run in runs.items():
             results[str(codes[c])][k].append(run)
     args.rounds = len(results[str(codes[0])]["cold"])
-    report(codes, results, st_runs, args)
+    report(codes, results, args)
     return 0
 
 
@@ -236,7 +228,7 @@ def slope_report(long: list[dict], short: list[dict], extra: int, args) -> None:
                   + (f"; step_time ÷ added wall {step / med:.2f}" if label == "train stage" else ""))
 
 
-def report(codes: list[Path], results: dict, st_runs: dict, args) -> None:
+def report(codes: list[Path], results: dict, args) -> None:
     print(f"\n{args.images} images, {args.resolution} px, {args.steps} steps, 1 worker; medians of {args.rounds} "
           "rounds (seconds)")
     for code in codes:
@@ -256,10 +248,6 @@ def report(codes: list[Path], results: dict, st_runs: dict, args) -> None:
                 if ratios:
                     print(f"{kind}: this tree ÷ {code}, {label}: median {statistics.median(ratios):.3f} "
                           f"(rounds: {', '.join(f'{v:.3f}' for v in ratios)})")
-        if st_runs[kind]:
-            ratios = [(a["exit"] - a["launch"]) / s for a, s in zip(base[kind], st_runs[kind])]
-            print(f"{kind}: rayflux ÷ SimpleTuner end to end: median {statistics.median(ratios):.3f} "
-                  f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 if __name__ == "__main__":
