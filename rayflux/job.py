@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from rayflux import console, datasets, families, lease, models, paths, progress, refresh, storage
+from rayflux import console, datasets, families, lease, models, paths, phases, progress, refresh, storage
 from rayflux.connect import connect
 from rayflux.config import ConfigError, JobConfig, refresh_interval, worker_range
 from rayflux.ledger import Ledger
@@ -190,7 +190,9 @@ class _Stages:
         key_dir = storage.join(self.cache_root, self.key)
         present = set(generations.files_in(key_dir))
         previous, broken = generations.latest_intact(key_dir, present)
+        phases.mark("discover_start")
         discovery = distributed.discover(self.cfg, self.facts, seed, previous)
+        phases.mark("discover_end")
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
                 log.warning("%s", problem)
@@ -290,7 +292,9 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     summary.ledger = ledger.path
 
     console.quiet_ray()
+    phases.mark("ray_start")
     connect(cfg.run.ray_address)
+    phases.mark("ray_ready")
     progress.quiet_operator_bars()
     console.quiet_ray()
     summary.logs = _ray_logs_dir()

@@ -5,7 +5,8 @@
 - Training shows one bar of optimizer steps (epoch, loss, the latest eval loss, steps/s, ETA). Rank 0 tells a
   :class:`ProgressBoard` actor about each step with a fire-and-forget ``.remote()`` call (at most a few per
   second), and a thread in the driver reads the board every second and draws. The step never waits on the display: an actor call is queued and
-  returns at once, whereas ``ray.train.report`` is a barrier of all ranks that Ray Train drains only every 2 s.
+  returns at once, whereas ``ray.train.report`` is a barrier of all ranks that Ray Train drains
+  only when it polls the workers (every 0.5 s, see ``rayflux.train.stage.POLL_SECONDS``).
 - When stdout is not a terminal (CI, ``ray job logs``), the bar becomes a plain line every ``PLAIN_SECONDS``:
   ``train step 120/800 epoch 2/5 loss 0.4100 2.1 step/s ETA 5m``.
 """

@@ -26,8 +26,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # started with ``ray start`` and the in-process GCS clients of tests/cluster_support.py included).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Ray Train's controller polls its workers (and drains their reports) every 2 s by default, so each short test run
-# waits up to 2 s to notice a finished worker and up to 2 s per checkpoint report: minutes over the suite. Tests poll
-# every 0.5 s; the job and the benchmarks keep Ray's default. Ray reads this in the controller's process, which
+# would wait up to 2 s to notice a finished worker and up to 2 s per checkpoint report: minutes over the suite. Tests
+# poll every 0.5 s, as the job itself does unless told otherwise (rayflux.train.stage.POLL_SECONDS), also in tests
+# that start their Ray before any job sets it. Ray reads this in the controller's process, which
 # inherits it from the Ray the tests start (cluster tests pass os.environ on too).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # run.wandb_project in tests logs offline, never to the network, into the session's home (Ray workers inherit it).

@@ -134,9 +134,9 @@ class TrainConfig:
     the two wins). Per-step metrics go to TensorBoard and ``metrics/steps.jsonl`` at every step regardless."""
     report_seconds: float = field(default=30.0, metadata=UNTRACKED)
     """Wall-clock seconds between metrics reports to Ray Train (checkpoints report whenever they are due). Each
-    report is a barrier of all ranks that costs tens of milliseconds, and Ray Train collects reports only every 2 s,
-    so reporting every step would stall a fast step for up to 2 s; 30 s keeps the cost under 1% of the time at any
-    step time. 0: report every step."""
+    report is a barrier of all ranks that costs tens of milliseconds, and Ray Train collects reports only when it polls
+    the workers (every 0.5 s; Ray's default is 2 s), so reporting every step would stall a fast step that long;
+    30 s keeps the cost under 1% of the time at any step time. 0: report every step."""
     checkpoint_every: int = field(default=0, metadata=UNTRACKED)
     """Checkpoint every this many optimizer steps (0: only at the end; the last step always checkpoints)."""
     checkpoints_to_keep: int = field(default=2, metadata=UNTRACKED)

@@ -1,9 +1,9 @@
 """Which checkpoints in storage are whole, which one a (re)started worker group resumes from, and pruning.
 
-Ray Train registers a checkpoint only when its controller next polls the workers (every 2 s,
-``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``), after every rank has uploaded its files. A node lost inside that window leaves
-a complete checkpoint in storage that Ray never heard of: it would restart from an older one, or from step 0, and
-never prune the orphan. So rayflux marks completeness itself:
+Ray Train registers a checkpoint only when its controller next polls the workers (every 0.5 s as the job sets
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``; Ray's default is 2 s), after every rank has uploaded its files. A node lost
+inside that window leaves a complete checkpoint in storage that Ray never heard of: it would restart from an older
+one, or from step 0, and never prune the orphan. So rayflux marks completeness itself:
 
 - after ``ray.train.report`` returns on every rank (each rank's upload is synchronous), an all-reduce lets rank 0
   know that every rank's files are in storage, and it writes ``COMMIT_FILE`` into the checkpoint directory;

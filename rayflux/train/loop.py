@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rayflux import config as config_mod
-from rayflux import memory, progress as progress_mod, storage
+from rayflux import memory, phases, progress as progress_mod, storage
 from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, lora_files, metrics, optim, sharding,
                            step, validation, wandb_log)
 from rayflux.train import renderer as renderer_mod
@@ -358,6 +358,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     """One training worker: restore, evaluate the baseline, train every planned optimizer step, close."""
     import ray.train
 
+    phases.mark("worker_start")
     lc: LoopConfig = loop_config[LOOP_KEY]
     w = _worker(lc)
     rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.prefetch_reads))
@@ -366,6 +367,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
         log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.epochs)
         return
+    phases.mark("first_read_end")
     run = _Run(w, first)
     run.baseline()
     for group, end_of_feed in with_last(grouped(itertools.chain([first], rows), w.cfg.train.gradient_accumulation)):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, gpu_memory, models
+from rayflux import datasets, families, gpu_memory, models, phases
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
@@ -73,7 +73,9 @@ class LoraTrainer:
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
         self.layout: sharding.Layout | None = None
         if transformer is None:
+            phases.mark("model_load_start")
             transformer = self._load_base(rank, topology)
+            phases.mark("model_load_end")
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout, t.adapter)
@@ -182,6 +184,7 @@ class LoraTrainer:
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:
         """Forward and backward every batch (gradients averaged over them), clip, then one optimizer step."""
+        phases.mark("step_start")
         t = self.cfg.train
         lr = optim.step_lr(self.optimizer, t)
         step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype, self.family)
@@ -204,6 +207,7 @@ class LoraTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        phases.mark("step_end")
         return StepStats(sum(losses) / len(losses), grad_norm, lr, sum(int(b.latents.shape[0]) for b in batches))
 
     @contextlib.contextmanager

@@ -1,0 +1,254 @@
+"""The everyday job's cold start: one end-to-end run of ``jobs/train_flux.py`` broken down by phase, cold (empty
+cache) and warm (the cache reused), and the wall time each extra training step adds.
+
+    python benchmarks/bench_cold.py [--images 32] [--resolution 256] [--steps 40] [--rounds 3]
+                                    [--code DIR ...] [--slope 8] [--from WORK_DIR]
+
+The job as a user runs it with its defaults except: ``--images`` generated captioned images (the demo's shapes and
+sizes, repeated), ``data.resolution``, ``train.max_steps``, one worker, ``run.ray_address=local`` (its own Ray).
+Rank 4, batch 1 and the tiny FLUX.1 model are the job's defaults. The phases come from the run's ledger, the cache
+manifest's pass times and ``RAYFLUX_PHASES`` marks (:mod:`rayflux.phases`) written by the driver and the worker;
+seconds are from the process's launch.
+
+``--code DIR`` (repeatable) runs each checkout's job side by side with this tree's, alternating within every round,
+and prints each one's median end-to-end time and its ratio to the first (older checkouts have no phase marks; their
+totals still compare). ``--slope N``: also time each code's train stage with ``train.max_steps=N`` on the warm cache,
+so ``(stage(steps) - stage(N)) / (steps - N)`` is the wall each extra step adds, against the step log's mean
+``step_time``. No SimpleTuner side yet: it needs Python 3.12 or later, which this project's machines cannot
+install (BENCHMARKS.md, "Cold start and fixed overhead").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (label, start, end) over the named times of one run; None when a side is missing (an older checkout).
+PHASES = [
+    ("python start, imports, config", "launch", "ray_start"),
+    ("Ray start", "ray_start", "ray_ready"),
+    ("checks before the cache", "ray_ready", "discover_start"),
+    ("discovery", "discover_start", "discover_end"),
+    ("cache: staging, text input", "discover_end", "passes_start"),
+    ("cache: text pass", "text_start", "text_end"),
+    ("cache: image pass", "images_start", "images_end"),
+    ("cache: both passes (union)", "passes_start", "passes_end"),
+    ("cache: index + commit", "passes_end", "committed"),
+    ("cache stage ends -> train stage", "committed", "train_start"),
+    ("worker group start", "train_start", "worker_start"),
+    ("first read (feed start)", "worker_start", "first_read_end"),
+    ("read -> model load", "first_read_end", "model_load_start"),
+    ("model load + LoRA", "model_load_start", "model_load_end"),
+    ("first step", "model_load_end", "step_end"),
+    ("remaining steps", "step_end", "last_step_end"),
+    ("after the last step: fit's end", "last_step_end", "train_end"),
+    ("export", "export_start", "export_end"),
+    ("exit", "export_end", "exit"),
+    ("time to first step", "launch", "step_end"),
+    ("Ray start -> export end", "ray_start", "export_end"),
+    ("end to end", "launch", "exit"),
+]
+
+
+def write_images(path: Path, n: int) -> Path:
+    """``n`` captioned demo images (the demo's 8 sizes, repeated; distinct seeds, so distinct pictures)."""
+    from rayflux.testing.images import DEMO_SIZES, write_images as write
+
+    if not (path / ".complete").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        sizes = (DEMO_SIZES * (n // len(DEMO_SIZES) + 1))[:n]
+        write(path, sizes)
+        (path / ".complete").write_text(str(n))
+    return path
+
+
+def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -> dict:
+    """Run ``code``'s job into ``out``; the named Unix times of its phases, ``steps`` and ``step_time``."""
+    marks = out.parent / f"{out.name}.phases.jsonl"
+    argv = [sys.executable, str(code / "jobs" / "train_flux.py")]
+    for s in [f"run.output_dir={out}", *settings]:
+        argv += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(code), "TRANSFORMERS_VERBOSITY": "error", "RAYFLUX_PHASES": str(marks)}
+    t0 = time.time()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=code)
+    t1 = time.time()
+    if proc.returncode != 0:
+        raise SystemExit(f"job failed ({' '.join(settings)}): {proc.stderr[-3000:]}")
+    (out.parent / f"{out.name}.times.json").write_text(json.dumps({"launch": t0, "exit": t1}))
+    return read_run(out)
+
+
+def read_run(out: Path) -> dict:
+    """The named Unix times of the finished run in ``out`` (its marks, ledger and manifest), ``steps``, ``step_time``
+    and, from the marks of every step, the mean ``compute`` (inside ``train_step``) and ``between`` (the loop's own
+    work between two steps)."""
+    marks = out.parent / f"{out.name}.phases.jsonl"
+    saved = out.parent / f"{out.name}.times.json"
+    times = json.loads(saved.read_text()) if saved.exists() else {}
+    starts, ends = [], []
+    if marks.exists():
+        for line in marks.read_text().splitlines():
+            rec = json.loads(line)
+            times.setdefault(rec["phase"], rec["time"])  # the first of each (the first worker's, the first step)
+            times[f"last_{rec['phase']}"] = rec["time"]
+            {"step_start": starts, "step_end": ends}.get(rec["phase"], []).append(rec["time"])
+    if len(starts) > 2 and len(starts) == len(ends):
+        # Per step after the first: inside LoraTrainer.train_step, and the loop's own work between two of them.
+        times["compute"] = statistics.mean(e - s for s, e in zip(starts[1:], ends[1:]))
+        times["between"] = statistics.mean(s - e for e, s in zip(ends[1:], starts[2:]))
+    stages = {s["name"]: s for s in json.loads((out / "ledger.json").read_text())["stages"]}
+    for name, key in (("train:seg0", "train"), ("export", "export")):
+        times[f"{key}_start"], times[f"{key}_end"] = stages[name]["start"], stages[name]["end"]
+    cache = stages["cache:g0"]
+    times["cache_reused"] = bool(cache.get("reused"))
+    manifest_path = Path(cache["dir"], "manifest.json")  # gone once the benchmark removed that cache
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    if manifest and not times["cache_reused"]:
+        passes = manifest.get("passes", {})
+        for k in ("text", "images"):
+            if k in passes:
+                times[f"{k}_start"], times[f"{k}_end"] = passes[k]["start"], passes[k]["end"]
+        if "text_start" in times and "images_start" in times:
+            times["passes_start"] = min(times["text_start"], times["images_start"])
+            times["passes_end"] = max(times["text_end"], times["images_end"])
+        times["committed"] = manifest["committed_at"]
+    else:
+        times["committed"] = cache["end"]
+    steps = [json.loads(x) for x in (out / "metrics" / "steps.jsonl").read_text().splitlines() if x.strip()]
+    times["steps"] = len(steps)
+    times["step_time"] = statistics.mean(s["step_time"] for s in steps[1:]) if len(steps) > 1 else 0.0
+    return times
+
+
+def phase_rows(runs: list[dict]) -> list[tuple[str, float | None]]:
+    """Median seconds of each phase over ``runs`` (None where a run lacks one of its ends)."""
+    rows = []
+    for label, a, b in PHASES:
+        vals = [r[b] - r[a] for r in runs if a in r and b in r]
+        rows.append((label, statistics.median(vals) if vals else None))
+    return rows
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=32)
+    ap.add_argument("--resolution", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--code", type=Path, action="append", default=[], help="another checkout to run side by side")
+    ap.add_argument("--slope", type=int, default=0, help="also time train.max_steps=N runs on the warm cache")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--from", dest="source", type=Path, default=None,
+                    help="only report on the runs an earlier call left in this --work folder")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    work = args.work or Path(tempfile.mkdtemp(prefix="rayflux-bench-cold-"))
+    images = write_images(work / f"images-{args.images}", args.images)
+    epochs = -(-args.steps // args.images) + 1
+    common = [f"data.images_dir={images}", f"data.resolution={args.resolution}", "train.num_workers=1",
+              f"train.epochs={epochs}", "run.ray_address=local"]  # fmt: skip
+    codes = [ROOT, *[c.resolve() for c in args.code]]
+    results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
+    if args.source:
+        return report_from(args.source, codes, results, args)
+    for r in range(args.rounds):
+        for i, code in enumerate(codes if r % 2 == 0 else codes[::-1]):
+            tag = f"r{r}-c{codes.index(code)}"
+            cache = work / f"cache-{tag}"
+            res = results[str(code)]
+            res["cold"].append(run_job(code, work / f"cold-{tag}", [*common, f"cache.dir={cache}",
+                                                                    f"train.max_steps={args.steps}"]))
+            res["warm"].append(run_job(code, work / f"warm-{tag}", [*common, f"cache.dir={cache}",
+                                                                    f"train.max_steps={args.steps}"]))
+            if args.slope:
+                res["short"].append(run_job(code, work / f"short-{tag}", [*common, f"cache.dir={cache}",
+                                                                          f"train.max_steps={args.slope}"]))
+            shutil.rmtree(cache, ignore_errors=True)
+            c, w = res["cold"][-1], res["warm"][-1]
+            print(f"round {r} {code}: cold {c['exit'] - c['launch']:.1f}s, warm {w['exit'] - w['launch']:.1f}s",
+                  flush=True)
+    report(codes, results, args)
+    print(f"load average at the end: {os.getloadavg()}")
+    return 0
+
+
+def report_from(work: Path, codes: list[Path], results: dict, args) -> int:
+    """Report on the finished runs under ``work`` (``<kind>-r<round>-c<code>``, code as ordered by ``--code``); a
+    round is used only when all its runs finished. Runs without a saved launch time have no end-to-end rows."""
+    rounds = sorted({int(p.name.split("-")[1][1:]) for p in work.glob("cold-r*-c*") if p.is_dir()})
+    kinds = ["cold", "warm"] + (["short"] if args.slope else [])
+    for r in rounds:
+        outs = {(k, c): work / f"{k}-r{r}-c{c}" for k in kinds for c in range(len(codes))}
+        if not all((o / "ledger.json").exists() and (o / "metrics").exists() for o in outs.values()):
+            continue
+        try:
+            runs = {key: read_run(o) for key, o in outs.items()}
+        except (KeyError, TypeError, json.JSONDecodeError):
+            continue  # a run cut off before its end
+        for (k, c), run in runs.items():
+            results[str(codes[c])][k].append(run)
+    args.rounds = len(results[str(codes[0])]["cold"])
+    report(codes, results, args)
+    return 0
+
+
+SLOPE_PARTS = [("train stage", "train_start", "train_end"), ("  stage start -> first step", "train_start", "step_end"),
+               ("  first -> last step", "step_end", "last_step_end"), ("  last step -> stage end", "last_step_end",
+                                                                        "train_end")]  # fmt: skip
+
+
+def slope_report(long: list[dict], short: list[dict], extra: int, args) -> None:
+    """What each extra step adds to the train stage and to its parts, against the step log's mean ``step_time``."""
+    step = statistics.median(w["step_time"] for w in long)
+    print(f"extra step ({args.slope} -> {args.steps} steps), ms per step (median of {len(long)}); step log's mean "
+          f"step_time {step * 1000:.1f} ms")
+    if all("compute" in w for w in long):
+        compute, between = (statistics.median(w[k] for w in long) for k in ("compute", "between"))
+        print(f"  of which LoraTrainer.train_step {compute * 1000:.1f} ms, the loop's work between steps "
+              f"{between * 1000:.1f} ms")
+    for label, a, b in SLOPE_PARTS:
+        if all(a in r and b in r for r in long + short):
+            added = [((w[b] - w[a]) - (s[b] - s[a])) / extra for w, s in zip(long, short)]
+            med = statistics.median(added)
+            print(f"{label}: {med * 1000:.1f} ms (rounds: {', '.join(f'{x * 1000:.0f}' for x in added)})"
+                  + (f"; step_time ÷ added wall {step / med:.2f}" if label == "train stage" else ""))
+
+
+def report(codes: list[Path], results: dict, args) -> None:
+    print(f"\n{args.images} images, {args.resolution} px, {args.steps} steps, 1 worker; medians of {args.rounds} "
+          "rounds (seconds)")
+    for code in codes:
+        res = results[str(code)]
+        print(f"\n{code}\n| phase | cold | warm |\n| --- | --- | --- |")
+        for (label, cold), (_, warm) in zip(phase_rows(res["cold"]), phase_rows(res["warm"])):
+            print(f"| {label} | {_fmt(cold)} | {_fmt(warm)} |")
+        if res["short"]:
+            slope_report(res["warm"], res["short"], args.steps - args.slope, args)
+    base = results[str(codes[0])]
+    for kind in ("cold", "warm"):
+        for label, a, b in (("end to end", "launch", "exit"), ("Ray start -> export end", "ray_start", "export_end")):
+            for code in codes[1:]:
+                pairs = [(x, y) for x, y in zip(base[kind], results[str(code)][kind]) if all(
+                    k in r for r in (x, y) for k in (a, b))]  # fmt: skip
+                ratios = [(x[b] - x[a]) / (y[b] - y[a]) for x, y in pairs]
+                if ratios:
+                    print(f"{kind}: this tree ÷ {code}, {label}: median {statistics.median(ratios):.3f} "
+                          f"(rounds: {', '.join(f'{v:.3f}' for v in ratios)})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
