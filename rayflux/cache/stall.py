@@ -99,6 +99,53 @@ def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
+class _Monitor:
+    """The watch's thread: interrupts the consuming thread when its pipeline stalls, or when ``stop`` is set."""
+
+    def __init__(self, name: str, seconds: float, stop: threading.Event | None):
+        self.name, self.seconds, self.stop = name, seconds, stop
+        self.consumer = threading.get_ident()
+        self.done = threading.Event()
+        self.rows, self.message = 0, ""
+        self.stalled = _interrupt(lambda: CacheStallError(self.message))
+        self.stop_message = f"{name}: stopped because another pipeline of the build failed"
+        self.stopped = _interrupt(lambda: PipelineStopped(self.stop_message))
+        # Held while the monitor raises, and by the consumer while it marks itself done: once ``done`` is set,
+        # nothing more is raised, so the consumer's cleanup (closing Ray Data's iterator) is never interrupted.
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="rayflux-stall-watch", daemon=True)
+
+    def _interrupt(self, exc: type[Interrupted]) -> None:
+        with self.lock:
+            if not self.done.is_set():
+                _raise_in(self.consumer, exc)
+
+    def _run(self) -> None:
+        mark, since = _progress(0), time.monotonic()
+        while not self.done.wait(min(0.5, self.seconds / 4)):
+            if self.stop is not None and self.stop.is_set():
+                self._interrupt(self.stopped)
+                return
+            now = _progress(self.rows)
+            if now != mark:
+                mark, since = now, time.monotonic()
+            elif time.monotonic() - since >= self.seconds:
+                self.message = (f"{self.name}: no progress for {self.seconds:g} s (cache.stall_seconds); "
+                                f"pending: {pending_report()}")  # fmt: skip
+                self._interrupt(self.stalled)
+                return
+
+    def finish(self) -> None:
+        """Mark the consumer done (no interrupt after this), dropping one sent but not delivered yet."""
+        while not self.done.is_set():
+            try:
+                with self.lock:
+                    self.done.set()  # first, so that the monitor never stops this pipeline for the event below
+                    _raise_in(self.consumer, None)
+            except Interrupted:  # delivered just now, as the pipeline was ending anyway
+                pass
+
+
 def watch(
     rows: Iterable, seconds: float | None = None, name: str = "cache", stop: threading.Event | None = None
 ) -> Iterator:
@@ -109,62 +156,25 @@ def watch(
         from ray.data import DataContext
 
         seconds = float(DataContext.get_current().get_config(STALL_CONFIG, DEFAULT_SECONDS))
-    consumer = threading.get_ident()
-    done = threading.Event()
-    state = {"rows": 0, "message": ""}
-    stalled = _interrupt(lambda: CacheStallError(state["message"]))
-    stop_message = f"{name}: stopped because another pipeline of the build failed"
-    stopped = _interrupt(lambda: PipelineStopped(stop_message))
-
-    # Held while the monitor raises, and by the consumer while it marks itself done: once ``done`` is set, nothing
-    # more is raised, so the consumer's cleanup (closing Ray Data's iterator) is never interrupted.
-    lock = threading.Lock()
-
-    def interrupt(exc: type[Interrupted]) -> None:
-        with lock:
-            if not done.is_set():
-                _raise_in(consumer, exc)
-
-    def monitor() -> None:
-        mark, since = _progress(0), time.monotonic()
-        while not done.wait(min(0.5, seconds / 4)):
-            if stop is not None and stop.is_set():
-                interrupt(stopped)
-                return
-            now = _progress(state["rows"])
-            if now != mark:
-                mark, since = now, time.monotonic()
-            elif time.monotonic() - since >= seconds:
-                state["message"] = (f"{name}: no progress for {seconds:g} s (cache.stall_seconds); "
-                                    f"pending: {pending_report()}")  # fmt: skip
-                interrupt(stalled)
-                return
-
+    monitor = _Monitor(name, seconds, stop)
     it = iter(rows)
-    thread = threading.Thread(target=monitor, name="rayflux-stall-watch", daemon=True)
-    thread.start()
+    monitor.thread.start()
     finished = False
     try:
         for row in it:
             if stop is not None and stop.is_set():
                 # Also checked here: an asynchronous exception that lands in a finalizer (``__del__``) is swallowed.
-                raise PipelineStopped(stop_message)
-            state["rows"] += 1
+                raise PipelineStopped(monitor.stop_message)
+            monitor.rows += 1
             yield row
         finished = True
     except Interrupted as exc:
         raise exc.error from None
     finally:
-        while not done.is_set():
-            try:
-                with lock:
-                    done.set()  # first, so that this watch's monitor never stops this pipeline for the event below
-                    _raise_in(consumer, None)  # drop one sent but not delivered yet
-            except Interrupted:  # delivered just now, as the pipeline was ending anyway
-                pass
+        monitor.finish()
         if not finished and stop is not None:
             stop.set()  # the other pipeline stops now, not once this one's executor has shut down (which can take long)
-        thread.join()
+        monitor.thread.join()
         # Close Ray Data's iterator now, not whenever the garbage collector reaches it: its ``finally`` shuts the
         # streaming executor down, and until then the stage's encoder actors keep their CPUs and GPUs, which the
         # next pipeline (or the trainer) then waits for.

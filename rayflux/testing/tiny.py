@@ -136,15 +136,36 @@ def build_pipeline(spec: TinySpec = TinySpec()):
 
 def _build_pipeline(spec: TinySpec):
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     clip_tok = _clip_tokenizer()
     t5_tok = _t5_tokenizer()
     torch.manual_seed(TINY_SEED)
     latent_channels = 16 if spec.flux_vae else spec.latent_channels
+    # Built in this order from one seed: the order decides every weight.
+    transformer = _transformer(spec, latent_channels)
+    clip = _clip(spec, clip_tok)
+    t5 = _t5(spec, t5_tok)
+    vae = _vae(spec, latent_channels)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, use_dynamic_shifting=True
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tok,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+
+
+def _transformer(spec: TinySpec, latent_channels: int):
+    from diffusers import FluxTransformer2DModel
+
     quarter = spec.attention_head_dim // 4
-    transformer = FluxTransformer2DModel(
+    return FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * latent_channels,
         num_layers=spec.num_layers,
@@ -157,8 +178,12 @@ def _build_pipeline(spec: TinySpec):
         # FLUX splits each head's rotary dims 16/56/56 of 128; keep the same shape of split at any width.
         axes_dims_rope=(quarter, quarter, spec.attention_head_dim - 2 * quarter),
     )
-    # The CLIP pooler picks the eos position, so eos_token_id must be the tokenizer's real id.
-    clip = CLIPTextModel(
+
+
+def _clip(spec: TinySpec, clip_tok):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(
         CLIPTextConfig(
             vocab_size=len(clip_tok),
             hidden_size=spec.text_dim,
@@ -172,7 +197,12 @@ def _build_pipeline(spec: TinySpec):
             pad_token_id=clip_tok.pad_token_id,
         )
     )
-    t5 = T5EncoderModel(
+
+
+def _t5(spec: TinySpec, t5_tok):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
         T5Config(
             vocab_size=len(t5_tok) + spec.t5_extra_mb * 2**20 // (4 * spec.text_dim),
             d_model=spec.text_dim,
@@ -186,8 +216,12 @@ def _build_pipeline(spec: TinySpec):
             decoder_start_token_id=t5_tok.pad_token_id,
         )
     )
-    # Four down blocks give vae_scale_factor 8, as in FLUX, so bucket math is the real one.
-    vae = AutoencoderKL(
+
+
+def _vae(spec: TinySpec, latent_channels: int):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
@@ -201,18 +235,6 @@ def _build_pipeline(spec: TinySpec):
         shift_factor=0.1159,
         use_quant_conv=False,
         use_post_quant_conv=False,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, use_dynamic_shifting=True
-    )
-    return FluxPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=clip,
-        tokenizer=clip_tok,
-        text_encoder_2=t5,
-        tokenizer_2=t5_tok,
-        transformer=transformer,
     )
 
 
