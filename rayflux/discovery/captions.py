@@ -70,52 +70,8 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extras: dict[str, str] | 
     extras = extras or {}
     name = path.rsplit("/", 1)[-1]
     if name.endswith(".jsonl"):
-        raw = storage.read_object(fs, path)
-        try:
-            lines = raw.decode("utf-8-sig").splitlines()
-        except UnicodeDecodeError as exc:
-            raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
-        rows, has_column, seen = [], False, set()
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CaptionError(f"{path} line {n}: not JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise CaptionError(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
-            if "file_name" not in obj:
-                raise CaptionError(f"{path} line {n}: no 'file_name' key (keys: {', '.join(sorted(obj))})")
-            rows.append((f"{name} line {n}", obj["file_name"], obj.get(column), {e: obj.get(e) for e in extras}))
-            has_column = has_column or column in obj
-            seen.update(e for e in extras if e in obj)
-        if rows and not has_column:
-            raise CaptionError(f"{path}: no row has a {column!r} key (set caption_column to the caption's key)")
-        for extra, key in extras.items():
-            if rows and extra not in seen:
-                raise CaptionError(f"{path}: no row has a {extra!r} key (set {key} to the column's key)")
-        return rows
-    if name.endswith(".csv"):
-        import pyarrow.csv as pacsv
-
-        raw = storage.read_object(fs, path)
-        try:
-            lines = raw.decode("utf-8-sig").splitlines()
-            # Strings stay strings: a caption like "1984" or a file named "001" must not become a number.
-            types = {n: pa.string() for n in next(csv.reader(lines[:1]), [])}
-            table = pacsv.read_csv(io.BytesIO(raw), convert_options=pacsv.ConvertOptions(column_types=types))
-        except UnicodeDecodeError as exc:
-            raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
-        except pa.ArrowInvalid as exc:
-            raise CaptionError(f"{path}: not a readable CSV table ({exc})") from None
-    else:
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path, filesystem=fs)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise CaptionError(f"{path}: not a readable Parquet table ({exc})") from None
+        return _jsonl_rows(storage.read_object(fs, path), path, column, extras)
+    table = _table(fs, path)
     if "file_name" not in table.column_names:
         raise CaptionError(f"{path}: no 'file_name' column (columns: {', '.join(table.column_names)})")
     names = table["file_name"].to_pylist()
@@ -128,16 +84,63 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extras: dict[str, str] | 
             for i, (n, c) in enumerate(zip(names, cells))]  # fmt: skip
 
 
-def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetConfig) -> MetadataIndex:
-    """Read the dataset's metadata tables. ``files`` are all file paths under ``root`` (as the filesystem names them).
+def _jsonl_rows(raw: bytes, path: str, column: str, extras: dict[str, str]) -> list[tuple]:
+    """:func:`_rows` of a JSON Lines table: a JSON object per line, each with a ``file_name``."""
+    name = path.rsplit("/", 1)[-1]
+    try:
+        lines = raw.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as exc:
+        raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
+    rows, has_column, seen = [], False, set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CaptionError(f"{path} line {n}: not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise CaptionError(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
+        if "file_name" not in obj:
+            raise CaptionError(f"{path} line {n}: no 'file_name' key (keys: {', '.join(sorted(obj))})")
+        rows.append((f"{name} line {n}", obj["file_name"], obj.get(column), {e: obj.get(e) for e in extras}))
+        has_column = has_column or column in obj
+        seen.update(e for e in extras if e in obj)
+    if rows and not has_column:
+        raise CaptionError(f"{path}: no row has a {column!r} key (set caption_column to the caption's key)")
+    for extra, key in extras.items():
+        if rows and extra not in seen:
+            raise CaptionError(f"{path}: no row has a {extra!r} key (set {key} to the column's key)")
+    return rows
 
-    Raises CaptionError when a table is unusable as a whole; row-level trouble is collected in ``problems``.
-    """
-    prefix = root.rstrip("/") + "/"
+
+def _table(fs: pafs.FileSystem, path: str) -> pa.Table:
+    """A CSV (every column read as strings) or Parquet metadata table."""
+    if path.endswith(".csv"):
+        import pyarrow.csv as pacsv
+
+        raw = storage.read_object(fs, path)
+        try:
+            lines = raw.decode("utf-8-sig").splitlines()
+            # Strings stay strings: a caption like "1984" or a file named "001" must not become a number.
+            types = {n: pa.string() for n in next(csv.reader(lines[:1]), [])}
+            return pacsv.read_csv(io.BytesIO(raw), convert_options=pacsv.ConvertOptions(column_types=types))
+        except UnicodeDecodeError as exc:
+            raise CaptionError(f"{path}: not UTF-8 ({exc.reason})") from None
+        except pa.ArrowInvalid as exc:
+            raise CaptionError(f"{path}: not a readable CSV table ({exc})") from None
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path, filesystem=fs)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CaptionError(f"{path}: not a readable Parquet table ({exc})") from None
+
+
+def _tables(fs: pafs.FileSystem, prefix: str, files: set[str], ds: DatasetConfig) -> list[tuple]:
+    """``(filesystem, path, folder its file names are relative to)`` of each metadata table of the dataset."""
     if ds.metadata_file:
         if "://" in ds.metadata_file:  # a table kept elsewhere names files relative to the dataset root
-            from rayflux import storage
-
             tfs, path = storage.resolve(ds.metadata_file)
             tables = [(tfs, path, "")]
         else:
@@ -146,15 +149,24 @@ def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetCo
         tfs, path, _ = tables[0]
         if tfs.get_file_info(path).type != pafs.FileType.File:
             raise CaptionError(f"metadata_file {ds.metadata_file!r} not found (looked for {path})")
-    else:
-        found = sorted(p for p in files if p.rsplit("/", 1)[-1] in METADATA_NAMES)
-        tables = [(fs, p, posixpath.dirname(p[len(prefix) :])) for p in found]
-    index = MetadataIndex()
-    if not tables:
+        return tables
+    found = sorted(p for p in files if p.rsplit("/", 1)[-1] in METADATA_NAMES)
+    if not found:
         raise CaptionError(
             f"caption_strategy=metadata, but {ds.images_dir} holds no {', '.join(METADATA_NAMES)} "
             "(set metadata_file to name the table)"
         )
+    return [(fs, p, posixpath.dirname(p[len(prefix) :])) for p in found]
+
+
+def load_metadata(fs: pafs.FileSystem, root: str, files: set[str], ds: DatasetConfig) -> MetadataIndex:
+    """Read the dataset's metadata tables. ``files`` are all file paths under ``root`` (as the filesystem names them).
+
+    Raises CaptionError when a table is unusable as a whole; row-level trouble is collected in ``problems``.
+    """
+    prefix = root.rstrip("/") + "/"
+    tables = _tables(fs, prefix, files, ds)
+    index = MetadataIndex()
     seen: dict[str, str] = {}
     for tfs, path, folder in tables:
         for where, file_name, cell, more in _rows(tfs, path, ds.caption_column, _extras(ds)):
