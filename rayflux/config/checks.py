@@ -131,10 +131,25 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(refused)
     _check_optimizer(cfg)
     adapter_refusal(cfg)
+    _check_ema_compile(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
     datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
+
+
+def _check_ema_compile(cfg: JobConfig) -> None:
+    """``train.ema_decay``'s range and the combinations of it and ``train.compile`` that are refused."""
+    t = cfg.train
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {t.ema_decay}")
+    if t.ema_decay and t.optimizer == "schedulefree_adamw":
+        raise ConfigError("train.ema_decay: schedulefree_adamw already evaluates and exports an average of its "
+                          "iterates; an EMA on top of it is not supported (set train.ema_decay=0)")  # fmt: skip
+    if t.compile and t.base_sharding != "none":
+        # FSDP2's per-block gathers would have to be traced into the compiled blocks; untested, so refused.
+        raise ConfigError(f"train.compile needs the whole base on every worker (train.base_sharding: none), got "
+                          f"train.base_sharding={t.base_sharding}")  # fmt: skip
 
 
 def adapter_refusal(cfg: JobConfig) -> None:
