@@ -77,7 +77,8 @@ class TrainConfig:
     ema_decay: float = 0.0
     """Keep an exponential moving average (EMA) of the adapter's weights with this decay (0: off; 0.999 is a common
     choice; SimpleTuner's ``use_ema: true`` means 0.995). Each step moves the average ``1 - decay`` of the way to the
-    new weights, with diffusers' ``EMAModel`` warmup: the decay at optimizer step ``n`` is ``min(ema_decay, n / (n + 9))``
+    new weights, with diffusers' ``EMAModel`` warmup: the decay at optimizer step ``n`` is
+    ``min(ema_decay, n / (n + 9))``
     (0 at step 1, so the average starts at the first step's weights and the untrained init fades fast);
     ``ema_decay`` itself applies from step ``9 * ema_decay / (1 - ema_decay)`` on (891 for 0.99, 8991 for 0.999), and
     before that the average spans about the last tenth of the steps. The average is exported beside the
@@ -87,8 +88,8 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` the transformer's repeated blocks (regional compilation, as diffusers'
     ``compile_repeated_blocks``): one compiled graph shared by all double-stream and one by all single-stream blocks.
-    The first steps pay the compile (seconds on GPU, longer on CPU; each new bucket shape may compile again, then
-    shapes turn dynamic); later steps run faster on GPUs. Works with the LoRA adapters, gradient checkpointing and
+    The first step pays the compile (tens of seconds on a GPU, minutes on CPU; a new bucket shape may compile again,
+    then shapes turn dynamic); the later steps are what it speeds up (the GPU benchmark's compiled rows measure it). Works with the LoRA adapters, gradient checkpointing and
     DDP; needs ``train.base_sharding: none``. Compiled kernels round differently from eager ones (the LoRA after a few
     steps agrees to well under 1%), and compiled LoRA dropout draws other random numbers."""
     max_grad_norm: float = 1.0
