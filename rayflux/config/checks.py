@@ -61,9 +61,22 @@ def _check_optimizer(cfg: JobConfig) -> None:
                           "warmup")  # fmt: skip
 
 
+ADAPTER_SPELLINGS = {"networks.lora": "lora", "networks.lora_flux": "lora"}
+"""kohya's ``network_module`` values (its alias of ``train.adapter``) that name one adapter on their own."""
+
+
+def _adapter(value: str) -> str:
+    """``train.adapter`` in rayflux's spelling; LyCORIS's module needs its ``network_args`` to say which."""
+    if value == "lycoris.kohya":
+        raise ConfigError("train.adapter (network_module) lycoris.kohya: say which LyCORIS algorithm: "
+                          "train.adapter=dora (algo=lora with dora_wd=True) or train.adapter=lokr (algo=lokr)")
+    return ADAPTER_SPELLINGS.get(value, value)
+
+
 def validate(cfg: JobConfig) -> None:
     """Check value ranges and choices; raise ConfigError naming the first bad key."""
     cfg.train.optimizer = canonical(cfg.train.optimizer)
+    cfg.train.adapter = _adapter(cfg.train.adapter)
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from rayflux.config.checks import validate
+from rayflux.config.checks import ADAPTER_SPELLINGS, validate
 from rayflux.config.job import SECTIONS, JobConfig
 from rayflux.config.optimizer import SPELLINGS
 from rayflux.config.values import ConfigError, coerce
@@ -64,6 +64,7 @@ ALIASES = {
     ("train", "validation_steps"): "validation_every",  # SimpleTuner
     ("train", "optimizer_type"): "optimizer",  # kohya
     ("train", "torch_compile"): "compile",  # kohya (sd-scripts' --torch_compile)
+    ("train", "network_module"): "adapter",  # kohya: networks.lora_flux -> lora (checks.ADAPTER_SPELLINGS)
     ("data", "bucket_reso_steps"): "bucket_step",  # kohya
 }
 """kohya (sd-scripts) and SimpleTuner names accepted for keys that mean exactly the same thing here."""
@@ -164,6 +165,8 @@ def help_text() -> str:
     spellings = ", ".join(f"{alias} -> {own}" for alias, own in SPELLINGS.items())
     lines.append("\n  train.optimizer values also accepted (any case):")
     lines.append(textwrap.fill(spellings, 100, initial_indent=" " * 4, subsequent_indent=" " * 4))
+    adapters = ", ".join(f"{alias} -> {own}" for alias, own in ADAPTER_SPELLINGS.items())
+    lines.append(f"\n  train.adapter values also accepted: {adapters} (lycoris.kohya: choose dora or lokr)")
     return "\n".join(lines)
 
 

@@ -113,9 +113,10 @@ class TrainConfig:
     adapter: str = "lora"
     """What is trained on each target: ``lora``, ``dora`` (peft's ``use_dora``: LoRA plus a learned magnitude per
     output row, about the same size) or ``lokr`` (peft's ``LoKrConfig``: ``kron(w1, w2)``, w2 of rank
-    ``train.rank`` when that is under half its larger side). kohya's ``network_module`` maps to it as:
-    ``networks.lora``/``networks.lora_flux`` -> ``lora``; ``lycoris.kohya`` with ``network_args`` ``algo=lora``
-    and ``dora_wd=True`` -> ``dora``; ``lycoris.kohya`` with ``algo=lokr`` -> ``lokr``. LoKr exports only with
+    ``train.rank`` when that is under half its larger side). kohya's ``network_module`` is accepted for it:
+    ``networks.lora``/``networks.lora_flux`` mean ``lora``; ``lycoris.kohya`` needs its ``network_args`` to say
+    which, so it is refused with the choice: ``algo=lora`` and ``dora_wd=True`` is ``dora``, ``algo=lokr``
+    ``lokr``. LoKr exports only with
     ``train.output_format=kohya`` (LyCORIS keys), has no ``train.lora_dropout`` and cannot start from
     ``train.init_lora``. DoRA and LoKr need ``train.base_sharding: none`` (``auto`` keeps the base whole)."""
     rank: int = 4
