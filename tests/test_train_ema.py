@@ -71,11 +71,19 @@ def test_ema_resumes_bitwise_and_is_exported_beside_the_lora(tiny_model, tmp_pat
     plain, ema = load_file(dest), load_file(ema_file)
     assert plain.keys() == ema.keys() and any(not torch.equal(plain[k], ema[k]) for k in plain)
     assert load_file(tmp_path / checkpoint.EMA_DIR / kohya.KOHYA_NAME).keys() == ema.keys()
+    # (The kohya file comes from the plain files' kohya.save; diffusers' kohya converter needs real widths to load
+    # one, which tests/test_kohya_real_width.py covers.)
+
+
+def _deltas(transformer, adapter: str) -> dict:
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m.get_delta_weight(adapter) for n, m in transformer.named_modules()
+            if isinstance(m, LoraLayer) and adapter in m.lora_A}  # fmt: skip
 
 
 def test_the_exported_ema_loads_in_diffusers_as_the_average(tiny_model, tmp_path):
     from diffusers import FluxPipeline
-    from peft.tuners.lora import LoraLayer
 
     cfg = train_data.job(tiny_model, *EMA, "train.alpha=8", "run.name=e")  # alpha != rank: the scale is baked in
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
@@ -89,8 +97,7 @@ def test_the_exported_ema_loads_in_diffusers_as_the_average(tiny_model, tmp_path
 
     pipe = FluxPipeline.from_pretrained(tiny_model)
     pipe.load_lora_weights(str(exported.parent), weight_name=exported.name, adapter_name="ema")
-    got = {n: m.get_delta_weight("ema") for n, m in pipe.transformer.named_modules()
-           if isinstance(m, LoraLayer) and "ema" in m.lora_A}  # fmt: skip
+    got = _deltas(pipe.transformer, "ema")
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
