@@ -9,7 +9,9 @@
    1024 px, batch 1 and 2, gradient checkpointing off and on; FLUX.2 [dev], 32B, in fp8 on one GPU with
    checkpointing): steps/s, samples/s, peak memory and MFU by :func:`model_flops` (the README's formula: a frozen
    base has no weight gradients) over the device's peak dense bf16 FLOP/s. A row that runs out of memory, or whose
-   base_dtype this device refuses, is recorded as such.
+   base_dtype this device refuses, is recorded as such. FLUX.1-dev and [klein] 9B also run ``train.compile=true``
+   (:data:`COMPILED`: 512 px without checkpointing, 1024 px with it) beside the eager rows of the same shape, with
+   ``first_step_s``, the step that compiles; the dry run records them as refused on CPU.
 2. **Trainer step vs bare step** (FLUX.1-dev): the same configuration through a plain hand-written loop (pack, noise,
    forward, MSE, backward, ``AdamW.step``), as seconds per step of each and their ratio, in this one process.
 3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16 on channels-last tensors, as the cache's
@@ -69,16 +71,21 @@ TINY2 = {**FLUX2_KLEIN_9B, "num_layers": 1, "num_single_layers": 1, "attention_h
          "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": [4, 4, 4, 4],
          "in_channels": 16}  # fmt: skip
 FULL_GRID = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
+COMPILED = [(512, 1, False, True), (1024, 1, True, True)]
+"""``train.compile=true`` rows (px, batch, checkpointing, compile), against the grid's eager rows of the same shape."""
 MODELS = {
-    "flux1-dev": (FLUX1_DEV, "bf16", FULL_GRID),
-    "flux2-klein-9b": (FLUX2_KLEIN_9B, "bf16", FULL_GRID),
+    "flux1-dev": (FLUX1_DEV, "bf16", FULL_GRID + COMPILED),
+    "flux2-klein-9b": (FLUX2_KLEIN_9B, "bf16", FULL_GRID + COMPILED),
     # 32B: its bf16 weights (60 GiB) are kept under fp8 (torchao casts them per matmul), so only checkpointed steps fit.
     "flux2-dev": (FLUX2_DEV, "fp8", [(512, 1, True), (512, 2, True), (1024, 1, True)]),
 }
-"""name -> (transformer config, train.base_dtype, (px, batch, checkpointing) grid) of the LoRA-step section."""
-DRY = {"flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True)]), "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
+"""name -> (transformer config, train.base_dtype, (px, batch, checkpointing[, compile]) grid) of the LoRA-step
+section."""
+DRY = {"flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True), (64, 1, False, True)]),
+       "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
        "flux2-dev": ({**TINY2, "guidance_embeds": True}, "fp8", [(64, 1, True)])}  # fmt: skip
-"""The same sections at tiny widths for ``--dry-run`` (fp8 is refused on CPU, which the dry run records)."""
+"""The same sections at tiny widths for ``--dry-run`` (fp8 is refused on CPU, which the dry run records; so is the
+compiled row: inductor's CPU compile takes minutes, and its speed on CPU says nothing about a GPU's)."""
 FLUX_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
             "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
             "layers_per_block": 2, "norm_num_groups": 32, "scaling_factor": 0.3611, "shift_factor": 0.1159,
@@ -94,6 +101,15 @@ CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _once(fn, device: torch.device) -> float:
+    """Seconds of one call of ``fn``."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _timed(fn, n: int, device: torch.device) -> float:
@@ -181,18 +197,23 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
                peak: float) -> list[dict]:  # fmt: skip
     dtype = models.torch_dtype("auto", device.type)  # model.dtype's default: bf16 on GPU, fp32 on CPU
     rows = []
-    for px, batch, ckpt in grid:
-        row = {"model": name, "base_dtype": base_dtype, "px": px, "batch": batch, "checkpointing": ckpt}
+    for px, batch, ckpt, *compiled in grid:
+        compiled = bool(compiled and compiled[0])
+        row = {"model": name, "base_dtype": base_dtype, "px": px, "batch": batch, "checkpointing": ckpt,
+               "compile": compiled}  # fmt: skip
         rows.append(row)
         try:
             base_weights.check_worker(base_dtype, device)
+            if compiled and device.type != "cuda":
+                raise RuntimeError("train.compile rows run on a GPU only (inductor's CPU compile takes minutes)")
         except RuntimeError as refused:  # e.g. fp8 on CPU or an older GPU: one line, recorded
             row["refused"] = str(refused)
             print(json.dumps(row), flush=True)
             continue
         cfg = config.load(None, ["train.rank=16", f"train.gradient_checkpointing={str(ckpt).lower()}",
                                  f"data.resolution={px}", f"train.batch_size={batch}",
-                                 f"train.base_dtype={base_dtype}"])  # fmt: skip
+                                 f"train.base_dtype={base_dtype}",
+                                 f"train.compile={str(compiled).lower()}"])  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -200,6 +221,8 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
         try:
             trainer = LoraTrainer(cfg, device, total_steps=steps + 2, transformer=_transformer(tc, device, dtype))
             batches = [_batch(tc, px, batch, device, s) for s in range(2)]
+            if compiled:  # the first step traces and compiles the blocks: its time is the compile's cost
+                row["first_step_s"] = round(_once(lambda: trainer.train_step(batches[:1]), device), 2)
             seconds = _timed(lambda: trainer.train_step(batches[:1]), steps, device)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
@@ -214,7 +237,7 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
             "peak_gib": round(torch.cuda.max_memory_allocated(device) / gpu_memory.GIB, 1) if device.type == "cuda" else None,
             "mfu": round(flops / seconds / (peak * 1e12), 3) if peak else None, "job_s_per_step": round(seconds, 4),
         })  # fmt: skip
-        if name == "flux1-dev":
+        if name == "flux1-dev" and not compiled:
             bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
             bare = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps,
                           device)  # fmt: skip

@@ -23,7 +23,8 @@ training worker computes the same ones for its own run and turns ``train.gradien
 AdamW two 1-byte moments plus an fp32 absmax per block of 256 (about 2); Prodigy ``exp_avg``, ``exp_avg_sq``, ``s``
 and ``p0`` (16, at its default ``slice_p=1``); schedule-free AdamW ``z`` and ``exp_avg_sq`` (8); Adafactor (no first
 moment at its default ``beta1=None``) a row and a column of second moments per matrix, ``(r + n) x 4`` bytes for an
-``r x n`` LoRA matrix: about ``4 / rank`` a parameter (the LoRA's matrices are rank wide on one side).
+``r x n`` LoRA matrix: about ``4 / rank`` a parameter (the LoRA's matrices are rank wide on one side). An EMA
+(``train.ema_decay``) adds its fp32 copy (``EMA_BYTES``, 4).
 
 **The activations** count, per token and per block, the tensors autograd keeps for the backward pass, in the autocast
 dtype (bf16 on GPU). A block keeps ``a*h + b*m`` elements a token, with ``h`` the hidden width (heads x head dim),
@@ -66,13 +67,17 @@ OPTIMIZER_STATE_BYTES = {
     "schedulefree_adamw": 8.0,
 }
 """Bytes of optimizer state per LoRA parameter (see the module docstring); Adafactor's depends on the rank."""
+EMA_BYTES = 4
+"""``train.ema_decay``: the fp32 moving average of every trainable parameter, on every worker's device."""
 
 
-def lora_bytes_per_param(optimizer: str = "adamw", rank: int = 4) -> float:
-    """Bytes per trainable parameter: weight, gradient and the ``optimizer``'s state (LoRA ``rank`` for Adafactor)."""
+def lora_bytes_per_param(optimizer: str = "adamw", rank: int = 4, ema: bool = False) -> float:
+    """Bytes per trainable parameter: weight, gradient and the ``optimizer``'s state (LoRA ``rank`` for Adafactor),
+    and the EMA's copy when ``ema``."""
+    extra = EMA_BYTES if ema else 0
     if optimizer == "adafactor":
-        return PARAM_GRAD_BYTES + 4 / max(rank, 1)
-    return PARAM_GRAD_BYTES + OPTIMIZER_STATE_BYTES[optimizer]
+        return PARAM_GRAD_BYTES + 4 / max(rank, 1) + extra
+    return PARAM_GRAD_BYTES + OPTIMIZER_STATE_BYTES[optimizer] + extra
 
 
 @dataclass(frozen=True)
@@ -147,14 +152,15 @@ class Estimate:
 
 def estimate(tc: dict, weight_bytes: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
              activation_bytes: int = 2, text: int | None = None, optimizer: str = "adamw",
-             rank: int = 4) -> Estimate:  # fmt: skip
+             rank: int = 4, ema: bool = False) -> Estimate:  # fmt: skip
     """Memory of one process: ``weight_bytes`` of frozen base on its GPU (:func:`per_gpu_weight_bytes`),
-    ``trainable`` LoRA parameters of ``rank`` trained by ``optimizer`` (:func:`lora_bytes_per_param`), and ``text``
+    ``trainable`` LoRA parameters of ``rank`` trained by ``optimizer`` (with an EMA when ``ema``:
+    :func:`lora_bytes_per_param`), and ``text``
     text tokens per sample (None: the length the family pads to for this transformer config)."""
     if text is None:
         text = families.of_transformer_config(tc).text_length_of(tc)
     acts = batch * tokens(pixels, text) * per_token_elements(tc, checkpointing) * activation_bytes
-    return Estimate(int(weight_bytes), int(trainable * lora_bytes_per_param(optimizer, rank)), acts)
+    return Estimate(int(weight_bytes), int(trainable * lora_bytes_per_param(optimizer, rank, ema)), acts)
 
 
 def gradient_checkpointing(setting, on_gpu: bool, pixels: int, need_without: int, device_bytes: int) -> bool:

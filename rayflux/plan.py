@@ -112,11 +112,12 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     trainable = (counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank, t.adapter))[1]
     base = base_counts(tc)
     weights = int(gpu_memory.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
-    lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optimizer, t.rank))
+    ema = bool(t.ema_decay)
+    lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optimizer, t.rank, ema))
     lines.append(f"memory per GPU process (GiB) for targets={t.targets}, base_dtype={t.base_dtype}: weights "
-                 f"{_gib(weights)}, LoRA + {t.optimizer} {_gib(lora_bytes)}")  # fmt: skip
+                 f"{_gib(weights)}, LoRA + {t.optimizer}{' + EMA' if ema else ''} {_gib(lora_bytes)}")  # fmt: skip
     lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
-    opt = {"text": text, "optimizer": t.optimizer, "rank": t.rank}
+    opt = {"text": text, "optimizer": t.optimizer, "rank": t.rank, "ema": ema}
     for px in (512, 1024):
         for batch in (1, 2, 3, 4):
             off, on = (gpu_memory.estimate(tc, weights, trainable, px, batch, c, **opt) for c in (False, True))

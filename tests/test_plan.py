@@ -186,3 +186,16 @@ def test_the_plan_prints_every_option_for_flux2(capsys):
     # Sharded over 4, the bf16 base is about a quarter (plus two gathered blocks).
     none_bf16, node_bf16 = (float(rows[(s, "bf16", "512")].split()[5]) for s in ("none", "node"))
     assert node_bf16 < none_bf16 / 2
+
+
+def test_the_plan_counts_the_ema():
+    """``train.ema_decay``: 4 more bytes a trainable parameter in the LoRA line and in every total."""
+    ema = plan.report(config.load(None, ["train.rank=16", "train.ema_decay=0.999"]))
+    plain = plan.report(config.load(None, ["train.rank=16"]))
+    trainable = 26_148_864  # FLUX.1-dev's attention preset at rank 16 (the plan command's test)
+    assert any(f"LoRA + adamw + EMA {trainable * 20 / gpu_memory.GIB:.1f}" in line for line in ema)
+    assert any(f"LoRA + adamw {trainable * 16 / gpu_memory.GIB:.1f}" in line for line in plain)
+    job = config.load(None, ["train.rank=16", "train.ema_decay=0.999"])
+    tc = plan.transformer_config(job)[0]
+    with_ema, without = (gpu_memory.estimate(tc, 0, trainable, 512, 1, False, ema=e) for e in (True, False))
+    assert with_ema.total - without.total == 4 * trainable

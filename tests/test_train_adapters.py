@@ -258,11 +258,18 @@ def test_dora_diffusers_file_loads_in_the_pipeline_and_renders_the_trained_model
         (["train.adapter=lokr", "train.output_format=kohya", "train.init_lora=a.safetensors"], "cannot hold"),
         (["train.adapter=dora", "train.base_sharding=node"], "base_sharding"),
         (["train.adapter=loha"], "train.adapter must be one of lora, dora, lokr"),
+        (["train.network_module=lycoris.kohya"], "say which LyCORIS algorithm"),  # dora or lokr: its args say
     ],
 )
 def test_combinations_that_cannot_be_used_are_refused_before_training(settings, reason):
     with pytest.raises(config.ConfigError, match=reason):
         config.load(None, settings)
+
+
+def test_kohyas_network_module_names_the_adapter():
+    assert config.load(None, ["train.network_module=networks.lora_flux"]).train.adapter == "lora"
+    assert config.load(None, ["train.network_module=dora"]).train.adapter == "dora"
+    assert "train.network_module -> train.adapter" in config.help_text()
 
 
 def test_plan_counts_dora_and_lokr_parameters():

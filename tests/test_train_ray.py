@@ -452,3 +452,31 @@ def test_best_lora_is_the_lowest_eval_across_the_resume(evaluated):
     got = load_file(out / "lora" / "evaluated-best.safetensors")
     want = load_file(out / "lora" / f"evaluated-step{best['step']:08d}.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_ema_run_evaluates_renders_and_exports_its_average(cache):
+    """``train.ema_decay`` through the real loop on 2 workers: each rank scores its share of the eval loss with its
+    own EMA (the ranks' averages agree without communication), the best file is the EMA at the best step, every
+    checkpoint leaves an ``-ema`` step file, and the validation render reads the step's EMA file."""
+    root, base, manifest, facts = cache
+    out = root / "ema"
+    cfg = _cfg(base, "run.name=ema", "train.optimizer=adamw", "train.ema_decay=0.5", "train.max_steps=2",
+               "train.gradient_accumulation=1", "train.lr_scheduler=constant", "train.warmup_steps=0",
+               "data.eval_samples=3", "train.eval_sigmas=2",
+               "train.validation_inference_steps=1", f"train.validation_prompts={json.dumps(PROMPTS[:1])}")  # fmt: skip
+    result = stage.train(cfg, manifest, facts, str(out), False)
+    assert result.steps == 2 and [e["step"] for e in result.evals] == [0, 2]
+    lora_dir = out / "lora"
+    for step in (1, 2):
+        plain, ema = (load_file(lora_dir / f"ema-step{step:08d}{s}.safetensors") for s in ("", "-ema"))
+        assert plain.keys() == ema.keys()
+        # EMAModel's warmup: step 1 copies the weights (decay 0); step 2 averages (decay 2/11).
+        assert all(torch.equal(plain[k], ema[k]) for k in plain) == (step == 1), step
+    best_step, _ = result.best
+    if best_step:  # the untrained baseline (step 0) has no step file to compare with
+        best = load_file(lora_dir / "ema-best.safetensors")
+        want = load_file(lora_dir / f"ema-step{best_step:08d}-ema.safetensors")
+        assert all(torch.equal(best[k], want[k]) for k in want)
+    assert (out / "validation" / "step-000002.png").is_file()  # rendered from ema-step00000002-ema.safetensors
+    ema_dir = Path(result.checkpoint_dir) / checkpoint.EMA_DIR
+    assert (ema_dir / lora.WEIGHT_NAME).is_file()

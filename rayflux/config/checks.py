@@ -61,9 +61,22 @@ def _check_optimizer(cfg: JobConfig) -> None:
                           "warmup")  # fmt: skip
 
 
+ADAPTER_SPELLINGS = {"networks.lora": "lora", "networks.lora_flux": "lora"}
+"""kohya's ``network_module`` values (its alias of ``train.adapter``) that name one adapter on their own."""
+
+
+def _adapter(value: str) -> str:
+    """``train.adapter`` in rayflux's spelling; LyCORIS's module needs its ``network_args`` to say which."""
+    if value == "lycoris.kohya":
+        raise ConfigError("train.adapter (network_module) lycoris.kohya: say which LyCORIS algorithm: "
+                          "train.adapter=dora (algo=lora with dora_wd=True) or train.adapter=lokr (algo=lokr)")
+    return ADAPTER_SPELLINGS.get(value, value)
+
+
 def validate(cfg: JobConfig) -> None:
     """Check value ranges and choices; raise ConfigError naming the first bad key."""
     cfg.train.optimizer = canonical(cfg.train.optimizer)
+    cfg.train.adapter = _adapter(cfg.train.adapter)
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -131,10 +144,25 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(refused)
     _check_optimizer(cfg)
     adapter_refusal(cfg)
+    _check_ema_compile(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
     datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
+
+
+def _check_ema_compile(cfg: JobConfig) -> None:
+    """``train.ema_decay``'s range and the combinations of it and ``train.compile`` that are refused."""
+    t = cfg.train
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {t.ema_decay}")
+    if t.ema_decay and t.optimizer == "schedulefree_adamw":
+        raise ConfigError("train.ema_decay: schedulefree_adamw already evaluates and exports an average of its "
+                          "iterates; an EMA on top of it is not supported (set train.ema_decay=0)")  # fmt: skip
+    if t.compile and t.base_sharding != "none":
+        # FSDP2's per-block gathers would have to be traced into the compiled blocks; untested, so refused.
+        raise ConfigError(f"train.compile needs the whole base on every worker (train.base_sharding: none), got "
+                          f"train.base_sharding={t.base_sharding}")  # fmt: skip
 
 
 def adapter_refusal(cfg: JobConfig) -> None:

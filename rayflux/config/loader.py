@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from rayflux.config.checks import validate
+from rayflux.config.checks import ADAPTER_SPELLINGS, validate
 from rayflux.config.job import SECTIONS, JobConfig
 from rayflux.config.optimizer import SPELLINGS
 from rayflux.config.values import ConfigError, coerce
@@ -63,9 +63,17 @@ ALIASES = {
     ("train", "checkpoints_total_limit"): "checkpoints_to_keep",  # SimpleTuner
     ("train", "validation_steps"): "validation_every",  # SimpleTuner
     ("train", "optimizer_type"): "optimizer",  # kohya
+    ("train", "torch_compile"): "compile",  # kohya (sd-scripts' --torch_compile)
+    ("train", "network_module"): "adapter",  # kohya: networks.lora_flux -> lora (checks.ADAPTER_SPELLINGS)
     ("data", "bucket_reso_steps"): "bucket_step",  # kohya
 }
 """kohya (sd-scripts) and SimpleTuner names accepted for keys that mean exactly the same thing here."""
+
+SWITCHES = {
+    ("train", "use_ema"): ("ema_decay", 0.995),  # SimpleTuner: its ema_decay defaults to 0.995
+}
+"""On/off keys of other trainers for a key that holds a number here: ``true`` sets the key to the value given
+(unless the key itself is set too: ``use_ema: true`` beside ``ema_decay: 0.999`` keeps 0.999), ``false`` to 0."""
 
 
 def apply(cfg: JobConfig, updates: dict, prefix: str = "") -> JobConfig:
@@ -90,11 +98,19 @@ def _resolve_aliases(section: str, values: dict) -> dict:
     """Rename aliased keys to their own names; an alias beside its key (or another alias of it) is an error."""
     out: dict = {}
     said: dict = {}
+    switched = {}
     for key, raw in values.items():
+        if (section, key) in SWITCHES:
+            own, on_value = SWITCHES[(section, key)]
+            switched[own] = on_value if coerce(f"{section}.{key}", raw, False, bool) else 0.0
+            continue
         own = ALIASES.get((section, key), key)
         if own in out:
             raise ConfigError(f"{section}.{said[own]} and {section}.{key} both set {section}.{own}; keep one")
         out[own], said[own] = raw, key
+    for own, value in switched.items():
+        if own not in out or not value:  # an explicit value wins over "on"; "off" turns it off
+            out[own] = value
     return out
 
 
@@ -144,9 +160,13 @@ def help_text() -> str:
             lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
     lines.append("\n  Also accepted, with the same meaning (kohya sd-scripts / SimpleTuner names):")
     lines += [f"    {section}.{alias} -> {section}.{own}" for (section, alias), own in ALIASES.items()]
+    lines += [f"    {section}.{switch}: true -> {section}.{own}={on} (false -> 0)"
+              for (section, switch), (own, on) in SWITCHES.items()]  # fmt: skip
     spellings = ", ".join(f"{alias} -> {own}" for alias, own in SPELLINGS.items())
     lines.append("\n  train.optimizer values also accepted (any case):")
     lines.append(textwrap.fill(spellings, 100, initial_indent=" " * 4, subsequent_indent=" " * 4))
+    adapters = ", ".join(f"{alias} -> {own}" for alias, own in ADAPTER_SPELLINGS.items())
+    lines.append(f"\n  train.adapter values also accepted: {adapters} (lycoris.kohya: choose dora or lokr)")
     return "\n".join(lines)
 
 

@@ -75,6 +75,24 @@ class TrainConfig:
     """Hard restarts of ``cosine_with_restarts`` (kohya's ``lr_scheduler_num_cycles``)."""
     lr_power: float = field(default=1.0, metadata=TRAINED)
     """Power of the ``polynomial`` decay (kohya's ``lr_scheduler_power``); 1 is linear."""
+    ema_decay: float = field(default=0.0, metadata=TRAINED)
+    """Keep an exponential moving average (EMA) of the adapter's weights with this decay (0: off; 0.999 is a common
+    choice; SimpleTuner's ``use_ema: true`` means 0.995). Each step moves the average ``1 - decay`` of the way to the
+    new weights, with diffusers' ``EMAModel`` warmup: the decay at optimizer step ``n`` is
+    ``min(ema_decay, n / (n + 9))``
+    (0 at step 1, so the average starts at the first step's weights and the untrained init fades fast);
+    ``ema_decay`` itself applies from step ``9 * ema_decay / (1 - ema_decay)`` on (891 for 0.99, 8991 for 0.999), and
+    before that the average spans about the last tenth of the steps. The average is exported beside the
+    plain LoRA as ``lora/<output_name>-ema.safetensors`` (and ``-step<step>-ema`` per checkpoint), and the eval loss,
+    the best-LoRA file and validation images use it. 4 bytes a trainable parameter on each worker's device. Not with
+    ``schedulefree_adamw``, which already evaluates an average of its own."""
+    compile: bool = field(default=False, metadata=TRAINED)
+    """``torch.compile`` the transformer's repeated blocks (regional compilation, as diffusers'
+    ``compile_repeated_blocks``): one compiled graph shared by all double-stream and one by all single-stream blocks.
+    The first step pays the compile (tens of seconds on a GPU, minutes on CPU; a new bucket shape may compile again,
+    then shapes turn dynamic); the later steps are what it speeds up (the GPU benchmark's compiled rows measure it).
+    Works with the LoRA adapters, gradient checkpointing and DDP; needs ``train.base_sharding: none``. Compiled kernels round differently from eager ones (the LoRA after a few
+    steps agrees to well under 1%), and compiled LoRA dropout draws other random numbers."""
     max_grad_norm: float = field(default=1.0, metadata=TRAINED)
     """Clip the LoRA gradient norm to this (0 disables clipping; the norm is still reported)."""
     mixed_precision: str = field(default="auto", metadata=TRAINED)
@@ -96,9 +114,10 @@ class TrainConfig:
     adapter: str = field(default="lora", metadata=TRAINED)
     """What is trained on each target: ``lora``, ``dora`` (peft's ``use_dora``: LoRA plus a learned magnitude per
     output row, about the same size) or ``lokr`` (peft's ``LoKrConfig``: ``kron(w1, w2)``, w2 of rank
-    ``train.rank`` when that is under half its larger side). kohya's ``network_module`` maps to it as:
-    ``networks.lora``/``networks.lora_flux`` -> ``lora``; ``lycoris.kohya`` with ``network_args`` ``algo=lora``
-    and ``dora_wd=True`` -> ``dora``; ``lycoris.kohya`` with ``algo=lokr`` -> ``lokr``. LoKr exports only with
+    ``train.rank`` when that is under half its larger side). kohya's ``network_module`` is accepted for it:
+    ``networks.lora``/``networks.lora_flux`` mean ``lora``; ``lycoris.kohya`` needs its ``network_args`` to say
+    which, so it is refused with the choice: ``algo=lora`` and ``dora_wd=True`` is ``dora``, ``algo=lokr``
+    ``lokr``. LoKr exports only with
     ``train.output_format=kohya`` (LyCORIS keys), has no ``train.lora_dropout`` and cannot start from
     ``train.init_lora``. DoRA and LoKr need ``train.base_sharding: none`` (``auto`` keeps the base whole)."""
     rank: int = field(default=4, metadata=TRAINED)

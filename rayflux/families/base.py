@@ -207,6 +207,13 @@ class Family(ABC):
         revision)."""
         return 20, 3.5
 
+    def compile_blocks(self, transformer) -> None:
+        """``train.compile``: ``torch.compile`` each of the transformer's repeated blocks in place (regional
+        compilation: blocks of one class share one compiled graph, so compiling costs one block's trace, not the
+        model's). diffusers' ``compile_repeated_blocks`` finds them by the model class's ``_repeated_blocks``, which
+        every built-in family's transformer declares; a family whose transformer lacks it overrides this."""
+        transformer.compile_repeated_blocks()
+
     @abstractmethod
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
         """A pipeline without text encoders around the training ``transformer``, for validation renders."""

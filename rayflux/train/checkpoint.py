@@ -3,8 +3,9 @@
 Every rank reports the same checkpoint directory (Ray Train merges the ranks' files), each with different names:
 
 - rank 0: ``pytorch_lora_weights.safetensors`` (the LoRA, also the resume source), the kohya file when
-  ``output_format=kohya`` (both as :meth:`LoraTrainer.optimizer_eval` gives them), ``train_state.pt`` (optimizer and
-  LR scheduler, and a schedule-free optimizer's training weights) and ``position.json``;
+  ``output_format=kohya`` (both as :meth:`LoraTrainer.optimizer_eval` gives them), with ``train.ema_decay`` the same
+  files of the EMA's weights in ``ema/``, ``train_state.pt`` (optimizer and LR scheduler, a schedule-free optimizer's
+  training weights, the EMA's state) and ``position.json``;
 - every rank ``r``: ``rng-rank<r>.pt`` (torch CPU RNG, the worker's own accelerator RNG, Python and numpy: LoRA
   dropout draws from them) and ``rank-<r>.json`` (its data position and the digest of every batch it trained).
 
@@ -33,6 +34,8 @@ from rayflux.train import kohya, lora
 from rayflux.train.commits import POSITION_FILE
 
 STATE_FILE = "train_state.pt"
+EMA_DIR = "ema"
+"""The checkpoint's folder of the EMA's LoRA files (the export's source; resume restores the EMA from STATE_FILE)."""
 
 
 def rng_file(rank: int) -> str:
@@ -126,12 +129,20 @@ def save(directory: str, trainer, rank: int, progress: Progress, output_format: 
     if rank != 0:
         return
     with trainer.optimizer_eval():  # the LoRA as it is used (schedule-free: its average), also the export
-        lora.save_diffusers(trainer.transformer, directory)
-        if output_format == "kohya":
-            kohya.save(trainer.transformer, directory, lora.scale(trainer.transformer))
+        _save_lora(trainer, directory, output_format)
+    if trainer.ema:
+        os.makedirs(os.path.join(directory, EMA_DIR), exist_ok=True)
+        with trainer.eval_weights():
+            _save_lora(trainer, os.path.join(directory, EMA_DIR), output_format)
     torch.save(trainer.state_dict(), os.path.join(directory, STATE_FILE))  # in train mode: resume's exact weights
     with open(os.path.join(directory, POSITION_FILE), "w") as f:
         json.dump({k: getattr(progress, k) for k in _SHARED}, f)
+
+
+def _save_lora(trainer, directory: str, output_format: str) -> None:
+    lora.save_diffusers(trainer.transformer, directory)
+    if output_format == "kohya":
+        kohya.save(trainer.transformer, directory, lora.scale(trainer.transformer))
 
 
 def restore(directory: str, trainer, rank: int, world_size: int) -> Progress:

@@ -132,8 +132,9 @@ class Evaluator:
 
     def run(self, record: dict, progress, keep_best) -> None:
         """Score the live LoRA into ``record``; a new lowest eval loss updates ``progress`` and the best file. Both
-        see the LoRA as it is used (a schedule-free optimizer's average: :meth:`LoraTrainer.optimizer_eval`)."""
-        with self.trainer.optimizer_eval():
+        see the LoRA as it is used (the EMA, or a schedule-free optimizer's average:
+        :meth:`LoraTrainer.eval_weights`)."""
+        with self.trainer.eval_weights():
             record.update(score(self.trainer, self.batches, self.world))
             loss = record["eval_loss"]
             if progress.best_eval_loss is None or loss < progress.best_eval_loss:

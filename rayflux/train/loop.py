@@ -204,17 +204,21 @@ class _Logs:
 def _queue_render(renders, trainer, cfg, run_dir: str, record: dict, checkpointed: bool, last: bool,
                   caption_tables) -> None:
     """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
-    go on training. A diffusers-format checkpoint at this step has written it already; otherwise the live LoRA is
-    written as that file, or, for kohya output, beside the grid (``validation/step-<step>.safetensors``)."""
-    step = record["step"]
-    with trainer.optimizer_eval():  # the LoRA as it is used (schedule-free: its average), as checkpoints write it
-        if cfg.train.output_format == "kohya":
-            path = validation.lora_path(run_dir, step)
-            storage.write_bytes_atomic(path, lora_files.diffusers_bytes(trainer))
-        elif checkpointed:
-            path = storage.join(run_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step))
-        else:
+    go on training. The LoRA is :meth:`LoraTrainer.eval_weights`' (the EMA, or schedule-free's average). A
+    diffusers-format checkpoint at this step has written it already; without an EMA the live LoRA is written as that
+    file; otherwise (kohya output, or an EMA at a step without a checkpoint) beside the grid
+    (``validation/step-<step>.safetensors``)."""
+    step, ema = record["step"], trainer.ema is not None
+    diffusers = cfg.train.output_format != "kohya"
+    if diffusers and checkpointed:
+        path = storage.join(run_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step, ema=ema))
+    elif diffusers and not ema:
+        with trainer.optimizer_eval():  # as a checkpoint at this step would write it
             path = lora_files.keep_live_step(trainer, cfg, run_dir, record, caption_tables)
+    else:
+        path = validation.lora_path(run_dir, step)
+        with trainer.eval_weights():
+            storage.write_bytes_atomic(path, lora_files.diffusers_bytes(trainer))
     if renders.submit(record["step"], path, last):
         record["validation_image"] = validation.grid_path(run_dir, record["step"])  # where the actor writes it
 

@@ -21,10 +21,13 @@ from rayflux import storage
 from rayflux.config import JobConfig
 from rayflux.config.optimizer import OPTIMIZERS
 from rayflux.train import kohya, lora
+from rayflux.train.checkpoint import EMA_DIR
 
 log = logging.getLogger(__name__)
 
 LORA_DIR = "lora"
+EMA_SUFFIX = "-ema"
+"""What the EMA's LoRA files add to the plain files' stems."""
 MAX_TAGS = 1000
 """Most frequent caption tags kept in ``ss_tag_frequency``: the metadata must stay small at a million captions."""
 
@@ -40,8 +43,13 @@ def final_name(cfg: JobConfig) -> str:
     return f"{output_name(cfg)}.safetensors" if cfg.train.output_format == "kohya" else lora.WEIGHT_NAME
 
 
-def step_name(cfg: JobConfig, step: int) -> str:
-    return f"{output_name(cfg)}-step{step:08d}.safetensors"
+def step_name(cfg: JobConfig, step: int, ema: bool = False) -> str:
+    return f"{output_name(cfg)}-step{step:08d}{EMA_SUFFIX if ema else ''}.safetensors"
+
+
+def ema_name(cfg: JobConfig) -> str:
+    """The final EMA LoRA's file name (``train.ema_decay``), in ``train.output_format``, beside the plain one."""
+    return f"{output_name(cfg)}{EMA_SUFFIX}.safetensors"
 
 
 def _checkpoint_file(cfg: JobConfig) -> str:
@@ -165,18 +173,27 @@ def keep_step(checkpoint_dir: str, cfg: JobConfig, run_dir: str, record: dict, t
     dest = storage.join(run_dir, LORA_DIR, step_name(cfg, step))
     data = _file_bytes(checkpoint_dir, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
     storage.write_bytes_atomic(dest, data)
+    ema_dir = os.path.join(checkpoint_dir, EMA_DIR)
+    if os.path.isdir(ema_dir):
+        data = _file_bytes(ema_dir, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
+        storage.write_bytes_atomic(storage.join(run_dir, LORA_DIR, step_name(cfg, step, ema=True)), data)
     return dest
 
 
 def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, text_files=()) -> str:
-    """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``. Returns its path."""
+    """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``, and its EMA's (``train.ema_decay``)
+    as ``<output_dir>/lora/<ema_name>``. Returns the plain file's path."""
     from rayflux.train.commits import POSITION_FILE
 
     with open(os.path.join(checkpoint_dir, POSITION_FILE)) as f:
         saved = json.load(f)
+    step, epoch = int(saved["step"]), int(saved.get("epoch", 0))
     dest = storage.join(output_dir, LORA_DIR, final_name(cfg))
-    data = _file_bytes(checkpoint_dir, cfg, int(saved["step"]), int(saved.get("epoch", 0)), tuple(text_files))
-    storage.write_bytes_atomic(dest, data)
+    storage.write_bytes_atomic(dest, _file_bytes(checkpoint_dir, cfg, step, epoch, tuple(text_files)))
+    ema_dir = os.path.join(checkpoint_dir, EMA_DIR)
+    if os.path.isdir(ema_dir):
+        data = _file_bytes(ema_dir, cfg, step, epoch, tuple(text_files))
+        storage.write_bytes_atomic(storage.join(output_dir, LORA_DIR, ema_name(cfg)), data)
     return dest
 
 

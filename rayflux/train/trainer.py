@@ -20,7 +20,7 @@ from rayflux import datasets, families, gpu_memory, models, phases
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
-from rayflux.train import base_weights, kohya, lora, optim, shard_load, sharding, step
+from rayflux.train import base_weights, ema, kohya, lora, optim, shard_load, sharding, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class LoraTrainer:
         self.checkpointing = self._plan_memory(rank)
         if self.checkpointing:
             self.transformer.enable_gradient_checkpointing()
+        if t.compile:  # after the adapter and checkpointing: the compiled blocks trace what the step will run
+            self.family.compile_blocks(self.transformer)
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.shift_config = models.shift_config(cfg.model)
         self.optimizer, self.scheduler = optim.build(self.params, t, total_steps, self.device)
@@ -97,6 +99,8 @@ class LoraTrainer:
             exclude_frozen_from_ddp(self.transformer)
         self.model = wrap(self.transformer) if wrap else self.transformer
         self.model.train()
+        # After the wrap, which broadcasts rank 0's adapter: every rank's average starts from the same weights.
+        self.ema = ema.AdapterEma(self.params, t.ema_decay) if t.ema_decay else None
         seed_everything(worker_seed(t.seed, rank))
 
     def _load_base(self, rank: int, topology: sharding.Topology | None):
@@ -151,7 +155,8 @@ class LoraTrainer:
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         act_bytes = torch.finfo(self.autocast or torch.float32).bits // 8
         without, with_ = (gpu_memory.estimate(tc, weight_bytes, trainable, pixels, t.batch_size, c, act_bytes,
-                                              text=self.text_length, optimizer=t.optimizer, rank=t.rank)
+                                              text=self.text_length, optimizer=t.optimizer, rank=t.rank,
+                                              ema=bool(t.ema_decay))
                           for c in (False, True))  # fmt: skip
         on = gpu_memory.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         return without, with_, on, device_bytes
@@ -171,7 +176,8 @@ class LoraTrainer:
             log.info(
                 "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + %s %.2f GiB, activations "
                 "%.1f GiB (%.1f without checkpointing, %.1f with); gradient checkpointing %s (%s)%s",
-                pixels, t.batch_size, used.weights / GIB, t.optimizer, used.lora_optimizer / GIB,
+                pixels, t.batch_size, used.weights / GIB, t.optimizer + (" + EMA" if t.ema_decay else ""),
+                used.lora_optimizer / GIB,
                 used.activations / GIB, without.activations / GIB, with_.activations / GIB,
                 "on" if on else "off",
                 t.gradient_checkpointing, f"; device {device_bytes / GIB:.0f} GiB" if device_bytes else "",
@@ -206,6 +212,8 @@ class LoraTrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, limit))
         self.optimizer.step()
         self.scheduler.step()
+        if self.ema:
+            self.ema.step(self.params)
         self.optimizer.zero_grad(set_to_none=True)
         phases.mark("step_end")
         return StepStats(sum(losses) / len(losses), grad_norm, lr, sum(int(b.latents.shape[0]) for b in batches))
@@ -230,12 +238,27 @@ class LoraTrainer:
                 for p, k in zip(self.params, kept):
                     p.copy_(k)
 
+    @contextlib.contextmanager
+    def eval_weights(self):
+        """The LoRA that eval loss, the best-LoRA file and validation renders use, for the length of the block: the
+        EMA (``train.ema_decay``) when there is one, else :meth:`optimizer_eval`'s. The exact training weights are
+        back after it."""
+        if self.ema is None:
+            with self.optimizer_eval():
+                yield
+            return
+        with self.ema.swapped_in(self.params):
+            yield
+
     def state_dict(self) -> dict:
         """Optimizer and scheduler state (the LoRA weights are saved as a LoRA file beside it, in the
-        :meth:`optimizer_eval` form); a schedule-free optimizer's training weights too, in parameter order."""
+        :meth:`optimizer_eval` form); a schedule-free optimizer's training weights too, in parameter order; the
+        EMA's state (``train.ema_decay``)."""
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if optim.has_modes(self.optimizer):
             state["train_weights"] = [p.detach().clone() for p in self.params]
+        if self.ema:
+            state["ema"] = self.ema.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -247,6 +270,11 @@ class LoraTrainer:
             with torch.no_grad():
                 for p, w in zip(self.params, state["train_weights"]):
                     p.copy_(w.to(p.device))
+        if self.ema and "ema" in state:
+            self.ema.load_state_dict(state["ema"], self.params)
+        elif self.ema:  # ema_decay set on the resume of a run without one: the average starts here
+            log.warning("train.ema_decay: the checkpoint holds no EMA; the average starts from its weights")
+            self.ema = ema.AdapterEma(self.params, self.cfg.train.ema_decay)
 
 
 def exclude_frozen_from_ddp(module) -> list[str]:
