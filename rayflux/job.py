@@ -9,96 +9,18 @@ at a time runs in a run directory and writes to a cache key: each holds a lease 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 from rayflux import console, datasets, families, lease, models, paths, phases, progress, refresh, storage
 from rayflux.connect import connect
-from rayflux.config import ConfigError, JobConfig, refresh_interval, worker_range
+from rayflux.config import ConfigError, JobConfig, refresh_interval
+from rayflux.generation_stages import GenerationStages
 from rayflux.ledger import Ledger
+from rayflux.summary import Summary, account
 
 log = logging.getLogger("rayflux")
-
-
-@dataclass
-class Summary:
-    """What a job did and where everything went."""
-
-    output_dir: str = ""
-    cache_dir: str = ""
-    lora_path: str = ""
-    checkpoint: str = ""
-    ledger: str = ""
-    discovered: int = 0
-    cached: int = 0
-    skipped: int = 0
-    steps: int = 0
-    losses: list = field(default_factory=list)
-    history: list = field(default_factory=list)
-    generations: list = field(default_factory=list)
-    stage_seconds: dict = field(default_factory=dict)
-    datasets: list = field(default_factory=list)
-    """One dict per dataset: name, discovered, cached, skipped, unsampled, repeats, regularisation."""
-    skip_reasons: dict = field(default_factory=dict)
-    """Skip reason (its text up to the first colon) -> count."""
-    skipped_report: str = ""
-    validation_dir: str = ""
-    tensorboard_dir: str = ""
-    logs: str = ""
-    dropped: dict = field(default_factory=dict)
-    """Epoch -> samples the remainder rule left out of its bucket-pure batches."""
-    eval_samples: int = 0
-    """Samples held out for the eval loss (``data.eval_samples``)."""
-    eval_file: str = ""
-    best: tuple | None = None
-    """``(step, eval loss, file)`` of the LoRA with the lowest eval loss; None without eval."""
-
-    def lines(self) -> list[str]:
-        unsampled = sum(d["unsampled"] for d in self.datasets)
-        out = [
-            f"images: {self.discovered} discovered, {self.cached} cached, {self.skipped} skipped"
-            + (f", {unsampled} left out by max_samples" if unsampled else "")
-        ]
-        if len(self.datasets) > 1 or unsampled:
-            for d in self.datasets:
-                role = "regularisation, " if d["regularisation"] else ""
-                out.append(
-                    f"  {d['name']}: {d['discovered']} discovered, {d['cached']} cached, {d['skipped']} skipped"
-                    + (f", {d['unsampled']} left out" if d["unsampled"] else "")
-                    + f" ({role}repeats {d['repeats']})"
-                )
-        for reason, n in sorted(self.skip_reasons.items(), key=lambda kv: -kv[1]):
-            out.append(f"skipped:    {n} x {reason}")
-        if self.skipped:
-            out.append(f"skip list:  {self.skipped_report}")
-        out.append(f"cache:      {self.cache_dir}")
-        if self.steps:
-            out.append(f"training:   {self.steps} steps per worker, last loss {self.losses[-1]:.4f}")
-            last = self.history[-1] if self.history else {}
-            if "read_amplification" in last:  # the last epoch's reads, as the training loop counted them
-                out.append(f"reads:      {last['requests_per_sample']:.2f} requests per sample, "
-                           f"{last['read_amplification']:.2f}x the tensors' bytes (epoch {last['epoch'] + 1})")
-            if any(self.dropped.values()):
-                per_epoch = ", ".join(str(n) for _, n in sorted(self.dropped.items()))
-                out.append(f"remainder:  samples left out of full batches per epoch: {per_epoch} (data.bucket_step)")
-            out.append(f"LoRA:       {self.lora_path}")
-            if self.eval_samples:
-                out.append(f"eval:       {self.eval_samples} samples held out of training ({self.eval_file})")
-            if self.best:
-                out.append(f"best:       eval loss {self.best[1]:.4f} at step {self.best[0]}: {self.best[2]}")
-            if self.validation_dir:
-                out.append(f"validation: {self.validation_dir}")
-            out.append(f"checkpoint: {self.checkpoint}")
-        out.append(f"ledger:     {self.ledger}")
-        if self.tensorboard_dir:
-            out.append(f"metrics:    {self.tensorboard_dir} (tensorboard --logdir)")
-        if self.logs:
-            out.append(f"logs:       {self.logs}")
-        out.append("time:       " + ", ".join(f"{k} {v:.1f}s" for k, v in self.stage_seconds.items()))
-        return out
 
 
 def resolve_dirs(cfg: JobConfig) -> tuple[str, str, str]:
@@ -148,116 +70,6 @@ def run_identity(cfg: JobConfig) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class _Stages:
-    """The stages of one job, each recorded in the ledger."""
-
-    def __init__(self, cfg: JobConfig, facts, ledger: Ledger, cache_root: str, use_gpu: bool, summary: Summary):
-        from rayflux.cache.stage import cache_key
-
-        self.cfg, self.facts, self.ledger, self.use_gpu, self.summary = cfg, facts, ledger, use_gpu, summary
-        self.cache_root = cache_root
-        self.key = cache_key(cfg, facts, use_gpu)
-        self.dirs: dict[int, str] = {}
-        self.discoveries: dict = {}
-        self.manifests: dict[int, dict] = {}
-
-    def generation(self, g: int) -> dict:
-        """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest.
-
-        Once per generation and job: discovery lists and reads the whole dataset, so a second ask is answered from
-        the first."""
-        if g not in self.manifests:
-            with self.key_lease():
-                self.manifests[g] = self._generation(g)
-        return self.manifests[g]
-
-    def key_lease(self) -> lease.Lease:
-        """The cache key's lease, held around everything that may write to the key: another job building it (a
-        job with another run directory and the same ``cache.dir``) is waited for, then its commit is reused."""
-        key_dir = storage.join(self.cache_root, self.key)
-        return lease.Lease(key_dir, f"cache key {self.key}", self.cfg.run.lease_seconds).acquire(wait=True)
-
-    def _generation(self, g: int) -> dict:
-        from rayflux.cache import generations, integrity
-        from rayflux.cache.stage import build_generation, inputs_signature
-        from rayflux.discovery import distributed
-
-        seed = refresh.generation_seed(self.cfg.cache.seed, g)
-        t0 = time.perf_counter()
-        # The newest committed generation lends its caption files' lines to discovery and its encoded rows to the
-        # build. When that is generation g itself, it is reused below and nothing is built. One listing of the key
-        # tells which committed generations still hold every file they list; a broken one is no one's source.
-        key_dir = storage.join(self.cache_root, self.key)
-        present = set(generations.files_in(key_dir))
-        previous, broken = generations.latest_intact(key_dir, present)
-        phases.mark("discover_start")
-        discovery = distributed.discover(self.cfg, self.facts, seed, previous)
-        phases.mark("discover_end")
-        if not self.discoveries:  # the same files every generation: say what is wrong with them once
-            for problem in discovery.problems:
-                log.warning("%s", problem)
-        # What the summary needs, not the rows: the build consumes them (see build_generation).
-        self.discoveries[g] = {"found": discovery.found_by_dataset(), "unsampled": dict(discovery.unsampled)}
-        seconds = self.summary.stage_seconds
-        seconds["discover"] = seconds.get("discover", 0.0) + time.perf_counter() - t0
-        inputs = inputs_signature(discovery)
-        gen_dir = generations.generation_dir(self.cache_root, self.key, g, inputs)
-        # A generation `cache verify` found damaged is replaced by a repair build that re-encodes exactly the damaged
-        # samples and captions and reuses the rest from it (rayflux.cache.integrity).
-        repaired, gen_dir = gen_dir, integrity.current(gen_dir)
-        if repaired != gen_dir and generations.load_manifest(gen_dir) is None:
-            log.warning("cache generation %d has damaged tensors (recorded by cache verify beside %s): re-encoding "
-                        "exactly those into %s", g, repaired, gen_dir)  # fmt: skip
-        self.dirs[g] = gen_dir
-        manifest = generations.load_manifest(gen_dir)
-        reason = ""
-        if manifest is not None and gen_dir in broken:
-            reason = f"committed, but {broken[gen_dir]}"
-            log.warning("cache generation %d (%s) is %s: building it again", g, gen_dir, reason)
-        elif manifest is not None and not generations.is_retired(gen_dir):
-            log.info("cache generation %d is committed and up to date (%s); nothing to encode", g, gen_dir)
-            if not self.ledger.done(f"cache:g{g}", gen_dir):
-                entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, reused=True)
-                self.ledger.finish(entry, cached=manifest.cached)
-            return manifest
-        if storage.exists(gen_dir):
-            # Left half-built (or retired) by an earlier, interrupted run: nothing committed reads it, so drop it.
-            entry = self.ledger.start(f"discard:g{g}", gen_dir, reason=reason or "not committed or retired")
-            generations.remove_tree(gen_dir)
-            self.ledger.finish(entry)
-        entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
-        t0 = time.perf_counter()
-        # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
-        manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
-        self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
-        self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)
-        return manifest
-
-    def retire(self, g: int) -> None:
-        from rayflux.cache import generations
-
-        gen_dir = self.dirs[g]
-        if self.ledger.done(f"retire:g{g}", gen_dir):
-            return
-        with self.key_lease():
-            entry = self.ledger.start(f"retire:g{g}", gen_dir)
-            generations.retire(gen_dir)
-            self.ledger.finish(entry)
-
-    def room_for_overlap(self) -> bool:
-        """Can generation g+1 be encoded while training runs? Only if both fit, with a CPU to spare for tasks."""
-        import ray
-
-        from rayflux.cache.fit import actor_cpus
-
-        total = ray.cluster_resources()
-        workers = worker_range(self.cfg.train.num_workers)[1]
-        cpu_left = total.get("CPU", 0) - workers * self.cfg.train.cpus_per_worker
-        if self.use_gpu:
-            return total.get("GPU", 0) - workers >= self.cfg.cache.gpus_per_actor and cpu_left >= 2
-        return cpu_left >= (actor_cpus(self.cfg.cache.actor_cpus) or 1.0) + 1
-
-
 def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
     images, cache_root, output = resolve_dirs(cfg)
@@ -283,14 +95,33 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
 
 def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: lease.Lease) -> Summary:
     """:func:`run` once the run directory's lease is held (``held``)."""
-    from rayflux.cache import index
-
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
     _check_edit_pairs(cfg, families.by_name(facts.family))  # facts already checked the model's family
     ledger = Ledger(output, run_identity(cfg), guard=held.check)
     summary.ledger = ledger.path
+    gpus = _start_ray(cfg, only, summary)
+    stages = GenerationStages(cfg, facts, ledger, cache_root, gpus, summary)
+    segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
+    pending = _pending(cfg, ledger, segs, only)
+    # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
+    first_g = (pending[0] if pending else segs[-1]).generation
+    first = stages.generation(first_g)
+    summary.cache_dir = first.dir
+    counts = first.skip_counts()
+    summary.discovered, summary.cached, summary.skipped = counts.discovered, counts.cached, counts.skipped
+    account(summary, cfg, stages.discoveries[first_g], first.dir)
+    if only == "cache":
+        return summary
+    if first.cached == 0:
+        raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
+    result, manifest = _train_segments(cfg, facts, stages, segs, pending, output)
+    _export(cfg, ledger, summary, output, result, manifest)
+    return summary
 
+
+def _start_ray(cfg: JobConfig, only: str, summary: Summary) -> bool:
+    """Join or start Ray quietly, then refuse what this cluster cannot train; whether it has GPUs."""
     console.quiet_ray()
     phases.mark("ray_start")
     connect(cfg.run.ray_address)
@@ -307,10 +138,16 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
         check_base_dtype(cfg, gpus)
         check_optimizer(cfg, gpus)
         wandb_log.check(cfg.run.wandb_project)
-    stages = _Stages(cfg, facts, ledger, cache_root, gpus, summary)
-    segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
+    return gpus
 
-    def seg_done(seg) -> bool:
+
+def _pending(cfg: JobConfig, ledger: Ledger, segs: list, only: str) -> list:
+    """The training segments still to run: a rerun starts at the first unfinished one (earlier generations may
+    already be retired); a cache-only run builds the first segment's generation."""
+    if only == "cache":
+        return segs[:1]
+
+    def done(seg) -> bool:
         entry = ledger.done(f"train:seg{seg.index}", f"epochs {seg.first_epoch}-{seg.end_epoch}")
         if entry is None:
             return False
@@ -318,29 +155,21 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
         out = entry.get("outputs", {})
         return out.get("complete", True) or bool(cfg.train.max_steps and out.get("steps", 0) >= cfg.train.max_steps)
 
-    # A rerun starts at the first unfinished segment; earlier generations may already be retired.
-    pending = [seg for seg in segs if not seg_done(seg)] if only != "cache" else segs[:1]
-    if not pending and only != "cache":
-        done = ledger.find(f"train:seg{segs[-1].index}") or {}
+    pending = [seg for seg in segs if not done(seg)]
+    if not pending:
+        last = ledger.find(f"train:seg{segs[-1].index}") or {}
         log.info("nothing to train: the run already ended at step %s (train.epochs=%d, train.max_steps=%d); raise "
-                 "either to train more", done.get("outputs", {}).get("steps", "?"), cfg.train.epochs,
+                 "either to train more", last.get("outputs", {}).get("steps", "?"), cfg.train.epochs,
                  cfg.train.max_steps)  # fmt: skip
-    # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
-    first_g = (pending[0] if pending else segs[-1]).generation
-    first = stages.generation(first_g)
-    summary.cache_dir = first.dir
-    counts = first.skip_counts()
-    summary.discovered, summary.cached, summary.skipped = counts.discovered, counts.cached, counts.skipped
-    _account(summary, cfg, stages.discoveries[first_g], first.dir)
-    if only == "cache":
-        return summary
-    if first.cached == 0:
-        raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
+    return pending
 
-    from rayflux.train import lora_files
+
+def _train_segments(cfg: JobConfig, facts, stages: GenerationStages, segs: list, pending: list, output: str):
+    """Train each pending segment on its generation, the next generation built meanwhile where the cluster has room,
+    and each generation retired once every worker is done with it; ``(last result or None, last manifest)``."""
     from rayflux.train.stage import train
 
-    result = None
+    result, manifest, summary, ledger = None, None, stages.summary, stages.ledger
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         for seg in pending:
             nxt = segs[seg.index + 1] if seg.index + 1 < len(segs) else None
@@ -362,28 +191,32 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
             if nxt is not None and nxt.generation != seg.generation:
                 # fit() returned: every worker has finished every epoch that read this generation.
                 stages.retire(seg.generation)
+    return result, manifest
 
-    lora_dest = storage.join(output, lora_files.LORA_DIR, lora_files.final_name(cfg))
+
+def _export(cfg: JobConfig, ledger: Ledger, summary: Summary, output: str, result, manifest) -> None:
+    """The final LoRA exported from the last checkpoint (a ledger stage), and the summary's training lines; a rerun
+    with nothing left to train reports the earlier export."""
+    from rayflux.cache import index
+    from rayflux.train import lora_files
+
     # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
     summary.validation_dir = storage.join(output, "validation") if cfg.train.validation_prompts else ""
     summary.tensorboard_dir = storage.join(output, "tensorboard")
-    if result is not None:
-        summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
-        summary.dropped = {epoch: c["dropped"] for epoch, c in result.epoch_counts.items()}
-        summary.checkpoint = result.checkpoint_path
-        summary.eval_samples, summary.eval_file = result.eval_samples, result.eval_file
-        if result.best:
-            summary.best = (*result.best, storage.join(output, lora_files.LORA_DIR, lora_files.best_name(cfg)))
-        entry = ledger.start("export", result.checkpoint_path)
-        summary.lora_path = lora_files.export_final(
-            result.checkpoint_dir, cfg, output, [index.caption_table(manifest)]
-        )
-        ledger.finish(entry, lora=summary.lora_path)
-    else:
-        summary.lora_path = lora_dest
+    if result is None:
+        summary.lora_path = storage.join(output, lora_files.LORA_DIR, lora_files.final_name(cfg))
         done = ledger.find("export")
         summary.checkpoint = done["inputs"] if done else ""
-    return summary
+        return
+    summary.steps, summary.losses, summary.history = result.steps, result.losses, result.history
+    summary.dropped = {epoch: c["dropped"] for epoch, c in result.epoch_counts.items()}
+    summary.checkpoint = result.checkpoint_path
+    summary.eval_samples, summary.eval_file = result.eval_samples, result.eval_file
+    if result.best:
+        summary.best = (*result.best, storage.join(output, lora_files.LORA_DIR, lora_files.best_name(cfg)))
+    entry = ledger.start("export", result.checkpoint_path)
+    summary.lora_path = lora_files.export_final(result.checkpoint_dir, cfg, output, [index.caption_table(manifest)])
+    ledger.finish(entry, lora=summary.lora_path)
 
 
 def _check_masks(cfg: JobConfig) -> None:
@@ -407,34 +240,6 @@ def _check_edit_pairs(cfg: JobConfig, family) -> None:
             "train.validation_references is set"
         raise ConfigError(f"{what}, but {', '.join(family.pipelines.values())} takes no reference images: edit pairs "
                           "train FLUX.1 Kontext or FLUX.2")  # fmt: skip
-
-
-def _account(summary: Summary, cfg: JobConfig, discovery: dict, gen_dir: str) -> None:
-    """Per-dataset counts and grouped skip reasons, from the committed generation's skip list. ``discovery``: what
-    :meth:`_Stages.generation` kept of the generation's discovery."""
-    from rayflux.cache import generations
-
-    summary.skipped_report = storage.join(gen_dir, generations.SKIPPED)
-    raw = storage.read_bytes(summary.skipped_report) if storage.exists(summary.skipped_report) else b""
-    skipped = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-    for s in skipped:
-        reason = s["reason"].split(":", 1)[0]
-        summary.skip_reasons[reason] = summary.skip_reasons.get(reason, 0) + 1
-    for ds in datasets.datasets_of(cfg.data):
-        key = datasets.key(cfg.data, ds)
-        found = discovery["found"].get(key, 0)
-        lost = sum(1 for s in skipped if s.get("dataset") == key)
-        summary.datasets.append(
-            {
-                "name": datasets.label(ds),
-                "discovered": found,
-                "cached": found - lost,
-                "skipped": lost,
-                "unsampled": discovery["unsampled"].get(datasets.label(ds), 0),
-                "repeats": ds.repeats,
-                "regularisation": ds.regularisation,
-            }
-        )
 
 
 def _ray_logs_dir() -> str:

@@ -13,7 +13,7 @@ import cache_sets
 import numpy as np
 import pytest
 
-from rayflux import config, job, refresh
+from rayflux import config, generation_stages, job, refresh
 from rayflux.cache import generations
 from rayflux.train import batching
 from rayflux.train.batching import GenerationNotReadable, check_readable
@@ -103,7 +103,7 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
     from rayflux import models
     from rayflux.ledger import Ledger
 
-    stages = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    stages = generation_stages.GenerationStages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
     crops = []
     for g in (0, 1):
         rows = sorted(cache_sets.generation_rows(stages.generation(g)), key=lambda r: r["rel_path"])
@@ -112,7 +112,7 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
     assert crops[0] != crops[1]
     # a generation built again with the same seed (by a later job: one job asks once) is reused, not rebuilt
     before = generations.load_manifest(stages.dirs[1])["committed_at"]
-    again = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    again = generation_stages.GenerationStages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
     assert again.generation(1)["committed_at"] == before
 
 
@@ -141,7 +141,7 @@ def test_a_centre_crop_refresh_references_the_previous_generation(ray_session, t
     cfg = _cfg(tiny_model, demo_images, tmp_path / "run", "data.crop=center")
     images, cache_root, out = job.resolve_dirs(cfg)
     cfg.data.images_dir = images
-    stages = job._Stages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    stages = generation_stages.GenerationStages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
     m0, m1 = stages.generation(0), stages.generation(1)
     assert m1["encoded"]["samples"] == 0 and m1["reused"]["samples"] == m0["cached"] == 8
     assert sum(f["bytes"] for f in m1["files"]) == 0 < sum(f["bytes"] for f in m0["files"])
