@@ -257,7 +257,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if board:
             board.scalars(progress.step, record)
         due_images = bool(last or (t.validation_every and progress.step % t.validation_every == 0))
-        if due_checkpoint or report_due:
+        if due_checkpoint or report_due or due_eval:  # every eval reaches Ray Train (and a sweep's scheduler)
             report(record, due_checkpoint)  # writes this step's LoRA file when it checkpoints
         if renders and due_images:
             _queue_render(renders, trainer, cfg, run_dir, record, due_checkpoint, last, loop_config)
