@@ -19,8 +19,8 @@ from rayflux.config import ConfigError, JobConfig, worker_range
 from rayflux.ledger import Ledger
 from rayflux.sweep import results
 from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
-from rayflux.sweep.groups import release_callback
-from rayflux.sweep.trial import TRIALS_DIR, run_trial
+from rayflux.sweep.groups import release
+from rayflux.sweep.trial import TRIALS_DIR, run_trial, trial_dir
 
 log = logging.getLogger("rayflux")
 
@@ -104,7 +104,7 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
     for r in rows:
         trial = ledger.start(f"trial:{r.trial}", json.dumps(r.settings, sort_keys=True, default=str),
                              settings=r.settings, dir=storage.join(output, TRIALS_DIR, r.trial))  # fmt: skip
-        ledger.finish(trial, status="done" if r.status != "error" else "failed", **r.record(sweep.metric))
+        ledger.finish(trial, status="done" if r.status != "error" else "failed", result=r.record(sweep.metric))
     out = Outcome(rows=rows, ledger=ledger.path, tensorboard_dir=storage.join(output, TRIALS_DIR))
     out.results = results.write(rows, output, sweep.metric)
     out.best = results.best_row(rows)
@@ -166,3 +166,21 @@ def _scheduler(cfg: JobConfig, sweep: SweepConfig):
     grace = sweep.grace_period or cfg.train.eval_every or 1
     return ASHAScheduler(time_attr="step", max_t=cfg.train.max_steps or 10**9, grace_period=grace,
                          reduction_factor=sweep.reduction_factor)  # fmt: skip
+
+
+def release_callback(sweep_output: str):
+    """The Tune callback of the sweep's driver: release a trial's placement groups when Tune stops, fails or retries
+    it (see :mod:`rayflux.sweep.groups`)."""
+    from ray import tune
+
+    class ReleaseGroups(tune.Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            release(trial_dir(sweep_output, trial.trial_id))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            release(trial_dir(sweep_output, trial.trial_id))
+
+        def on_trial_recover(self, iteration, trials, trial, **info):
+            release(trial_dir(sweep_output, trial.trial_id))
+
+    return ReleaseGroups()

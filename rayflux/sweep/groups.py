@@ -5,8 +5,8 @@ workers' placement group is the controller's job to remove. Ray Train leaves tha
 Ray's state API (the dashboard) whether the controller still lives; on a Ray without the dashboard (the job's own
 local Ray, the tests') it never learns, and every stopped trial would keep its workers' CPUs and GPUs reserved until
 the sweep ends, starving the trials after it. So each trial's trainer records its placement groups in its run
-directory (:class:`RecordGroups`), and the sweep's driver removes them when Tune is done with the trial
-(:class:`ReleaseGroups`); a group the controller already removed is left alone.
+directory (:func:`record_groups`), and the sweep's driver removes them (:func:`release`) when Tune is done with the
+trial; a group the controller already removed is left alone.
 """
 
 from __future__ import annotations
@@ -59,21 +59,3 @@ def release(trial_dir: str) -> int:
         log.info("sweep: released %d placement group(s) of the stopped trial in %s", removed, trial_dir)
     return removed
 
-
-def release_callback(sweep_output: str):
-    """The Tune callback of the sweep's driver: release a trial's groups when Tune stops, fails or retries it."""
-    from ray import tune
-
-    from rayflux.sweep.trial import trial_dir
-
-    class ReleaseGroups(tune.Callback):
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            release(trial_dir(sweep_output, trial.trial_id))
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            release(trial_dir(sweep_output, trial.trial_id))
-
-        def on_trial_recover(self, iteration, trials, trial, **info):
-            release(trial_dir(sweep_output, trial.trial_id))
-
-    return ReleaseGroups()
