@@ -101,6 +101,8 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
                          metric=sweep.metric, max_concurrent=sweep.max_concurrent)  # fmt: skip
     grid = _tuner(cfg, sweep, output).fit()
     rows = [results.row(r, cfg, output, sweep.metric) for r in grid]
+    for r in rows:  # again: a stopped trial's controller may have started a new worker group before it died
+        release(trial_dir(output, r.trial))
     for r in rows:
         trial = ledger.start(f"trial:{r.trial}", json.dumps(r.settings, sort_keys=True, default=str),
                              settings=r.settings, dir=storage.join(output, TRIALS_DIR, r.trial))  # fmt: skip
@@ -164,7 +166,8 @@ def _scheduler(cfg: JobConfig, sweep: SweepConfig):
     if sweep.scheduler == "fifo":
         return FIFOScheduler()
     grace = sweep.grace_period or cfg.train.eval_every or 1
-    return ASHAScheduler(time_attr="step", max_t=cfg.train.max_steps or 10**9, grace_period=grace,
+    # ASHA stops a trial that reaches max_t; one past the last step lets a trial that trains to its end export.
+    return ASHAScheduler(time_attr="step", max_t=(cfg.train.max_steps or 10**9) + 1, grace_period=grace,
                          reduction_factor=sweep.reduction_factor)  # fmt: skip
 
 
