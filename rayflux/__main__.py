@@ -9,6 +9,7 @@ import sys
 # never pays for another's imports.
 COMMANDS = {
     ("train",): ("rayflux.cli", "the training job, the same as python jobs/train_flux.py [--config FILE] [--set K=V]"),
+    ("sweep",): ("rayflux.sweep.cli", "many LoRAs on one cache with Ray Tune, keeping the best by eval loss"),
     ("cache", "verify"): ("rayflux.cache.verify", "check a cache generation's shards against its manifest and buckets"),
     ("data", "check"): ("rayflux.doctor", "the dataset doctor: discovery, captions, buckets and path safety"),
     ("cluster", "runtime-env"): ("rayflux.cluster.runtime_env", "a runtime_env YAML as JSON for ray job submit"),

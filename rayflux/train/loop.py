@@ -282,7 +282,7 @@ class _Run:
             self.evals.run(record, self.progress, self.best_writer)
         if self.logs.board:
             self.logs.board.scalars(self.progress.step, record)
-        if due.checkpoint or due.report:
+        if due.checkpoint or due.report or due_eval:  # every eval reaches Ray Train (and a sweep's scheduler)
             self.report(record, due.checkpoint)  # writes this step's LoRA file when it checkpoints
         if self.renders and due.images:
             _queue_render(self.renders, self.trainer, self.w.cfg, self.w.lc.output_dir, record, due.checkpoint,

@@ -134,7 +134,10 @@ def run_config(cfg: JobConfig, output_dir: str, callbacks: list):
     resizes and resumed jobs all load the latest checkpoint from it."""
     import ray.train
 
+    from rayflux.sweep.report import tune_callbacks  # in a sweep's trial, eval reports also go to Tune
+
     storage_path, storage_fs = storage.for_ray_train(storage.join(output_dir, "checkpoints"))
+    callbacks = [*callbacks, *tune_callbacks()]
     return ray.train.RunConfig(
         name=cfg.run.name,
         storage_path=storage_path,

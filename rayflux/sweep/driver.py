@@ -1,0 +1,189 @@
+"""A whole sweep: the cache once, a pre-flight fit, the trials through Ray Tune (or its restore), the results.
+
+Layout of the sweep's ``run.output_dir``: ``ledger.json`` (the cache stage, the sweep, one entry per trial),
+``cache/`` (unless ``cache.dir`` says otherwise), ``trials/<trial id>/`` (each an ordinary job's run directory),
+``tune/`` (Tune's experiment state, which a rerun restores), ``sweep/results.{parquet,csv}`` and
+``lora/best.safetensors``. ``tensorboard --logdir <output>/trials`` shows every trial's curves side by side.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+
+from rayflux import job, lease, storage
+from rayflux.config import ConfigError, JobConfig, worker_range
+from rayflux.ledger import Ledger
+from rayflux.sweep import results
+from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
+from rayflux.sweep.groups import release
+from rayflux.sweep.trial import TRIALS_DIR, run_trial, trial_dir
+
+log = logging.getLogger("rayflux")
+
+TUNE_NAME = "tune"
+"""Tune's experiment folder under the sweep's output: what a rerun restores."""
+
+
+@dataclass
+class Outcome:
+    """What a sweep did."""
+
+    rows: list = field(default_factory=list)
+    """One :class:`rayflux.sweep.results.Row` per trial."""
+    best: object = None
+    """The best row (None when no trial was scored)."""
+    best_lora: str = ""
+    results: tuple = ()
+    """Paths of the parquet and CSV tables."""
+    ledger: str = ""
+    cached: int = 0
+    """Samples in the shared cache generation."""
+    tensorboard_dir: str = ""
+
+
+def run(sf: SweepFile) -> Outcome:
+    """Run (or continue) the sweep; raises when every trial failed, with the first trial's error."""
+    cfg, sweep = sf.job, sf.sweep
+    _, cache_root, output = job.resolve_dirs(cfg)
+    cfg.cache.dir, cfg.run.output_dir = cache_root, output
+    cached = job.run(cfg, only="cache")  # the one cache build: every trial reuses this committed generation
+    if cached.cached == 0:
+        raise RuntimeError(f"no image could be cached (see {cached.cache_dir}/skipped.jsonl)")
+    preflight(cfg, sweep)
+    held = lease.Lease(output, f"run.output_dir {output}", cfg.run.lease_seconds).acquire()
+    try:
+        ledger = Ledger(output, job.run_identity(cfg), guard=held.check)
+        outcome = _trials(cfg, sweep, output, ledger)
+        outcome.cached = cached.cached
+        return outcome
+    finally:
+        held.release()
+
+
+def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
+    """Refuse a sweep whose single trial can never be scheduled (Tune would wait for it forever)."""
+    from rayflux.cache.fit import Capacity
+    from rayflux.train.stage import _use_gpu
+
+    cap = Capacity.of_cluster()
+    budget = cap.budget(now=False)
+    workers = worker_range(cfg.train.num_workers)[0]
+    need = {"CPU": workers * cfg.train.cpus_per_worker + sweep.trial_cpus}
+    if _use_gpu(cfg, job.cluster_has_gpus()):
+        need["GPU"] = float(workers)
+    short = {k: v for k, v in need.items() if budget.get(k, 0.0) + 1e-9 < v}
+    if short:
+        have = ", ".join(f"{k} {budget.get(k, 0.0):g}" for k in need)
+        raise ConfigError(f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.num_workers "
+                          f"x train.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}")  # fmt: skip
+    per_trial = need["CPU"]
+    log.info("sweep: each trial reserves %g CPU; the cluster has %g: up to %d trial(s) at once (sweep.max_concurrent "
+             "%d)", per_trial, budget.get("CPU", 0.0), int(budget.get("CPU", 0.0) // per_trial), sweep.max_concurrent)
+
+
+def _fingerprint(sweep: SweepConfig) -> str:
+    blob = json.dumps({"space": sweep.space, "num_samples": sweep.num_samples, "metric": sweep.metric,
+                       "scheduler": sweep.scheduler}, sort_keys=True, default=str)  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> Outcome:
+    fp = _fingerprint(sweep)
+    old = ledger.find("sweep")
+    if old is not None and old["inputs"] != fp:
+        raise ConfigError(f"{output} holds a sweep with another space, metric or scheduler; use a new run.output_dir "
+                          "or restore the original sweep section")  # fmt: skip
+    entry = ledger.start("sweep", fp, space=sweep.space, num_samples=sweep.num_samples, scheduler=sweep.scheduler,
+                         metric=sweep.metric, max_concurrent=sweep.max_concurrent)  # fmt: skip
+    grid = _tuner(cfg, sweep, output).fit()
+    rows = [results.row(r, cfg, output, sweep.metric) for r in grid]
+    for r in rows:  # again: a stopped trial's controller may have started a new worker group before it died
+        release(trial_dir(output, r.trial))
+    for r in rows:
+        trial = ledger.start(f"trial:{r.trial}", json.dumps(r.settings, sort_keys=True, default=str),
+                             settings=r.settings, dir=storage.join(output, TRIALS_DIR, r.trial))  # fmt: skip
+        ledger.finish(trial, status="done" if r.status != "error" else "failed", result=r.record(sweep.metric))
+    out = Outcome(rows=rows, ledger=ledger.path, tensorboard_dir=storage.join(output, TRIALS_DIR))
+    out.results = results.write(rows, output, sweep.metric)
+    out.best = results.best_row(rows)
+    if out.best is not None:
+        out.best_lora = results.copy_best(out.best, output)
+    failed = [r for r in rows if r.status == "error"]
+    ledger.finish(entry, status="failed" if rows and len(failed) == len(rows) else "done", results=out.results[0],
+                  best=out.best.trial if out.best else None, best_lora=out.best_lora)  # fmt: skip
+    if rows and len(failed) == len(rows):
+        first = next(r for r in grid if r.error)
+        raise RuntimeError(f"every trial of the sweep failed; the first: {first.error}")
+    return out
+
+
+def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
+    """A new Tuner, or the interrupted sweep's restored one (finished trials kept, unfinished ones run again and
+    resume from their own checkpoints)."""
+    import ray.tune as tune
+
+    base = copy.deepcopy(cfg.to_dict())
+    trainable = tune.with_parameters(_trainable, base=base, sweep_output=output, metric=sweep.metric)
+    trainable = tune.with_resources(trainable, {"CPU": sweep.trial_cpus})
+    storage_path, storage_fs = storage.for_ray_train(output)
+    path = storage.join(output, TUNE_NAME)
+    if tune.Tuner.can_restore(path, storage_filesystem=storage_fs):
+        log.info("sweep: continuing the interrupted sweep in %s", path)
+        return tune.Tuner.restore(path, trainable, resume_errored=True, storage_filesystem=storage_fs)
+    return tune.Tuner(
+        trainable,
+        param_space=tune_space(sweep),
+        tune_config=tune.TuneConfig(
+            metric=sweep.metric,
+            mode="min",
+            num_samples=sweep.num_samples,
+            max_concurrent_trials=sweep.max_concurrent,
+            scheduler=_scheduler(cfg, sweep),
+            trial_dirname_creator=lambda t: t.trial_id,  # results.row finds a trial's run directory by it
+        ),
+        run_config=tune.RunConfig(
+            name=TUNE_NAME,
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            failure_config=tune.FailureConfig(max_failures=max(cfg.train.max_failures, 0)),
+            callbacks=[release_callback(output)],
+            verbose=1,
+        ),
+    )
+
+
+def _trainable(config: dict, base: dict, sweep_output: str, metric: str) -> None:
+    run_trial(config, base, sweep_output, metric)
+
+
+def _scheduler(cfg: JobConfig, sweep: SweepConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if sweep.scheduler == "fifo":
+        return FIFOScheduler()
+    grace = sweep.grace_period or cfg.train.eval_every or 1
+    # ASHA stops a trial that reaches max_t; one past the last step lets a trial that trains to its end export.
+    return ASHAScheduler(time_attr="step", max_t=(cfg.train.max_steps or 10**9) + 1, grace_period=grace,
+                         reduction_factor=sweep.reduction_factor)  # fmt: skip
+
+
+def release_callback(sweep_output: str):
+    """The Tune callback of the sweep's driver: release a trial's placement groups when Tune stops, fails or retries
+    it (see :mod:`rayflux.sweep.groups`)."""
+    from ray import tune
+
+    class ReleaseGroups(tune.Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            release(trial_dir(sweep_output, trial.trial_id))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            release(trial_dir(sweep_output, trial.trial_id))
+
+        def on_trial_recover(self, iteration, trials, trial, **info):
+            release(trial_dir(sweep_output, trial.trial_id))
+
+    return ReleaseGroups()
