@@ -77,6 +77,36 @@ def validate(cfg: JobConfig) -> None:
     """Check value ranges and choices; raise ConfigError naming the first bad key."""
     cfg.train.optimizer = canonical(cfg.train.optimizer)
     cfg.train.adapter = _adapter(cfg.train.adapter)
+    _check_ranges(cfg)
+    _check_validation(cfg)
+    _check_run(cfg)
+    _check_resources(cfg)
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
+                          "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
+    if cfg.train.validation_inference_steps < 0 or cfg.train.validation_guidance < 0:
+        raise ConfigError("train.validation_inference_steps and train.validation_guidance must be >= 0 (0: the "
+                          "model's own)")  # fmt: skip
+    if cfg.model.text_tokens < 0:
+        raise ConfigError(f"model.text_tokens must be >= 0 (0: the model's default), got {cfg.model.text_tokens}")
+    check_pools(cfg.cache)
+    # What is known before any work: CPU training by setting, or a sharding it cannot combine with.
+    refused = refusal(cfg.train.base_dtype, gpu=cfg.train.use_gpu != "false", sharding=cfg.train.base_sharding)
+    if refused:
+        raise ConfigError(refused)
+    _check_optimizer(cfg)
+    adapter_refusal(cfg)
+    _check_ema_compile(cfg)
+    cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
+    if cfg.data.reg_loss_weight < 0:
+        raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
+    datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
+
+
+
+
+def _check_ranges(cfg: JobConfig) -> None:
+    """Choices, positive values and ranges of single keys."""
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -100,6 +130,10 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
     if cfg.train.guidance_max and cfg.train.guidance_max < cfg.train.guidance:
         raise ConfigError("train.guidance_max must be 0 (constant guidance) or >= train.guidance")
+
+
+def _check_validation(cfg: JobConfig) -> None:
+    """Validation prompts and their reference images."""
     prompts = cfg.train.validation_prompts
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
@@ -108,6 +142,10 @@ def validate(cfg: JobConfig) -> None:
             isinstance(r, str) or (isinstance(r, list) and r and all(isinstance(x, str) for x in r)) for r in refs)):
         raise ConfigError("train.validation_references must list one reference image (or a list of them) per "
                           f"validation prompt; got {refs!r} for {len(prompts)} prompt(s)")  # fmt: skip
+
+
+def _check_run(cfg: JobConfig) -> None:
+    """The schedule, the output's name, the workers and the refresh interval."""
     if cfg.train.lr_scheduler == "constant" and cfg.train.warmup_steps:
         raise ConfigError("train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
                           f"{cfg.train.warmup_steps} use constant_with_warmup")  # fmt: skip
@@ -122,6 +160,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.max_failures must be -1 (no limit) or >= 0")
     if cfg.train.resize_check_seconds < 0:
         raise ConfigError("train.resize_check_seconds must be >= 0")
+
+
+def _check_resources(cfg: JobConfig) -> None:
+    """Ray resources asked for by the train workers, the cache's actors and the render actor."""
     resource_map("train.worker_resources", cfg.train.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
     custom = {k: v for k, v in cfg.train.validation_resources.items() if k not in ("CPU", "GPU")} if isinstance(
@@ -129,27 +171,6 @@ def validate(cfg: JobConfig) -> None:
     resource_map("train.validation_resources", custom)
     if cfg.train.validation_queue < 1 or cfg.train.validation_wait_seconds < 0:
         raise ConfigError("train.validation_queue must be >= 1 and train.validation_wait_seconds >= 0")
-    if cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
-                          "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
-    if cfg.train.validation_inference_steps < 0 or cfg.train.validation_guidance < 0:
-        raise ConfigError("train.validation_inference_steps and train.validation_guidance must be >= 0 (0: the "
-                          "model's own)")  # fmt: skip
-    if cfg.model.text_tokens < 0:
-        raise ConfigError(f"model.text_tokens must be >= 0 (0: the model's default), got {cfg.model.text_tokens}")
-    check_pools(cfg.cache)
-    # What is known before any work: CPU training by setting, or a sharding it cannot combine with.
-    refused = refusal(cfg.train.base_dtype, gpu=cfg.train.use_gpu != "false", sharding=cfg.train.base_sharding)
-    if refused:
-        raise ConfigError(refused)
-    _check_optimizer(cfg)
-    adapter_refusal(cfg)
-    _check_ema_compile(cfg)
-    cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
-    if cfg.data.reg_loss_weight < 0:
-        raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
-    datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
-
 
 def _check_ema_compile(cfg: JobConfig) -> None:
     """``train.ema_decay``'s range and the combinations of it and ``train.compile`` that are refused."""
