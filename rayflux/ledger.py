@@ -19,17 +19,17 @@ class ConfigChanged(RuntimeError):
 
 
 class Ledger:
-    def __init__(self, run_dir: str, run_fingerprint: str, guard: Callable[[], None] | None = None):
+    def __init__(self, output_dir: str, run_fingerprint: str, guard: Callable[[], None] | None = None):
         """``guard`` is called before every write and raises when this job may no longer write the run directory
         (its lease was taken over, see :mod:`rayflux.lease`)."""
-        self.path = storage.join(run_dir, LEDGER)
+        self.path = storage.join(output_dir, LEDGER)
         self.guard = guard
         self.data = {"run_fingerprint": run_fingerprint, "stages": []}
         if storage.exists(self.path):
             old = json.loads(storage.read_bytes(self.path))
             if old.get("run_fingerprint") != run_fingerprint:
                 raise ConfigChanged(
-                    f"{run_dir} holds a run with a different training config "
+                    f"{output_dir} holds a run with a different training config "
                     f"({old.get('run_fingerprint')} vs {run_fingerprint}); use a new run.output_dir, "
                     "or restore the original config to continue that run"
                 )

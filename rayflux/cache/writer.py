@@ -20,7 +20,7 @@ from rayflux.cache import layout as sample_layout
 from rayflux.testing.faults import kill_point
 
 
-def _plain(v):
+def _python_scalar(v):
     return v.item() if isinstance(v, np.generic) else v
 
 
@@ -70,7 +70,7 @@ def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation
     """Write a batch of freshly encoded captions (the text encoder's output rows) as one text shard; return its
     metadata and the captions' index rows."""
     names = layout.schema().names
-    rows = [{k: _plain(batch[k][i]) for k in names} for i in range(len(batch["caption_id"]))]
+    rows = [{k: _python_scalar(batch[k][i]) for k in names} for i in range(len(batch["caption_id"]))]
     error = _checked(rows, layout)
     if error:
         return _meta(error=error, encoded=0, index=b"")
@@ -125,7 +125,7 @@ def _fresh_rows(batch: dict, fresh: list[int], layout: shards.ShardLayout, gener
     names = layout.schema().names
     rows = []
     for i in fresh:
-        row = {k: _plain(batch[k][i]) for k in names if k in batch}
+        row = {k: _python_scalar(batch[k][i]) for k in names if k in batch}
         row.update(source_uri=str(batch["uri"][i]), generation=generation)
         for t in layout.samples:
             if t.name not in row and t.produce is not None:

@@ -44,24 +44,24 @@ def run_storage(output_dir: str, run_name: str) -> str:
     return storage.join(output_dir, "checkpoints", run_name)
 
 
-def _dirs(run_dir: str) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
-    fs, inner = storage.resolve(run_dir)
+def _dirs(run_storage: str) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
+    fs, inner = storage.resolve(run_storage)
     infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
     dirs = [i for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
     return fs, sorted(dirs, key=lambda i: i.base_name)  # Ray names them checkpoint_<time>: name order is time order
 
 
-def committed(run_dir: str) -> list[str]:
-    """The committed checkpoint directories of a run, oldest first, as paths or URIs like ``run_dir``."""
-    fs, dirs = _dirs(run_dir)
+def committed(run_storage: str) -> list[str]:
+    """The committed checkpoint directories of a run, oldest first, as paths or URIs like ``run_storage``."""
+    fs, dirs = _dirs(run_storage)
     marks = [f"{d.path}/{COMMIT_FILE}" for d in dirs]
     found = {i.path for i in fs.get_file_info(marks) if i.type == pafs.FileType.File} if marks else set()
-    return [storage.join(run_dir, d.base_name) for d, m in zip(dirs, marks) if m in found]
+    return [storage.join(run_storage, d.base_name) for d, m in zip(dirs, marks) if m in found]
 
 
-def latest(run_dir: str) -> str:
+def latest(run_storage: str) -> str:
     """The newest committed checkpoint directory, or "" when there is none."""
-    found = committed(run_dir)
+    found = committed(run_storage)
     return found[-1] if found else ""
 
 
@@ -85,26 +85,26 @@ def commit(checkpoint: ray.train.Checkpoint, by: str = "rank 0") -> None:
     _mark(checkpoint.filesystem, checkpoint.path, by)
 
 
-def _registered(run_dir: str) -> list[str]:
+def _registered(run_storage: str) -> list[str]:
     """The checkpoint directory names Ray Train's checkpoint manager holds (its snapshot in storage)."""
     try:
-        snapshot = json.loads(storage.read_bytes(storage.join(run_dir, _RAY_SNAPSHOT)))
+        snapshot = json.loads(storage.read_bytes(storage.join(run_storage, _RAY_SNAPSHOT)))
     except (OSError, ValueError):
         return []
     return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results", []) if "checkpoint_dir_name" in r]
 
 
-def prune(run_dir: str) -> list[str]:
+def prune(run_storage: str) -> list[str]:
     """Delete the checkpoint directories Ray will never register or prune: those it never registered that are older
     than the newest it holds (newer ones may still be uploading or waiting for its poll). Returns what was deleted.
 
     A directory Ray registered carries ``REGISTERED_FILE`` and is left to Ray, even once its snapshot no longer lists
     it: Ray writes the snapshot before it deletes what it prunes, and fails on a directory already gone."""
-    held = set(_registered(run_dir))
+    held = set(_registered(run_storage))
     if not held:
         return []
     newest_held = max(held)
-    fs, dirs = _dirs(run_dir)
+    fs, dirs = _dirs(run_storage)
     older = [d for d in dirs if d.base_name < newest_held and d.base_name not in held]
     marks = fs.get_file_info([f"{d.path}/{REGISTERED_FILE}" for d in older]) if older else []
     gone = []
@@ -120,10 +120,10 @@ def prune(run_dir: str) -> list[str]:
     return gone
 
 
-def failures_since(run_dir: str, since: str) -> tuple[list[str], str]:
+def failures_since(run_storage: str, since: str) -> tuple[list[str], str]:
     """``(causes, newest)``: the failures recorded after the record named ``since`` (all when ""), and the newest
     record's name, to store with the next checkpoint."""
-    fs, inner = storage.resolve(storage.join(run_dir, RESTARTS_DIR))
+    fs, inner = storage.resolve(storage.join(run_storage, RESTARTS_DIR))
     infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
     names = sorted(i.base_name for i in infos if i.base_name.endswith(".json") and i.base_name > since)
     causes = []
@@ -136,8 +136,8 @@ def failures_since(run_dir: str, since: str) -> tuple[list[str], str]:
 class CommitCallback(ray.train.UserCallback):
     """Runs in Ray Train's controller: commits every checkpoint Ray registers, and records every failure."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
+    def __init__(self, run_storage: str):
+        self.run_storage = run_storage
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is None:
@@ -155,4 +155,4 @@ class CommitCallback(ray.train.UserCallback):
         )
         record = {"time": time.time(), "cause": cause[:2000]}
         name = f"{time.time_ns():020d}.json"
-        storage.write_bytes_atomic(storage.join(self.run_dir, RESTARTS_DIR, name), json.dumps(record).encode())
+        storage.write_bytes_atomic(storage.join(self.run_storage, RESTARTS_DIR, name), json.dumps(record).encode())

@@ -31,7 +31,7 @@ class PlannedDataConfig(DataConfig):
     """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields.
 
     ``epochs`` is the half-open range this trainer run covers (one refresh segment); ``total_epochs`` is the whole
-    run, so every row knows the global optimizer step it trains at and the run's total step count. ``run_dir`` is
+    run, so every row knows the global optimizer step it trains at and the run's total step count. ``run_storage`` is
     Ray Train's directory of the run (``commits.run_storage``), where the checkpoints to resume from are.
     """
 
@@ -44,11 +44,11 @@ class PlannedDataConfig(DataConfig):
         accumulation: int = 1,
         read_cpus: float = 0.25,
         batches_per_read: int = 8,
-        run_dir: str = "",
+        run_storage: str = "",
         read_run: int = 4,
     ):
         super().__init__(datasets_to_split=[])
-        self.run_dir = run_dir
+        self.run_storage = run_storage
         self.batch_size = batch_size
         self.seed = seed
         self.epochs = epochs
@@ -62,7 +62,7 @@ class PlannedDataConfig(DataConfig):
         import ray.data
 
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
-        resume_from = commits.latest(self.run_dir) if self.run_dir else ""
+        resume_from = commits.latest(self.run_storage) if self.run_storage else ""
         position = commits.read_json(resume_from) if resume_from else None
         per_rank = elastic.plan_rows(refs, self.batch_size, self.seed, self.epochs, self.total_epochs, world_size,
                                      self.accumulation, position, self.read_run)  # fmt: skip

@@ -98,10 +98,10 @@ def _barrier(device, world: int) -> None:
         torch.distributed.all_reduce(torch.zeros(1, device=device))
 
 
-def _record_start(progress: Progress, run_dir: str, resume_from: str, offered) -> None:
+def _record_start(progress: Progress, run_storage: str, resume_from: str, offered) -> None:
     """Rank 0: record this worker-group start in ``progress`` when it is a restart (a checkpoint was restored, or
     the controller recorded a failure since the last checkpoint), with its cause."""
-    causes, progress.failures_seen = commits.failures_since(run_dir, progress.failures_seen)
+    causes, progress.failures_seen = commits.failures_since(run_storage, progress.failures_seen)
     if not resume_from and not causes:
         return  # a fresh run
     offered_name = offered.path.rstrip("/").rsplit("/", 1)[-1] if offered else ""
@@ -176,32 +176,32 @@ class _Logs:
 
     def __init__(self, w: _Worker, start: int):
         cfg, lc = w.cfg, w.lc
-        self.board = metrics.TensorBoardLog(lc.output_dir, purge_step=start + 1 if start else None) if w.rank == 0 \
+        self.tensorboard = metrics.TensorBoardLog(lc.output_dir, purge_step=start + 1 if start else None) if w.rank == 0 \
             else None  # fmt: skip
-        if self.board and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
+        if self.tensorboard and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
             wandb = wandb_log.WandbLog(cfg.run.wandb_project, lc.checkpoints, cfg.run.name, lc.job)
-            self.board = wandb_log.Both(self.board, wandb)
+            self.tensorboard = wandb_log.Both(self.tensorboard, wandb)
         self.steps = metrics.StepLog(lc.output_dir) if w.rank == 0 else None
         self.bar = progress_mod.BoardSender(lc.progress if w.rank == 0 else None)
 
     def write(self, record: dict, scalars: bool = True) -> None:
-        if self.board and scalars:
-            self.board.scalars(record["step"], record)
+        if self.tensorboard and scalars:
+            self.tensorboard.scalars(record["step"], record)
         if self.steps:
             self.steps.write(record)
 
     def flush(self) -> None:
-        if self.board:
-            self.board.flush()
+        if self.tensorboard:
+            self.tensorboard.flush()
             self.steps.sync()
 
     def close(self) -> None:
-        if self.board:
-            self.board.close()
+        if self.tensorboard:
+            self.tensorboard.close()
             self.steps.close()
 
 
-def _queue_render(renders, trainer, cfg, run_dir: str, record: dict, checkpointed: bool, last: bool,
+def _queue_render(renders, trainer, cfg, output_dir: str, record: dict, checkpointed: bool, last: bool,
                   caption_tables) -> None:
     """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
     go on training. The LoRA is :meth:`LoraTrainer.eval_weights`' (the EMA, or schedule-free's average). A
@@ -211,16 +211,16 @@ def _queue_render(renders, trainer, cfg, run_dir: str, record: dict, checkpointe
     step, ema = record["step"], trainer.ema is not None
     diffusers = cfg.train.output_format != "kohya"
     if diffusers and checkpointed:
-        path = storage.join(run_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step, ema=ema))
+        path = storage.join(output_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step, ema=ema))
     elif diffusers and not ema:
         with trainer.optimizer_eval():  # as a checkpoint at this step would write it
-            path = lora_files.keep_live_step(trainer, cfg, run_dir, record, caption_tables)
+            path = lora_files.keep_live_step(trainer, cfg, output_dir, record, caption_tables)
     else:
-        path = validation.lora_path(run_dir, step)
+        path = validation.lora_path(output_dir, step)
         with trainer.eval_weights():
             storage.write_bytes_atomic(path, lora_files.diffusers_bytes(trainer))
     if renders.submit(record["step"], path, last):
-        record["validation_image"] = validation.grid_path(run_dir, record["step"])  # where the actor writes it
+        record["validation_image"] = validation.grid_path(output_dir, record["step"])  # where the actor writes it
 
 
 @dataclass(frozen=True)
@@ -280,8 +280,8 @@ class _Run:
         due_eval = self.evals.due(self.progress.step, due.last, end_of_feed)
         if due_eval:
             self.evals.run(record, self.progress, self.best_writer)
-        if self.logs.board:
-            self.logs.board.scalars(self.progress.step, record)
+        if self.logs.tensorboard:
+            self.logs.tensorboard.scalars(self.progress.step, record)
         if due.checkpoint or due.report or due_eval:  # every eval reaches Ray Train (and a sweep's scheduler)
             self.report(record, due.checkpoint)  # writes this step's LoRA file when it checkpoints
         if self.renders and due.images:

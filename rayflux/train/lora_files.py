@@ -70,14 +70,14 @@ def _architecture(model_path: str, revision: str) -> tuple[str, str, str, str]:
 
 
 @cache
-def tag_frequency(text_files: tuple[str, ...]) -> dict[str, int]:
+def tag_frequency(caption_tables: tuple[str, ...]) -> dict[str, int]:
     """The ``MAX_TAGS`` most frequent tags over the cached captions: the caption column of each file, split and
     counted with Arrow compute (no Python loop per caption: a million captions take seconds, once per process)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     counts: Counter = Counter()
-    for path in text_files:
+    for path in caption_tables:
         fs, inner = storage.resolve(path)
         column = pq.read_table(inner, columns=["caption"], filesystem=fs).column("caption")
         tags = pc.utf8_trim_whitespace(pc.list_flatten(pc.split_pattern(column.combine_chunks(), ",")))
@@ -156,31 +156,31 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
 
 
-def _file_bytes(checkpoint_dir: str, cfg: JobConfig, step: int, epoch: int, text_files: tuple[str, ...]) -> bytes:
+def _file_bytes(checkpoint_dir: str, cfg: JobConfig, step: int, epoch: int, caption_tables: tuple[str, ...]) -> bytes:
     src = os.path.join(checkpoint_dir, _checkpoint_file(cfg))
     if cfg.train.output_format != "kohya":
         with open(src, "rb") as f:
             return f.read()
     from safetensors.torch import load_file, save
 
-    return save(load_file(src), metadata=kohya_metadata(cfg, step, epoch, tag_frequency(text_files)))
+    return save(load_file(src), metadata=kohya_metadata(cfg, step, epoch, tag_frequency(caption_tables)))
 
 
-def keep_step(checkpoint_dir: str, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
-    """Write the checkpoint's LoRA as ``<run_dir>/lora/<name>-step<step>.safetensors`` (rank 0, after a checkpoint
+def keep_step(checkpoint_dir: str, cfg: JobConfig, output_dir: str, record: dict, caption_tables=()) -> str:
+    """Write the checkpoint's LoRA as ``<output_dir>/lora/<name>-step<step>.safetensors`` (rank 0, after a checkpoint
     is written). Returns its path."""
     step = int(record["step"])
-    dest = storage.join(run_dir, LORA_DIR, step_name(cfg, step))
-    data = _file_bytes(checkpoint_dir, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
+    dest = storage.join(output_dir, LORA_DIR, step_name(cfg, step))
+    data = _file_bytes(checkpoint_dir, cfg, step, int(record.get("epoch", 0)), tuple(caption_tables))
     storage.write_bytes_atomic(dest, data)
     ema_dir = os.path.join(checkpoint_dir, EMA_DIR)
     if os.path.isdir(ema_dir):
-        data = _file_bytes(ema_dir, cfg, step, int(record.get("epoch", 0)), tuple(text_files))
-        storage.write_bytes_atomic(storage.join(run_dir, LORA_DIR, step_name(cfg, step, ema=True)), data)
+        data = _file_bytes(ema_dir, cfg, step, int(record.get("epoch", 0)), tuple(caption_tables))
+        storage.write_bytes_atomic(storage.join(output_dir, LORA_DIR, step_name(cfg, step, ema=True)), data)
     return dest
 
 
-def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, text_files=()) -> str:
+def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, caption_tables=()) -> str:
     """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``, and its EMA's (``train.ema_decay``)
     as ``<output_dir>/lora/<ema_name>``. Returns the plain file's path."""
     from rayflux.train.commits import POSITION_FILE
@@ -189,10 +189,10 @@ def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, text_file
         saved = json.load(f)
     step, epoch = int(saved["step"]), int(saved.get("epoch", 0))
     dest = storage.join(output_dir, LORA_DIR, final_name(cfg))
-    storage.write_bytes_atomic(dest, _file_bytes(checkpoint_dir, cfg, step, epoch, tuple(text_files)))
+    storage.write_bytes_atomic(dest, _file_bytes(checkpoint_dir, cfg, step, epoch, tuple(caption_tables)))
     ema_dir = os.path.join(checkpoint_dir, EMA_DIR)
     if os.path.isdir(ema_dir):
-        data = _file_bytes(ema_dir, cfg, step, epoch, tuple(text_files))
+        data = _file_bytes(ema_dir, cfg, step, epoch, tuple(caption_tables))
         storage.write_bytes_atomic(storage.join(output_dir, LORA_DIR, ema_name(cfg)), data)
     return dest
 
@@ -210,7 +210,7 @@ def diffusers_bytes(trainer) -> bytes:
             return f.read()
 
 
-def _live_bytes(trainer, cfg: JobConfig, record: dict, text_files=()) -> bytes:
+def _live_bytes(trainer, cfg: JobConfig, record: dict, caption_tables=()) -> bytes:
     """The live LoRA as the bytes of an exported file in ``train.output_format`` (with kohya metadata)."""
     import tempfile
 
@@ -218,26 +218,26 @@ def _live_bytes(trainer, cfg: JobConfig, record: dict, text_files=()) -> bytes:
         lora.save_diffusers(trainer.transformer, tmp)
         if cfg.train.output_format == "kohya":
             kohya.save(trainer.transformer, tmp, lora.scale(trainer.transformer))
-        return _file_bytes(tmp, cfg, int(record["step"]), int(record.get("epoch", 0)), tuple(text_files))
+        return _file_bytes(tmp, cfg, int(record["step"]), int(record.get("epoch", 0)), tuple(caption_tables))
 
 
-def keep_live_step(trainer, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
-    """Write the live LoRA as ``<run_dir>/lora/<name>-step<step>.safetensors``: the file a checkpoint at this step
+def keep_live_step(trainer, cfg: JobConfig, output_dir: str, record: dict, caption_tables=()) -> str:
+    """Write the live LoRA as ``<output_dir>/lora/<name>-step<step>.safetensors``: the file a checkpoint at this step
     would leave (rank 0, for a validation render at a step without a checkpoint). Returns its path."""
-    dest = storage.join(run_dir, LORA_DIR, step_name(cfg, int(record["step"])))
-    storage.write_bytes_atomic(dest, _live_bytes(trainer, cfg, record, text_files))
+    dest = storage.join(output_dir, LORA_DIR, step_name(cfg, int(record["step"])))
+    storage.write_bytes_atomic(dest, _live_bytes(trainer, cfg, record, caption_tables))
     return dest
 
 
-def keep_best(trainer, cfg: JobConfig, run_dir: str, record: dict, text_files=()) -> str:
-    """Write the live LoRA as ``<run_dir>/lora/<name>-best.safetensors`` (rank 0, when an eval loss is the lowest so
+def keep_best(trainer, cfg: JobConfig, output_dir: str, record: dict, caption_tables=()) -> str:
+    """Write the live LoRA as ``<output_dir>/lora/<name>-best.safetensors`` (rank 0, when an eval loss is the lowest so
     far), with ``<name>-best.json`` naming its step and eval loss. Written from the live weights at eval time, so no
     checkpoint has to be kept for it: ``train.checkpoints_to_keep`` may prune every checkpoint of that step."""
     step = int(record["step"])
-    data = _live_bytes(trainer, cfg, record, text_files)
-    dest = storage.join(run_dir, LORA_DIR, best_name(cfg))
+    data = _live_bytes(trainer, cfg, record, caption_tables)
+    dest = storage.join(output_dir, LORA_DIR, best_name(cfg))
     storage.write_bytes_atomic(dest, data)
     note = {"step": step, "eval_loss": record["eval_loss"], "file": best_name(cfg)}
-    storage.write_bytes_atomic(storage.join(run_dir, LORA_DIR, f"{output_name(cfg)}-best.json"),
+    storage.write_bytes_atomic(storage.join(output_dir, LORA_DIR, f"{output_name(cfg)}-best.json"),
                                json.dumps(note).encode())  # fmt: skip
     return dest

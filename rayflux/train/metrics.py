@@ -82,15 +82,15 @@ class ReadTotals:
 
 
 class StepLog:
-    """Rank 0's append-only log of every optimizer step under ``<run_dir>/metrics``."""
+    """Rank 0's append-only log of every optimizer step under ``<output_dir>/metrics``."""
 
-    def __init__(self, run_dir: str):
-        self.remote = storage.join(run_dir, STEPS_DIR) if storage.is_uri(run_dir) else ""
+    def __init__(self, output_dir: str):
+        self.remote = storage.join(output_dir, STEPS_DIR) if storage.is_uri(output_dir) else ""
         if self.remote:
             self.local_dir = tempfile.mkdtemp(prefix="rayflux-steps-")
             self._new_part()
         else:
-            self.local_dir = os.path.join(run_dir, STEPS_DIR)
+            self.local_dir = os.path.join(output_dir, STEPS_DIR)
             os.makedirs(self.local_dir, exist_ok=True)
             self.name = "steps.jsonl"
             path = os.path.join(self.local_dir, self.name)
@@ -144,13 +144,13 @@ def _torn(path: str) -> bool:
         return f.read(1) != b"\n"
 
 
-def read_steps(run_dir: str, last_step: int | None = None, evals: bool = False) -> list[dict]:
+def read_steps(output_dir: str, last_step: int | None = None, evals: bool = False) -> list[dict]:
     """The step log of a run, one record per step in step order: the last line logged for each step (a restart
     retrains the steps after its checkpoint), up to ``last_step`` when given. ``evals``: only the records with an
     eval loss, the baseline before the first step (step 0) included."""
     import pyarrow.fs as pafs
 
-    fs, inner = storage.resolve(storage.join(run_dir, STEPS_DIR))
+    fs, inner = storage.resolve(storage.join(output_dir, STEPS_DIR))
     infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
     parts = sorted(i.path for i in infos if i.base_name.startswith("steps") and i.base_name.endswith(".jsonl"))
     by_step: dict[int, dict] = {}
@@ -174,17 +174,17 @@ s3://...`` follows a long run."""
 
 
 class TensorBoardLog:
-    """Scalars and images for TensorBoard under ``<run_dir>/tensorboard``.
+    """Scalars and images for TensorBoard under ``<output_dir>/tensorboard``.
 
     ``purge_step``: the first step a resumed run logs again. TensorBoard then drops the events of that step and later
     that the interrupted run wrote after its last checkpoint, so no step shows twice.
     """
 
-    def __init__(self, run_dir: str, purge_step: int | None = None, upload_seconds: float = UPLOAD_SECONDS):
+    def __init__(self, output_dir: str, purge_step: int | None = None, upload_seconds: float = UPLOAD_SECONDS):
         from tensorboardX import SummaryWriter
 
-        self.remote = storage.join(run_dir, "tensorboard") if storage.is_uri(run_dir) else ""
-        self.local = tempfile.mkdtemp(prefix="rayflux-tb-") if self.remote else os.path.join(run_dir, "tensorboard")
+        self.remote = storage.join(output_dir, "tensorboard") if storage.is_uri(output_dir) else ""
+        self.local = tempfile.mkdtemp(prefix="rayflux-tb-") if self.remote else os.path.join(output_dir, "tensorboard")
         self.writer = SummaryWriter(self.local, flush_secs=30, purge_step=purge_step)
         self._upload_lock = threading.Lock()
         self._stop = threading.Event()

@@ -29,11 +29,11 @@ log = logging.getLogger(__name__)
 class Renderer:
     """The render actor's state: the base model and its embeddings, loaded at the first render and kept."""
 
-    def __init__(self, job: dict, run_dir: str):
+    def __init__(self, job: dict, output_dir: str):
         self.cfg = config_mod.from_dict(job)
-        self.run_dir = run_dir
+        self.output_dir = output_dir
         self.transformer = None
-        self.board = None
+        self.tensorboard = None
         self.results: list[dict] = []
 
     def _device(self):
@@ -68,11 +68,11 @@ class Renderer:
             transformer = self._base(device)
             _apply(transformer, lora_path)
             images = validation.render(transformer, self.cfg, device, transformer.dtype)
-            path = validation.save_grid(images, self.run_dir, step)
-            if self.board is None:
-                self.board = metrics.TensorBoardLog(self.run_dir)
-            self.board.image(step, "validation", validation.grid(images))
-            self.board.flush()
+            path = validation.save_grid(images, self.output_dir, step)
+            if self.tensorboard is None:
+                self.tensorboard = metrics.TensorBoardLog(self.output_dir)
+            self.tensorboard.image(step, "validation", validation.grid(images))
+            self.tensorboard.flush()
             result = {"step": step, "path": path, "seconds": round(time.monotonic() - started, 2)}
         except Exception as exc:  # noqa: BLE001 - a failed render is reported, never raised into training
             log.exception("validation render for step %d failed", step)
@@ -82,9 +82,9 @@ class Renderer:
 
     def drain(self) -> list[dict]:
         """Every render's result so far. Calls run in order, so this returns after every render queued before it."""
-        if self.board is not None:
-            self.board.close()
-            self.board = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         return list(self.results)
 
     def pid(self) -> int:
@@ -137,7 +137,7 @@ def gpu_share(resources: dict) -> float:
 class Renders:
     """The driver's side: start the actor for a trainer run, and at its end wait for the renders still due."""
 
-    def __init__(self, cfg, run_dir: str, resources: dict, why: str):
+    def __init__(self, cfg, output_dir: str, resources: dict, why: str):
         import ray
 
         self.wait_seconds = cfg.train.validation_wait_seconds
@@ -147,7 +147,7 @@ class Renders:
         self.actor = ray.remote(Renderer).options(
             name=self.name, num_cpus=cpus, num_gpus=float(resources.get("GPU", 0)), resources=custom or None,
             max_restarts=0,
-        ).remote(cfg.to_dict(), run_dir)  # fmt: skip
+        ).remote(cfg.to_dict(), output_dir)  # fmt: skip
         log.info("validation renders: actor %s with %s (%s); training does not wait for it", self.name, resources, why)
 
     def finish(self) -> list[dict]:

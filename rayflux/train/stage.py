@@ -173,8 +173,8 @@ def train(
     log.info("train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
              "per epoch", first + 1, end, hi, sum(per_epoch[first:end]),
              dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)))  # fmt: skip
-    run_dir = commits.run_storage(output_dir, cfg.run.name)
-    before = commits.latest(run_dir)
+    run_storage = commits.run_storage(output_dir, cfg.run.name)
+    before = commits.latest(run_storage)
     with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
         try:
             result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan)
@@ -184,10 +184,10 @@ def train(
     if getattr(result, "error", None):
         _raise_integrity(result.error)
         raise RuntimeError(f"training failed: {result.error}")
-    final = commits.latest(run_dir)
+    final = commits.latest(run_storage)
     if not final:
         raise RuntimeError(f"training committed no checkpoint: {result.error}")
-    commits.prune(run_dir)  # Ray has registered its last checkpoint: orphans older than it can go
+    commits.prune(run_storage)  # Ray has registered its last checkpoint: orphans older than it can go
     position = commits.read_json(final)
     if final == before:
         log.info("train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, "
@@ -222,7 +222,7 @@ def _fit(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str,
     import ray
     from ray.train.torch import TorchTrainer
 
-    run_dir = commits.run_storage(output_dir, cfg.run.name)
+    run_storage = commits.run_storage(output_dir, cfg.run.name)
     use_gpu = _use_gpu(cfg, cluster_gpus)
     os.environ.setdefault(POLL_ENV, POLL_SECONDS)
     renders, gpu_left = None, 0.0
@@ -231,7 +231,7 @@ def _fit(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str,
         gpu_left = renderer.gpu_share(resources) if use_gpu else 0.0
         renders = renderer.Renders(cfg, output_dir, resources, why)
     try:
-        result = _trainer(cfg, manifest, facts, output_dir, run_dir, (use_gpu, gpu_left), renders, refs, epochs,
+        result = _trainer(cfg, manifest, facts, output_dir, run_storage, (use_gpu, gpu_left), renders, refs, epochs,
                           board, eval_plan).fit()  # fmt: skip
     finally:
         if renders:
@@ -239,7 +239,7 @@ def _fit(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str,
     return result
 
 
-def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str, run_dir: str, gpus: tuple, renders,
+def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str, run_storage: str, gpus: tuple, renders,
              refs, epochs, board, eval_plan):  # fmt: skip
     """The ``TorchTrainer`` of one trainer run; ``gpus``: ``(use GPUs, share of each GPU left to the renderer)``."""
     from ray.train.torch import TorchTrainer
@@ -249,7 +249,7 @@ def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: 
         train_loop_config={LOOP_KEY: LoopConfig(
             job=cfg.to_dict(),
             output_dir=output_dir,
-            checkpoints=run_dir,
+            checkpoints=run_storage,
             empty_caption=manifest.empty_caption(),
             caption_tables=(index.caption_table(manifest),),
             epochs=tuple(epochs or (0, cfg.train.epochs)),
@@ -259,7 +259,7 @@ def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: 
             renderer=renders.actor if renders else None,
         )},
         scaling_config=scaling_config(cfg, *gpus),
-        run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_dir)]),
+        run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_storage)]),
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(
             cfg.train.batch_size,
@@ -269,6 +269,6 @@ def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: 
             cfg.train.gradient_accumulation,
             batches_per_read=cfg.train.batches_per_read,
             read_run=cfg.train.read_run,
-            run_dir=run_dir,
+            run_storage=run_storage,
         ),
     )

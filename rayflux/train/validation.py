@@ -179,21 +179,21 @@ def render_trained(trainer, cfg: JobConfig, device) -> list:
         gc.collect()
 
 
-def grid_path(run_dir: str, step: int) -> str:
-    """Where the grid of ``step`` goes: ``<run_dir>/validation/step-<step>.png``."""
-    return storage.join(run_dir, "validation", f"step-{step:06d}.png")
+def grid_path(output_dir: str, step: int) -> str:
+    """Where the grid of ``step`` goes: ``<output_dir>/validation/step-<step>.png``."""
+    return storage.join(output_dir, "validation", f"step-{step:06d}.png")
 
 
-def lora_path(run_dir: str, step: int) -> str:
+def lora_path(output_dir: str, step: int) -> str:
     """Where a kohya-format run leaves the diffusers-format LoRA a grid was rendered with, beside the grid."""
-    return storage.join(run_dir, "validation", f"step-{step:06d}.safetensors")
+    return storage.join(output_dir, "validation", f"step-{step:06d}.safetensors")
 
 
-def save_grid(images: list, run_dir: str, step: int) -> str:
-    """Write ``<run_dir>/validation/step-<step>.png`` (local or URI). Returns its path."""
+def save_grid(images: list, output_dir: str, step: int) -> str:
+    """Write ``<output_dir>/validation/step-<step>.png`` (local or URI). Returns its path."""
     buf = io.BytesIO()
     grid(images).save(buf, format="PNG")
-    path = grid_path(run_dir, step)
+    path = grid_path(output_dir, step)
     storage.write_bytes_atomic(path, buf.getvalue())
     log.info("validation images for step %d: %s", step, path)
     return path

@@ -72,20 +72,20 @@ class WandbLog:
 class Both:
     """TensorBoard and wandb as one log: what the training loop writes goes to each."""
 
-    def __init__(self, board, wandb_run: WandbLog):
-        self.board, self.wandb_run = board, wandb_run
+    def __init__(self, tensorboard, wandb_run: WandbLog):
+        self.tensorboard, self.wandb_run = tensorboard, wandb_run
 
     def scalars(self, step: int, values: dict) -> None:
-        self.board.scalars(step, values)
+        self.tensorboard.scalars(step, values)
         self.wandb_run.scalars(step, values)
 
     def image(self, step: int, tag: str, image) -> None:
-        self.board.image(step, tag, image)
+        self.tensorboard.image(step, tag, image)
         self.wandb_run.image(step, tag, image)
 
     def flush(self) -> None:
-        self.board.flush()  # wandb streams to its own service process; nothing to push at a checkpoint
+        self.tensorboard.flush()  # wandb streams to its own service process; nothing to push at a checkpoint
 
     def close(self) -> None:
-        self.board.close()
+        self.tensorboard.close()
         self.wandb_run.close()
