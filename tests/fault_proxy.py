@@ -9,9 +9,10 @@ ones (pyarrow's aws-chunked uploads: ``Transfer-Encoding: chunked`` with a check
 
 Controlled over HTTP on the proxy's own port (no bucket is named ``__faults__``: underscores are not allowed):
 ``POST /__faults__/config`` with JSON ``{"rate": 0.05, "seed": 1, "get_resets": 1, "put_resets": 1, "lost_replies": 0,
-"delay_s": 0, "delay_rate": 0, "match": ""}`` sets the faults (missing keys are kept; the counted ones, resets and lost
-replies, hit only paths holding ``match``), ``GET /__faults__/log`` returns every request
-so far as ``[method, path, query, ranged, outcome]`` with outcome ``ok``, ``503``, ``reset``, ``lost`` or ``error``.
+"delay_s": 0, "delay_rate": 0, "get_match": "", "put_match": ""}`` sets the faults (missing keys are kept; GET resets
+hit only paths holding ``get_match``, upload resets and lost replies only paths holding ``put_match``);
+``GET /__faults__/log`` returns every request so far as ``[method, path, query, ranged, outcome]`` with outcome
+``ok``, ``503``, ``reset``, ``lost`` or ``error``.
 
 Run as ``python tests/fault_proxy.py LISTEN_PORT UPSTREAM_PORT``.
 """
@@ -42,7 +43,7 @@ class Faults:
     def __init__(self):
         self.lock = threading.Lock()
         self.settings = {"rate": 0.0, "seed": 0, "get_resets": 0, "put_resets": 0, "lost_replies": 0, "delay_s": 0.0,
-                         "delay_rate": 0.0, "match": ""}
+                         "delay_rate": 0.0, "get_match": "", "put_match": ""}
         self.rng = random.Random(0)
         self.log: list[list] = []
 
@@ -59,15 +60,13 @@ class Faults:
             delay = s["delay_s"] if s["delay_rate"] and self.rng.random() < s["delay_rate"] else 0.0
             if s["rate"] and self.rng.random() < s["rate"]:
                 return "503", delay
-            if s["match"] not in path:
-                return "ok", delay
-            if method in ("PUT", "POST") and has_body and s["put_resets"] > 0:
+            if method in ("PUT", "POST") and has_body and s["put_resets"] > 0 and s["put_match"] in path:
                 s["put_resets"] -= 1
                 return "reset-put", delay
-            if method in ("PUT", "POST", "DELETE") and s["lost_replies"] > 0:
+            if method in ("PUT", "POST", "DELETE") and s["lost_replies"] > 0 and s["put_match"] in path:
                 s["lost_replies"] -= 1
                 return "lost", delay
-            if method == "GET" and s["get_resets"] > 0:
+            if method == "GET" and s["get_resets"] > 0 and s["get_match"] in path:
                 return "reset-get", delay  # counted down only once a body long enough to cut has come
             return "ok", delay
 

@@ -153,7 +153,7 @@ class FaultProxy:
 
     def faults(self, **settings) -> None:
         """Set the faults (see tests/fault_proxy.py): ``rate``, ``seed``, ``get_resets``, ``put_resets``,
-        ``lost_replies``, ``delay_s``, ``delay_rate``."""
+        ``lost_replies``, ``delay_s``, ``delay_rate``, ``get_match``, ``put_match``."""
         req = urllib.request.Request(f"{self.url}/__faults__/config", json.dumps(settings).encode(), method="POST")
         urllib.request.urlopen(req, timeout=30).close()
 

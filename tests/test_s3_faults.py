@@ -95,14 +95,14 @@ def test_a_conditional_write_whose_answer_was_lost_is_still_its_own(s3_bucket, f
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.url)
     uri = f"{s3_bucket}/run/manifest.json"
-    fault_proxy.faults(lost_replies=1, match="/manifest.json")
+    fault_proxy.faults(lost_replies=1, put_match="/manifest.json")
     assert storage.create_exclusive(uri, b'{"generation": 0, "committed_at": 1}')
     fault_proxy.faults(lost_replies=1)
     assert not storage.create_exclusive(uri, b'{"generation": 0, "committed_at": 2}')  # another writer's bytes
     assert storage.read_bytes(uri) == b'{"generation": 0, "committed_at": 1}'
     # The lease: created, renewed (If-Match) and released (conditional DELETE), each answer lost once.
     held = lease.Lease(f"{s3_bucket}/run", "run.output_dir", seconds=30)
-    fault_proxy.faults(lost_replies=1, match="/lease.json")
+    fault_proxy.faults(lost_replies=1, put_match="/lease.json")
     held.acquire()
     held._stop.set()  # no heartbeat of its own: the renewal below is the test's
     fs, inner = storage.resolve(held.path)

@@ -162,8 +162,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     progress = Progress(world_size=world)
     resume_from = first["resume_from"]  # the checkpoint the feed cut the plan at (see rayflux.train.feed)
-    restored = commits.checkpoint_at(resume_from) if resume_from else None
-    with restored.as_directory() if restored else contextlib.nullcontext() as d:
+    with commits.downloaded(resume_from) if resume_from else contextlib.nullcontext() as d:
         total = optim.total_steps(int(first["total_steps"]), t.max_steps)
         topology = sharding.Topology(world, ctx.get_local_world_size(), ctx.get_node_rank())
         trainer = LoraTrainer(cfg, device, total, rank, empty, wrap=ray.train.torch.prepare_model, topology=topology,
