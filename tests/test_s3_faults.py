@@ -1,7 +1,8 @@
-"""A store under load: S3 reads, listings and range reads through a fault-injecting proxy (tests/fault_proxy.py) in
-front of the loopback S3 server. Every request path retries 503 SlowDown and connection resets with the SDK's
-backoff and returns the right bytes; a store that never recovers fails after ``RAYFLUX_S3_ATTEMPTS`` tries, with
-the store's own error.
+"""A store under load: S3 reads, listings, range reads, uploads and conditional writes through a fault-injecting
+proxy (tests/fault_proxy.py) in front of the loopback S3 server. Every request path retries 503 SlowDown and
+connection resets with the SDK's backoff and returns the right bytes; a store that never recovers fails after
+``RAYFLUX_S3_ATTEMPTS`` tries, with the store's own error; a conditional write whose reply was lost is not taken for
+another writer's. The whole job through the proxy: tests/test_s3_fault_job.py.
 """
 
 import pytest
@@ -33,8 +34,7 @@ def test_reads_listings_and_ranges_ride_out_503s_and_resets(data, fault_proxy, m
     fs, inner = storage.resolve(root)
     listed = walk.files(fs, inner)
     assert listed["path"].to_pylist() == sorted(u[len("s3://"):] for u in data)
-    # pyarrow's SDK does not retry a GET whose body breaks off ("Failed to flush response stream"): a known gap,
-    # so only boto3's reads (images, captions, training's ranges) meet a reset here.
+    # A GET body cut off half-way: pyarrow's SDK sends the GET again itself, rayflux does it for boto3's.
     fault_proxy.faults(get_resets=1)
     for uri, blob in data.items():
         assert storage.read_bytes(uri) == blob
