@@ -1,9 +1,19 @@
-"""Requests and wall time of rayflux's S3 read paths, clean and with injected 503 SlowDown.
+"""Requests and wall time on S3 clean and with injected 503 SlowDown: the whole job, or the read paths alone.
 
-Against the loopback S3 server (tests/s3server.py) behind the fault proxy (tests/fault_proxy.py): N objects of an
-image's size are listed (walk.files), read whole (storage.read_bytes: images, captions) and read by byte ranges
-(cache.ranges: training), once with no faults and once with ``--rate`` of requests answered 503 SlowDown.
+Against the loopback S3 server (tests/s3server.py) behind the fault proxy (tests/fault_proxy.py), whose log counts
+every request and its outcome.
 
+``--images N`` (the job): the S3 benchmark's image set (``bench_scale.py``: N small PNGs of 4 sizes, each with its
+own sidecar caption, tiny model, ``data.crop=center``, one worker), then the job's phases with the proxy as every
+process's endpoint (the Ray workers included): the cache build, a rerun with nothing changed, and one epoch of
+training (``--batch-size``, a checkpoint every tenth of the epoch). Run twice into two run folders of the same
+bucket: once clean, once with ``--rate`` of requests answered 503 SlowDown (seeded); the two must commit the same
+rows and train the same LoRA, which is checked.
+
+``--objects N`` (the read paths): N objects of an image's size, listed (walk.files), read whole (images, captions)
+and read by byte ranges (training), clean and with ``--rate`` 503s.
+
+    PYTHONPATH=. python benchmarks/bench_s3_faults.py --images 2000 --rate 0.05
     PYTHONPATH=. python benchmarks/bench_s3_faults.py --objects 200 --rate 0.05
 """
 
@@ -11,20 +21,30 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 
-def _phase(proxy, root: str, blobs: dict[str, bytes]) -> dict:
+def _counted(proxy, fn) -> tuple[object, dict]:
+    before = len(proxy.fault_log())
+    t = time.perf_counter()
+    out = fn()
+    wall = time.perf_counter() - t
+    log = proxy.fault_log()[before:]
+    outcomes = dict(collections.Counter(e[4] for e in log))
+    return out, {"wall_s": round(wall, 1), "requests": len(log), "outcomes": outcomes}
+
+
+def _reads(proxy, root: str, blobs: dict[str, bytes]) -> None:
     from rayflux import storage
     from rayflux.discovery import walk
     from rayflux.cache import ranges
 
-    before = len(proxy.fault_log())
-    t = time.perf_counter()
     fs, inner = storage.resolve(root)
     assert walk.files(fs, inner).num_rows == len(blobs)
     for uri, blob in blobs.items():
@@ -32,14 +52,60 @@ def _phase(proxy, root: str, blobs: dict[str, bytes]) -> dict:
         assert ranges.read_ranges(uri, len(blob), [(0, 4096), (len(blob) // 2, 8192)]) == [
             blob[:4096], blob[len(blob) // 2 : len(blob) // 2 + 8192]
         ]  # fmt: skip
-    wall = time.perf_counter() - t
-    log = proxy.fault_log()[before:]
-    return {"wall_s": round(wall, 2), "requests": len(log), "outcomes": dict(collections.Counter(e[4] for e in log))}
+
+
+def read_paths(proxy, args) -> None:
+    from rayflux import storage
+
+    os.environ["RAYFLUX_S3_READS"] = args.reads
+    root = "s3://bench-faults"
+    storage.resolve(root)[0].create_dir(root[5:])
+    blobs = {f"{root}/imgs/{i:05d}.jpg": os.urandom(args.bytes) for i in range(args.objects)}
+    for uri, blob in blobs.items():
+        storage.write_bytes_atomic(uri, blob)
+    for name, rate in (("clean", 0.0), (f"{args.rate:.0%} 503s", args.rate)):
+        proxy.faults(rate=rate, seed=1)
+        print(json.dumps({"run": name, "objects": args.objects, "reads": args.reads,
+                          **_counted(proxy, lambda: _reads(proxy, root, blobs))[1]}), flush=True)  # fmt: skip
+
+
+def whole_job(proxy, args) -> None:
+    import ray
+    import torch
+    from safetensors.torch import load
+
+    import bench_scale
+    from rayflux import config, job, progress, storage
+    from rayflux.testing.tiny import ensure_tiny_model
+
+    bucket = f"s3://bench-faults-{os.getpid()}"
+    t = time.perf_counter()
+    bench_scale._put_images(bucket, args.images, "sidecar")
+    print(json.dumps({"phase": "upload", "images": args.images, "seconds": round(time.perf_counter() - t, 1)}))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers: the proxy
+    progress.quiet_operator_bars()
+    steps = -(-args.images // args.batch_size)
+    sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", "data.resolution=64",
+            "data.crop=center", "train.epochs=1", f"train.batch_size={args.batch_size}", "train.num_workers=1",
+            "cache.refresh=never", f"train.checkpoint_every={max(steps // 10, 1)}"]  # fmt: skip
+    loras = {}
+    for name, rate in (("clean", 0.0), (f"{args.rate:.0%} 503s", args.rate)):
+        proxy.faults(rate=rate, seed=1)
+        cfg = config.load(None, sets + [f"run.output_dir={bucket}/run-{len(loras)}"])
+        for phase, only in (("cache build", "cache"), ("rerun", "cache"), ("train", "")):
+            summary, rec = _counted(proxy, lambda: job.run(cfg, only=only))
+            print(json.dumps({"run": name, "phase": phase, "images": args.images, **rec}), flush=True)
+        loras[name] = load(storage.read_bytes(summary.lora_path))
+    a, b = loras.values()
+    print(json.dumps({"same_lora": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)}), flush=True)
+    ray.shutdown()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--objects", type=int, default=200)
+    p.add_argument("--images", type=int, default=0, help="run the whole job on N images")
+    p.add_argument("--batch-size", type=int, default=16, help="train.batch_size of the job's training phase")
+    p.add_argument("--objects", type=int, default=200, help="without --images: objects for the read paths")
     p.add_argument("--bytes", type=int, default=60_000, help="size of each object (a small JPEG)")
     p.add_argument("--rate", type=float, default=0.05)
     p.add_argument("--reads", choices=["boto3", "pyarrow"], default="boto3")
@@ -48,24 +114,13 @@ def main() -> None:
 
     port = s3server._free_port()
     os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1", RAYFLUX_S3_READS=args.reads)  # fmt: skip
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")  # fmt: skip
+    os.environ.pop("AWS_ENDPOINT_URL_S3", None)
     server = s3server.S3Server(port)
     proxy = s3server.FaultProxy(server.url)
+    os.environ["AWS_ENDPOINT_URL"] = proxy.url  # uploads go through it too, with no faults set
     try:
-        from rayflux import storage
-
-        root = "s3://bench-faults"
-        storage.resolve(root)[0].create_dir(root[5:])
-        blobs = {f"{root}/imgs/{i:05d}.jpg": os.urandom(args.bytes) for i in range(args.objects)}
-        for uri, blob in blobs.items():
-            storage.write_bytes_atomic(uri, blob)  # straight to the server
-        os.environ["AWS_ENDPOINT_URL"] = proxy.url
-        clean = _phase(proxy, root, blobs)
-        proxy.faults(rate=args.rate, seed=1)
-        faulty = _phase(proxy, root, blobs)
-        print(f"{args.objects} objects of {args.bytes} B, reads via {args.reads}")
-        print(f"clean:          {clean}")
-        print(f"{args.rate:.0%} 503s:       {faulty}")
+        (whole_job if args.images else read_paths)(proxy, args)
     finally:
         proxy.stop()
         server.stop()

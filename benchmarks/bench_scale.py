@@ -311,7 +311,7 @@ def _put_local(root: str, n: int, per_folder: int = 1000) -> None:
 def _run(server: Server | None, args) -> None:
     import ray
 
-    from rayflux import config, job, models, progress
+    from rayflux import config, generation_stages, job, models, progress
     from rayflux.ledger import Ledger
     from rayflux.discovery import distributed
     from rayflux.testing.tiny import ensure_tiny_model
@@ -377,7 +377,7 @@ def _run(server: Server | None, args) -> None:
         _train_killed_and_resumed(server, args, cfg, sets, bucket, phase)
     # Refresh: generation 1 of the same cache key with its own seed, nothing else changed.
     images, cache_root, out = job.resolve_dirs(cfg)
-    stages = job._Stages(cfg, facts, Ledger(out, job.run_identity(cfg)), cache_root, False, job.Summary())
+    stages = generation_stages.GenerationStages(cfg, facts, Ledger(out, job.run_identity(cfg)), cache_root, False, job.Summary())
     g0 = stages.generation(0)
     g1, _ = phase("refresh", lambda: stages.generation(1))
     written = lambda m: sum(f["bytes"] for f in m["files"] + m["text_files"])  # noqa: E731

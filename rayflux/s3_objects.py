@@ -126,19 +126,27 @@ def get(fs: pafs.S3FileSystem, inner: str, start: int | None = None, length: int
 
 
 def _get_body(client, args: dict, uri: str) -> bytes:
-    """One GET's body, the GET sent again when the connection breaks while the body streams in.
+    """One GET's body (see :func:`_get_reply`)."""
+    return _get_reply(client, args, uri)[0]
+
+
+def _get_reply(client, args: dict, uri: str) -> tuple[bytes, dict]:
+    """One GET's body and reply, the GET sent again when the connection breaks while the body streams in.
 
     botocore retries a request (:func:`attempts` tries) until the response's headers arrive; a body cut off after
     them (a reset, a read timeout) surfaces from ``read()``, outside its retries, so that part is retried here, with
-    the SDK's own backoff (random up to 2^n s, at most 20 s), as many times."""
+    the SDK's own backoff (random up to 2^n s, at most 20 s), as many times. (pyarrow's reads need no such loop: its
+    SDK reads the body inside its retry loop, and retries a body cut off by a reset or a close, curl's errors 56 and
+    18, as NETWORK_CONNECTION errors, up to the same number of tries; tests/test_s3_faults.py checks both.)"""
     from botocore.exceptions import HTTPClientError, IncompleteReadError
 
     tries = attempts()
     for n in range(tries):
-        body = client.get_object(**args)["Body"]
-        try:
+        reply = client.get_object(**args)
+        body = reply["Body"]  # botocore's StreamingBody: ``with body as x`` would give urllib3's raw stream in x,
+        try:  # whose errors are not botocore's and whose length is not checked
             with body:
-                return body.read()
+                return body.read(), reply
         except (HTTPClientError, IncompleteReadError) as exc:
             if n + 1 == tries:
                 raise OSError(f"{uri}: the object's body broke off {tries} times; last: {exc}") from exc
@@ -187,16 +195,21 @@ def get_tagged(fs: pafs.S3FileSystem, inner: str) -> tuple[bytes, str] | None:
     """The object ``inner`` and its ETag in one GET, or None when there is none."""
     from botocore.exceptions import ClientError
 
-
     bucket, _, key = inner.partition("/")
     try:
-        reply = _client(settings()[0], fs.region).get_object(Bucket=bucket, Key=key)
+        data, reply = _get_reply(_client(settings()[0], fs.region), {"Bucket": bucket, "Key": key}, f"s3://{inner}")
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return None
         raise
-    with reply["Body"] as body:
-        return body.read(), reply["ETag"]
+    return data, reply["ETag"]
+
+
+def _retried(exc) -> bool:
+    """Did botocore send the request that failed more than once? Then an earlier try may have been done by the
+    store and only its answer lost (a connection reset after the request went out), so a conditional request can
+    fail against this process's own write."""
+    return exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
 
 
 def put_if(fs: pafs.S3FileSystem, inner: str, data: bytes, etag: str = "") -> str | None:
@@ -205,13 +218,19 @@ def put_if(fs: pafs.S3FileSystem, inner: str, data: bytes, etag: str = "") -> st
     S3 (since 2024) and MinIO evaluate the condition atomically, so of two writers exactly one wins."""
     from botocore.exceptions import ClientError
 
-
     bucket, _, key = inner.partition("/")
     condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
     try:
         return _client(settings()[0], fs.region).put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
     except ClientError as exc:
         if _conditional_failed(exc) or (etag and exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")):
+            if _retried(exc):
+                # A retry that lost may have lost to this PUT's own first try, done by the store with its answer
+                # cut off: the object then holds exactly these bytes (every caller's data is unique: a lease names
+                # its token and heartbeat, a manifest its generation and commit time), and the write is ours.
+                found = get_tagged(fs, inner)
+                if found is not None and found[0] == data:
+                    return found[1]
             return None
         raise
 
@@ -220,12 +239,12 @@ def delete_if(fs: pafs.S3FileSystem, inner: str, etag: str) -> bool:
     """Delete the object ``inner`` only while it is the version ``etag`` names; False when it is not."""
     from botocore.exceptions import ClientError
 
-
     bucket, _, key = inner.partition("/")
     try:
         _client(settings()[0], fs.region).delete_object(Bucket=bucket, Key=key, IfMatch=etag)
     except ClientError as exc:
         if _conditional_failed(exc) or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-            return False
+            # Retried after a lost answer, the first try may have deleted it: gone is what was asked.
+            return _retried(exc) and get_tagged(fs, inner) is None
         raise
     return True

@@ -2,13 +2,17 @@
 
 It forwards every request to the server and, when told to, answers as a store under load does: ``503 SlowDown``
 (with S3's XML error body) for a fraction of requests drawn by a seeded RNG, a connection reset part-way through a
-response body (a GET) or a request body (a PUT or POST), a given number of times, and a delay before answering.
-Faults are off until set, so the proxy passes everything through untouched.
+response body (a GET) or a request body (a PUT or POST), a given number of times, the reply to a write dropped after
+the server has done it (what a client sees when the connection dies between its request and the answer), and a delay
+before answering. Faults are off until set, so the proxy passes everything through untouched: request bodies, chunked
+ones (pyarrow's aws-chunked uploads: ``Transfer-Encoding: chunked`` with a checksum trailer) included.
 
 Controlled over HTTP on the proxy's own port (no bucket is named ``__faults__``: underscores are not allowed):
-``POST /__faults__/config`` with JSON ``{"rate": 0.05, "seed": 1, "get_resets": 1, "put_resets": 1, "delay_s": 0,
-"delay_rate": 0}`` sets the faults (missing keys are kept), ``GET /__faults__/log`` returns every request so far as
-``[method, path, query, ranged, outcome]`` with outcome ``ok``, ``503``, ``reset`` or ``error``.
+``POST /__faults__/config`` with JSON ``{"rate": 0.05, "seed": 1, "get_resets": 1, "put_resets": 1, "lost_replies": 0,
+"delay_s": 0, "delay_rate": 0, "get_match": "", "put_match": ""}`` sets the faults (missing keys are kept; GET resets
+hit only paths holding ``get_match``, upload resets and lost replies only paths holding ``put_match``);
+``GET /__faults__/log`` returns every request so far as ``[method, path, query, ranged, outcome]`` with outcome
+``ok``, ``503``, ``reset``, ``lost`` or ``error``.
 
 Run as ``python tests/fault_proxy.py LISTEN_PORT UPSTREAM_PORT``.
 """
@@ -28,7 +32,9 @@ import time
 HOST = "127.0.0.1"
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>")
-_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
+# Not forwarded: hop-by-hop headers, and ``Expect: 100-continue``, which this proxy answers itself (the http.server
+# handler sends the 100 before reading the body) and which would only make the server send another 100.
+_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade", "expect"}
 
 
 class Faults:
@@ -36,7 +42,8 @@ class Faults:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.settings = {"rate": 0.0, "seed": 0, "get_resets": 0, "put_resets": 0, "delay_s": 0.0, "delay_rate": 0.0}
+        self.settings = {"rate": 0.0, "seed": 0, "get_resets": 0, "put_resets": 0, "lost_replies": 0, "delay_s": 0.0,
+                         "delay_rate": 0.0, "get_match": "", "put_match": ""}
         self.rng = random.Random(0)
         self.log: list[list] = []
 
@@ -46,17 +53,20 @@ class Faults:
             if "seed" in changes:
                 self.rng = random.Random(changes["seed"])
 
-    def decide(self, method: str, body_len: int) -> tuple[str, float]:
-        """(``ok``, ``503``, ``reset-get`` or ``reset-put``; seconds to wait first) for the next request."""
+    def decide(self, method: str, path: str, has_body: bool) -> tuple[str, float]:
+        """(``ok``, ``503``, ``reset-get``, ``reset-put`` or ``lost``; seconds to wait first) for the next request."""
         with self.lock:
             s = self.settings
             delay = s["delay_s"] if s["delay_rate"] and self.rng.random() < s["delay_rate"] else 0.0
             if s["rate"] and self.rng.random() < s["rate"]:
                 return "503", delay
-            if method in ("PUT", "POST") and body_len > 1 and s["put_resets"] > 0:
+            if method in ("PUT", "POST") and has_body and s["put_resets"] > 0 and s["put_match"] in path:
                 s["put_resets"] -= 1
                 return "reset-put", delay
-            if method == "GET" and s["get_resets"] > 0:
+            if method in ("PUT", "POST", "DELETE") and s["lost_replies"] > 0 and s["put_match"] in path:
+                s["lost_replies"] -= 1
+                return "lost", delay
+            if method == "GET" and s["get_resets"] > 0 and s["get_match"] in path:
                 return "reset-get", delay  # counted down only once a body long enough to cut has come
             return "ok", delay
 
@@ -83,12 +93,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             out = b""
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                chunk = self.rfile.read(size + 2)[:size]
                 if size == 0:
+                    # The last chunk: trailer lines, if any, then the empty line that ends the body. (No CRLF is
+                    # read first: the empty line is it, and a read past it waits for bytes the client never sends.)
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass
                     return out
-                out += chunk
+                out += self.rfile.read(size + 2)[:size]
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def _reset(self) -> None:
@@ -146,11 +157,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         with FAULTS.lock:
             FAULTS.log.append(entry)
         length = int(self.headers.get("Content-Length") or 0)
-        outcome, delay = FAULTS.decide(self.command, length)
+        chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        outcome, delay = FAULTS.decide(self.command, path, length > 1 or chunked)
         if delay:
             time.sleep(delay)
         if outcome == "reset-put":
-            self.rfile.read(length // 2)  # half the upload arrives, then the connection dies
+            # Half the upload arrives (of a chunked one: half its first chunk), then the connection dies.
+            self.rfile.read(int(self.rfile.readline().split(b";")[0].strip() or b"0", 16) // 2 if chunked
+                            else length // 2)  # fmt: skip
             entry[4] = "reset"
             return self._reset()
         body = self._body()
@@ -167,6 +181,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             resp = self._forward(body)
         except (ConnectionError, http.client.HTTPException):
             entry[4] = "error"
+            return self._reset()
+        if outcome == "lost":  # the server did the write; its answer never reaches the client
+            entry[4] = "lost"
             return self._reset()
         cut = outcome == "reset-get" and resp.status in (200, 206) and len(resp.data) > 1 and FAULTS.take_get_reset()
         self.send_response(resp.status, resp.reason)

@@ -153,12 +153,12 @@ class FaultProxy:
 
     def faults(self, **settings) -> None:
         """Set the faults (see tests/fault_proxy.py): ``rate``, ``seed``, ``get_resets``, ``put_resets``,
-        ``delay_s``, ``delay_rate``."""
+        ``lost_replies``, ``delay_s``, ``delay_rate``, ``get_match``, ``put_match``."""
         req = urllib.request.Request(f"{self.url}/__faults__/config", json.dumps(settings).encode(), method="POST")
         urllib.request.urlopen(req, timeout=30).close()
 
     def fault_log(self) -> list[tuple[str, str, str, bool, str]]:
-        """Every request so far: (method, path, query, ranged, outcome: ok, 503, reset or error)."""
+        """Every request so far: (method, path, query, ranged, outcome: ok, 503, reset, lost or error)."""
         with urllib.request.urlopen(f"{self.url}/__faults__/log", timeout=30) as r:
             return [tuple(e) for e in json.loads(r.read())]
 

@@ -20,14 +20,18 @@ one it holds, so orphans never outlive ``train.checkpoints_to_keep``; registered
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import random
+import shutil
+import tempfile
 import time
 
 import pyarrow.fs as pafs
 import ray.train
 
-from rayflux import storage
+from rayflux import s3_objects, storage
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,43 @@ def checkpoint_at(checkpoint_dir: str) -> ray.train.Checkpoint:
     """A checkpoint directory in storage as Ray's ``Checkpoint`` (``as_directory`` downloads it when remote)."""
     fs, inner = storage.resolve(checkpoint_dir)
     return ray.train.Checkpoint(path=inner, filesystem=fs)
+
+
+def download(checkpoint_dir: str, local_dir: str) -> str:
+    """The checkpoint's files copied into ``local_dir`` (returned), by Ray's ``Checkpoint.to_directory``.
+
+    That copy is pyarrow's ``copy_files``, whose GETs the S3 SDK retries (503s, resets: :mod:`rayflux.s3_objects`)
+    except one way: a body cut off while the SDK writes it into pyarrow's download stream can fail as
+    ``INTERNAL_FAILURE ... Failed to flush response stream``, which the SDK counts as its own error, not the
+    network's, and never retries (seen through tests/fault_proxy.py). So the whole copy is tried again here, up to
+    ``RAYFLUX_S3_ATTEMPTS`` times with the SDK's backoff; the last failure is raised, naming the checkpoint."""
+    tries = s3_objects.attempts()
+    for n in range(tries):
+        try:
+            return checkpoint_at(checkpoint_dir).to_directory(local_dir)
+        except OSError as exc:
+            if "Failed to flush response stream" not in str(exc):
+                raise
+            if n + 1 == tries:
+                raise OSError(f"{checkpoint_dir}: the checkpoint's download broke off {tries} times; last: {exc}") \
+                    from exc
+            log.warning("%s: checkpoint download broke off (%s); trying again", checkpoint_dir, exc)
+            time.sleep(min(20.0, random.random() * 2**n))
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def downloaded(checkpoint_dir: str):
+    """The checkpoint as a local directory, as ``Checkpoint.as_directory`` gives it: a local one itself, a remote one
+    through :func:`download` into a temporary directory removed on exit."""
+    if not storage.is_uri(checkpoint_dir):
+        yield checkpoint_dir
+        return
+    local = tempfile.mkdtemp(prefix="rayflux-restore-")
+    try:
+        yield download(checkpoint_dir, local)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def read_json(checkpoint_dir: str, name: str = POSITION_FILE) -> dict:

@@ -157,8 +157,7 @@ def _restore(w: _Worker, first: dict) -> tuple[LoraTrainer, Progress, int, str]:
     empty = captions.load_empty(w.lc.empty_caption) if t.caption_dropout > 0 else None
     progress = Progress(world_size=w.world)
     resume_from = first["resume_from"]
-    restored = commits.checkpoint_at(resume_from) if resume_from else None
-    with restored.as_directory() if restored else contextlib.nullcontext() as d:
+    with commits.downloaded(resume_from) if resume_from else contextlib.nullcontext() as d:
         total = optim.total_steps(int(first["total_steps"]), t.max_steps)
         topology = sharding.Topology(w.world, w.local_world, w.node_rank)
         trainer = LoraTrainer(w.cfg, w.device, total, w.rank, empty, wrap=ray.train.torch.prepare_model,

@@ -192,7 +192,7 @@ def train(
     if final == before:
         log.info("train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, "
                  "train.max_steps=%d)", position["step"], first + 1, end, cfg.train.max_steps)  # fmt: skip
-    local = commits.checkpoint_at(final).to_directory(tempfile.mkdtemp(prefix="rayflux-final-"))
+    local = commits.download(final, tempfile.mkdtemp(prefix="rayflux-final-"))
     history = metrics.read_steps(output_dir, last_step=int(position["step"]))
     return TrainResult(
         steps=int(position["step"]),
