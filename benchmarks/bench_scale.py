@@ -198,7 +198,7 @@ def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
     by: dict[str, int] = {}
     for m, p in server.requests(since):
         if p.startswith(prefix):
-            where = "images" if "/images/" in p else ("cache" if "/cache/" in p else "run")
+            where = next((w for w in ("images", "masks", "cache") if f"/{w}/" in p), "run")
             by[f"{m} {where}"] = by.get(f"{m} {where}", 0) + 1
     return sum(by.values()), dict(sorted(by.items()))
 

@@ -17,7 +17,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rayflux import config, job, models
-from rayflux.cache import generations, masks, ranges, verify
+from rayflux.cache import generations, index, masks, ranges, verify
+from rayflux.cache.manifest import Manifest
 from rayflux.train import batching, step
 
 TRAIN = ["data.resolution=64", "train.max_steps=2", "train.batch_size=1", "train.learning_rate=0.01",
@@ -112,7 +113,7 @@ def test_flux2_klein_trains_with_alpha_masks(ray_session, tiny_flux2_klein, tmp_
     images, _ = _dataset(tmp_path / "set", alpha=True)
     cfg, summary = _run(tiny_flux2_klein, images, tmp_path / "out", "data.mask=alpha")
     assert (summary.cached, summary.steps) == (3, 2) and _lora(summary)
-    rows = cache_sets.generation_rows(generations.load_manifest(summary.cache_dir))
+    rows = index.read(generations.load_manifest(summary.cache_dir), "samples").to_pylist()
     assert {r["mask_sha256"] for r in rows} == {masks.ALPHA}
     _mask_changes_the_loss(cfg, summary)
 
@@ -156,12 +157,12 @@ def test_masks_on_s3_train_and_a_changed_mask_rewrites_only_its_sample(ray_sessi
     assert {k: r["sample_id"] for k, r in after.items()} == {k: r["sample_id"] for k, r in before.items()}
     assert after["1.png"]["mask_sha256"] != before["1.png"]["mask_sha256"]
     assert masks.from_bytes(after["1.png"]["mask"], 8, 8)[4:].max() == 0.0
-    assert [k for k in after if after[k]["generation"] != before[k]["generation"]] == ["1.png"]
+    assert [k for k in after if after[k]["encode_id"] != before[k]["encode_id"]] == ["1.png"]
 
     # cache verify checks each mask's shape against the declaration, and its checksum.
     gen = again.cache_dir
     assert _verify(gen)[0] == 0
-    index_path = f"{gen}/index/samples.parquet"
+    index_path = Manifest.of(manifest).index_path("samples")
     table = pq.read_table(index_path)
     rows = table.to_pylist()
     [entry] = [e for e in rows if e["rel_path"] == "1.png"]
