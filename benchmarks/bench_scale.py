@@ -107,8 +107,9 @@ class Server:
         os.unlink(self.log_path)
 
 
-def _put_images(bucket: str, n: int, variant: str, per_folder: int = 1000) -> None:
-    """N small PNGs (4 sizes, so several buckets), each with its own caption, written straight to the bucket."""
+def _put_images(bucket: str, n: int, variant: str, per_folder: int = 1000, masks: bool = False) -> None:
+    """N small PNGs (4 sizes, so several buckets), each with its own caption, written straight to the bucket;
+    ``masks``: and a grayscale mask per image (white left half) under ``masks/`` with the same relative path."""
     import io
 
     from PIL import Image
@@ -127,6 +128,13 @@ def _put_images(bucket: str, n: int, variant: str, per_folder: int = 1000) -> No
         caption = f"photo {k} of a square, shade {k % 256}"
         with fs.open_output_stream(f"{bucket[5:]}/images/{name}") as f:
             f.write(buf.getvalue())
+        if masks:
+            mask = Image.new("L", sizes[k % 4], 0)
+            mask.paste(255, (0, 0, sizes[k % 4][0] // 2, sizes[k % 4][1]))
+            mbuf = io.BytesIO()
+            mask.save(mbuf, "PNG")
+            with fs.open_output_stream(f"{bucket[5:]}/masks/{name}") as f:
+                f.write(mbuf.getvalue())
         if variant == "sidecar":
             with fs.open_output_stream(f"{bucket[5:]}/images/{name[:-4]}.txt") as f:
                 f.write(caption.encode())
@@ -190,7 +198,7 @@ def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
     by: dict[str, int] = {}
     for m, p in server.requests(since):
         if p.startswith(prefix):
-            where = "images" if "/images/" in p else ("cache" if "/cache/" in p else "run")
+            where = next((w for w in ("images", "masks", "cache") if f"/{w}/" in p), "run")
             by[f"{m} {where}"] = by.get(f"{m} {where}", 0) + 1
     return sum(by.values()), dict(sorted(by.items()))
 
@@ -207,6 +215,7 @@ def main(argv=None) -> None:
                              "server (large N fast; no requests counted)")  # fmt: skip
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
+    parser.add_argument("--masks", action="store_true", help="a loss mask per image (data.mask=dir, on S3)")
     parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
     parser.add_argument("--discover-only", action="store_true", help="stop after the discovery phase")
     parser.add_argument("--batch-size", type=int, default=1, help="train.batch_size of the training phases")
@@ -323,7 +332,7 @@ def _run(server: Server | None, args) -> None:
         bucket = local.name
         _put_local(bucket, n, args.per_folder)
     else:
-        _put_images(bucket, n, args.variant, args.per_folder)
+        _put_images(bucket, n, args.variant, args.per_folder, args.masks)
     setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1),
              "requests": sum(1 for _ in server.requests()) if server else 0}  # fmt: skip
     print(json.dumps(setup), flush=True)
@@ -334,6 +343,8 @@ def _run(server: Server | None, args) -> None:
         sets.append("data.caption_strategy=metadata")
     if args.read_run:
         sets.append(f"train.read_run={args.read_run}")
+    if args.masks:
+        sets += ["data.mask=dir", f"data.mask_dir={bucket}/masks"]
     # A checkpoint every tenth of the epoch: the killed run leaves one near its end to resume from.
     sets.append(f"train.checkpoint_every={max(-(-n // args.batch_size) // 10, 1)}")
     cfg = config.load(None, sets)

@@ -55,8 +55,14 @@ def sample_weights(data: DataConfig) -> dict[str, tuple[int, float]]:
     return {key(data, ds): (ds.repeats, data.reg_loss_weight if ds.regularisation else 1.0) for ds in datasets_of(data)}
 
 
-def mix(refs: list, weights: dict[str, tuple[int, float]]) -> list:
-    """Repeat each sample reference ``repeats`` times and attach its dataset's loss weight.
+def mask_floors(data: DataConfig) -> dict[str, float]:
+    """Dataset name -> ``data.mask_floor``: the loss weight its masks' black area keeps."""
+    return {key(data, ds): ds.mask_floor for ds in datasets_of(data)}
+
+
+def mix(refs: list, weights: dict[str, tuple[int, float]], floors: dict[str, float] | None = None) -> list:
+    """Repeat each sample reference ``repeats`` times and attach its dataset's loss weight (and its mask floor,
+    ``floors``: :func:`mask_floors`).
 
     ``refs`` are frozen dataclasses with ``dataset`` and ``weight`` fields (the trainer's sample references). A
     repeated sample is the same reference several times, so it lands in several (shuffled) batches of an epoch.
@@ -68,5 +74,6 @@ def mix(refs: list, weights: dict[str, tuple[int, float]]) -> list:
                 f"cached sample {r.sample_id} belongs to dataset {r.dataset!r}, which the config does not list"
             )
         repeats, weight = weights[r.dataset]
-        out.extend([dataclasses.replace(r, weight=weight)] * repeats)
+        floor = (floors or {}).get(r.dataset, 0.0)
+        out.extend([dataclasses.replace(r, weight=weight, mask_floor=floor)] * repeats)
     return out

@@ -74,7 +74,6 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
-    _check_masks(cfg)
     # Refuse overlapping directories before any Ray work or any write.
     for i, ds in enumerate(datasets.datasets_of(cfg.data)):
         key = datasets.images_key(cfg.data, i)
@@ -217,16 +216,6 @@ def _export(cfg: JobConfig, ledger: Ledger, summary: Summary, output: str, resul
     entry = ledger.start("export", result.checkpoint_path)
     summary.lora_path = lora_files.export_final(result.checkpoint_dir, cfg, output, [index.caption_table(manifest)])
     ledger.finish(entry, lora=summary.lora_path)
-
-
-def _check_masks(cfg: JobConfig) -> None:
-    """Masks are discovered, prepared and checked, but not stored in the cache or fed to the loss yet: a job with
-    masks stops here rather than train as if it had none (docs/masks.md)."""
-    masked = [ds for ds in datasets.datasets_of(cfg.data) if ds.mask != "none"]
-    if masked:
-        raise ConfigError(f"dataset {datasets.label(masked[0])} sets mask={masked[0].mask}, but masks are not yet "
-                          "stored in the cache or applied to the loss; python -m rayflux data check checks them "
-                          "(docs/masks.md)")  # fmt: skip
 
 
 def _check_edit_pairs(cfg: JobConfig, family) -> None:

@@ -407,15 +407,6 @@ def test_the_doctor_reports_mask_coverage(tmp_path):
     assert f"masks (mask_dir {mask_dir}): 2 found, 1 missing (skipped), 1 unreadable, 1 all zero" in text
 
 
-def test_a_job_with_masks_stops_before_any_work_until_masks_reach_the_loss(tmp_path):
-    from rayflux import job
-
-    cfg = _cfg(f"data.images_dir={tmp_path}", "data.mask=alpha", f"run.output_dir={tmp_path / 'out'}")
-    with pytest.raises(config.ConfigError, match="masks are not yet stored in the cache or applied to the loss"):
-        job.run(cfg)
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("in_mask_dir", [False, True])
 def test_a_metadata_column_names_each_images_mask(tmp_path, in_mask_dir):
     root, mask_dir = tmp_path / "set", tmp_path / "masks"

@@ -62,6 +62,7 @@ _SAMPLE_FIELDS = [
     ("source_mtime_ns", pa.int64()),
     ("orig_w", pa.int32()),
     ("orig_h", pa.int32()),
+    ("mask_sha256", pa.string()),
 ]
 """What a sample is and which generation's use of it the row describes (not where its tensors are)."""
 

@@ -83,6 +83,10 @@ SAMPLE_TENSORS: tuple[SampleTensor, ...] = (
     # Edit pairs: ``ref_count`` reference latents of the row's own latent shape, back to back (empty for a plain
     # sample); their content hashes are ``ref_sha256``, comma-joined in the same order (part of the sample id).
     SampleTensor("ref_latent", ("ref_count", "c", "h", "w"), key="ref_", optional=True, batch="references"),
+    # Loss masks (docs/masks.md): the mask on the latent grid, float16 in [0, 1] (rayflux.cache.masks), produced by
+    # preparation (cache/prepare.py), empty for a dataset without masks; its content hash is the index's
+    # ``mask_sha256`` (not part of the sample id: batch order and noise must not depend on it).
+    SampleTensor("mask", ("h", "w"), key="mask_", dtype="float16", optional=True, batch="masks"),
 )
 """The per-sample tensors every new layout declares, in column order. A layout read back from a manifest or a
 shard carries its own list (:attr:`rayflux.cache.shards.ShardLayout.samples`)."""
@@ -172,8 +176,8 @@ class TextLocator(NamedTuple):
 # 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards; 5: text tensors by
 # the names and shape columns the model family gives them (the layout's ``text``); 6: edit pairs' reference latents;
 # 7: a checksum per tensor in the generation index (rayflux.cache.integrity); 8: per-sample tensors declared in
-# rayflux.cache.layout, their columns last (the layout's ``samples``)
-SCHEMA_VERSION = 8
+# rayflux.cache.layout, their columns last (the layout's ``samples``); 9: the loss mask (``mask``, ``mask_sha256``)
+SCHEMA_VERSION = 9
 _META_KEY = b"rayflux"
 
 
@@ -206,6 +210,8 @@ _SAMPLE_COLUMNS = [
     # Edit pairs: the reference images' count and content hashes, comma-joined in order (part of the sample id).
     *[(c, pa.int32()) for c in COUNT_COLUMNS],
     ("ref_sha256", pa.string()),
+    # Loss masks: the mask's content hash (rayflux.cache.masks; "" without masks), decides whether the row is current.
+    ("mask_sha256", pa.string()),
     ("generation", pa.int32()),
     ("encode_id", pa.string()),
 ]

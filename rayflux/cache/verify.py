@@ -172,6 +172,8 @@ class _Checker:
                 if got != want or (length != nbytes and not (t.optional and length == 0)):
                     self.problem(f"{where}: bucket {e['bucket']}: {t.name} of latent shape {got} and {length} bytes, "
                                  f"expected {want} and {nbytes}")  # fmt: skip
+            if e.get("mask_sha256") and not e.get("mask_length"):
+                self.problem(f"{where}: mask {e['mask_sha256'][:12]} recorded but no mask bytes")
             by_file.setdefault(e["file"], []).append(e)
         for c in captions:
             by_file.setdefault(c["file"], []).append(c)

@@ -102,6 +102,8 @@ def _index_row(batch: dict, i: int) -> dict:
         "source_mtime_ns": int(batch["mtime_ns"][i]),
         "orig_w": int(batch["orig_w"][i]),
         "orig_h": int(batch["orig_h"][i]),
+        # A reused row's is its previous one's (prepare_row reuses only a row whose mask is current).
+        "mask_sha256": str(batch["mask_sha256"][i]) if "mask_sha256" in batch else "",
     }
 
 

@@ -41,6 +41,8 @@ class SampleRef:
     """The index's ``dataset`` column; decides repeats and loss weight (see :func:`rayflux.datasets.mix`)."""
     weight: float = 1.0
     """Loss weight of this sample (regularisation datasets use ``data.reg_loss_weight``)."""
+    mask_floor: float = 0.0
+    """Its dataset's ``data.mask_floor``: the loss weight its mask's black area keeps (unused without a mask)."""
     file_bytes: int = 0
     """Size of ``file``: a reader that knows it need not ask the object store."""
     latent_shape: str = ""
@@ -78,6 +80,18 @@ def group(ref: SampleRef) -> str:
     the optional tensors it lacks (a batch stacks each declared tensor for every sample or for none)."""
     key = ref.bucket if not ref.ref_count else f"{ref.bucket}+{ref.ref_count}ref"
     return f"{key}+no-{ref.lacks}" if ref.lacks else key
+
+
+def _base(key: str) -> str:
+    """A :func:`group` key without the optional tensors it lacks: what seeds the group's shuffle, so that a batch's
+    samples and order do not depend on whether the dataset has (say) masks, and a mask of all ones trains exactly
+    the run without masks."""
+    return key.split("+no-", 1)[0]
+
+
+def _order(key: str) -> tuple[str, str]:
+    """Groups in the order of their base keys (one run's rows all have, or all lack, a dataset's masks)."""
+    return _base(key), key
 
 
 def index_samples(manifest: dict) -> list[SampleRef]:
@@ -145,8 +159,8 @@ def plan_epoch(
     for r in refs:
         by_bucket.setdefault(group(r), []).append(r)
     batches: list[list[SampleRef]] = []
-    for bucket in sorted(by_bucket):
-        batches.extend(runs.fill(by_bucket[bucket], batch_size, read_run, _rng(seed, epoch, bucket)))
+    for bucket in sorted(by_bucket, key=_order):
+        batches.extend(runs.fill(by_bucket[bucket], batch_size, read_run, _rng(seed, epoch, _base(bucket))))
     _rng(seed, epoch, "order").shuffle(batches)
     keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])
@@ -165,6 +179,7 @@ def _planned(b: list[SampleRef], epoch: int, index: int, seed: int) -> dict:
         "size": len(b),
         "refs": encode_planned([r.planned() for r in b]),
         "weights": json.dumps([r.weight for r in b]),
+        "mask_floors": json.dumps([r.mask_floor for r in b]),
         "generation_dir": b[0].gen_dir,
         "layout": b[0].layout,
     }
@@ -194,7 +209,7 @@ def plan_eval(held: list[SampleRef], batch_size: int) -> list[dict]:
     by_bucket: dict[str, list[SampleRef]] = {}
     for r in sorted(held, key=lambda r: r.sample_id):
         by_bucket.setdefault(group(r), []).append(r)
-    batches = [refs[i : i + batch_size] for key in sorted(by_bucket) for refs in [by_bucket[key]]
+    batches = [refs[i : i + batch_size] for key in sorted(by_bucket, key=_order) for refs in [by_bucket[key]]
                for i in range(0, len(refs), batch_size)]  # fmt: skip
     return [{**_planned(b, -1, i, 0), "step": 0, "total_steps": 0} for i, b in enumerate(batches)]
 
@@ -205,7 +220,8 @@ def epoch_counts(
     """Samples, dropped samples and batches of the epoch :func:`plan_epoch` would plan, from the buckets' sample
     counts alone: the batches' order is the same shuffle of the same number of batches, so the remainder rule cuts
     the same sizes. The driver reports these per epoch without planning any epoch."""
-    sizes = [size for bucket in sorted(bucket_sizes) for size in runs.batch_sizes(bucket_sizes[bucket], batch_size)]
+    sizes = [size for bucket in sorted(bucket_sizes, key=_order)
+             for size in runs.batch_sizes(bucket_sizes[bucket], batch_size)]  # fmt: skip
     _rng(seed, epoch, "order").shuffle(sizes)
     keep = len(sizes) - len(sizes) % (world_size * accumulation)
     return {"samples": sum(sizes[:keep]), "dropped": sum(sizes[keep:]), "batches": keep}
@@ -270,4 +286,5 @@ def stack_batch(
         row[f"text_{name}"] = arr.tobytes()
         row[f"text_{name}_shape"] = json.dumps(list(arr.shape))
     row["weights"] = json.dumps(weights or [1.0] * len(sample_ids))
+    row["mask_floors"] = item.get("mask_floors") or json.dumps([0.0] * len(sample_ids))
     return row

@@ -89,11 +89,15 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
     return compute_loss_weighting_for_sd3(scheme, sigmas)
 
 
-def mask_weights(mask: torch.Tensor, floor: float) -> torch.Tensor:
+def mask_weights(mask: torch.Tensor, floor: float | torch.Tensor) -> torch.Tensor:
     """Per-token loss weights ``floor + (1 - floor) m`` from a packed mask ``m`` in [0, 1] (``data.mask_floor``).
 
     Computed as ``1 - (1 - floor)(1 - m)``, the same value, so that ``m = 1`` gives exactly 1.0 for every floor and
-    a mask of all ones weighs every token exactly as no mask does (see :func:`flow_loss`)."""
+    a mask of all ones weighs every token exactly as no mask does (see :func:`flow_loss`). ``floor``: one for all,
+    or one per sample ``[B]`` (each sample's dataset's)."""
+    if isinstance(floor, torch.Tensor):
+        keep = (1.0 - floor.float().to(mask.device)).view(-1, *([1] * (mask.dim() - 1)))
+        return 1.0 - keep * (1.0 - mask.float())
     return 1.0 - (1.0 - float(floor)) * (1.0 - mask.float())
 
 

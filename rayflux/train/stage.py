@@ -159,7 +159,8 @@ def train(
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
     manifest = Manifest.of(manifest)
     _, hi = worker_range(cfg.train.num_workers)
-    refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data))
+    refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data),
+                        datasets.mask_floors(cfg.data))
     batching.check_references(refs, models.family(cfg.model))
     refs, eval_plan, eval_file = held_out(cfg, refs, output_dir)
     counts = plan_counts(cfg, refs, hi)

@@ -32,6 +32,10 @@ class Batch:
     """Per-sample loss weights ``[B]`` (regularisation datasets); None weighs every sample 1."""
     references: torch.Tensor | None = None
     """Edit pairs: each sample's cached reference latents ``[B, k, C, H, W]``; None for a plain batch."""
+    masks: torch.Tensor | None = None
+    """Loss masks on the latent grid ``[B, H, W]`` in [0, 1]; None for a batch without masks."""
+    mask_floors: torch.Tensor | None = None
+    """Each sample's dataset's ``data.mask_floor`` ``[B]``: the weight the masks' black area keeps."""
     tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
     """Every other declared per-sample tensor (:mod:`rayflux.cache.layout`), by name, stacked ``[B, ...]``; None
     for an optional one the batch lacks."""
@@ -54,6 +58,8 @@ def from_item(item: dict) -> Batch:
     text = {n: _array(item[f"text_{n}"], json.loads(item[f"text_{n}_shape"])) for n in json.loads(item["text_names"])}
     weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None
     fields: dict = {"tensors": {}}
+    if "mask_floors" in item:
+        fields["mask_floors"] = torch.tensor(json.loads(item["mask_floors"]), dtype=torch.float32)
     for name in json.loads(item["sample_tensors"]):
         value = _array(item[name], json.loads(item[f"{name}_shape"])) if item[name] else None
         t = declared(name)
@@ -99,7 +105,16 @@ def flow_loss(
     weights = flow.loss_weights(sigmas, t.loss_weighting)
     if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
         weights = weights * batch.weights.to(weights.device, weights.dtype)
-    return flow.flow_loss(pred, target, weights)
+    return flow.flow_loss(pred, target, weights, token_weights(batch, family))
+
+
+def token_weights(batch: Batch, family: Family) -> torch.Tensor | None:
+    """The batch's per-token loss weights ``[B, N]`` from its masks, packed as the family packs the latent (only the
+    target's tokens: an edit's references are cut off the prediction), or None for a batch without masks."""
+    if batch.masks is None:
+        return None
+    floors = batch.mask_floors if batch.mask_floors is not None else torch.zeros(batch.masks.shape[0])
+    return flow.mask_weights(family.pack_mask(batch.masks), floors)
 
 
 def predict(model, batch: Batch, latents, noise, sigmas, text: dict, guidance, device, dtype, family: Family):
