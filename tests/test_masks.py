@@ -447,3 +447,16 @@ def test_mask_keys_enter_the_run_identity_only_with_masks(tmp_path):
     alpha = run_identity(_cfg(f"data.images_dir={tmp_path}", "data.mask=alpha"))
     assert alpha != base
     assert run_identity(_cfg(f"data.images_dir={tmp_path}", "data.mask=alpha", "data.mask_floor=0.5")) != alpha
+
+
+def test_the_eval_loss_scores_a_masked_sample_on_its_mask_as_training_weighs_it():
+    """flow.per_sample_loss is what the eval loss averages (rayflux.train.evaluation) and what the training loss
+    weights: a mask's weighted mean over tokens, the plain mean without one."""
+    pred, target = torch.zeros(2, 4, 3), torch.arange(24, dtype=torch.float32).reshape(2, 4, 3)
+    plain = flow.per_sample_loss(pred, target)
+    assert torch.equal(plain, (target**2).flatten(1).mean(dim=1))
+    weights = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    masked = flow.per_sample_loss(pred, target, weights)
+    assert masked[0].item() == pytest.approx(float((target[0, :2] ** 2).mean()))
+    assert torch.equal(masked[1], plain[1])
+    assert flow.flow_loss(pred, target, torch.ones(2), weights) == masked.mean()

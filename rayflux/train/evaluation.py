@@ -5,8 +5,9 @@ every held-out sample at a fixed grid of ``train.eval_sigmas`` noise levels (the
 :func:`rayflux.train.flow.eval_sigmas`), each with noise seeded by the sample id and the grid index alone, so the
 same LoRA on the same cached data gives the same number in every eval, at every step and in every run (bitwise with
 one worker; across world sizes to float tolerance, since only the order of the final sum differs). It is the plain
-mean of ``(pred - target)²`` over samples, tokens and σ values: no loss weighting, no per-dataset weight, no caption
-dropout, guidance fixed at ``train.guidance``.
+mean of ``(pred - target)²`` over samples, tokens and σ values (a sample with a loss mask: its mask-weighted mean over
+tokens, as it trains, :func:`rayflux.train.flow.per_sample_loss`): no loss weighting, no per-dataset weight, no
+caption dropout, guidance fixed at ``train.guidance``.
 
 Every training rank scores its share of the eval plan (batches ``r, r + W, ...``; :func:`rayflux.train.batching.
 plan_eval`) without gradients and with LoRA dropout off, then one all-reduce of ``eval_sigmas + 1`` numbers gives the
@@ -97,6 +98,7 @@ def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor, t, device, d
     text = {n: x.to(device, dtype) for n, x in batch.text.items()}
     guidance = torch.full((b,), float(t.guidance), device=device, dtype=dtype) if trainer.guidance_embeds else None
     autocast = torch.autocast(device.type, trainer.autocast or torch.float32, enabled=bool(trainer.autocast))
+    weights = step.token_weights(batch, family)  # a masked sample scores on its mask, as it trains
     for k, sigma in enumerate(grid.tolist()):
         # Noise per sample on the CPU, as in training: the same seed gives the same noise on any device.
         noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(noise_seed(s, k)))
@@ -104,7 +106,7 @@ def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor, t, device, d
         sigmas = torch.full((b,), sigma, device=device)
         with autocast:
             pred, target = step.predict(model, batch, latents, noise, sigmas, text, guidance, device, dtype, family)
-        per_sample = ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+        per_sample = flow.per_sample_loss(pred, target, weights)
         sums[k] += float(per_sample.double().sum()) * eb.live
     sums[-1] += b * eb.live
 

@@ -114,19 +114,23 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
     extra operations that are exact when ``t`` is all ones (a product by 1.0 and a division by ``N / N = 1.0``), so a
     mask of all ones gives bitwise the loss and gradients of no mask. ``mean(t)`` is a tensor divided by a tensor,
     never by a Python scalar, which CUDA would turn into a product by an inexact reciprocal."""
+    return (weights.float() * per_sample_loss(pred, target, token_weights)).mean()
+
+
+def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``L_b`` of :func:`flow_loss` for each sample ``[B]``: what the training loss weights and averages, and what the
+    eval loss averages unweighted."""
     sq = (pred.float() - target.float()) ** 2
     if token_weights is None:
-        per_sample = sq.flatten(1).mean(dim=1)
-    else:
-        t = token_weights.to(sq.device, torch.float32)
-        if t.shape != sq.shape[:2]:
-            raise ValueError(f"token weights {tuple(t.shape)} do not match the {tuple(sq.shape[:2])} tokens")
-        mean_t = t.sum(dim=1) / torch.full_like(t[:, 0], t.shape[1])
-        # A sample whose weights are all 0 (floor 0, a mask black on every token) adds 0, not NaN; preparation
-        # skips such masks, so this only guards.
-        mean_t = mean_t.clamp_min(torch.finfo(torch.float32).tiny)
-        per_sample = (sq * t.unsqueeze(-1)).flatten(1).mean(dim=1) / mean_t
-    return (weights.float() * per_sample).mean()
+        return sq.flatten(1).mean(dim=1)
+    t = token_weights.to(sq.device, torch.float32)
+    if t.shape != sq.shape[:2]:
+        raise ValueError(f"token weights {tuple(t.shape)} do not match the {tuple(sq.shape[:2])} tokens")
+    mean_t = t.sum(dim=1) / torch.full_like(t[:, 0], t.shape[1])
+    # A sample whose weights are all 0 (floor 0, a mask black on every token) adds 0, not NaN; preparation skips
+    # such masks, so this only guards.
+    mean_t = mean_t.clamp_min(torch.finfo(torch.float32).tiny)
+    return (sq * t.unsqueeze(-1)).flatten(1).mean(dim=1) / mean_t
 
 
 def sample_guidance(n: int, low: float, high: float, generator: torch.Generator) -> torch.Tensor:
