@@ -111,8 +111,14 @@ def main() -> int:
     loop_cmd = [sys.executable, __file__, "--resolution", str(args.resolution), "--loop", model_dir, str(images)]
 
     def job_cmd(r: int) -> list[str]:
-        sets = [f"model.path={model_dir}", f"data.images_dir={images}", f"data.resolution={args.resolution}",
-                f"run.output_dir={work / f'run{r}'}", "run.ray_address=local", *args.set]  # fmt: skip
+        sets = [
+            f"model.path={model_dir}",
+            f"data.images_dir={images}",
+            f"data.resolution={args.resolution}",
+            f"run.output_dir={work / f'run{r}'}",
+            "run.ray_address=local",
+            *args.set,
+        ]
         return [sys.executable, "jobs/train_flux.py", "--only", "cache", *(x for s in sets for x in ("--set", s))]
 
     _timed(loop_cmd)  # warm the page cache and imports once, untimed
@@ -120,14 +126,29 @@ def main() -> int:
     for r in range(args.rounds):
         sides = [("loop", loop_cmd), ("job", job_cmd(r)), ("tuned_loop", [*loop_cmd, "--tuned"])]
         times = dict((name, _timed(cmd)) for name, cmd in (sides if r % 2 == 0 else sides[::-1]))
-        rounds.append({**{k: round(v, 1) for k, v in times.items()}, "ratio": round(times["loop"] / times["job"], 3),
-                       "ratio_tuned": round(times["tuned_loop"] / times["job"], 3)})  # fmt: skip
+        rounds.append(
+            {
+                **{k: round(v, 1) for k, v in times.items()},
+                "ratio": round(times["loop"] / times["job"], 3),
+                "ratio_tuned": round(times["tuned_loop"] / times["job"], 3),
+            }
+        )
         print(json.dumps({"round": r, **rounds[-1]}), flush=True)
     ratios, tuned = [x["ratio"] for x in rounds], [x["ratio_tuned"] for x in rounds]
-    print(json.dumps({"images": args.images, "resolution": args.resolution, "batch_size": batch,
-                      "job_settings": args.set, "threads_loop": os.cpu_count(),
-                      "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                      "ratio_tuned_median": statistics.median(tuned)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "images": args.images,
+                "resolution": args.resolution,
+                "batch_size": batch,
+                "job_settings": args.set,
+                "threads_loop": os.cpu_count(),
+                "ratio_median": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+                "ratio_tuned_median": statistics.median(tuned),
+            }
+        )
+    )
     return 0
 
 

@@ -149,8 +149,10 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="rayflux-bench-storage-") as tmp:
             print(f"{args.images} images, {args.captions} distinct captions, {args.resolution} px, {args.dtype}")
-            print("| model | raw tensor bytes/row | row tensor ratio (worst) | latent ratio (worst) | file ratio "
-                  "| text passes ÷ unique captions |")  # fmt: skip
+            print(
+                "| model | raw tensor bytes/row | row tensor ratio (worst) | latent ratio (worst) | file ratio "
+                "| text passes ÷ unique captions |"
+            )
             print("| --- | --- | --- | --- | --- | --- |")
             for name in args.models.split(","):
                 r = run_one(name, args, Path(tmp))

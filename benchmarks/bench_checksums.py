@@ -38,8 +38,10 @@ def _shards(work: Path, n: int, res: int) -> tuple[dict, dict, dict]:
     def bf16(*shape) -> bytes:  # random normal values as bf16 bit patterns
         return (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
-    kinds = {"samples": {"latent": [bf16(16, res // 8, res // 8) for _ in range(n)]},
-             "text": {"t5": [bf16(512, 4096) for _ in range(n)], "clip_pooled": [bf16(768) for _ in range(n)]}}
+    kinds = {
+        "samples": {"latent": [bf16(16, res // 8, res // 8) for _ in range(n)]},
+        "text": {"t5": [bf16(512, 4096) for _ in range(n)], "clip_pooled": [bf16(768) for _ in range(n)]},
+    }
     paths, sizes, ranges = {}, {}, {}
     for kind, cols in kinds.items():
         data = shards.encode_table(pa.table({k: pa.array(v, pa.binary()) for k, v in cols.items()}))
@@ -58,10 +60,31 @@ def _items(paths: dict, sizes: dict, ranges: dict, res: int, layout: str) -> lis
     ):
         parts = [[t_off, t_n, [512, 4096], t_crc], [c_off, c_n, [768], c_crc]]
         loc = json.dumps([paths["text"], sizes["text"], f"caption-{i}", parts])
-        ref = [paths["samples"], i, f"s{i}", off, n, sizes["samples"], f"16,{res // 8},{res // 8}", "bench", loc, 0, 0,
-               0, crc, 0]  # fmt: skip
-        items.append({"bucket": f"{res}x{res}", "refs": json.dumps([ref]), "layout": layout,
-                      "generation_dir": "g00000", "weights": "[1.0]"})  # fmt: skip
+        ref = [
+            paths["samples"],
+            i,
+            f"s{i}",
+            off,
+            n,
+            sizes["samples"],
+            f"16,{res // 8},{res // 8}",
+            "bench",
+            loc,
+            0,
+            0,
+            0,
+            crc,
+            0,
+        ]
+        items.append(
+            {
+                "bucket": f"{res}x{res}",
+                "refs": json.dumps([ref]),
+                "layout": layout,
+                "generation_dir": "g00000",
+                "weights": "[1.0]",
+            }
+        )
     return items
 
 
@@ -104,11 +127,18 @@ def main() -> int:
         read, crc = statistics.median(read_s), statistics.median(crc_s)
         name = "latent + caption text" if with_text else "latent only"
         nbytes = sum(n for c in cols for _, n, _ in ranges[c]) / args.samples
-        out[name] = {"bytes_per_sample": nbytes, "read_ms": read * 1e3, "checksum_ms": crc * 1e3,
-                     "share_of_read": crc / read, "crc_GBps": nbytes / crc / 1e9}  # fmt: skip
-        print(f"{name:>22}: {nbytes / 1024:8.0f} KiB a sample; read (trainer's own, checksums included) "
-              f"{read * 1e3:6.2f} ms, of which checksum {crc * 1e3:5.3f} ms = {100 * crc / read:4.1f}% "
-              f"({nbytes / crc / 1e9:.1f} GB/s)")
+        out[name] = {
+            "bytes_per_sample": nbytes,
+            "read_ms": read * 1e3,
+            "checksum_ms": crc * 1e3,
+            "share_of_read": crc / read,
+            "crc_GBps": nbytes / crc / 1e9,
+        }
+        print(
+            f"{name:>22}: {nbytes / 1024:8.0f} KiB a sample; read (trainer's own, checksums included) "
+            f"{read * 1e3:6.2f} ms, of which checksum {crc * 1e3:5.3f} ms = {100 * crc / read:4.1f}% "
+            f"({nbytes / crc / 1e9:.1f} GB/s)"
+        )
     print(json.dumps(out))
     return 0
 

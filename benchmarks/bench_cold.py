@@ -152,15 +152,25 @@ def main() -> int:
     ap.add_argument("--code", type=Path, action="append", default=[], help="another checkout to run side by side")
     ap.add_argument("--slope", type=int, default=0, help="also time train.max_steps=N runs on the warm cache")
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--from", dest="source", type=Path, default=None,
-                    help="only report on the runs an earlier call left in this --work folder")
+    ap.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=None,
+        help="only report on the runs an earlier call left in this --work folder",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     work = args.work or Path(tempfile.mkdtemp(prefix="rayflux-bench-cold-"))
     images = write_images(work / f"images-{args.images}", args.images)
     epochs = -(-args.steps // args.images) + 1
-    common = [f"data.images_dir={images}", f"data.resolution={args.resolution}", "train.num_workers=1",
-              f"train.epochs={epochs}", "run.ray_address=local"]  # fmt: skip
+    common = [
+        f"data.images_dir={images}",
+        f"data.resolution={args.resolution}",
+        "train.num_workers=1",
+        f"train.epochs={epochs}",
+        "run.ray_address=local",
+    ]
     codes = [ROOT, *[c.resolve() for c in args.code]]
     results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
     if args.source:
@@ -170,17 +180,24 @@ def main() -> int:
             tag = f"r{r}-c{codes.index(code)}"
             cache = work / f"cache-{tag}"
             res = results[str(code)]
-            res["cold"].append(run_job(code, work / f"cold-{tag}", [*common, f"cache.dir={cache}",
-                                                                    f"train.max_steps={args.steps}"]))
-            res["warm"].append(run_job(code, work / f"warm-{tag}", [*common, f"cache.dir={cache}",
-                                                                    f"train.max_steps={args.steps}"]))
+            res["cold"].append(
+                run_job(code, work / f"cold-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={args.steps}"])
+            )
+            res["warm"].append(
+                run_job(code, work / f"warm-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={args.steps}"])
+            )
             if args.slope:
-                res["short"].append(run_job(code, work / f"short-{tag}", [*common, f"cache.dir={cache}",
-                                                                          f"train.max_steps={args.slope}"]))
+                res["short"].append(
+                    run_job(
+                        code, work / f"short-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={args.slope}"]
+                    )
+                )
             shutil.rmtree(cache, ignore_errors=True)
             c, w = res["cold"][-1], res["warm"][-1]
-            print(f"round {r} {code}: cold {c['exit'] - c['launch']:.1f}s, warm {w['exit'] - w['launch']:.1f}s",
-                  flush=True)
+            print(
+                f"round {r} {code}: cold {c['exit'] - c['launch']:.1f}s, warm {w['exit'] - w['launch']:.1f}s",
+                flush=True,
+            )
     report(codes, results, args)
     print(f"load average at the end: {os.getloadavg()}")
     return 0
@@ -206,31 +223,42 @@ def report_from(work: Path, codes: list[Path], results: dict, args) -> int:
     return 0
 
 
-SLOPE_PARTS = [("train stage", "train_start", "train_end"), ("  stage start -> first step", "train_start", "step_end"),
-               ("  first -> last step", "step_end", "last_step_end"), ("  last step -> stage end", "last_step_end",
-                                                                        "train_end")]  # fmt: skip
+SLOPE_PARTS = [
+    ("train stage", "train_start", "train_end"),
+    ("  stage start -> first step", "train_start", "step_end"),
+    ("  first -> last step", "step_end", "last_step_end"),
+    ("  last step -> stage end", "last_step_end", "train_end"),
+]
 
 
 def slope_report(long: list[dict], short: list[dict], extra: int, args) -> None:
     """What each extra step adds to the train stage and to its parts, against the step log's mean ``step_time``."""
     step = statistics.median(w["step_time"] for w in long)
-    print(f"extra step ({args.slope} -> {args.steps} steps), ms per step (median of {len(long)}); step log's mean "
-          f"step_time {step * 1000:.1f} ms")
+    print(
+        f"extra step ({args.slope} -> {args.steps} steps), ms per step (median of {len(long)}); step log's mean "
+        f"step_time {step * 1000:.1f} ms"
+    )
     if all("compute" in w for w in long):
         compute, between = (statistics.median(w[k] for w in long) for k in ("compute", "between"))
-        print(f"  of which LoraTrainer.train_step {compute * 1000:.1f} ms, the loop's work between steps "
-              f"{between * 1000:.1f} ms")
+        print(
+            f"  of which LoraTrainer.train_step {compute * 1000:.1f} ms, the loop's work between steps "
+            f"{between * 1000:.1f} ms"
+        )
     for label, a, b in SLOPE_PARTS:
         if all(a in r and b in r for r in long + short):
             added = [((w[b] - w[a]) - (s[b] - s[a])) / extra for w, s in zip(long, short)]
             med = statistics.median(added)
-            print(f"{label}: {med * 1000:.1f} ms (rounds: {', '.join(f'{x * 1000:.0f}' for x in added)})"
-                  + (f"; step_time ÷ added wall {step / med:.2f}" if label == "train stage" else ""))
+            print(
+                f"{label}: {med * 1000:.1f} ms (rounds: {', '.join(f'{x * 1000:.0f}' for x in added)})"
+                + (f"; step_time ÷ added wall {step / med:.2f}" if label == "train stage" else "")
+            )
 
 
 def report(codes: list[Path], results: dict, args) -> None:
-    print(f"\n{args.images} images, {args.resolution} px, {args.steps} steps, 1 worker; medians of {args.rounds} "
-          "rounds (seconds)")
+    print(
+        f"\n{args.images} images, {args.resolution} px, {args.steps} steps, 1 worker; medians of {args.rounds} "
+        "rounds (seconds)"
+    )
     for code in codes:
         res = results[str(code)]
         print(f"\n{code}\n| phase | cold | warm |\n| --- | --- | --- |")
@@ -242,12 +270,17 @@ def report(codes: list[Path], results: dict, args) -> None:
     for kind in ("cold", "warm"):
         for label, a, b in (("end to end", "launch", "exit"), ("Ray start -> export end", "ray_start", "export_end")):
             for code in codes[1:]:
-                pairs = [(x, y) for x, y in zip(base[kind], results[str(code)][kind]) if all(
-                    k in r for r in (x, y) for k in (a, b))]  # fmt: skip
+                pairs = [
+                    (x, y)
+                    for x, y in zip(base[kind], results[str(code)][kind])
+                    if all(k in r for r in (x, y) for k in (a, b))
+                ]
                 ratios = [(x[b] - x[a]) / (y[b] - y[a]) for x, y in pairs]
                 if ratios:
-                    print(f"{kind}: this tree ÷ {code}, {label}: median {statistics.median(ratios):.3f} "
-                          f"(rounds: {', '.join(f'{v:.3f}' for v in ratios)})")
+                    print(
+                        f"{kind}: this tree ÷ {code}, {label}: median {statistics.median(ratios):.3f} "
+                        f"(rounds: {', '.join(f'{v:.3f}' for v in ratios)})"
+                    )
 
 
 if __name__ == "__main__":

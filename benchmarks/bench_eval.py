@@ -36,20 +36,32 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rayflux-bench-eval-"))
     out = work / "run"
     epochs = -(-args.steps // (8 - args.eval_samples)) + 1  # the demo's 8 images, less the held-out ones
-    _run_job([], ["train.num_workers=1", f"data.resolution={args.resolution}", f"train.epochs={epochs}",
-                  f"train.max_steps={args.steps}", f"data.eval_samples={args.eval_samples}",
-                  f"train.eval_every={args.eval_every}", f"run.output_dir={out}", "run.ray_address=local"],
-             timeout=3600)  # fmt: skip
+    _run_job(
+        [],
+        [
+            "train.num_workers=1",
+            f"data.resolution={args.resolution}",
+            f"train.epochs={epochs}",
+            f"train.max_steps={args.steps}",
+            f"data.eval_samples={args.eval_samples}",
+            f"train.eval_every={args.eval_every}",
+            f"run.output_dir={out}",
+            "run.ray_address=local",
+        ],
+        timeout=3600,
+    )
     steps = metrics.read_steps(str(out))
     evals = metrics.read_steps(str(out), evals=True)
     step_ms = statistics.median(s["step_time"] for s in steps[1:]) * 1000  # the first step includes the first read
     eval_ms = [e["eval_time"] * 1000 for e in evals]
     forwards = args.eval_samples * len(evals[0]["eval_loss_sigmas"])
-    print(f"{args.resolution} px, batch 1: training step {step_ms:.1f} ms (median of {len(steps) - 1}); eval of "
-          f"{args.eval_samples} samples x {len(evals[0]['eval_loss_sigmas'])} sigmas: median "
-          f"{statistics.median(eval_ms):.1f} ms over {len(eval_ms)} evals ({', '.join(f'{m:.0f}' for m in eval_ms)}); "
-          f"eval / step {statistics.median(eval_ms) / step_ms:.2f}; per sample-sigma forward "
-          f"{statistics.median(eval_ms) / forwards / step_ms:.2f} of a step")  # fmt: skip
+    print(
+        f"{args.resolution} px, batch 1: training step {step_ms:.1f} ms (median of {len(steps) - 1}); eval of "
+        f"{args.eval_samples} samples x {len(evals[0]['eval_loss_sigmas'])} sigmas: median "
+        f"{statistics.median(eval_ms):.1f} ms over {len(eval_ms)} evals ({', '.join(f'{m:.0f}' for m in eval_ms)}); "
+        f"eval / step {statistics.median(eval_ms) / step_ms:.2f}; per sample-sigma forward "
+        f"{statistics.median(eval_ms) / forwards / step_ms:.2f} of a step"
+    )
 
 
 if __name__ == "__main__":

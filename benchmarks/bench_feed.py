@@ -28,8 +28,12 @@ def main() -> int:
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--prefetch", type=int, default=2, help="reads kept ahead (train.prefetch_reads)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the training step")
-    ap.add_argument("--batches-per-read", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8],
-                    help="planned batches per read (train.batches_per_read); a comma list compares several")
+    ap.add_argument(
+        "--batches-per-read",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 8],
+        help="planned batches per read (train.batches_per_read); a comma list compares several",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides; medians reported")
     args = ap.parse_args()
 
@@ -54,9 +58,14 @@ def main() -> int:
     write_images(work / "images", sizes=[(args.resolution, args.resolution)] * args.steps)
     cfg = config.load(
         None,
-        [f"model.path={model_dir}", f"data.images_dir={work / 'images'}", f"data.resolution={args.resolution}",
-         "train.epochs=1", "train.batch_size=1"],
-    )  # fmt: skip
+        [
+            f"model.path={model_dir}",
+            f"data.images_dir={work / 'images'}",
+            f"data.resolution={args.resolution}",
+            "train.epochs=1",
+            "train.batch_size=1",
+        ],
+    )
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     DataContext.get_current().enable_progress_bars = False
@@ -131,14 +140,16 @@ def main() -> int:
         "by_batches_per_read": {
             per_read: {
                 "efficiency_feed_over_memory": median([r[per_read][0] for r in rounds]),
-                "efficiency_range": [round(min(r[per_read][0] for r in rounds), 3),
-                                     round(max(r[per_read][0] for r in rounds), 3)],
+                "efficiency_range": [
+                    round(min(r[per_read][0] for r in rounds), 3),
+                    round(max(r[per_read][0] for r in rounds), 3),
+                ],
                 "steady_state_efficiency": median([r[per_read][1] for r in rounds]),
                 "first_batch_wait_s": median([r[per_read][2] for r in rounds]),
             }
             for per_read in args.batches_per_read
         },
-    }  # fmt: skip
+    }
     print(json.dumps(result, indent=1))
     return 0
 

@@ -64,12 +64,27 @@ from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
 """Dense bf16 peaks (NVIDIA data sheets, SXM parts); ``--peak-tflops`` overrides."""
-TINY = {**FLUX1_DEV, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
-        "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8],
-        "in_channels": 16}  # fmt: skip
-TINY2 = {**FLUX2_KLEIN_9B, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
-         "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": [4, 4, 4, 4],
-         "in_channels": 16}  # fmt: skip
+TINY = {
+    **FLUX1_DEV,
+    "num_layers": 1,
+    "num_single_layers": 1,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 32,
+    "axes_dims_rope": [4, 4, 8],
+    "in_channels": 16,
+}
+TINY2 = {
+    **FLUX2_KLEIN_9B,
+    "num_layers": 1,
+    "num_single_layers": 1,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": [4, 4, 4, 4],
+    "in_channels": 16,
+}
 FULL_GRID = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
 COMPILED = [(512, 1, False, True), (1024, 1, True, True)]
 """``train.compile=true`` rows (px, batch, checkpointing, compile), against the grid's eager rows of the same shape."""
@@ -81,21 +96,47 @@ MODELS = {
 }
 """name -> (transformer config, train.base_dtype, (px, batch, checkpointing[, compile]) grid) of the LoRA-step
 section."""
-DRY = {"flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True), (64, 1, False, True)]),
-       "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
-       "flux2-dev": ({**TINY2, "guidance_embeds": True}, "fp8", [(64, 1, True)])}  # fmt: skip
+DRY = {
+    "flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True), (64, 1, False, True)]),
+    "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
+    "flux2-dev": ({**TINY2, "guidance_embeds": True}, "fp8", [(64, 1, True)]),
+}
 """The same sections at tiny widths for ``--dry-run`` (fp8 is refused on CPU, which the dry run records; so is the
 compiled row: inductor's CPU compile takes minutes, and its speed on CPU says nothing about a GPU's)."""
-FLUX_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
-            "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-            "layers_per_block": 2, "norm_num_groups": 32, "scaling_factor": 0.3611, "shift_factor": 0.1159,
-            "use_quant_conv": False, "use_post_quant_conv": False}  # fmt: skip
-T5_XXL = {"d_model": 4096, "d_ff": 10240, "num_layers": 24, "num_heads": 64, "d_kv": 64, "vocab_size": 32128,
-          "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}  # fmt: skip
+FLUX_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 16,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+T5_XXL = {
+    "d_model": 4096,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "d_kv": 64,
+    "vocab_size": 32128,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+}
 JOB_IMAGES = 8
 """Square images the job section caches and trains on: 8 steps an epoch on one worker at batch 1."""
-CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-          "vocab_size": 49408, "max_position_embeddings": 77}  # fmt: skip
+CLIP_L = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "vocab_size": 49408,
+    "max_position_embeddings": 77,
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -123,8 +164,6 @@ def _timed(fn, n: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / n
 
 
-
-
 def _text_length(tc: dict) -> int:
     return families.of_transformer_config(tc).text_length_of(tc)
 
@@ -139,8 +178,9 @@ def _batch(tc: dict, px: int, size: int, device: torch.device, seed: int) -> ste
         return step.Batch(latents, {"prompt_embeds": torch.randn(size, text, width, generator=g)}, seed)
     latents = torch.randn(size, tc["in_channels"] // 4, px // 8, px // 8, generator=g)
     t5 = torch.randn(size, text, width, generator=g)
-    return step.Batch(latents, {"t5": t5, "clip_pooled": torch.randn(size, tc["pooled_projection_dim"], generator=g)},
-                      seed)  # fmt: skip
+    return step.Batch(
+        latents, {"t5": t5, "clip_pooled": torch.randn(size, tc["pooled_projection_dim"], generator=g)}, seed
+    )
 
 
 def _transformer(tc: dict, device: torch.device, dtype: torch.dtype):
@@ -193,14 +233,21 @@ def _bare_step(model, params, opt, batch: step.Batch, device: torch.device, dtyp
     opt.zero_grad(set_to_none=True)
 
 
-def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid: list, steps: int,
-               peak: float) -> list[dict]:  # fmt: skip
+def lora_steps(
+    name: str, tc: dict, base_dtype: str, device: torch.device, grid: list, steps: int, peak: float
+) -> list[dict]:
     dtype = models.torch_dtype("auto", device.type)  # model.dtype's default: bf16 on GPU, fp32 on CPU
     rows = []
     for px, batch, ckpt, *compiled in grid:
         compiled = bool(compiled and compiled[0])
-        row = {"model": name, "base_dtype": base_dtype, "px": px, "batch": batch, "checkpointing": ckpt,
-               "compile": compiled}  # fmt: skip
+        row = {
+            "model": name,
+            "base_dtype": base_dtype,
+            "px": px,
+            "batch": batch,
+            "checkpointing": ckpt,
+            "compile": compiled,
+        }
         rows.append(row)
         try:
             base_weights.check_worker(base_dtype, device)
@@ -210,10 +257,17 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
             row["refused"] = str(refused)
             print(json.dumps(row), flush=True)
             continue
-        cfg = config.load(None, ["train.rank=16", f"train.gradient_checkpointing={str(ckpt).lower()}",
-                                 f"data.resolution={px}", f"train.batch_size={batch}",
-                                 f"train.base_dtype={base_dtype}",
-                                 f"train.compile={str(compiled).lower()}"])  # fmt: skip
+        cfg = config.load(
+            None,
+            [
+                "train.rank=16",
+                f"train.gradient_checkpointing={str(ckpt).lower()}",
+                f"data.resolution={px}",
+                f"train.batch_size={batch}",
+                f"train.base_dtype={base_dtype}",
+                f"train.compile={str(compiled).lower()}",
+            ],
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -232,15 +286,22 @@ def lora_steps(name: str, tc: dict, base_dtype: str, device: torch.device, grid:
         trainable = sum(p.numel() for p in trainer.params)
         frozen = sum(p.numel() for p in trainer.transformer.parameters()) - trainable
         flops = model_flops(frozen, trainable, gpu_memory.tokens(px, _text_length(tc)), ckpt) * batch
-        row.update({
-            "steps_per_s": round(1 / seconds, 3), "samples_per_s": round(batch / seconds, 3),
-            "peak_gib": round(torch.cuda.max_memory_allocated(device) / gpu_memory.GIB, 1) if device.type == "cuda" else None,
-            "mfu": round(flops / seconds / (peak * 1e12), 3) if peak else None, "job_s_per_step": round(seconds, 4),
-        })  # fmt: skip
+        row.update(
+            {
+                "steps_per_s": round(1 / seconds, 3),
+                "samples_per_s": round(batch / seconds, 3),
+                "peak_gib": round(torch.cuda.max_memory_allocated(device) / gpu_memory.GIB, 1)
+                if device.type == "cuda"
+                else None,
+                "mfu": round(flops / seconds / (peak * 1e12), 3) if peak else None,
+                "job_s_per_step": round(seconds, 4),
+            }
+        )
         if name == "flux1-dev" and not compiled:
             bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
-            bare = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps,
-                          device)  # fmt: skip
+            bare = _timed(
+                lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps, device
+            )
             row.update({"bare_s_per_step": round(bare, 4), "job_over_bare": round(seconds / bare, 3)})
             del bare_opt
         print(json.dumps(row), flush=True)
@@ -295,8 +356,15 @@ def job_spec(blocks: tuple[int, int], dry: bool) -> TinySpec:
     says fewer) and real VAE in bf16, shallow text encoders; the default tiny model for ``--dry-run``."""
     if dry:
         return TinySpec()
-    return TinySpec(flux_vae=True, num_layers=blocks[0], num_single_layers=blocks[1], attention_head_dim=128,
-                    num_attention_heads=24, text_dim=4096, dtype="bfloat16")  # fmt: skip
+    return TinySpec(
+        flux_vae=True,
+        num_layers=blocks[0],
+        num_single_layers=blocks[1],
+        attention_head_dim=128,
+        num_attention_heads=24,
+        text_dim=4096,
+        dtype="bfloat16",
+    )
 
 
 def _in_process(common: list[str], rows: list[dict], steps: int, device: torch.device) -> dict:
@@ -308,8 +376,9 @@ def _in_process(common: list[str], rows: list[dict], steps: int, device: torch.d
     trainer = LoraTrainer(cfg, device, total_steps=2 * steps + 2)
     trainer_s = _timed(lambda: trainer.train_step([next(batches)]), steps, device)
     bare_opt = torch.optim.AdamW(trainer.params, lr=cfg.train.learning_rate)
-    bare_s = _timed(lambda: _bare_step(trainer.model, trainer.params, bare_opt, next(batches), device, dtype), steps,
-                    device)  # fmt: skip
+    bare_s = _timed(
+        lambda: _bare_step(trainer.model, trainer.params, bare_opt, next(batches), device, dtype), steps, device
+    )
     ckpt = trainer.checkpointing
     del trainer, bare_opt
     _free(device)
@@ -322,8 +391,9 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def job_section(spec: TinySpec, px: int, steps: tuple[int, int], device: torch.device, work: Path,
-                model_dir: Path | None) -> dict:  # fmt: skip
+def job_section(
+    spec: TinySpec, px: int, steps: tuple[int, int], device: torch.device, work: Path, model_dir: Path | None
+) -> dict:
     """The job (``jobs/train_flux.py``: Ray Train, its feed, checkpoints) on one worker at ``px`` px, batch 1, as wall
     time per extra step between ``train.max_steps`` ``steps[0]`` and ``steps[1]``, against the in-process steps."""
     import ray
@@ -335,16 +405,29 @@ def job_section(spec: TinySpec, px: int, steps: tuple[int, int], device: torch.d
     t0 = time.perf_counter()
     model = ensure_tiny_model(model_dir or work / "model", spec)
     size = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
-    row = {"px": px, "batch": 1, "blocks": [spec.num_layers, spec.num_single_layers], "dtype": spec.dtype,
-           "model_write_s": round(time.perf_counter() - t0, 2), "model_gib": round(size / gpu_memory.GIB, 3)}  # fmt: skip
+    row = {
+        "px": px,
+        "batch": 1,
+        "blocks": [spec.num_layers, spec.num_single_layers],
+        "dtype": spec.dtype,
+        "model_write_s": round(time.perf_counter() - t0, 2),
+        "model_gib": round(size / gpu_memory.GIB, 3),
+    }
     write_images(work / "images", sizes=[(px, px)] * JOB_IMAGES)
     short, long = steps
     # One Ray for the three runs (cache, short, long): each job joins it instead of starting its own.
     ctx = ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
-        common = [f"model.path={model}", f"data.images_dir={work / 'images'}", f"data.resolution={px}",
-                  "train.num_workers=1", "train.batch_size=1", f"train.epochs={-(-long // JOB_IMAGES) + 1}",
-                  f"cache.dir={work / 'cache'}", f"run.ray_address={ctx.address_info['gcs_address']}"]  # fmt: skip
+        common = [
+            f"model.path={model}",
+            f"data.images_dir={work / 'images'}",
+            f"data.resolution={px}",
+            "train.num_workers=1",
+            "train.batch_size=1",
+            f"train.epochs={-(-long // JOB_IMAGES) + 1}",
+            f"cache.dir={work / 'cache'}",
+            f"run.ray_address={ctx.address_info['gcs_address']}",
+        ]
         rows = cached_batches(common, build_cache(work, common))
         # Before the job runs, so that its worker and this process never hold the model on the GPU together.
         row.update(_in_process(common, rows, long - short, device))
@@ -355,10 +438,17 @@ def job_section(spec: TinySpec, px: int, steps: tuple[int, int], device: torch.d
         ray.shutdown()
     job_s = (seconds[1] - seconds[0]) / (long - short)
     trainer_s, bare_s = row["trainer_s_per_step"], row["bare_s_per_step"]
-    row.update({"max_steps": list(steps), "job_train_s": [round(x, 3) for x in seconds],
-                "job_s_per_extra_step": round(job_s, 5), "trainer_s_per_step": round(trainer_s, 5),
-                "bare_s_per_step": round(bare_s, 5), "job_over_trainer": round(job_s / trainer_s, 3),
-                "job_over_bare": round(job_s / bare_s, 3)})  # fmt: skip
+    row.update(
+        {
+            "max_steps": list(steps),
+            "job_train_s": [round(x, 3) for x in seconds],
+            "job_s_per_extra_step": round(job_s, 5),
+            "trainer_s_per_step": round(trainer_s, 5),
+            "bare_s_per_step": round(bare_s, 5),
+            "job_over_trainer": round(job_s / trainer_s, 3),
+            "job_over_bare": round(job_s / bare_s, 3),
+        }
+    )
     print(json.dumps({"job": row}), flush=True)
     return row
 
@@ -370,15 +460,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae-procs", type=int, default=4, help="VAE processes sharing the GPU (cache.gpus_per_actor=1/N)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s (default: by device name)")
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
-    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS),
-                    help="LoRA-step sections to run (default: all)")  # fmt: skip
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(MODELS),
+        default=sorted(MODELS),
+        help="LoRA-step sections to run (default: all)",
+    )
     ap.add_argument("--skip-job", action="store_true", help="leave out the job section")
-    ap.add_argument("--job-blocks", default="19,38", metavar="D,S",
-                    help="double,single blocks of the job section's model (fewer: a smaller directory to write)")
+    ap.add_argument(
+        "--job-blocks",
+        default="19,38",
+        metavar="D,S",
+        help="double,single blocks of the job section's model (fewer: a smaller directory to write)",
+    )
     ap.add_argument("--job-steps", default="10,60", metavar="SHORT,LONG", help="train.max_steps of the two job runs")
-    ap.add_argument("--job-model", metavar="DIR", type=Path,
-                    help="where the job section's model is written and kept (reused when current; default: a "
-                         "temporary directory, removed at the end)")  # fmt: skip
+    ap.add_argument(
+        "--job-model",
+        metavar="DIR",
+        type=Path,
+        help="where the job section's model is written and kept (reused when current; default: a "
+        "temporary directory, removed at the end)",
+    )
     args = ap.parse_args(argv)
     try:  # checked before any section runs, not after an hour of them
         blocks = tuple(int(n) for n in args.job_blocks.split(","))
@@ -392,8 +495,14 @@ def main(argv: list[str] | None = None) -> int:
         device, models, steps = torch.device("cpu"), DRY, 2
         vae_cfg = {**FLUX_VAE, "block_out_channels": [32, 32, 32, 32], "latent_channels": 4}
         t5_cfg = {**T5_XXL, "d_model": 32, "d_ff": 37, "num_layers": 1, "num_heads": 2, "d_kv": 16, "vocab_size": 100}
-        clip_cfg = {**CLIP_L, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1,
-                    "num_attention_heads": 2, "vocab_size": 100}  # fmt: skip
+        clip_cfg = {
+            **CLIP_L,
+            "hidden_size": 32,
+            "intermediate_size": 37,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "vocab_size": 100,
+        }
         vae_px, vae_procs, text_len = 64, 2, 16
     else:
         if not torch.cuda.is_available():
@@ -415,8 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_job:
         work = Path(tempfile.mkdtemp(prefix="bench-gpu-job-"))
         try:
-            results["job"] = job_section(job_spec(blocks, args.dry_run), 64 if args.dry_run else 512, job_steps,
-                                         device, work, args.job_model)  # fmt: skip
+            results["job"] = job_section(
+                job_spec(blocks, args.dry_run), 64 if args.dry_run else 512, job_steps, device, work, args.job_model
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({k: results[k] for k in ("device", "vae", "text", "job") if k in results}, indent=1))

@@ -50,8 +50,9 @@ def _reads(proxy, root: str, blobs: dict[str, bytes]) -> None:
     for uri, blob in blobs.items():
         assert storage.read_bytes(uri) == blob
         assert ranges.read_ranges(uri, len(blob), [(0, 4096), (len(blob) // 2, 8192)]) == [
-            blob[:4096], blob[len(blob) // 2 : len(blob) // 2 + 8192]
-        ]  # fmt: skip
+            blob[:4096],
+            blob[len(blob) // 2 : len(blob) // 2 + 8192],
+        ]
 
 
 def read_paths(proxy, args) -> None:
@@ -65,8 +66,17 @@ def read_paths(proxy, args) -> None:
         storage.write_bytes_atomic(uri, blob)
     for name, rate in (("clean", 0.0), (f"{args.rate:.0%} 503s", args.rate)):
         proxy.faults(rate=rate, seed=1)
-        print(json.dumps({"run": name, "objects": args.objects, "reads": args.reads,
-                          **_counted(proxy, lambda: _reads(proxy, root, blobs))[1]}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "run": name,
+                    "objects": args.objects,
+                    "reads": args.reads,
+                    **_counted(proxy, lambda: _reads(proxy, root, blobs))[1],
+                }
+            ),
+            flush=True,
+        )
 
 
 def whole_job(proxy, args) -> None:
@@ -85,9 +95,17 @@ def whole_job(proxy, args) -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # workers: the proxy
     progress.quiet_operator_bars()
     steps = -(-args.images // args.batch_size)
-    sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", "data.resolution=64",
-            "data.crop=center", "train.epochs=1", f"train.batch_size={args.batch_size}", "train.num_workers=1",
-            "cache.refresh=never", f"train.checkpoint_every={max(steps // 10, 1)}"]  # fmt: skip
+    sets = [
+        f"model.path={ensure_tiny_model()}",
+        f"data.images_dir={bucket}/images",
+        "data.resolution=64",
+        "data.crop=center",
+        "train.epochs=1",
+        f"train.batch_size={args.batch_size}",
+        "train.num_workers=1",
+        "cache.refresh=never",
+        f"train.checkpoint_every={max(steps // 10, 1)}",
+    ]
     loras = {}
     for name, rate in (("clean", 0.0), (f"{args.rate:.0%} 503s", args.rate)):
         proxy.faults(rate=rate, seed=1)
@@ -113,8 +131,12 @@ def main() -> None:
     import s3server
 
     port = s3server._free_port()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")  # fmt: skip
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+    )
     os.environ.pop("AWS_ENDPOINT_URL_S3", None)
     server = s3server.S3Server(port)
     proxy = s3server.FaultProxy(server.url)

@@ -70,16 +70,19 @@ class Server:
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         for _ in range(300):
             try:
                 urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2).close()
                 break
             except OSError:
                 time.sleep(0.2)
-        os.environ.update(AWS_ENDPOINT_URL=self.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                          AWS_REGION="us-east-1")  # fmt: skip
+        os.environ.update(
+            AWS_ENDPOINT_URL=self.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1"
+        )
         os.environ.pop("AWS_ENDPOINT_URL_S3", None)
 
     def mark(self) -> int:
@@ -205,36 +208,55 @@ def _count(server: Server, since: int, prefix: str = "") -> tuple[int, dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, nargs="+", default=[500],
-                        help="N; several values (with --discover-only or --skip-train) measure the driver's RSS "
-                             "slope per image in each phase")  # fmt: skip
+    parser.add_argument(
+        "--images",
+        type=int,
+        nargs="+",
+        default=[500],
+        help="N; several values (with --discover-only or --skip-train) measure the driver's RSS "
+        "slope per image in each phase",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="with several --images: fresh runs per N")
     parser.add_argument("--per-folder", type=int, default=1000, help="images per folder")
-    parser.add_argument("--local", action="store_true",
-                        help="with --discover-only or --skip-train: images in a local folder instead of the S3 "
-                             "server (large N fast; no requests counted)")  # fmt: skip
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="with --discover-only or --skip-train: images in a local folder instead of the S3 "
+        "server (large N fast; no requests counted)",
+    )
     parser.add_argument("--variant", choices=["sidecar", "metadata"], default="sidecar")
     parser.add_argument("--skip-train", action="store_true", help="stop after the cache phases")
     parser.add_argument("--masks", action="store_true", help="a loss mask per image (data.mask=dir, on S3)")
     parser.add_argument("--no-heap", action="store_true", help="no tracemalloc (for the peak-RSS slope)")
     parser.add_argument("--discover-only", action="store_true", help="stop after the discovery phase")
     parser.add_argument("--batch-size", type=int, default=1, help="train.batch_size of the training phases")
-    parser.add_argument("--read-run", type=int, default=0,
-                        help="train.read_run of the training phases (0: its default); 1 is a per-sample shuffle")
-    parser.add_argument("--kill-at", type=float, default=0.7,
-                        help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed")
+    parser.add_argument(
+        "--read-run",
+        type=int,
+        default=0,
+        help="train.read_run of the training phases (0: its default); 1 is a per-sample shuffle",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.7,
+        help="SIGKILL the training run once a checkpoint past this fraction of the epoch is committed",
+    )
     args = parser.parse_args(argv)
     if len(args.images) > 1 or args.repeats > 1:
         if not (args.discover_only or args.skip_train):
-            parser.error("several --images or --repeats measure the driver's RSS slope, without training: add "
-                         "--discover-only or --skip-train")  # fmt: skip
+            parser.error(
+                "several --images or --repeats measure the driver's RSS slope, without training: add "
+                "--discover-only or --skip-train"
+            )
         _slope(args)
         return
     args.images = args.images[0]
     if args.local:
         if not (args.discover_only or args.skip_train):
-            parser.error("--local has no server to count requests on and no training phase: add --discover-only "
-                         "or --skip-train")  # fmt: skip
+            parser.error(
+                "--local has no server to count requests on and no training phase: add --discover-only or --skip-train"
+            )
         try:
             _run(None, args)
         finally:
@@ -262,8 +284,16 @@ def _slope(args) -> None:
     points: dict[str, list[tuple[int, int, float]]] = {}
     for rep in range(args.repeats):
         for n in args.images:
-            cmd = [sys.executable, __file__, "--no-heap", "--images", str(n), "--per-folder", str(args.per_folder),
-                   "--discover-only" if args.discover_only else "--skip-train"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--no-heap",
+                "--images",
+                str(n),
+                "--per-folder",
+                str(args.per_folder),
+                "--discover-only" if args.discover_only else "--skip-train",
+            ]
             cmd += ["--local"] if args.local else []
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             for line in out.stdout.splitlines():
@@ -273,9 +303,19 @@ def _slope(args) -> None:
                     points.setdefault(rec["phase"], []).append((rep, n, growth))
                     for part in ("RssAnon", "RssShmem"):  # each part's own slope, named e.g. "cache RssAnon"
                         points.setdefault(f"{rec['phase']} {part}", []).append((rep, n, parts[part]))
-                    print(json.dumps({"phase": f"{rec['phase']}-point", "repeat": rep, "images": n,
-                                      "seconds": rec["seconds"], "driver_phase_rss_growth_mb": growth,
-                                      "by_part_mb": parts}), flush=True)  # fmt: skip
+                    print(
+                        json.dumps(
+                            {
+                                "phase": f"{rec['phase']}-point",
+                                "repeat": rep,
+                                "images": n,
+                                "seconds": rec["seconds"],
+                                "driver_phase_rss_growth_mb": growth,
+                                "by_part_mb": parts,
+                            }
+                        ),
+                        flush=True,
+                    )
 
     def fit(pts) -> tuple[float, float, float]:  # (KB per image, its standard error, MB at N = 0)
         xs, ys = [p[1] for p in pts], [p[2] * 1024 for p in pts]
@@ -290,10 +330,23 @@ def _slope(args) -> None:
     for name, pts in points.items():
         b, se, a = fit(pts)
         each = [round(fit([p for p in pts if p[0] == r])[0], 3) for r in range(args.repeats)]
-        print(json.dumps({"phase": f"{name}-slope", "where": "local" if args.local else "s3", "images": args.images,
-                          "per_folder": args.per_folder, "repeats": args.repeats, "kb_per_image": round(b, 3),
-                          "stderr_kb": round(se, 3), "per_repeat_kb": each, "intercept_mb": round(a, 1),
-                          "at_10m_gb": round(b * 10_000_000 / 2**20, 2)}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "phase": f"{name}-slope",
+                    "where": "local" if args.local else "s3",
+                    "images": args.images,
+                    "per_folder": args.per_folder,
+                    "repeats": args.repeats,
+                    "kb_per_image": round(b, 3),
+                    "stderr_kb": round(se, 3),
+                    "per_repeat_kb": each,
+                    "intercept_mb": round(a, 1),
+                    "at_10m_gb": round(b * 10_000_000 / 2**20, 2),
+                }
+            ),
+            flush=True,
+        )
 
 
 _RSS_PHASES = ("discover", "cache", "rerun", "refresh")
@@ -333,12 +386,23 @@ def _run(server: Server | None, args) -> None:
         _put_local(bucket, n, args.per_folder)
     else:
         _put_images(bucket, n, args.variant, args.per_folder, args.masks)
-    setup = {"phase": "setup", "seconds": round(time.perf_counter() - t0, 1),
-             "requests": sum(1 for _ in server.requests()) if server else 0}  # fmt: skip
+    setup = {
+        "phase": "setup",
+        "seconds": round(time.perf_counter() - t0, 1),
+        "requests": sum(1 for _ in server.requests()) if server else 0,
+    }
     print(json.dumps(setup), flush=True)
-    sets = [f"model.path={ensure_tiny_model()}", f"data.images_dir={bucket}/images", f"run.output_dir={bucket}/run",
-            "data.resolution=64", "data.crop=center", "train.epochs=1", f"train.batch_size={args.batch_size}",
-            "train.num_workers=1", "cache.refresh=never"]  # fmt: skip
+    sets = [
+        f"model.path={ensure_tiny_model()}",
+        f"data.images_dir={bucket}/images",
+        f"run.output_dir={bucket}/run",
+        "data.resolution=64",
+        "data.crop=center",
+        "train.epochs=1",
+        f"train.batch_size={args.batch_size}",
+        "train.num_workers=1",
+        "cache.refresh=never",
+    ]
     if args.variant == "metadata":
         sets.append("data.caption_strategy=metadata")
     if args.read_run:
@@ -368,11 +432,19 @@ def _run(server: Server | None, args) -> None:
         seconds, heap = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] - held  # before the log is read
         peak = _status_mb("VmHWM")["VmHWM"]
         total, by = _count(server, since, prefix) if server else (0, {})
-        rec = {"phase": name, "images": n, "seconds": round(seconds, 2), "requests": total,
-               "per_image": round(total / n, 4), "by": by, "driver_peak_rss_mb": round(_rss_mb(), 1),
-               "driver_phase_peak_rss_mb": round(peak, 1), "driver_phase_rss_growth_mb": round(peak - at_start, 1),
-               "driver_heap_peak_mb": round(heap / 2**20, 1),
-               "driver_phase_growth_by_part_mb": parts.growth()}  # fmt: skip
+        rec = {
+            "phase": name,
+            "images": n,
+            "seconds": round(seconds, 2),
+            "requests": total,
+            "per_image": round(total / n, 4),
+            "by": by,
+            "driver_peak_rss_mb": round(_rss_mb(), 1),
+            "driver_phase_peak_rss_mb": round(peak, 1),
+            "driver_phase_rss_growth_mb": round(peak - at_start, 1),
+            "driver_heap_peak_mb": round(heap / 2**20, 1),
+            "driver_phase_growth_by_part_mb": parts.growth(),
+        }
         print(json.dumps(rec), flush=True)
         return out, rec
 
@@ -388,16 +460,27 @@ def _run(server: Server | None, args) -> None:
         _train_killed_and_resumed(server, args, cfg, sets, bucket, phase)
     # Refresh: generation 1 of the same cache key with its own seed, nothing else changed.
     images, cache_root, out = job.resolve_dirs(cfg)
-    stages = generation_stages.GenerationStages(cfg, facts, Ledger(out, job.run_identity(cfg)), cache_root, False, job.Summary())
+    stages = generation_stages.GenerationStages(
+        cfg, facts, Ledger(out, job.run_identity(cfg)), cache_root, False, job.Summary()
+    )
     g0 = stages.generation(0)
     g1, _ = phase("refresh", lambda: stages.generation(1))
     written = lambda m: sum(f["bytes"] for f in m["files"] + m["text_files"])  # noqa: E731
     indexed = lambda m: sum(e["bytes"] for e in m["index"].values())  # noqa: E731
     staged = g1.get("staged_bytes", 0)  # written, then swept at commit: bytes written all the same
-    print(json.dumps({"phase": "refresh-bytes", "g0_shard_bytes": written(g0), "g1_shard_bytes": written(g1),
-                      "g1_index_bytes": indexed(g1), "g1_staged_bytes": staged,
-                      "ratio": round((written(g1) + indexed(g1) + staged) / max(written(g0), 1), 4)}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "phase": "refresh-bytes",
+                "g0_shard_bytes": written(g0),
+                "g1_shard_bytes": written(g1),
+                "g1_index_bytes": indexed(g1),
+                "g1_staged_bytes": staged,
+                "ratio": round((written(g1) + indexed(g1) + staged) / max(written(g0), 1), 4),
+            }
+        ),
+        flush=True,
+    )
     if server is None:
         local.cleanup()
 
@@ -447,8 +530,12 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     sizes: dict[int, int] = {}  # each checkpoint step of the killed run: the checkpoint's bytes in storage
 
     def killed():
-        proc = subprocess.Popen([sys.executable, "-c", _TRAIN, *sets], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _TRAIN, *sets],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             while proc.poll() is None:
                 latest = commits.latest(run_dir)
@@ -475,30 +562,60 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     since = server.mark()
     at, rec = phase("train-killed", killed)
     reads = [r for r in server.requests(since) if "/cache/" in r[1]]
-    print(json.dumps({"phase": "train-killed-reads", "checkpoint_step": at, "epoch_steps_about": steps,
-                      "cache_requests": len(reads),
-                      "per_checkpointed_sample": round(len(reads) / max(at * args.batch_size, 1), 3)}), flush=True)
-    print(json.dumps({"phase": "checkpoint-bytes", "by_step": {str(k): v for k, v in sorted(sizes.items())}}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "phase": "train-killed-reads",
+                "checkpoint_step": at,
+                "epoch_steps_about": steps,
+                "cache_requests": len(reads),
+                "per_checkpointed_sample": round(len(reads) / max(at * args.batch_size, 1), 3),
+            }
+        ),
+        flush=True,
+    )
+    print(
+        json.dumps({"phase": "checkpoint-bytes", "by_step": {str(k): v for k, v in sorted(sizes.items())}}), flush=True
+    )
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     since = server.mark()
     summary, rec = phase("resume", lambda: job.run(cfg))
     reads = [r for r in server.requests(since) if "/cache/" in r[1]]
     trained = (summary.steps - at) * args.batch_size
-    print(json.dumps({"phase": "resume-reads", "resumed_from_step": at, "final_step": summary.steps,
-                      "trained_samples": trained, "cache_requests": len(reads),
-                      "per_trained_sample": round(len(reads) / max(trained, 1), 3)}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "phase": "resume-reads",
+                "resumed_from_step": at,
+                "final_step": summary.steps,
+                "trained_samples": trained,
+                "cache_requests": len(reads),
+                "per_trained_sample": round(len(reads) / max(trained, 1), 3),
+            }
+        ),
+        flush=True,
+    )
     # What the training loop itself counted (the step log): bytes fetched against the tensors' bytes, and its GETs.
     from rayflux.train import metrics
 
     history = metrics.read_steps(cfg.run.output_dir)
-    for name, part in (("killed", [h for h in history if h["step"] <= at]),
-                       ("resume", [h for h in history if h["step"] > at])):  # fmt: skip
+    for name, part in (
+        ("killed", [h for h in history if h["step"] <= at]),
+        ("resume", [h for h in history if h["step"] > at]),
+    ):
         total = {k: sum(h.get(k, 0) for h in part) for k in ("read_bytes", "tensor_bytes", "read_requests", "samples")}
-        print(json.dumps({"phase": f"{name}-read-bytes", "steps": len(part), **total,
-                          "bytes_over_tensor_bytes": round(total["read_bytes"] / max(total["tensor_bytes"], 1), 4),
-                          "loop_requests_per_sample": round(total["read_requests"] / max(total["samples"], 1), 4)}),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "phase": f"{name}-read-bytes",
+                    "steps": len(part),
+                    **total,
+                    "bytes_over_tensor_bytes": round(total["read_bytes"] / max(total["tensor_bytes"], 1), 4),
+                    "loop_requests_per_sample": round(total["read_requests"] / max(total["samples"], 1), 4),
+                }
+            ),
+            flush=True,
+        )
 
 
 def _tree_bytes(uri: str) -> int:

@@ -60,8 +60,13 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     epochs = -(-args.long // 8) + 1  # the demo's 8 images are 8 steps per epoch on one worker
     # run.ray_address=local: every job starts its own Ray, never joining another head that runs on this machine.
-    common = ["train.num_workers=1", f"data.resolution={args.resolution}", f"train.epochs={epochs}",
-              f"cache.dir={work / 'cache'}", "run.ray_address=local"]  # fmt: skip
+    common = [
+        "train.num_workers=1",
+        f"data.resolution={args.resolution}",
+        f"train.epochs={epochs}",
+        f"cache.dir={work / 'cache'}",
+        "run.ray_address=local",
+    ]
     # Build the shared cache (not timed), and take its batches for the plain loop.
     batches = cached_batches(common, build_cache(work, common))
     cfg = config.load(None, common)
@@ -78,11 +83,16 @@ def main() -> int:
         torch.set_num_threads(1)
         o_short, o_long = plain_seconds(cfg, batches, args.short), plain_seconds(cfg, batches, args.long)
         one.append((o_long - o_short) / (args.long - args.short))
-        print(f"round {r}: job {short:.1f}s/{long:.1f}s -> {job[-1] * 1000:.1f} ms/step; "
-              f"plain {plain[-1] * 1000:.1f} ms/step; 1 thread {one[-1] * 1000:.1f} ms/step", flush=True)  # fmt: skip
+        print(
+            f"round {r}: job {short:.1f}s/{long:.1f}s -> {job[-1] * 1000:.1f} ms/step; "
+            f"plain {plain[-1] * 1000:.1f} ms/step; 1 thread {one[-1] * 1000:.1f} ms/step",
+            flush=True,
+        )
     j, p, o = statistics.median(job), statistics.median(plain), statistics.median(one)
-    print(f"extra step: job {j * 1000:.1f} ms; plain loop ({default_threads} threads) {p * 1000:.1f} ms, ratio "
-          f"{j / p:.3f}; plain loop (1 thread) {o * 1000:.1f} ms, ratio {j / o:.3f}")  # fmt: skip
+    print(
+        f"extra step: job {j * 1000:.1f} ms; plain loop ({default_threads} threads) {p * 1000:.1f} ms, ratio "
+        f"{j / p:.3f}; plain loop (1 thread) {o * 1000:.1f} ms, ratio {j / o:.3f}"
+    )
     return 0
 
 

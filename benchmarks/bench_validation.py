@@ -53,17 +53,27 @@ def main() -> None:
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="rayflux-bench-validation-"))
     epochs = -(-args.steps // 4) + 1  # the demo's 8 images are 4 steps per epoch on 2 workers
-    common = ["train.num_workers=2", f"data.resolution={args.resolution}", f"train.epochs={epochs}",
-              f"cache.dir={work / 'cache'}", "run.ray_address=local"]  # fmt: skip
-    images = ["train.validation_prompts=[\"a red circle\", \"a blue square\"]", f"train.validation_every={args.every}",
-              "train.validation_inference_steps=4"]  # fmt: skip
+    common = [
+        "train.num_workers=2",
+        f"data.resolution={args.resolution}",
+        f"train.epochs={epochs}",
+        f"cache.dir={work / 'cache'}",
+        "run.ray_address=local",
+    ]
+    images = [
+        'train.validation_prompts=["a red circle", "a blue square"]',
+        f"train.validation_every={args.every}",
+        "train.validation_inference_steps=4",
+    ]
     run = tempfile.mkdtemp(prefix="run-", dir=work)
     per_step = {}
     for label, extra in (("off", []), ("on", images)):
         per_step[label] = step_seconds(args.code, Path(run) / label, [*common, *extra, f"train.max_steps={args.steps}"])
-    print(f"code {args.code}: {args.resolution} px, 2 workers, validation every {args.every} steps: per-step wall "
-          f"{per_step['off'] * 1000:.0f} ms without validation, {per_step['on'] * 1000:.0f} ms with it; ratio "
-          f"{per_step['on'] / per_step['off']:.2f}")  # fmt: skip
+    print(
+        f"code {args.code}: {args.resolution} px, 2 workers, validation every {args.every} steps: per-step wall "
+        f"{per_step['off'] * 1000:.0f} ms without validation, {per_step['on'] * 1000:.0f} ms with it; ratio "
+        f"{per_step['on'] / per_step['off']:.2f}"
+    )
 
 
 if __name__ == "__main__":

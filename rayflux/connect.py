@@ -53,7 +53,9 @@ def _refusal(exc: BaseException) -> str:
         return ""
     head = re.search(r"Failed to connect to Ray cluster at (\S+)", text)
     reason = re.search(r"InvalidAuthToken: ([^.\n]+)", text)
-    return (f"the Ray head at {head.group(1) if head else 'the address Ray found'} refused this job: "
-            f"{reason.group(1) if reason else 'token authentication failed'}; run a Ray of the job's own with "
-            "--set run.ray_address=local, or give the job the head's token (RAY_AUTH_MODE=token with "
-            "RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file>)")
+    return (
+        f"the Ray head at {head.group(1) if head else 'the address Ray found'} refused this job: "
+        f"{reason.group(1) if reason else 'token authentication failed'}; run a Ray of the job's own with "
+        "--set run.ray_address=local, or give the job the head's token (RAY_AUTH_MODE=token with "
+        "RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file>)"
+    )

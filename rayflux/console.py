@@ -142,13 +142,17 @@ def _writes_fd2(stream) -> bool:
 def _repoint_handlers(src: TextIO, dst: TextIO) -> None:
     """Point the logging handlers that hold the stream ``src`` (``logging.basicConfig``'s holds the ``sys.stderr``
     of its time, and so do Ray's console handlers) at ``dst``."""
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]  # fmt: skip
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     for lg in loggers:
         for handler in lg.handlers:
             # logging._StderrHandler's stream is a property reading sys.stderr on every record: nothing to point.
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging._StderrHandler) \
-                    and handler.stream is src:  # fmt: skip
+            if (
+                isinstance(handler, logging.StreamHandler)
+                and not isinstance(handler, logging._StderrHandler)
+                and handler.stream is src
+            ):
                 handler.setStream(dst)
 
 

@@ -86,8 +86,9 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
         spec = bucket_spec(ds, facts)
         # max_samples draws among usable images, so a capped dataset has every image checked while drawing.
         policy = masks.policy_of(ds)
-        usable = functools.partial(skip_reason, spec=spec, seed=cfg.cache.seed, max_pixels=cfg.data.max_image_pixels,
-                                   mask=policy)  # fmt: skip
+        usable = functools.partial(
+            skip_reason, spec=spec, seed=cfg.cache.seed, max_pixels=cfg.data.max_image_pixels, mask=policy
+        )
         try:
             key = datasets.key(cfg.data, ds)
             found = discover_dataset(ds, cfg.cache.seed, key, prefix, usable if ds.max_samples else None)
@@ -97,8 +98,9 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
             continue
         report.problems.extend(found.problems)
         prepared = list(
-            pool.map(lambda s: prepare_row(asdict(s), spec, cfg.cache.seed, cfg.data.max_image_pixels, policy),
-                     found.sources)  # fmt: skip
+            pool.map(
+                lambda s: prepare_row(asdict(s), spec, cfg.cache.seed, cfg.data.max_image_pixels, policy), found.sources
+            )
         )
         skipped = list(found.skipped) + [
             {"source_uri": r["uri"], "dataset": r["dataset"], "reason": r["skip_reason"]}
@@ -179,8 +181,10 @@ def render(report: Report) -> list[str]:
             m = d["masks"]
             where = f"mask_dir {m['mask_dir']}" if m["mode"] == "dir" else "alpha channel"
             fate = "trained on ones" if m["missing_mask"] == "ones" else "skipped"
-            out.append(f"  masks ({where}): {m['found']} found, {m['missing']} missing ({fate}), "
-                       f"{m['unreadable']} unreadable, {m['all_zero']} all zero")  # fmt: skip
+            out.append(
+                f"  masks ({where}): {m['found']} found, {m['missing']} missing ({fate}), "
+                f"{m['unreadable']} unreadable, {m['all_zero']} all zero"
+            )
     out.append("buckets (target WxH -> latent CxHxW: images):")
     if not report.buckets:
         out.append("  (none)")

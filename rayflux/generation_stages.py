@@ -72,8 +72,13 @@ class GenerationStages:
         # samples and captions and reuses the rest from it (rayflux.cache.integrity).
         repaired, gen_dir = gen_dir, integrity.current(gen_dir)
         if repaired != gen_dir and generations.load_manifest(gen_dir) is None:
-            log.warning("cache generation %d has damaged tensors (recorded by cache verify beside %s): re-encoding "
-                        "exactly those into %s", g, repaired, gen_dir)  # fmt: skip
+            log.warning(
+                "cache generation %d has damaged tensors (recorded by cache verify beside %s): re-encoding "
+                "exactly those into %s",
+                g,
+                repaired,
+                gen_dir,
+            )
         self.dirs[g] = gen_dir
         manifest = generations.load_manifest(gen_dir)
         reason = ""

@@ -104,8 +104,9 @@ def weight_bytes(counts: BaseCounts, base_dtype: str, float_bytes: int = 2) -> f
     return stored
 
 
-def per_gpu_weight_bytes(counts: BaseCounts, base_dtype: str, sharding: str, workers: int,
-                         float_bytes: int = 2) -> float:  # fmt: skip
+def per_gpu_weight_bytes(
+    counts: BaseCounts, base_dtype: str, sharding: str, workers: int, float_bytes: int = 2
+) -> float:
     """Bytes of the base on each GPU: whole, or sharded over the ``workers`` of a node (``sharding="node"``)."""
     whole = weight_bytes(counts, base_dtype, float_bytes)
     if sharding != "node" or workers <= 1:
@@ -150,9 +151,19 @@ class Estimate:
         return self.weights + self.lora_optimizer + self.activations
 
 
-def estimate(tc: dict, weight_bytes: int, trainable: int, pixels: int, batch: int, checkpointing: bool,
-             activation_bytes: int = 2, text: int | None = None, optimizer: str = "adamw",
-             rank: int = 4, ema: bool = False) -> Estimate:  # fmt: skip
+def estimate(
+    tc: dict,
+    weight_bytes: int,
+    trainable: int,
+    pixels: int,
+    batch: int,
+    checkpointing: bool,
+    activation_bytes: int = 2,
+    text: int | None = None,
+    optimizer: str = "adamw",
+    rank: int = 4,
+    ema: bool = False,
+) -> Estimate:
     """Memory of one process: ``weight_bytes`` of frozen base on its GPU (:func:`per_gpu_weight_bytes`),
     ``trainable`` LoRA parameters of ``rank`` trained by ``optimizer`` (with an EMA when ``ema``:
     :func:`lora_bytes_per_param`), and ``text``

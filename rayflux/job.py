@@ -157,9 +157,13 @@ def _pending(cfg: JobConfig, ledger: Ledger, segs: list, only: str) -> list:
     pending = [seg for seg in segs if not done(seg)]
     if not pending:
         last = ledger.find(f"train:seg{segs[-1].index}") or {}
-        log.info("nothing to train: the run already ended at step %s (train.epochs=%d, train.max_steps=%d); raise "
-                 "either to train more", last.get("outputs", {}).get("steps", "?"), cfg.train.epochs,
-                 cfg.train.max_steps)  # fmt: skip
+        log.info(
+            "nothing to train: the run already ended at step %s (train.epochs=%d, train.max_steps=%d); raise "
+            "either to train more",
+            last.get("outputs", {}).get("steps", "?"),
+            cfg.train.epochs,
+            cfg.train.max_steps,
+        )
     return pending
 
 
@@ -183,8 +187,14 @@ def _train_segments(cfg: JobConfig, facts, stages: GenerationStages, segs: list,
             result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
             summary.stage_seconds[name] = time.perf_counter() - t0
             complete = bool(result.position.get("feed_done"))
-            ledger.finish(entry, checkpoint=result.checkpoint_path, steps=result.steps, complete=complete,
-                          eval_samples=result.eval_samples, best=result.best)  # fmt: skip
+            ledger.finish(
+                entry,
+                checkpoint=result.checkpoint_path,
+                steps=result.steps,
+                complete=complete,
+                eval_samples=result.eval_samples,
+                best=result.best,
+            )
             if prebuild is not None:
                 prebuild.result()
             if nxt is not None and nxt.generation != seg.generation:
@@ -225,10 +235,15 @@ def _check_edit_pairs(cfg: JobConfig, family) -> None:
         return
     edits = [datasets.label(ds) for ds in datasets.datasets_of(cfg.data) if ds.reference_dir or ds.reference_column]
     if edits or cfg.train.validation_references:
-        what = f"dataset {edits[0]} has edit pairs (reference_dir / reference_column)" if edits else \
-            "train.validation_references is set"
-        raise ConfigError(f"{what}, but {', '.join(family.pipelines.values())} takes no reference images: edit pairs "
-                          "train FLUX.1 Kontext or FLUX.2")  # fmt: skip
+        what = (
+            f"dataset {edits[0]} has edit pairs (reference_dir / reference_column)"
+            if edits
+            else "train.validation_references is set"
+        )
+        raise ConfigError(
+            f"{what}, but {', '.join(family.pipelines.values())} takes no reference images: edit pairs "
+            "train FLUX.1 Kontext or FLUX.2"
+        )
 
 
 def _ray_logs_dir() -> str:

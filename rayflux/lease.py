@@ -170,8 +170,11 @@ class _PlainStore:
 
     def __init__(self, path: str):
         self.path = path
-        log.warning("%s: this store takes no conditional writes; two jobs starting at the same instant could both "
-                    "take the lease", path)  # fmt: skip
+        log.warning(
+            "%s: this store takes no conditional writes; two jobs starting at the same instant could both "
+            "take the lease",
+            path,
+        )
 
     def read(self) -> tuple[bytes | None, object]:
         data = storage.read_bytes(self.path) if storage.exists(self.path) else None
@@ -226,14 +229,25 @@ class Lease:
             current = Holder.from_json(data) if data is not None else None
             now = time.time()
             if current is None or current.expires <= now:
-                me = Holder(token=uuid.uuid4().hex, job=submission_id(), host=socket.gethostname(), pid=os.getpid(),
-                            started=now, heartbeat=now, seconds=self.seconds)
+                me = Holder(
+                    token=uuid.uuid4().hex,
+                    job=submission_id(),
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    started=now,
+                    heartbeat=now,
+                    seconds=self.seconds,
+                )
                 new = self._store.put(me.to_json(), version)
                 if new is None:
                     continue  # another job changed it since it was read: look again
                 if current is not None:
-                    log.warning("%s: took over the lease of %s, whose last heartbeat was at %s", self.what,
-                                current.who(), _utc(current.heartbeat))  # fmt: skip
+                    log.warning(
+                        "%s: took over the lease of %s, whose last heartbeat was at %s",
+                        self.what,
+                        current.who(),
+                        _utc(current.heartbeat),
+                    )
                 self._holder, self._version = me, new
                 self._start_heartbeat()
                 return self
@@ -246,10 +260,12 @@ class Lease:
 
     def held_message(self, holder: Holder, now: float) -> str:
         """One line: who holds the lease, since when, and how to take over once that job is gone."""
-        return (f"{self.what} is in use by {holder.who()} since {_utc(holder.started)} (last heartbeat "
-                f"{max(0.0, now - holder.heartbeat):.0f} s ago); if that job is gone, run again after "
-                f"{_utc(holder.expires)}, when its lease expires ({holder.seconds:g} s after its last heartbeat, "
-                f"run.lease_seconds), or delete {self.path} to take over now")  # fmt: skip
+        return (
+            f"{self.what} is in use by {holder.who()} since {_utc(holder.started)} (last heartbeat "
+            f"{max(0.0, now - holder.heartbeat):.0f} s ago); if that job is gone, run again after "
+            f"{_utc(holder.expires)}, when its lease expires ({holder.seconds:g} s after its last heartbeat, "
+            f"run.lease_seconds), or delete {self.path} to take over now"
+        )
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` once another job has taken the lease over."""
@@ -266,8 +282,9 @@ class Lease:
                 try:
                     self._store.delete(self._version)
                 except Exception as exc:  # noqa: BLE001 - an unreleased lease only expires later
-                    log.warning("%s: could not release %s (%s); it expires in %g s", self.what, self.path, exc,
-                                self.seconds)  # fmt: skip
+                    log.warning(
+                        "%s: could not release %s (%s); it expires in %g s", self.what, self.path, exc, self.seconds
+                    )
             self._holder = None
 
     def __enter__(self) -> Lease:

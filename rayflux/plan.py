@@ -66,13 +66,20 @@ def transformer_config(cfg: config.JobConfig, model: str = "") -> tuple[dict, st
     return read_config(cfg.model, "transformer"), cfg.model.path
 
 
-def option_lines(counts: BaseCounts, fixed_bytes: int, activations: Callable[[int, int, bool], int], workers: int,
-                 float_bytes: int = 2) -> list[str]:  # fmt: skip
+def option_lines(
+    counts: BaseCounts,
+    fixed_bytes: int,
+    activations: Callable[[int, int, bool], int],
+    workers: int,
+    float_bytes: int = 2,
+) -> list[str]:
     """The option table: GiB per GPU for each base_sharding x base_dtype at 512 and 1024 px, batch 1-4, gradient
     checkpointing off / on. ``fixed_bytes``: the LoRA with its optimizer state; ``activations(px, batch,
     checkpointing)``: bytes of one process's activations."""
-    lines = [f"per-GPU memory by option (GiB, gradient checkpointing off / on; node: {workers} workers a node)",
-             "  sharding dtype px    " + "".join(f"batch {b:<9}" for b in (1, 2, 3, 4)).rstrip()]  # fmt: skip
+    lines = [
+        f"per-GPU memory by option (GiB, gradient checkpointing off / on; node: {workers} workers a node)",
+        "  sharding dtype px    " + "".join(f"batch {b:<9}" for b in (1, 2, 3, 4)).rstrip(),
+    ]
     refused = {}
     for sharding in gpu_memory.SHARDINGS:
         for dtype in gpu_memory.DTYPES:
@@ -101,8 +108,10 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     t = cfg.train
     text = families.of_transformer_config(tc).text_length(tc, cfg.model.text_tokens) if model else text_tokens(cfg)
     float_bytes = 4 if cfg.model.dtype == "float32" else 2
-    lines = [f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
-             f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; {t.adapter} rank {t.rank}"]  # fmt: skip
+    lines = [
+        f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
+        f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; {t.adapter} rank {t.rank}"
+    ]
     counts = {}
     for preset in lora.PRESETS:
         counts[preset] = count_parameters(tc, preset, t.rank, t.adapter)
@@ -114,38 +123,55 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     weights = int(gpu_memory.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
     ema = bool(t.ema_decay)
     lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optimizer, t.rank, ema))
-    lines.append(f"memory per GPU process (GiB) for targets={t.targets}, base_dtype={t.base_dtype}: weights "
-                 f"{_gib(weights)}, LoRA + {t.optimizer}{' + EMA' if ema else ''} {_gib(lora_bytes)}")  # fmt: skip
+    lines.append(
+        f"memory per GPU process (GiB) for targets={t.targets}, base_dtype={t.base_dtype}: weights "
+        f"{_gib(weights)}, LoRA + {t.optimizer}{' + EMA' if ema else ''} {_gib(lora_bytes)}"
+    )
     lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
     opt = {"text": text, "optimizer": t.optimizer, "rank": t.rank, "ema": ema}
     for px in (512, 1024):
         for batch in (1, 2, 3, 4):
             off, on = (gpu_memory.estimate(tc, weights, trainable, px, batch, c, **opt) for c in (False, True))
-            lines.append(f"  {px:<5} {batch:<6} {_gib(off.activations):>8} / {_gib(on.activations):<8}"
-                         f"             {_gib(off.total):>8} / {_gib(on.total)}")  # fmt: skip
+            lines.append(
+                f"  {px:<5} {batch:<6} {_gib(off.activations):>8} / {_gib(on.activations):<8}"
+                f"             {_gib(off.total):>8} / {_gib(on.total)}"
+            )
     job = gpu_memory.estimate(tc, weights, trainable, cfg.data.resolution, t.batch_size, False, **opt)
-    ckpt = gpu_memory.gradient_checkpointing(checkpointing_setting(t.gradient_checkpointing), True,
-                                             cfg.data.resolution, job.total, 80 * 10**9)  # fmt: skip
+    ckpt = gpu_memory.gradient_checkpointing(
+        checkpointing_setting(t.gradient_checkpointing), True, cfg.data.resolution, job.total, 80 * 10**9
+    )
 
     def activations(px: int, batch: int, checkpointing: bool) -> int:
         return gpu_memory.estimate(tc, 0, 0, px, batch, checkpointing, text=text).activations
 
     lines += option_lines(base, lora_bytes, activations, workers_per_node, float_bytes)
-    lines.append(f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "
-                 f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing}), base_dtype {t.base_dtype}, "
-                 f"base_sharding {t.base_sharding}")  # fmt: skip
+    lines.append(
+        f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "
+        f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing}), base_dtype {t.base_dtype}, "
+        f"base_sharding {t.base_sharding}"
+    )
     return lines
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m rayflux plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m rayflux plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", metavar="FILE", help="the job's YAML file")
     config.add_set_arg(p)
-    p.add_argument("--model", choices=sorted(families.BUILT_IN), default="",
-                   help="plan a built-in transformer config instead of the job's model.path")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
-                   help="workers a node shards the base over with base_sharding=node (default 8)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        choices=sorted(families.BUILT_IN),
+        default="",
+        help="plan a built-in transformer config instead of the job's model.path",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        metavar="N",
+        help="workers a node shards the base over with base_sharding=node (default 8)",
+    )
     args = p.parse_args(argv)
     cfg = config.load_or_report(args.config, args.set)
     if cfg is None:

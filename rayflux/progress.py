@@ -117,8 +117,9 @@ class TrainBar:
     board lives as long as the stage. It counts optimizer steps (``accumulation`` batches each), as rank 0's records
     and ``train.max_steps`` do."""
 
-    def __init__(self, counts: dict, world_size: int, accumulation: int, max_steps: int = 0,
-                 interactive: bool | None = None):  # fmt: skip
+    def __init__(
+        self, counts: dict, world_size: int, accumulation: int, max_steps: int = 0, interactive: bool | None = None
+    ):
         from rayflux.train.optim import total_steps  # the loop's own cap (its module brings torch: not at import)
 
         self.per_epoch = steps_per_epoch(counts, world_size, accumulation)

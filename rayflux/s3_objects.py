@@ -68,8 +68,12 @@ def _filesystem(endpoint: str, region: str, tries: int) -> pafs.S3FileSystem:
     # (a self-hosted S3 under load, a listing of thousands of keys) would fail the stage. boto3's reads wait 60 s;
     # pyarrow's requests wait as long.
     return pafs.S3FileSystem(
-        endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, region=region, allow_bucket_creation=True,
-        request_timeout=REQUEST_TIMEOUT_S, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=tries),
+        endpoint_override=endpoint.split("://", 1)[-1],
+        scheme=scheme,
+        region=region,
+        allow_bucket_creation=True,
+        request_timeout=REQUEST_TIMEOUT_S,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=tries),
     )
 
 
@@ -84,8 +88,9 @@ def _have_boto3() -> bool:
 
 def direct(fs: pafs.FileSystem) -> bool:
     """Do reads from ``fs`` go to S3 through boto3 (one GET each)?"""
-    return (isinstance(fs, pafs.S3FileSystem) and os.environ.get("RAYFLUX_S3_READS", "boto3") != "pyarrow"
-            and _have_boto3())  # fmt: skip
+    return (
+        isinstance(fs, pafs.S3FileSystem) and os.environ.get("RAYFLUX_S3_READS", "boto3") != "pyarrow" and _have_boto3()
+    )
 
 
 def _client(endpoint: str, region: str):
@@ -172,9 +177,12 @@ def list_pages(fs: pafs.S3FileSystem, inner: str, below: bool) -> Iterator[tuple
     for page in pages:
         objects = [o for o in page.get("Contents", ()) if not o["Key"].endswith("/")]
         # Integer arithmetic: a float timestamp would lose the nanoseconds that pyarrow's stamps carry.
-        yield ([f"{bucket}/{o['Key']}" for o in objects], [o["Size"] for o in objects],
-               [(o["LastModified"] - _EPOCH) // _MICROSECOND * 1000 for o in objects],
-               [f"{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", ())])  # fmt: skip
+        yield (
+            [f"{bucket}/{o['Key']}" for o in objects],
+            [o["Size"] for o in objects],
+            [(o["LastModified"] - _EPOCH) // _MICROSECOND * 1000 for o in objects],
+            [f"{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", ())],
+        )
 
 
 def conditional(fs: pafs.FileSystem) -> bool:

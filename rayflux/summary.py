@@ -65,8 +65,10 @@ class Summary:
             out.append(f"training:   {self.steps} steps per worker, last loss {self.losses[-1]:.4f}")
             last = self.history[-1] if self.history else {}
             if "read_amplification" in last:  # the last epoch's reads, as the training loop counted them
-                out.append(f"reads:      {last['requests_per_sample']:.2f} requests per sample, "
-                           f"{last['read_amplification']:.2f}x the tensors' bytes (epoch {last['epoch'] + 1})")
+                out.append(
+                    f"reads:      {last['requests_per_sample']:.2f} requests per sample, "
+                    f"{last['read_amplification']:.2f}x the tensors' bytes (epoch {last['epoch'] + 1})"
+                )
             if any(self.dropped.values()):
                 per_epoch = ", ".join(str(n) for _, n in sorted(self.dropped.items()))
                 out.append(f"remainder:  samples left out of full batches per epoch: {per_epoch} (data.bucket_step)")

@@ -163,9 +163,14 @@ def shared_cache(tmp_path_factory, tiny_model: Path) -> BuiltCache:
         images = base / "images"
         expected = write_mixed_dataset(images)
         cfg = job_config(
-            tiny_model, images, base, "data.resolution=128", f"data.max_image_pixels={MAX_PIXELS}",
-            "cache.batch_size=8", "data.missing_caption=filename",
-        )  # fmt: skip
+            tiny_model,
+            images,
+            base,
+            "data.resolution=128",
+            f"data.max_image_pixels={MAX_PIXELS}",
+            "cache.batch_size=8",
+            "data.missing_caption=filename",
+        )
         facts = models.model_facts(cfg.model)
         gen_dir, manifest = build(cfg, facts=facts)
         _SHARED["mixed"] = BuiltCache(cfg, facts, images, base / "cache", gen_dir, manifest, expected)

@@ -32,8 +32,14 @@ def free_port() -> int:
 
 def node_ports(head: bool) -> list[str]:
     """Explicit ports for ``ray start``: Ray's fixed defaults (6379, 8265, 52365...) may be taken by other Rays."""
-    names = ["node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-             "metrics-export-port", "runtime-env-agent-port"]  # fmt: skip
+    names = [
+        "node-manager-port",
+        "object-manager-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "metrics-export-port",
+        "runtime-env-agent-port",
+    ]
     if head:
         names.append("ray-client-server-port")
     return [f"--{name}={free_port()}" for name in names]

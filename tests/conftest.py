@@ -195,4 +195,6 @@ def _test_releases_its_cpus(request):
         from ray._private.state import actors  # the GCS's table: no dashboard needed
 
         alive = [f"{a['ActorClassName']}({a['ActorID'][:8]})" for a in actors(actor_state_name="ALIVE").values()]
-        pytest.fail(f"the test left {before - after:g} CPU taken ({after:g} free, {before:g} before); alive actors: {alive}")
+        pytest.fail(
+            f"the test left {before - after:g} CPU taken ({after:g} free, {before:g} before); alive actors: {alive}"
+        )

@@ -30,8 +30,10 @@ import threading
 import time
 
 HOST = "127.0.0.1"
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>"
+)
 # Not forwarded: hop-by-hop headers, and ``Expect: 100-continue``, which this proxy answers itself (the http.server
 # handler sends the 100 before reading the body) and which would only make the server send another 100.
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade", "expect"}
@@ -42,8 +44,17 @@ class Faults:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.settings = {"rate": 0.0, "seed": 0, "get_resets": 0, "put_resets": 0, "lost_replies": 0, "delay_s": 0.0,
-                         "delay_rate": 0.0, "get_match": "", "put_match": ""}
+        self.settings = {
+            "rate": 0.0,
+            "seed": 0,
+            "get_resets": 0,
+            "put_resets": 0,
+            "lost_replies": 0,
+            "delay_s": 0.0,
+            "delay_rate": 0.0,
+            "get_match": "",
+            "put_match": "",
+        }
         self.rng = random.Random(0)
         self.log: list[list] = []
 
@@ -163,8 +174,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             time.sleep(delay)
         if outcome == "reset-put":
             # Half the upload arrives (of a chunked one: half its first chunk), then the connection dies.
-            self.rfile.read(int(self.rfile.readline().split(b";")[0].strip() or b"0", 16) // 2 if chunked
-                            else length // 2)  # fmt: skip
+            self.rfile.read(
+                int(self.rfile.readline().split(b";")[0].strip() or b"0", 16) // 2 if chunked else length // 2
+            )
             entry[4] = "reset"
             return self._reset()
         body = self._body()
@@ -190,8 +202,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         for k, v in resp.getheaders():
             if k.lower() not in _HOP and k.lower() not in ("content-length", "server", "date"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", resp.getheader("Content-Length") or "0" if self.command == "HEAD"
-                         else str(len(resp.data)))  # fmt: skip
+        self.send_header(
+            "Content-Length", resp.getheader("Content-Length") or "0" if self.command == "HEAD" else str(len(resp.data))
+        )
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(resp.data[: len(resp.data) // 2] if cut else resp.data)

@@ -136,10 +136,14 @@ class FaultProxy:
         port = _free_port()
         self.url = f"http://{HOST}:{port}"
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(__file__), "fault_proxy.py"), str(port),
-             upstream.rsplit(":", 1)[1]],
+            [
+                sys.executable,
+                os.path.join(os.path.dirname(__file__), "fault_proxy.py"),
+                str(port),
+                upstream.rsplit(":", 1)[1],
+            ],
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 30
         while True:
             try:

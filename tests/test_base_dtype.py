@@ -109,11 +109,16 @@ def test_base_counts_count_the_base_and_not_the_lora(tiny_model):
     counts = base_weights.counts(transformer)
     trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
     assert counts.total + trainable == sum(p.numel() for p in transformer.parameters())
-    base_linear = [m.weight.numel() for n, m in transformer.named_modules()
-                   if isinstance(m, torch.nn.Linear) and not base_weights.is_lora(n)]  # fmt: skip
+    base_linear = [
+        m.weight.numel()
+        for n, m in transformer.named_modules()
+        if isinstance(m, torch.nn.Linear) and not base_weights.is_lora(n)
+    ]
     assert counts.linear == sum(base_linear) < counts.total and counts.largest_linear == max(base_linear)
-    blocks = [sum(p.numel() for p in b.parameters() if not p.requires_grad)
-              for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]]  # fmt: skip
+    blocks = [
+        sum(p.numel() for p in b.parameters() if not p.requires_grad)
+        for b in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    ]
     assert counts.largest_block == max(blocks)
     bare = models.load_transformer(config.ModelConfig(path=str(tiny_model)), "cpu", torch.float32)
     assert base_weights.counts(bare) == counts  # the adapter changes none of them
@@ -178,8 +183,10 @@ def test_an_fp8_base_trains_the_lora_alone_and_saves_the_bf16_runs_file(tiny_mod
     assert grads and all(g is not None for n, g in grads.items() if ".lora_A." in n)
     assert all(p.grad is None for p in fp8.parameters() if not p.requires_grad)
 
-    saved = {name: load_file(str(lora.save_diffusers(model, tmp_path / name)))
-             for name, model in (("plain", plain), ("fp8", fp8))}  # fmt: skip
+    saved = {
+        name: load_file(str(lora.save_diffusers(model, tmp_path / name)))
+        for name, model in (("plain", plain), ("fp8", fp8))
+    }
     assert saved["plain"].keys() == saved["fp8"].keys()
     assert {v.dtype for v in saved["fp8"].values()} == {torch.float32}
     lora.load_into(_tiny_with_lora(tiny_model), tmp_path / "fp8" / lora.WEIGHT_NAME)

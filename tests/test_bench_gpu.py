@@ -33,14 +33,23 @@ def test_model_flops_of_a_frozen_base():
 
 def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, "benchmarks/bench_gpu.py", "--dry-run", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_gpu.py", "--dry-run", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["device"] == "cpu"
     rows = {(r["model"], r["px"], r["batch"], r["checkpointing"]): r for r in results["lora_step"] if not r["compile"]}
-    assert set(rows) == {("flux1-dev", 64, 1, False), ("flux1-dev", 64, 2, True), ("flux2-klein-9b", 64, 1, True),
-                         ("flux2-dev", 64, 1, True)}  # fmt: skip
+    assert set(rows) == {
+        ("flux1-dev", 64, 1, False),
+        ("flux1-dev", 64, 2, True),
+        ("flux2-klein-9b", 64, 1, True),
+        ("flux2-dev", 64, 1, True),
+    }
     # The train.compile row beside its eager one: GPU only (inductor's CPU compile takes minutes), recorded as such.
     [compiled] = [r for r in results["lora_step"] if r["compile"]]
     assert (compiled["model"], compiled["px"], compiled["checkpointing"]) == ("flux1-dev", 64, False)
@@ -64,9 +73,11 @@ def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
     short, long = job["job_train_s"]
     assert abs(job["job_s_per_extra_step"] - (long - short) / 2) < 0.01
     assert abs(job["job_over_trainer"] - job["job_s_per_extra_step"] / job["trainer_s_per_step"]) < 0.01 * max(
-        1, abs(job["job_over_trainer"]))
+        1, abs(job["job_over_trainer"])
+    )
     assert abs(job["job_over_bare"] - job["job_s_per_extra_step"] / job["bare_s_per_step"]) < 0.01 * max(
-        1, abs(job["job_over_bare"]))
+        1, abs(job["job_over_bare"])
+    )
 
 
 def test_the_job_sections_model_is_built_and_written_in_bf16(tmp_path):

@@ -43,8 +43,15 @@ def images(tmp_path_factory) -> Path:
 
 
 def _sets(tiny_model, images, out: str) -> list[str]:
-    return [f"model.path={tiny_model}", f"data.images_dir={images}", f"run.output_dir={out}/run",
-            f"cache.dir={out}/cache", "data.resolution=64", "cache.batch_size=4", "run.lease_seconds=5"]  # fmt: skip
+    return [
+        f"model.path={tiny_model}",
+        f"data.images_dir={images}",
+        f"run.output_dir={out}/run",
+        f"cache.dir={out}/cache",
+        "data.resolution=64",
+        "cache.batch_size=4",
+        "run.lease_seconds=5",
+    ]
 
 
 def _verified(gen_dir: str) -> dict:
@@ -63,8 +70,13 @@ def first_job(ray_session, tiny_model, images, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("first"))
     sets = _sets(tiny_model, images, out)
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
-    first = subprocess.Popen([sys.executable, "-c", _DRIVER, env["RAY_ADDRESS"], json.dumps(sets)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, env["RAY_ADDRESS"], json.dumps(sets)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     held = str(Path(out, "run", lease.FILE))
     try:
         while not os.path.exists(held):

@@ -39,14 +39,24 @@ def test_killed_write_tasks_leave_nothing_unlisted(ray_session, tiny_model, tmp_
         (images / f"img{k}.txt").write_text(f"caption number {k}")
     markers = tmp_path / "markers"
     markers.mkdir()
-    sets = [f"model.path={tiny_model}", f"data.images_dir={images}", f"run.output_dir={tmp_path / 'run'}",
-            "data.resolution=64", "cache.batch_size=4", "cache.rows_per_shard=4", "cache.text_batch_size=4"]  # fmt: skip
+    sets = [
+        f"model.path={tiny_model}",
+        f"data.images_dir={images}",
+        f"run.output_dir={tmp_path / 'run'}",
+        "data.resolution=64",
+        "cache.batch_size=4",
+        "cache.rows_per_shard=4",
+        "cache.text_batch_size=4",
+    ]
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     kill_at = f"{','.join(POINTS)}:{markers}"
     done = subprocess.run(
         [sys.executable, "-c", _DRIVER % faults.ENV, env["RAY_ADDRESS"], kill_at, json.dumps(sets)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # A worker really died at each point (10 samples and 11 captions in shards of 4: 3 sample and 3 text write tasks).
     assert sorted(p.name for p in markers.iterdir()) == sorted(POINTS)
@@ -59,6 +69,8 @@ def test_killed_write_tasks_leave_nothing_unlisted(ray_session, tiny_model, tmp_
     assert verify.main([gen_dir], out=out) == 0, out.getvalue()
     # Plain pyarrow over the directories, as docs/cache-shards.md invites: every sample and caption once.
     samples = pq.ParquetDataset(str(Path(gen_dir) / "samples")).read()
-    assert sorted(samples["rel_path"].to_pylist()) == sorted(f"img{k}.png" for k in range(10)) and manifest["cached"] == 10
+    assert (
+        sorted(samples["rel_path"].to_pylist()) == sorted(f"img{k}.png" for k in range(10)) and manifest["cached"] == 10
+    )
     text = pq.ParquetDataset(str(Path(gen_dir) / "text")).read()["caption"].to_pylist()
     assert sorted(text) == sorted(["", *(f"caption number {k}" for k in range(10))])

@@ -75,15 +75,24 @@ def test_a_fractional_gpu_share_reaches_the_ray_data_pool(ray_session):
 @pytest.mark.parametrize(
     "items, gpus, message",
     [
-        (["cache.vae_actors=2", "cache.actor_cpus=1.0"], False,
-         "cache.vae_actors=2 x cache.actor_cpus=1 + 0.5 CPU for preparation + 0.25 for writing > 2 CPUs in the cluster"),
+        (
+            ["cache.vae_actors=2", "cache.actor_cpus=1.0"],
+            False,
+            "cache.vae_actors=2 x cache.actor_cpus=1 + 0.5 CPU for preparation + 0.25 for writing > 2 CPUs in the cluster",
+        ),
         (["cache.text_actors=9"], True, "cache.text_actors=9 x cache.gpus_per_actor=1 > 8 GPU in the cluster"),
-        (["cache.vae_actors=3", "cache.gpus_per_actor=4"], True,
-         "cache.vae_actors=3 x cache.gpus_per_actor=4 > 8 GPU in the cluster"),
-        (["cache.vae_actors=1", "cache.actor_cpus=3"], False,
-         "cache.vae_actors=1 x cache.actor_cpus=3 + 0.5 CPU for preparation + 0.25 for writing > 2 CPUs in the cluster"),
+        (
+            ["cache.vae_actors=3", "cache.gpus_per_actor=4"],
+            True,
+            "cache.vae_actors=3 x cache.gpus_per_actor=4 > 8 GPU in the cluster",
+        ),
+        (
+            ["cache.vae_actors=1", "cache.actor_cpus=3"],
+            False,
+            "cache.vae_actors=1 x cache.actor_cpus=3 + 0.5 CPU for preparation + 0.25 for writing > 2 CPUs in the cluster",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_request_that_cannot_fit_is_refused_with_its_numbers(items, gpus, message):
     with pytest.raises(fit.FitError) as err:
         _plan(GPU_NODE if gpus else TWO_CPUS, *items, gpus=gpus)
@@ -119,13 +128,15 @@ def test_the_pools_share_the_cluster_by_the_joint_rule():
 
 @pytest.mark.parametrize(
     "item, message",
-    [("cache.vae_actors=0", "cache.vae_actors must be auto or a positive integer"),
-     ("cache.text_actors=many", "cache.text_actors must be auto or a positive integer"),
-     ("cache.actor_cpus=-1", "cache.actor_cpus must be auto or a positive number"),
-     ("cache.gpus_per_actor=0", "cache.gpus_per_actor must be positive"),
-     ("cache.gpus_per_actor=1.5", "cache.gpus_per_actor above 1 must be a whole number"),
-     ("cache.stall_seconds=0", "cache.stall_seconds must be positive")],
-)  # fmt: skip
+    [
+        ("cache.vae_actors=0", "cache.vae_actors must be auto or a positive integer"),
+        ("cache.text_actors=many", "cache.text_actors must be auto or a positive integer"),
+        ("cache.actor_cpus=-1", "cache.actor_cpus must be auto or a positive number"),
+        ("cache.gpus_per_actor=0", "cache.gpus_per_actor must be positive"),
+        ("cache.gpus_per_actor=1.5", "cache.gpus_per_actor above 1 must be a whole number"),
+        ("cache.stall_seconds=0", "cache.stall_seconds must be positive"),
+    ],
+)
 def test_bad_pool_values_name_their_key(item, message):
     with pytest.raises(config.ConfigError, match=message):
         config.load(None, [item])
@@ -198,9 +209,14 @@ def _encoder_actors(since_ms: float) -> dict[str, list[tuple[float, float]]]:
 def test_both_pools_run_at_once_when_they_fit_side_by_side(ray_session, tiny_model, tmp_path):
     images = _pictures(tmp_path, 30)
     cfg = cache_sets.job_config(
-        tiny_model, images, tmp_path, "data.resolution=64", "cache.actor_cpus=0.25", "cache.vae_actors=1",
+        tiny_model,
+        images,
+        tmp_path,
+        "data.resolution=64",
+        "cache.actor_cpus=0.25",
+        "cache.vae_actors=1",
         "cache.text_batch_size=1",  # 31 encoder calls: the text pass outlasts the VAE actor's start
-    )  # fmt: skip
+    )
     since = time.time() * 1000
     _, manifest = cache_sets.build(cfg)
     assert manifest["cached"] == 30 and manifest["encoded"]["captions"] == 31
@@ -227,8 +243,9 @@ def test_images_are_prepared_while_the_text_pool_encodes(ray_session, ray_dashbo
     crop) needs no encoder and runs during the text pass. It once waited for the whole text pass: the image pass's
     input was made by ``from_arrow``, whose metadata tasks queued behind the text pass's tasks."""
     images = _pictures(tmp_path, 40)
-    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64",
-                                "cache.text_batch_size=1")  # 41 encoder calls: a text pass of a few seconds
+    cfg = cache_sets.job_config(
+        tiny_model, images, tmp_path, "data.resolution=64", "cache.text_batch_size=1"
+    )  # 41 encoder calls: a text pass of a few seconds
     _, manifest = cache_sets.build(cfg)
     passes = manifest["passes"]
     assert passes["encoders"] == fit.VAE_AFTER_TEXT and manifest["cached"] == 40
@@ -249,8 +266,9 @@ def test_a_text_pass_error_stops_the_waiting_image_pass(ray_session, tiny_model,
     call and two shards, queued before the VAE actor can start; 200 images one by one are 200 VAE calls and 200
     shards after it, so the image pass is still at work when the text error comes."""
     images = _pictures(tmp_path, 200, caption="the same caption")
-    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64", "cache.batch_size=1",
-                                "cache.rows_per_shard=1")  # fmt: skip
+    cfg = cache_sets.job_config(
+        tiny_model, images, tmp_path, "data.resolution=64", "cache.batch_size=1", "cache.rows_per_shard=1"
+    )
     facts = models.model_facts(cfg.model)
     t5 = facts.text[0]
     wrong = dataclasses.replace(facts, text=(dataclasses.replace(t5, length=t5.length + 1), *facts.text[1:]))
@@ -267,8 +285,10 @@ def _pending_text_actors(dashboard: str) -> int:
     from ray.util.state import list_actors
 
     actors = list_actors(address=dashboard, limit=10_000, raise_on_missing_output=False)
-    return sum("TextEncoder" in (a.class_name or "") and a.state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
-               for a in actors)  # fmt: skip
+    return sum(
+        "TextEncoder" in (a.class_name or "") and a.state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
+        for a in actors
+    )
 
 
 def test_a_stage_that_cannot_be_scheduled_fails_with_what_is_pending(ray_session, ray_dashboard, job_config):

@@ -131,8 +131,14 @@ def test_prepare_reuses_a_known_sample_without_decoding(tmp_path):
     src = {"uri": str(path), "rel_path": "d/img.png", "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     fresh = prepare_row(src, _spec(), 0, LIMIT)
     # The previous generation's index row for the same relative path, as the driver attaches it.
-    prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 120, "orig_h": 80,
-            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns - 1}  # fmt: skip
+    prev = {
+        "sample_id": fresh["sample_id"],
+        "source_sha256": fresh["source_sha256"],
+        "orig_w": 120,
+        "orig_h": 80,
+        "source_size": st.st_size,
+        "source_mtime_ns": st.st_mtime_ns - 1,
+    }
     again = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
     assert again["reuse"] and again["pixels"] == b""  # known by its content hash: read, not decoded
     assert {k: again[k] for k in ("sample_id", "bucket", "crop_left", "target_w")} == {
@@ -155,7 +161,8 @@ def test_prepare_reuses_a_known_sample_without_decoding(tmp_path):
 def test_missing_caption_policies(tmp_path, policy, expected):
     (tmp_path / "my_dog-photo.png").write_bytes(_png(cache_sets.picture(64, 64, 5)))
     cfg = config.load(
-        None, [f"data.images_dir={tmp_path}", f"data.missing_caption={policy}", "data.instance_prompt=a photo of sks dog"]
+        None,
+        [f"data.images_dir={tmp_path}", f"data.missing_caption={policy}", "data.instance_prompt=a photo of sks dog"],
     )
     found = discover(cfg.data)
     assert found.discovered == 1

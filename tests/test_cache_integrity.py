@@ -97,10 +97,20 @@ def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(b
     refs = batching.index_samples(generations.load_manifest(str(gen)))
     bad = refs[len(refs) // 2]
     cache_sets.scale_one_value(bad.file, bad.range("latent").offset, bad.range("latent").length)
-    sets = [f"model.path={tiny_model}", f"data.images_dir={built.images}", f"cache.dir={tmp_path / 'cache'}",
-            f"run.output_dir={tmp_path / 'run'}", "data.resolution=128", f"data.max_image_pixels={cache_sets.MAX_PIXELS}",
-            "cache.batch_size=8", "data.missing_caption=filename", "train.epochs=1", "train.batch_size=1",
-            "train.num_workers=1", "train.max_failures=0"]  # fmt: skip
+    sets = [
+        f"model.path={tiny_model}",
+        f"data.images_dir={built.images}",
+        f"cache.dir={tmp_path / 'cache'}",
+        f"run.output_dir={tmp_path / 'run'}",
+        "data.resolution=128",
+        f"data.max_image_pixels={cache_sets.MAX_PIXELS}",
+        "cache.batch_size=8",
+        "data.missing_caption=filename",
+        "train.epochs=1",
+        "train.batch_size=1",
+        "train.num_workers=1",
+        "train.max_failures=0",
+    ]
     assert cli.main_train([a for s in sets for a in ("--set", s)]) == 1
     err = capsys.readouterr().err
     assert "rayflux: failed: CacheIntegrityError: " in err, err

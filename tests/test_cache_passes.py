@@ -104,8 +104,9 @@ def test_where_the_pools_exclude_each_other_the_image_pass_starts_once_text_flow
         return "text rows"
 
     assert passes.run(text, lambda stop: order.append("image pass") or "image rows", text_flowing=flowing)[:2] == (
-        "text rows", "image rows"
-    )  # fmt: skip
+        "text rows",
+        "image rows",
+    )
     assert order == ["text shard written", "image pass"]
     # A text pass that fails before its first shard: the image pass never starts.
     started = []

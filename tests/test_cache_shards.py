@@ -214,8 +214,11 @@ def test_every_row_has_the_geometry_and_id_the_bucket_function_gives(built, rows
         p = buckets.plan(r["orig_w"], r["orig_h"], spec, seed=built.cfg.cache.seed, salt=r["rel_path"])
         assert r["bucket"] == p.key
         assert (r["crop_left"], r["crop_top"], r["crop_w"], r["crop_h"]) == (
-            p.crop_left, p.crop_top, p.crop_width, p.crop_height
-        )  # fmt: skip
+            p.crop_left,
+            p.crop_top,
+            p.crop_width,
+            p.crop_height,
+        )
         assert (r["latent_c"], r["latent_h"], r["latent_w"]) == p.latent_shape
         assert r["sample_id"] == sample_id(r["rel_path"], r["source_sha256"], p)
     assert len({r["bucket"] for r in rows}) >= 3

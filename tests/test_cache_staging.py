@@ -10,12 +10,14 @@ from rayflux.cache import generations, staging
 
 
 def _table(n: int) -> pa.Table:
-    return pa.table({
-        "k": pa.array(range(n), pa.int64()),
-        "rel_path": [f"images/f{k // 100}/img{k}.png" for k in range(n)],
-        "caption": [None if k % 7 == 0 else f"caption {k}" for k in range(n)],
-        "references": [[f"ref{k}.png"] * (k % 3) for k in range(n)],
-    })  # fmt: skip
+    return pa.table(
+        {
+            "k": pa.array(range(n), pa.int64()),
+            "rel_path": [f"images/f{k // 100}/img{k}.png" for k in range(n)],
+            "caption": [None if k % 7 == 0 else f"caption {k}" for k in range(n)],
+            "references": [[f"ref{k}.png"] * (k % 3) for k in range(n)],
+        }
+    )
 
 
 def test_blocks_are_whole_streams_end_to_end(tmp_path):
@@ -24,8 +26,10 @@ def test_blocks_are_whole_streams_end_to_end(tmp_path):
     assert (staged.blocks, staged.rows, staged.rows_per_block) == (3, 600, 256)
     assert list(staged.offsets) == [0, staged.lengths[0], staged.lengths[0] + staged.lengths[1]]
     assert staged.file_bytes == sum(staged.lengths) == Path(staged.path).stat().st_size
-    parts = [staging.read_block(staged.path, staged.file_bytes, int(o), int(n))
-             for o, n in zip(staged.offsets, staged.lengths)]  # fmt: skip
+    parts = [
+        staging.read_block(staged.path, staged.file_bytes, int(o), int(n))
+        for o, n in zip(staged.offsets, staged.lengths)
+    ]
     assert [p.num_rows for p in parts] == [256, 256, 88]
     assert pa.concat_tables(parts).equals(table)
 
@@ -54,8 +58,9 @@ def test_a_committed_generation_holds_no_staged_input(ray_session, tmp_path_fact
     assert not (Path(built.gen_dir) / staging.DIR).exists()
 
 
-def test_the_text_input_stages_only_the_captions_no_earlier_generation_holds(ray_session, tmp_path_factory,
-                                                                            tiny_model, tmp_path):  # fmt: skip
+def test_the_text_input_stages_only_the_captions_no_earlier_generation_holds(
+    ray_session, tmp_path_factory, tiny_model, tmp_path
+):
     """The task that finds the text pass's input: each caption of the staged images once (the empty one among
     them), the known ones' index rows from the previous generation, and only the new ones staged to encode."""
     import pyarrow.parquet as pq
@@ -73,8 +78,9 @@ def test_the_text_input_stages_only_the_captions_no_earlier_generation_holds(ray
     staged = staging.stage(images, str(gen), "images", 2)  # three blocks: duplicates across blocks
     found = text_input.find(staged, str(gen), built.manifest, 256)
     assert found.unique == 5  # two reused, two new, and the empty caption
-    fresh = staging.read_block(found.staged.path, found.staged.file_bytes, int(found.staged.offsets[0]),
-                               int(found.staged.lengths[0]))  # fmt: skip
+    fresh = staging.read_block(
+        found.staged.path, found.staged.file_bytes, int(found.staged.offsets[0]), int(found.staged.lengths[0])
+    )
     assert sorted(fresh["caption"].to_pylist()) == ["a caption no generation holds", "another new one"]
     assert fresh["caption_id"].to_pylist() == [caption_hash.caption_id(c) for c in fresh["caption"].to_pylist()]
     known = pa.concat_tables(list(text_input.known_rows(found)))

@@ -77,8 +77,10 @@ def test_a_batch_says_what_reading_it_cost_and_a_run_of_neighbours_is_one_read(b
     assert [r.row for r in run] == list(range(run[0].row, run[0].row + 3))  # bucket's rows together
     scattered = [next(r for r in refs if r.file == f) for f in sorted({r.file for r in refs})][:3]
     layout = generations.load_manifest(str(built.gen_dir))["layout"]
-    text_bytes = sum(tensors.nbytes([json.loads(r.text)[3][i][2] for r in run][0], layout["dtype"])
-                     for i in range(len(layout["text"])))  # fmt: skip
+    text_bytes = sum(
+        tensors.nbytes([json.loads(r.text)[3][i][2] for r in run][0], layout["dtype"])
+        for i in range(len(layout["text"]))
+    )
     latent_bytes = tensors.nbytes((4, 16, 16), layout["dtype"])
     captions = len({json.loads(r.text)[2] for r in run})
     reads._text_cache.clear()  # what this process read before (other tests) must not hide the text's reads

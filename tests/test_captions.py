@@ -44,7 +44,7 @@ def test_sidecar_lines_are_options_and_one_is_chosen_per_seed(tmp_path):
 def test_the_sidecar_table_holds_each_caption_files_own_lines(tmp_path, prepend):
     """What a generation records of its caption files is every file's own lines, whichever caption the policy made
     of them; the discovery spools them to a local file instead of holding them, and the file goes with it."""
-    lines = {"a": ["a red barn"], "b": ["first option", "second option"], "c": ["caf\xe9 \"quoted\" \\ cr\xe8me"]}
+    lines = {"a": ["a red barn"], "b": ["first option", "second option"], "c": ['caf\xe9 "quoted" \\ cr\xe8me']}
     for stem, text in lines.items():
         _image(tmp_path / "images" / f"{stem}.png")
         (tmp_path / "images" / f"{stem}.txt").write_text("\n".join(text) + "\n")
@@ -108,8 +108,12 @@ def test_metadata_lists_are_options_and_rows_with_trouble_are_reported(tmp_path)
     assert caps["a.png"] in ("first", "second") and caps["b.png"] == "bee"
     assert sorted(s["source_uri"].rsplit("/", 1)[-1] for s in found.skipped) == ["c.png", "d.png"]
     text = "\n".join(found.problems)
-    for expected in ("line 3: b.png already has a caption", "'gone.png' matches no file",
-                     "'../escape.png' points outside", "line 6: 'text' must be a string or a list"):  # fmt: skip
+    for expected in (
+        "line 3: b.png already has a caption",
+        "'gone.png' matches no file",
+        "'../escape.png' points outside",
+        "line 6: 'text' must be a string or a list",
+    ):
         assert expected in text
 
 
@@ -195,13 +199,18 @@ def test_each_listed_part_finds_its_known_caption_files_in_a_few_row_groups(tmp_
 
     rng = random.Random(7)
     names = sorted({f"root/{rng.choice('abc')}/{rng.randrange(300):03d}.txt" for _ in range(400)})
-    table = pa.table([names, [f"{i}:5" for i in range(len(names))], [json.dumps([n]) for n in names]],
-                     schema=schemas.SIDECARS)  # fmt: skip
+    table = pa.table(
+        [names, [f"{i}:5" for i in range(len(names))], [json.dumps([n]) for n in names]], schema=schemas.SIDECARS
+    )
     listed = sorted(rng.sample(names, 150) + [f"root/z/{i}.txt" for i in range(5)])
-    rows = pa.table({**{f.name: pa.nulls(len(listed), f.type) for f in listing.LISTED},
-                     "sidecar": [p if rng.random() < 0.9 else "" for p in listed],
-                     "sidecar_stamp": [f"{names.index(p)}:5" if p in names else "1:1" for p in listed]},
-                    schema=listing.LISTED)  # fmt: skip
+    rows = pa.table(
+        {
+            **{f.name: pa.nulls(len(listed), f.type) for f in listing.LISTED},
+            "sidecar": [p if rng.random() < 0.9 else "" for p in listed],
+            "sidecar_stamp": [f"{names.index(p)}:5" if p in names else "1:1" for p in listed],
+        },
+        schema=listing.LISTED,
+    )
     shuffled = table.take(pa.array(rng.sample(range(table.num_rows), table.num_rows)))
     for name, written in (("ordered", table), ("shuffled", shuffled)):
         spool = sidecar_spool.Spool()

@@ -55,10 +55,18 @@ def test_a_model_missing_a_part_of_its_family_names_the_part(tiny_model, tmp_pat
 def test_a_failure_names_the_file_holding_its_traceback(foreign, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "rayflux"), "train", "--set", f"model.path={foreign}",
-         "--set", f"run.output_dir={out}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "rayflux"),
+            "train",
+            "--set",
+            f"model.path={foreign}",
+            "--set",
+            f"run.output_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rayflux: failed: ValueError:") and "QwenImagePipeline" in last

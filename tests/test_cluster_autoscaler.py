@@ -23,8 +23,14 @@ BOUND_S = 420  # a bound for each step to happen at all on a busy 2-core machine
 
 
 def _autoscaling_config(gcs_address: str) -> dict:
-    commands = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-                "head_start_ray_commands", "worker_start_ray_commands")  # fmt: skip
+    commands = (
+        "initialization_commands",
+        "setup_commands",
+        "head_setup_commands",
+        "worker_setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    )
     return {
         "cluster_name": "rayflux-fake",
         "max_workers": 1,
@@ -50,7 +56,10 @@ def _autoscaling_config(gcs_address: str) -> dict:
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
             "encode_node": {
-                "resources": {"CPU": 2, "encode": 2}, "node_config": {}, "min_workers": 0, "max_workers": 1
+                "resources": {"CPU": 2, "encode": 2},
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": 1,
             },
         },
     }
@@ -68,16 +77,30 @@ def test_encoder_demand_scales_up_an_encode_node_that_idles_away(tiny_model, dem
     address = f"{get_node_ip_address()}:{port}"
     config = tmp_path / "autoscaling.json"
     config.write_text(json.dumps(_autoscaling_config(address)))
-    head_args = ["--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                 f"--autoscaling-config={config}"]  # fmt: skip
+    head_args = [
+        "--head",
+        f"--port={port}",
+        "--num-cpus=1",
+        "--include-dashboard=false",
+        f"--autoscaling-config={config}",
+    ]
     with ray_node(head_args, tmp_path / "head.log", RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1") as head:
         assert wait_for(lambda: _encode_nodes(address) == 0, BOUND_S, "the head alone", proc=head)
         out = tmp_path / "run"
         job = subprocess.Popen(
-            train_job_cmd(f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
-                          "data.resolution=64", "cache.actor_resources={encode: 1}", only="cache"),
-            env=dict(ray_env(), RAY_ADDRESS=address), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            train_job_cmd(
+                f"model.path={tiny_model}",
+                f"data.images_dir={demo_images}",
+                f"run.output_dir={out}",
+                "data.resolution=64",
+                "cache.actor_resources={encode: 1}",
+                only="cache",
+            ),
+            env=dict(ray_env(), RAY_ADDRESS=address),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         most = 0
         while job.poll() is None:
             most = max(most, _encode_nodes(address) or 0)

@@ -38,11 +38,19 @@ def test_a_node_lost_before_ray_registers_a_checkpoint_resumes_from_it(cluster, 
     # bounds only the placement-group wait, ready at once when the nodes exist).
     env = dict(ray_env(), RAY_ADDRESS=cluster.address, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5")
     cmd = train_job_cmd(
-        f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
-        "data.resolution=64", "train.epochs=1", "train.num_workers=[1, 2]", "train.worker_resources={trainer: 1}",
-        "train.checkpoint_every=2", "train.checkpoints_to_keep=1", "train.resize_check_seconds=1000",
-        "train.report_seconds=1000000", "run.debug_slow_rank=1:2",
-    )  # fmt: skip
+        f"model.path={tiny_model}",
+        f"data.images_dir={demo_images}",
+        f"run.output_dir={out}",
+        "data.resolution=64",
+        "train.epochs=1",
+        "train.num_workers=[1, 2]",
+        "train.worker_resources={trainer: 1}",
+        "train.checkpoint_every=2",
+        "train.checkpoints_to_keep=1",
+        "train.resize_check_seconds=1000",
+        "train.report_seconds=1000000",
+        "run.debug_slow_rank=1:2",
+    )
     with open(tmp_path / "job.log", "wb") as log:
         job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     controller = None

@@ -50,8 +50,11 @@ def test_cluster_yaml_offers_spot_for_h100():
     text = (ROOT / "cluster.yaml").read_text()
     h100 = text.split("\n  h100:", 1)[1].split("\n  encode_l4:", 1)[0]
     assert "# InstanceMarketOptions:" in h100 and "#   MarketType: spot" in h100
-    uncommented = yaml.safe_load(text.replace("# InstanceMarketOptions:", "InstanceMarketOptions:").replace(
-        "#   MarketType: spot", "  MarketType: spot"))  # fmt: skip
+    uncommented = yaml.safe_load(
+        text.replace("# InstanceMarketOptions:", "InstanceMarketOptions:").replace(
+            "#   MarketType: spot", "  MarketType: spot"
+        )
+    )
     assert uncommented["available_node_types"]["h100"]["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"}
 
 
@@ -84,8 +87,16 @@ def test_runtime_env_helper_adds_secrets_from_the_environment_only(tmp_path):
 def test_elastic_scaling_and_failure_config(tmp_path):
     from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
 
-    cfg = config.load(None, ["train.num_workers=[2, 16]", "train.accelerator_type=H100", "train.max_failures=5",
-                             "train.resize_check_seconds=30", "train.worker_resources={h100_node: 1}"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            "train.num_workers=[2, 16]",
+            "train.accelerator_type=H100",
+            "train.max_failures=5",
+            "train.resize_check_seconds=30",
+            "train.worker_resources={h100_node: 1}",
+        ],
+    )
     use_gpu = _use_gpu(cfg, cluster_gpus=False)  # an accelerator type implies GPUs before any GPU node is up
     scaling = scaling_config(cfg, use_gpu)
     assert use_gpu and (scaling.min_workers, scaling.max_workers) == (2, 16)
@@ -103,9 +114,18 @@ def test_a_rerun_may_change_placement_but_not_training():
     from rayflux.job import run_identity
 
     base = config.load(None, ["train.num_workers=2"])
-    moved = config.load(None, ["train.num_workers=[4, 16]", "train.accelerator_type=H100", "train.max_failures=9",
-                               "train.resize_check_seconds=7", "train.worker_resources={h100: 1}",
-                               "cache.accelerator_type=L4", "cache.actor_resources={encode: 1}"])  # fmt: skip
+    moved = config.load(
+        None,
+        [
+            "train.num_workers=[4, 16]",
+            "train.accelerator_type=H100",
+            "train.max_failures=9",
+            "train.resize_check_seconds=7",
+            "train.worker_resources={h100: 1}",
+            "cache.accelerator_type=L4",
+            "cache.actor_resources={encode: 1}",
+        ],
+    )
     assert run_identity(moved) == run_identity(base)
     assert run_identity(config.load(None, ["train.learning_rate=0.5"])) != run_identity(base)
 
@@ -147,8 +167,18 @@ def test_spot_guard_exits_quietly_where_there_is_no_instance_metadata():
     from cluster_support import free_port
 
     proc = subprocess.run(
-        [sys.executable, "-m", "rayflux", "cluster", "spot-guard", "--address=127.0.0.1:1", "--node-id=00",
-         f"--imds-url=http://127.0.0.1:{free_port()}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayflux",
+            "cluster",
+            "spot-guard",
+            "--address=127.0.0.1:1",
+            "--node-id=00",
+            f"--imds-url=http://127.0.0.1:{free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "not on EC2" in proc.stdout

@@ -71,8 +71,9 @@ def test_a_terminal_shows_the_cache_bars_and_none_of_ray_s_own_lines(tiny_model,
     ``core_worker.cc`` line about the encoder actors (C++, straight to fd 2) go to the logs; Ray Data's one bar per
     pipeline stays. (The piped run is test_job_e2e's subprocess test.)"""
     out = tmp_path / "run"
-    cmd = train_job_cmd(f"model.path={tiny_model}", "data.resolution=64", f"run.output_dir={out}",
-                        "run.ray_address=local", only="cache")  # fmt: skip
+    cmd = train_job_cmd(
+        f"model.path={tiny_model}", "data.resolution=64", f"run.output_dir={out}", "run.ray_address=local", only="cache"
+    )
     code, shown = _run_on_pty(cmd, _job_env(), BOUND_S)
     assert code == 0, shown[-3000:]
     assert not RAY_LINES.findall(shown), shown
@@ -93,13 +94,21 @@ def test_a_head_that_refuses_the_job_is_named_in_one_line(tiny_model, tmp_path):
         head_args = ["--head", f"--port={free_port()}", "--num-cpus=1", "--include-dashboard=false"]
         with ray_node(head_args, tmp_path / "head.log", **head_env) as head:
             address_file = Path(own_tmp) / "ray" / "ray_current_cluster"
-            address = wait_for(lambda: address_file.is_file() and address_file.read_text().strip(), BOUND_S,
-                               "the head's address file", proc=head)  # fmt: skip
+            address = wait_for(
+                lambda: address_file.is_file() and address_file.read_text().strip(),
+                BOUND_S,
+                "the head's address file",
+                proc=head,
+            )
             # Ray tries a refusing GCS once a second for 20 s by default; a refusal is the same on the first try.
             env = _job_env(RAY_TMPDIR=own_tmp, RAY_gcs_server_port_wait_time_s="2")
-            job = subprocess.run(train_job_cmd(f"model.path={tiny_model}", f"run.output_dir={tmp_path / 'run'}",
-                                               only="cache"),
-                                 capture_output=True, text=True, env=env, timeout=BOUND_S)  # fmt: skip
+            job = subprocess.run(
+                train_job_cmd(f"model.path={tiny_model}", f"run.output_dir={tmp_path / 'run'}", only="cache"),
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=BOUND_S,
+            )
     finally:
         shutil.rmtree(own_tmp, ignore_errors=True)
     assert job.returncode == 1, job.stderr

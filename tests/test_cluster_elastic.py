@@ -85,10 +85,22 @@ def test_spot_guard_drains_its_node_on_an_interruption_notice(cluster):
     imds.notice, imds.polls = None, 0
     threading.Thread(target=imds.serve_forever, daemon=True).start()
     guard = subprocess.Popen(
-        [sys.executable, "-m", "rayflux", "cluster", "spot-guard", f"--address={cluster.address}",
-         f"--node-id={node.node_id}", f"--imds-url=http://127.0.0.1:{imds.server_port}", "--poll-s=0.2"],
-        env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayflux",
+            "cluster",
+            "spot-guard",
+            f"--address={cluster.address}",
+            f"--node-id={node.node_id}",
+            f"--imds-url=http://127.0.0.1:{imds.server_port}",
+            "--poll-s=0.2",
+        ],
+        env=ray_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: imds.polls >= 2, PHASE_S, "the guard reading the spot notice", proc=guard)
         assert node.node_id in alive_nodes(cluster.address)  # no notice, no drain
@@ -156,32 +168,47 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
         RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5",
     )
     cmd = train_job_cmd(
-        f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
-        "data.resolution=64", f"train.epochs={EPOCHS}", "train.num_workers=[1, 2]",
-        "train.worker_resources={trainer: 1}", "train.checkpoint_every=4", "train.resize_check_seconds=2",
+        f"model.path={tiny_model}",
+        f"data.images_dir={demo_images}",
+        f"run.output_dir={out}",
+        "data.resolution=64",
+        f"train.epochs={EPOCHS}",
+        "train.num_workers=[1, 2]",
+        "train.worker_resources={trainer: 1}",
+        "train.checkpoint_every=4",
+        "train.resize_check_seconds=2",
         "train.report_seconds=1000000",
-    )  # fmt: skip
+    )
     with open(tmp_path / "job.log", "wb") as log:
         job = subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT)
     try:
         # 1. Node loss: B crashes (SIGKILL, no drain) once two workers have a registered checkpoint.
         first = _wait_checkpoint(storage, job, "a checkpoint from two workers", lambda m: m["world_size"] == 2)
         cluster.remove_node(node_b, allow_graceful=False)
-        shrunk = _wait_checkpoint(storage, job, "a checkpoint after the restart on one node",
-                                  lambda m: m["world_size"] == 1)  # fmt: skip
+        shrunk = _wait_checkpoint(
+            storage, job, "a checkpoint after the restart on one node", lambda m: m["world_size"] == 1
+        )
 
         # 2. Capacity returns: node C joins, as its own `ray start --block` process tree.
         node_c_args = [f"--address={cluster.address}", "--num-cpus=1", '--resources={"trainer": 1}']
         with ray_node(node_c_args, tmp_path / "node-c.log", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="300") as node_c:
-            grown = _wait_checkpoint(storage, job, "a checkpoint from two workers after node C joined",
-                                     lambda m: m["world_size"] == 2 and m["step"] > shrunk["step"])  # fmt: skip
+            grown = _wait_checkpoint(
+                storage,
+                job,
+                "a checkpoint from two workers after node C joined",
+                lambda m: m["world_size"] == 2 and m["step"] > shrunk["step"],
+            )
 
             # 3. Spot reclaim: SIGTERM to C's `ray start`. Ray drains the node (reason PREEMPTION) and waits.
             node_c_id = (set(alive_nodes(cluster.address)) - {n.node_id for n in cluster.list_all_nodes()}).pop()
             os.kill(node_c.pid, signal.SIGTERM)
             # The step log marks the step that saved on the notice.
-            noticed = wait_for(lambda: _preempted_steps(read_steps(str(out))), PHASE_S,
-                               "the checkpoint saved on the preemption notice", proc=job)  # fmt: skip
+            noticed = wait_for(
+                lambda: _preempted_steps(read_steps(str(out))),
+                PHASE_S,
+                "the checkpoint saved on the preemption notice",
+                proc=job,
+            )
             [jit] = noticed
             assert node_c_id in gcs(cluster.address).get_draining_nodes()
 

@@ -72,8 +72,18 @@ def test_cli_help_lists_every_key_with_default():
     out = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "train_flux.py"), "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for key in ("data.images_dir", "cache.dir", "run.output_dir", "model.path", "train.epochs", "train.max_steps",
-                "train.num_workers", "train.batch_size", "cache.refresh", "cache.strict"):  # fmt: skip
+    for key in (
+        "data.images_dir",
+        "cache.dir",
+        "run.output_dir",
+        "model.path",
+        "train.epochs",
+        "train.max_steps",
+        "train.num_workers",
+        "train.batch_size",
+        "cache.refresh",
+        "cache.strict",
+    ):
         assert key in out
     assert "train.num_workers = 2" in out
     assert "--only" in out
@@ -113,15 +123,19 @@ def test_a_resolution_in_another_tools_units_is_refused_with_a_hint(items, hint)
 
 def test_kohya_and_simpletuner_names_are_aliases(tmp_path):
     f = tmp_path / "kohya.yaml"
-    f.write_text("train: {network_dim: 16, network_alpha: 8, lr_warmup_steps: 5, lr_scheduler: cosine}\n"
-                 "data: {bucket_reso_steps: 32}\n")  # fmt: skip
+    f.write_text(
+        "train: {network_dim: 16, network_alpha: 8, lr_warmup_steps: 5, lr_scheduler: cosine}\n"
+        "data: {bucket_reso_steps: 32}\n"
+    )
     cfg = config.load(str(f), ["train.checkpointing_steps=50"])
     assert (cfg.train.rank, cfg.train.alpha, cfg.train.warmup_steps) == (16, 8.0, 5)
     assert (cfg.data.bucket_step, cfg.train.checkpoint_every) == (32, 50)
     with pytest.raises(config.ConfigError, match="train.rank and train.lora_rank both set train.rank"):
         config.apply(config.JobConfig(), {"train": {"rank": 4, "lora_rank": 8}})
-    assert all(own in {f.name for f in dataclasses.fields(config.SECTIONS[section])}
-               for (section, _), own in config.ALIASES.items())  # fmt: skip
+    assert all(
+        own in {f.name for f in dataclasses.fields(config.SECTIONS[section])}
+        for (section, _), own in config.ALIASES.items()
+    )
     assert "train.network_dim -> train.rank" in config.help_text()
 
 
@@ -139,8 +153,11 @@ def test_every_config_field_declares_its_identity():
     from rayflux.job import run_identity
 
     base = config.load(None, [])
-    for sets, cached, run in ((["data.caption_ext=.caption"], False, True), (["data.crop=random"], True, True),
-                              (["train.num_workers=4"], False, False)):  # fmt: skip
+    for sets, cached, run in (
+        (["data.caption_ext=.caption"], False, True),
+        (["data.crop=random"], True, True),
+        (["train.num_workers=4"], False, False),
+    ):
         cfg = config.load(None, sets)
         ident = [datasets.cache_identity(c.data, "/x") for c in (base, cfg)]
         assert (ident[0] != ident[1], run_identity(base) != run_identity(cfg)) == (cached, run), sets

@@ -51,8 +51,8 @@ data:
   datasets:
     - {{images_dir: "{good}", repeats: 2}}
     - {{images_dir: "{bad}", caption_strategy: metadata, missing_caption: skip, regularisation: true}}
-cache: {{dir: "{good / 'cache'}"}}
-run: {{output_dir: "{tmp_path / 'run'}"}}
+cache: {{dir: "{good / "cache"}"}}
+run: {{output_dir: "{tmp_path / "run"}"}}
 """
     )
     return cfg
@@ -87,11 +87,26 @@ def test_doctor_passes_a_clean_dataset_through_the_cli(tmp_path, tiny_model):
         _png(tmp_path / "imgs" / f"{i}.png", size)
         (tmp_path / "imgs" / f"{i}.txt").write_text(f"picture {i}")
     proc = subprocess.run(
-        [sys.executable, "-m", "rayflux", "data", "check", "--set", f"data.images_dir={tmp_path / 'imgs'}",
-         "--set", "data.resolution=64", "--set", f"model.path={tiny_model}",
-         "--set", f"run.output_dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayflux",
+            "data",
+            "check",
+            "--set",
+            f"data.images_dir={tmp_path / 'imgs'}",
+            "--set",
+            "data.resolution=64",
+            "--set",
+            f"model.path={tiny_model}",
+            "--set",
+            f"run.output_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert ": 2 images, 2 usable" in proc.stdout and "ok: nothing to fix" in proc.stdout
 

@@ -71,8 +71,10 @@ def test_metadata_references_outside_the_dataset_and_bad_cells_are_reported(tmp_
     root = tmp_path / "edits"
     for i, name in enumerate(["out1.png", "out2.png"]):
         _save(root / name, cache_sets.picture(64, 64, i))
-    rows = [{"file_name": "out1.png", "text": "x", "source": "../secret.png"},
-            {"file_name": "out2.png", "text": "y", "source": 7}]  # fmt: skip
+    rows = [
+        {"file_name": "out1.png", "text": "x", "source": "../secret.png"},
+        {"file_name": "out2.png", "text": "y", "source": 7},
+    ]
     (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source"]
     found = discover(_cfg(*sets).data)
@@ -138,8 +140,14 @@ def test_an_edit_pair_is_reused_only_while_its_reference_is_unchanged(tmp_path):
     st = target.stat()
     src = {**_row(target, [ref]), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     fresh = prepare_row(src, _spec(), 0, LIMIT)
-    prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 96, "orig_h": 64,
-            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}  # fmt: skip
+    prev = {
+        "sample_id": fresh["sample_id"],
+        "source_sha256": fresh["source_sha256"],
+        "orig_w": 96,
+        "orig_h": 64,
+        "source_size": st.st_size,
+        "source_mtime_ns": st.st_mtime_ns,
+    }
     again = prepare_row({**src, "prev": json.dumps(prev)}, _spec(), 0, LIMIT)
     assert again["reuse"] and again["ref_count"] == 1 and again["ref_pixels"] == b""
     _save(ref, cache_sets.picture(96, 64, 3))
@@ -167,8 +175,9 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
     images, refs = _edit_dataset(tmp_path)
     # fp32: the check below re-encodes in this process, on its own thread count, and needs results equal up to
     # summation order (bf16, the default on CPUs that compute it natively, rounds each layer differently per count).
-    cfg = cache_sets.job_config(tiny_model, images, tmp_path, f"data.reference_dir={refs}", "data.resolution=64",
-                                "model.vae_dtype=float32")  # fmt: skip
+    cfg = cache_sets.job_config(
+        tiny_model, images, tmp_path, f"data.reference_dir={refs}", "data.resolution=64", "model.vae_dtype=float32"
+    )
     gen_dir, manifest = cache_sets.build(cfg)
     assert (manifest["cached"], manifest["skipped"]) == (2, 1)
     assert manifest["skipped_inputs"][0]["reason"] == f"no reference image: {refs / 'c.png'} does not exist"
@@ -238,13 +247,20 @@ def test_flux2_reference_latents_are_the_pipelines_reference_encoding(ray_sessio
     for i, name in enumerate(["out1.png", "out2.png", "in1.png", "in2a.png"]):
         _save(root / name, cache_sets.picture(144, 112, i))
     _save(root / "in2b.png", cache_sets.picture(72, 56, 9))  # half its target's size
-    rows = [{"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
-            {"file_name": "out2.png", "text": "put them together", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
+    rows = [
+        {"file_name": "out1.png", "text": "make it red", "source": "in1.png"},
+        {"file_name": "out2.png", "text": "put them together", "source": ["in2a.png", "in2b.png"]},
+    ]
     (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # data.alignment=32: the bucket check still asks FLUX.1's 2 x vae_scale_factor of FLUX.2's patchified latents.
     # model.vae_dtype=float32: compared below with the pipeline's own encoding, which runs in fp32.
-    sets = ["data.caption_strategy=metadata", "data.reference_column=source", "data.resolution=64", "data.alignment=32",
-            "model.vae_dtype=float32"]  # fmt: skip
+    sets = [
+        "data.caption_strategy=metadata",
+        "data.reference_column=source",
+        "data.resolution=64",
+        "data.alignment=32",
+        "model.vae_dtype=float32",
+    ]
     cfg = cache_sets.job_config(tiny_flux2_klein, root, tmp_path, *sets)
     gen_dir, manifest = cache_sets.build(cfg)
     assert (manifest["cached"], manifest["skipped"]) == (2, 0)
@@ -276,17 +292,26 @@ def test_a_model_without_references_refuses_edit_pairs_and_reference_dirs_may_no
 
     images, refs = _edit_dataset(tmp_path)
     cfg = _cfg(f"data.images_dir={images}", f"data.reference_dir={refs}", f"run.output_dir={tmp_path / 'run'}")
-    with pytest.raises(config.ConfigError, match="has edit pairs .* takes no reference images: edit pairs train FLUX.1 "
-                                                 "Kontext or FLUX.2"):  # fmt: skip
+    with pytest.raises(
+        config.ConfigError,
+        match="has edit pairs .* takes no reference images: edit pairs train FLUX.1 Kontext or FLUX.2",
+    ):
         job.run(cfg)  # the default model is the tiny FLUX.1
-    renders = _cfg(f"data.images_dir={images}", 'train.validation_prompts=["x"]',
-                   f'train.validation_references=["{refs / "a.png"}"]', f"run.output_dir={tmp_path / 'run'}")
+    renders = _cfg(
+        f"data.images_dir={images}",
+        'train.validation_prompts=["x"]',
+        f'train.validation_references=["{refs / "a.png"}"]',
+        f"run.output_dir={tmp_path / 'run'}",
+    )
     with pytest.raises(config.ConfigError, match="validation_references is set, but"):
         job.run(renders)
     with pytest.raises(config.ConfigError, match="one reference image .* per validation prompt"):
         _cfg('train.validation_prompts=["x", "y"]', f'train.validation_references=["{refs / "a.png"}"]')
-    inside = _cfg(f"data.images_dir={images}", f"data.reference_dir={tmp_path / 'run' / 'refs'}",
-                  f"run.output_dir={tmp_path / 'run'}")  # fmt: skip
+    inside = _cfg(
+        f"data.images_dir={images}",
+        f"data.reference_dir={tmp_path / 'run' / 'refs'}",
+        f"run.output_dir={tmp_path / 'run'}",
+    )
     with pytest.raises(paths.PathOverlapError, match="data.reference_dir"):
         job.run(inside, only="cache")
 
@@ -317,8 +342,10 @@ def test_an_edit_with_more_references_than_the_family_takes_is_refused():
     from rayflux import families
     from rayflux.train import batching
 
-    two = [batching.SampleRef("a", "64x64", "f", 0, ref_count=1),
-           batching.SampleRef("b", "64x64", "f", 1, ref_count=2, source="/data/b.png")]
+    two = [
+        batching.SampleRef("a", "64x64", "f", 0, ref_count=1),
+        batching.SampleRef("b", "64x64", "f", 1, ref_count=2, source="/data/b.png"),
+    ]
     with pytest.raises(ValueError, match="/data/b.png has 2 reference images, but FLUX.1 Kontext .* at most 1"):
         batching.check_references(two, families.for_class("FluxKontextPipeline"))
     batching.check_references(two, families.for_class("Flux2KleinPipeline"))
@@ -339,10 +366,19 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
 
     images, refs = _edit_dataset(tmp_path)
     out = tmp_path / "run"
-    cfg = _cfg(f"model.path={tiny_kontext}", f"data.images_dir={images}", f"data.reference_dir={refs}",
-               f"run.output_dir={out}", "data.resolution=64", "train.max_steps=2", "cache.batch_size=8",
-               'train.validation_prompts=["make the boxes red"]', f'train.validation_references=["{refs / "a.png"}"]',
-               "train.validation_inference_steps=2", "train.learning_rate=0.01")  # fmt: skip
+    cfg = _cfg(
+        f"model.path={tiny_kontext}",
+        f"data.images_dir={images}",
+        f"data.reference_dir={refs}",
+        f"run.output_dir={out}",
+        "data.resolution=64",
+        "train.max_steps=2",
+        "cache.batch_size=8",
+        'train.validation_prompts=["make the boxes red"]',
+        f'train.validation_references=["{refs / "a.png"}"]',
+        "train.validation_inference_steps=2",
+        "train.learning_rate=0.01",
+    )
     summary = job.run(cfg)
     assert (summary.cached, summary.steps) == (2, 2)
     assert list((out / "validation").glob("step-*.png"))
@@ -350,8 +386,10 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
     # The feed: each sample's reference latents come back with its latent, from one range of its shard.
     manifest = generations.load_manifest(summary.cache_dir)
     samples = batching.index_samples(manifest)
-    assert all(r.ref_count == 1 and 0 <= r.range("ref_latent").offset - sum(r.range("latent")[:2]) <= ranges.HOLE
-               for r in samples)
+    assert all(
+        r.ref_count == 1 and 0 <= r.range("ref_latent").offset - sum(r.range("latent")[:2]) <= ranges.HOLE
+        for r in samples
+    )
     plan, _ = batching.plan_epoch(samples, 1, seed=0, epoch=0, world_size=1)
     rows = {r["sample_id"]: r for r in cache_sets.generation_rows(manifest)}
     layout_dtype = manifest["layout"]["dtype"]
@@ -365,16 +403,25 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
         # The step feeds them: the same noise and sigma give another loss without them.
         with torch.no_grad():
             guidance = bool(transformer.config.guidance_embeds)
-            losses = [float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
-                      for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))]  # fmt: skip
+            losses = [
+                float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
+                for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))
+            ]
         assert losses[0] != losses[1]
 
     pipe = FluxKontextPipeline.from_pretrained(tiny_kontext)
     ref = Image.open(refs / "a.png").convert("RGB").resize((64, 64))
 
     def edit():
-        return pipe(prompt="make the boxes red", **family.reference_kwargs([ref], 64, 64), height=64, width=64,
-                    num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+        return pipe(
+            prompt="make the boxes red",
+            **family.reference_kwargs([ref], 64, 64),
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+        ).images[0]
 
     base = edit()
     pipe.load_lora_weights(str(out / "lora"), weight_name=summary.lora_path.rsplit("/", 1)[-1])

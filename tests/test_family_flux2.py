@@ -77,8 +77,10 @@ def test_text_tokens_keep_the_first_tokens_under_a_cache_key_of_their_own(klein,
     on the right), and another cache key."""
     from rayflux.cache.stage import cache_key
 
-    cfgs = [config.load(None, [f"model.path={klein}", f"data.images_dir={demo_images}", f"model.text_tokens={n}"])
-            for n in (0, 16)]  # fmt: skip
+    cfgs = [
+        config.load(None, [f"model.path={klein}", f"data.images_dir={demo_images}", f"model.text_tokens={n}"])
+        for n in (0, 16)
+    ]
     full, short = (models.model_facts(c.model) for c in cfgs)
     assert (full.text_length, short.text_length, short.text[0].length) == (512, 16, 16)
     assert cache_key(cfgs[0], full) != cache_key(cfgs[1], short)
@@ -96,22 +98,43 @@ def test_klein_renders_validation_as_its_kind_is_meant_to_run(variant, steps, gu
     from rayflux.train import validation
 
     path = str(request.getfixturevalue("tiny_flux2_klein" if variant == "base" else "tiny_flux2_klein_distilled"))
-    cfg = config.load(None, [f"model.path={path}", f"data.resolution={SIZE}", f'train.validation_prompts=["{CAPTION}"]',
-                             "train.validation_inference_steps=2"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={path}",
+            f"data.resolution={SIZE}",
+            f'train.validation_prompts=["{CAPTION}"]',
+            "train.validation_inference_steps=2",
+        ],
+    )
     assert models.family(cfg.model).validation_settings(path, {}) == (steps, guidance)
     transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
     ours = validation.render(transformer, cfg, "cpu", torch.float32)[0]
     pipe = _pipe(path)
     pipe.transformer = transformer
-    theirs = pipe(prompt=CAPTION, height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=guidance,
-                  max_sequence_length=models.model_facts(cfg.model).text_length,
-                  generator=torch.Generator().manual_seed(cfg.train.seed)).images[0]  # fmt: skip
+    theirs = pipe(
+        prompt=CAPTION,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        guidance_scale=guidance,
+        max_sequence_length=models.model_facts(cfg.model).text_length,
+        generator=torch.Generator().manual_seed(cfg.train.seed),
+    ).images[0]
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
 def _render(pipe, steps=4, output_type="np", **edit):
-    return pipe(prompt=CAPTION, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=1.0,
-                generator=torch.Generator().manual_seed(0), output_type=output_type, **edit).images[0]  # fmt: skip
+    return pipe(
+        prompt=CAPTION,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type=output_type,
+        **edit,
+    ).images[0]
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +148,17 @@ def image_latent(klein):
 @pytest.fixture(scope="module")
 def trained(klein, image_latent, tmp_path_factory):
     """A one-image LoRA trained in process on the tiny klein's cached form of the image, saved in both formats."""
-    cfg = config.load(None, [f"model.path={klein}", "train.rank=8", "train.alpha=8", "train.learning_rate=0.01",
-                             "train.targets=all", "train.sigma_sampling=uniform"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={klein}",
+            "train.rank=8",
+            "train.alpha=8",
+            "train.learning_rate=0.01",
+            "train.targets=all",
+            "train.sigma_sampling=uniform",
+        ],
+    )
     family, facts = models.family(cfg.model), models.model_facts(cfg.model)
     pipe = _pipe(klein)
     with torch.no_grad():
@@ -180,19 +212,27 @@ def _edit_set(root):
     from rayflux.testing.images import draw
 
     root.mkdir()
-    shapes = {"out1": ("red", "circle", "blue"), "out2": ("green", "square", "white"), "in1": ("blue", "circle", "red"),
-              "in2a": ("white", "square", "green"), "in2b": ("red", "square", "blue")}  # fmt: skip
+    shapes = {
+        "out1": ("red", "circle", "blue"),
+        "out2": ("green", "square", "white"),
+        "in1": ("blue", "circle", "red"),
+        "in2a": ("white", "square", "green"),
+        "in2b": ("red", "square", "blue"),
+    }
     for name, look in shapes.items():
         draw(SIZE, SIZE, *look).save(root / f"{name}.png")
-    rows = [{"file_name": "out1.png", "text": "swap the colours", "source": "in1.png"},
-            {"file_name": "out2.png", "text": "merge them", "source": ["in2a.png", "in2b.png"]}]  # fmt: skip
+    rows = [
+        {"file_name": "out1.png", "text": "swap the colours", "source": "in1.png"},
+        {"file_name": "out2.png", "text": "merge them", "source": ["in2a.png", "in2b.png"]},
+    ]
     (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
 
 @pytest.mark.parametrize("variant,fmt,edits,tokens", [("klein", "kohya", True, 16), ("dev", "diffusers", False, 0)])
-def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_images, tmp_path, variant, fmt, edits,
-                                                             tokens, request):  # fmt: skip
+def test_the_full_job_runs_and_its_lora_changes_the_pipeline(
+    ray_session, demo_images, tmp_path, variant, fmt, edits, tokens, request
+):
     """Cache, train, validation and export with ``model.path`` at the tiny FLUX.2 ([klein] from an edit-pair set with
     one and two references per edit, its validation an edit of two given references, its text cut to
     ``model.text_tokens=16``); the exported file loads with the family pipeline's ``load_lora_weights`` and changes
@@ -210,14 +250,29 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(ray_session, demo_i
     renders = {}
     if edits:
         root = _edit_set(tmp_path / "edits")
-        data = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.reference_column=source",
-                f'train.validation_references=[["{root / "in2a.png"}", "{root / "in2b.png"}"]]',
-                "train.learning_rate=0.01"]  # two images, two steps: a rate that moves the tiny model visibly
+        data = [
+            f"data.images_dir={root}",
+            "data.caption_strategy=metadata",
+            "data.reference_column=source",
+            f'train.validation_references=[["{root / "in2a.png"}", "{root / "in2b.png"}"]]',
+            "train.learning_rate=0.01",
+        ]  # two images, two steps: a rate that moves the tiny model visibly
         renders = {"image": [Image.open(root / n).convert("RGB") for n in ("in2a.png", "in2b.png")]}
-    cfg = config.load(None, [f"model.path={path}", *data, f"run.output_dir={out}", "data.resolution=64",
-                             "train.max_steps=2", f"train.output_format={fmt}",
-                             f'train.validation_prompts=["{CAPTION}"]', "train.validation_inference_steps=2",
-                             "cache.batch_size=8", f"model.text_tokens={tokens}"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={path}",
+            *data,
+            f"run.output_dir={out}",
+            "data.resolution=64",
+            "train.max_steps=2",
+            f"train.output_format={fmt}",
+            f'train.validation_prompts=["{CAPTION}"]',
+            "train.validation_inference_steps=2",
+            "cache.batch_size=8",
+            f"model.text_tokens={tokens}",
+        ],
+    )
     summary = job.run(cfg)
     manifest = generations.load_manifest(summary.cache_dir)
     assert [(t["name"], t["length"]) for t in manifest["layout"]["text"]] == [("prompt_embeds", tokens or 512)]

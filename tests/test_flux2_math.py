@@ -121,8 +121,15 @@ def test_klein_edit_inputs_match_the_pipeline(klein):
     seen, handle = _capture_transformer_inputs(klein)
     try:
         klein(
-            prompt="make it red", image=refs, latents=noise, height=64, width=64, num_inference_steps=1,
-            guidance_scale=1.0, max_sequence_length=TEXT_LEN, output_type="latent",
+            prompt="make it red",
+            image=refs,
+            latents=noise,
+            height=64,
+            width=64,
+            num_inference_steps=1,
+            guidance_scale=1.0,
+            max_sequence_length=TEXT_LEN,
+            output_type="latent",
         )
     finally:
         handle.remove()
@@ -194,8 +201,17 @@ def test_flux2_forward_args_with_references_are_the_pipelines_transformer_inputs
     noise = _randn(1, 16, 4, 4, seed=22)
     seen, handle = _capture_transformer_inputs(klein)
     try:
-        klein(prompt="make it red", image=refs, latents=noise, height=64, width=64, num_inference_steps=1,
-              guidance_scale=1.0, max_sequence_length=TEXT_LEN, output_type="latent")  # fmt: skip
+        klein(
+            prompt="make it red",
+            image=refs,
+            latents=noise,
+            height=64,
+            width=64,
+            num_inference_steps=1,
+            guidance_scale=1.0,
+            max_sequence_length=TEXT_LEN,
+            output_type="latent",
+        )
     finally:
         handle.remove()
     call = seen[0]
@@ -218,8 +234,16 @@ def test_kontext_forward_args_with_a_reference_are_the_pipelines_transformer_inp
     noise = flux1_math.pack(_randn(1, 4, 8, 8, seed=24))
     seen, handle = _capture_transformer_inputs(kontext)
     try:
-        kontext(prompt="make it red", latents=noise, num_inference_steps=1, max_sequence_length=TEXT_LEN,
-                output_type="latent", **family.reference_kwargs([image], 64, 64), height=64, width=64)  # fmt: skip
+        kontext(
+            prompt="make it red",
+            latents=noise,
+            num_inference_steps=1,
+            max_sequence_length=TEXT_LEN,
+            output_type="latent",
+            **family.reference_kwargs([image], 64, 64),
+            height=64,
+            width=64,
+        )
     finally:
         handle.remove()
     call = seen[0]
@@ -228,8 +252,15 @@ def test_kontext_forward_args_with_a_reference_are_the_pipelines_transformer_inp
         cached = family.stored_latent(kontext.vae, kontext.vae.encode(pixels).latent_dist.mode())[:, None]
     text = {"t5": call["encoder_hidden_states"], "clip_pooled": call["pooled_projections"]}
     args = family.forward_args(noise, text, call["timestep"], 8, 8, call["guidance"], cached)
-    for key in ("hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "pooled_projections", "timestep",
-                "guidance"):  # fmt: skip
+    for key in (
+        "hidden_states",
+        "img_ids",
+        "txt_ids",
+        "encoder_hidden_states",
+        "pooled_projections",
+        "timestep",
+        "guidance",
+    ):
         assert torch.equal(args[key], call[key]), key
     assert args["hidden_states"].shape[1] == 16 + 16 and args["img_ids"][16:, 0].unique().tolist() == [1.0]
     with pytest.raises(ValueError, match="one reference image per edit, got 2"):

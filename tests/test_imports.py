@@ -39,8 +39,14 @@ def _fresh_import(*names: str) -> list[str]:
 
 
 def test_every_section_has_its_own_module():
-    assert {"rayflux.config.data", "rayflux.config.model", "rayflux.config.cache", "rayflux.config.train",
-            "rayflux.config.run", "rayflux.config.loader"} <= set(MODULES)  # fmt: skip
+    assert {
+        "rayflux.config.data",
+        "rayflux.config.model",
+        "rayflux.config.cache",
+        "rayflux.config.train",
+        "rayflux.config.run",
+        "rayflux.config.loader",
+    } <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -81,9 +87,11 @@ def test_modules_that_build_on_the_config_import_in_any_order(order):
 def test_the_cache_stages_driver_imports_no_torch(tiny_model):
     """The driver of a cache build reads model facts and runs Ray Data; only the encoder actors need torch, whose
     import costs the job's start seconds it would wait for on every ``--only cache`` run."""
-    code = ("import sys, rayflux.job, rayflux.cache.stage, rayflux.models as m, rayflux.config as c; "
-            "m.model_facts(c.ModelConfig(path=sys.argv[1])); "
-            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, rayflux.job, rayflux.cache.stage, rayflux.models as m, rayflux.config as c; "
+        "m.model_facts(c.ModelConfig(path=sys.argv[1])); "
+        "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -104,7 +104,6 @@ def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
     assert generations.load_manifest(again.cache_dir)["committed_at"] == manifest_before["committed_at"]
 
 
-
 def test_shorter_text_is_its_own_cache_and_trains(ray_session, tiny_model, demo_images, tmp_path):
     """``model.text_tokens=16``: a cache key of its own (T5 runs unmasked, so the kept positions' embeddings depend
     on the length and must not mix with the default's), text tensors of 16 tokens, and a training step on them
@@ -118,8 +117,14 @@ def test_shorter_text_is_its_own_cache_and_trains(ray_session, tiny_model, demo_
     images.mkdir()
     for p in sorted(Path(demo_images).iterdir())[:4]:  # two images with their captions
         shutil.copy(p, images / p.name)
-    sets = [f"model.path={tiny_model}", f"data.images_dir={images}", f"run.output_dir={tmp_path / 'run'}",
-            "data.resolution=64", "train.max_steps=1", "cache.batch_size=8"]  # fmt: skip
+    sets = [
+        f"model.path={tiny_model}",
+        f"data.images_dir={images}",
+        f"run.output_dir={tmp_path / 'run'}",
+        "data.resolution=64",
+        "train.max_steps=1",
+        "cache.batch_size=8",
+    ]
     plain, short = config.load(None, sets), config.load(None, [*sets, "model.text_tokens=16"])
     assert cache_key(plain, models.model_facts(plain.model)) != cache_key(short, models.model_facts(short.model))
     summary = job.run(short)
@@ -156,10 +161,23 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     env.pop("RAYFLUX_VERBOSE", None)
     out = tmp_path / "cli-run"
     proc = subprocess.run(
-        [*_ENTRIES["rayflux train"], "--set", f"run.output_dir={out}",
-         "--set", f"model.path={tiny_model}", "--set", "data.resolution=64", "--set", "train.max_steps=2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            *_ENTRIES["rayflux train"],
+            "--set",
+            f"run.output_dir={out}",
+            "--set",
+            f"model.path={tiny_model}",
+            "--set",
+            "data.resolution=64",
+            "--set",
+            "train.max_steps=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert "LoRA:" in proc.stdout and str(out) in proc.stdout
@@ -188,5 +206,7 @@ def test_summary_reports_what_the_last_epoch_s_reads_cost(finished_run):
     last = summary.history[-1]
     assert last["epoch_tensor_bytes"] > 0 and last["requests_per_sample"] > 0
     line = [x for x in summary.lines() if x.startswith("reads:")]
-    assert line == [f"reads:      {last['requests_per_sample']:.2f} requests per sample, "
-                    f"{last['read_amplification']:.2f}x the tensors' bytes (epoch {last['epoch'] + 1})"]  # fmt: skip
+    assert line == [
+        f"reads:      {last['requests_per_sample']:.2f} requests per sample, "
+        f"{last['read_amplification']:.2f}x the tensors' bytes (epoch {last['epoch'] + 1})"
+    ]

@@ -27,8 +27,16 @@ REAL_WIDTHS = {
 
 
 def _render(pipe, prompt: torch.Tensor, pooled: torch.Tensor) -> np.ndarray:
-    return pipe(prompt_embeds=prompt, pooled_prompt_embeds=pooled, height=64, width=64, num_inference_steps=1,
-                guidance_scale=3.5, generator=torch.Generator().manual_seed(0), output_type="np").images[0]  # fmt: skip
+    return pipe(
+        prompt_embeds=prompt,
+        pooled_prompt_embeds=pooled,
+        height=64,
+        width=64,
+        num_inference_steps=1,
+        guidance_scale=3.5,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images[0]
 
 
 def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model, tmp_path):
@@ -39,8 +47,13 @@ def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model,
     transformer = FluxTransformer2DModel(in_channels=4 * vae.config.latent_channels, **REAL_WIDTHS)
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
-        vae=vae, transformer=transformer, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-    )  # fmt: skip
+        vae=vae,
+        transformer=transformer,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
     pipe.set_progress_bar_config(disable=True)
     g = torch.Generator().manual_seed(1)
     prompt, pooled = torch.randn(1, 8, 4096, generator=g), torch.randn(1, 768, generator=g)

@@ -46,8 +46,9 @@ def _write(root, tree=TREE) -> None:
 def _pyarrow_files(fs: pafs.FileSystem, root: str) -> pa.Table:
     """What pyarrow's recursive listing says: regular files, sorted by path."""
     infos = [e for e in fs.get_file_info(pafs.FileSelector(root, recursive=True)) if e.type == pafs.FileType.File]
-    return pa.table([[e.path for e in infos], [e.size for e in infos], [e.mtime_ns for e in infos]],
-                    schema=walk.FILES).sort_by("path")  # fmt: skip
+    return pa.table(
+        [[e.path for e in infos], [e.size for e in infos], [e.mtime_ns for e in infos]], schema=walk.FILES
+    ).sort_by("path")
 
 
 def test_local_listing_matches_pyarrow(tmp_path):

@@ -83,8 +83,13 @@ def test_mask_settings_are_checked(tmp_path, sets, message):
 def test_a_mask_dir_overlapping_the_images_is_refused(tmp_path, where):
     (tmp_path / "images").mkdir()
     with pytest.raises(config.ConfigError, match="keep masks in a folder of their own"):
-        datasets.datasets_of(_cfg(f"data.images_dir={tmp_path / 'images'}", "data.mask=dir",
-                                  f"data.mask_dir={(tmp_path / where).resolve()}").data)  # fmt: skip
+        datasets.datasets_of(
+            _cfg(
+                f"data.images_dir={tmp_path / 'images'}",
+                "data.mask=dir",
+                f"data.mask_dir={(tmp_path / where).resolve()}",
+            ).data
+        )
 
 
 def test_masks_change_the_cache_identity_only_when_they_are_on(tmp_path):
@@ -163,8 +168,9 @@ def test_masks_on_the_s3_server_are_matched_and_read(s3_server, s3_bucket, tmp_p
     images, mask_dir = _mask_dataset(tmp_path)
     fs, inner = storage.resolve(f"{s3_bucket}/set")
     for name, local in (("images", images), ("masks", mask_dir)):
-        pafs.copy_files(str(local), f"{inner}/{name}", source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=fs)  # fmt: skip
+        pafs.copy_files(
+            str(local), f"{inner}/{name}", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs
+        )
     since = len(s3_server.requests())
     sets = [f"data.images_dir={s3_bucket}/set/images", "data.mask=dir", f"data.mask_dir={s3_bucket}/set/masks"]
     found = discover(_cfg(*sets).data)
@@ -174,8 +180,11 @@ def test_masks_on_the_s3_server_are_matched_and_read(s3_server, s3_bucket, tmp_p
     # Matching costs no request per image: the mask folder is listed like the images, no mask is read. The only
     # reads are the caption files of the three images with a mask (d.png is skipped before its caption is read).
     got = s3_server.requests()[since:]
-    assert sorted(p.rsplit("/set/", 1)[1] for m, p in got if m == "GET") == ["images/B.txt", "images/a.txt",
-                                                                            "images/sub/c.txt"]  # fmt: skip
+    assert sorted(p.rsplit("/set/", 1)[1] for m, p in got if m == "GET") == [
+        "images/B.txt",
+        "images/a.txt",
+        "images/sub/c.txt",
+    ]
     row = prepare_row(_row_of(by_rel["a.png"]), SPEC, 0, LIMIT, masks.MaskPolicy("dir"))
     assert row["skip_reason"] == "" and row["mask_sha256"] == _sha(mask_dir / "a.png")
     assert _grid(row)[:, :4].min() == 1.0 and _grid(row)[:, 4:].max() == 0.0
@@ -224,8 +233,13 @@ def test_an_unreadable_mask_skips_its_image(tmp_path, data, reason):
 def test_a_vanished_mask_file_skips_its_image(tmp_path):
     img = tmp_path / "img.png"
     _save(img, cache_sets.picture(64, 64, 1))
-    row = prepare_row({"uri": str(img), "rel_path": "img.png", "mask_uri": str(tmp_path / "gone.png")}, SPEC, 0,
-                      LIMIT, masks.MaskPolicy("dir"))  # fmt: skip
+    row = prepare_row(
+        {"uri": str(img), "rel_path": "img.png", "mask_uri": str(tmp_path / "gone.png")},
+        SPEC,
+        0,
+        LIMIT,
+        masks.MaskPolicy("dir"),
+    )
     assert row["skip_reason"].startswith("mask unreadable:") and "gone.png" in row["skip_reason"]
 
 
@@ -249,12 +263,12 @@ def test_the_mask_is_cut_with_the_images_own_crop_box(tmp_path):
     img_path, mask_path = tmp_path / "t.png", tmp_path / "m.png"
     _save(img_path, cache_sets.picture(230, 100, 3))
     Image.fromarray(arr, "L").save(mask_path)
-    row = prepare_row({"uri": str(img_path), "rel_path": "t.png", "mask_uri": str(mask_path)}, spec, 7, LIMIT,
-                      masks.MaskPolicy("dir"))  # fmt: skip
+    row = prepare_row(
+        {"uri": str(img_path), "rel_path": "t.png", "mask_uri": str(mask_path)}, spec, 7, LIMIT, masks.MaskPolicy("dir")
+    )
     p = buckets.plan(230, 100, spec, seed=7, salt="t.png")
     assert p.crop_left > 0 and row["crop_left"] == p.crop_left
-    cut = Image.fromarray(arr, "L").resize((p.target_width, p.target_height), Image.Resampling.BILINEAR,
-                                           box=p.crop_box)  # fmt: skip
+    cut = Image.fromarray(arr, "L").resize((p.target_width, p.target_height), Image.Resampling.BILINEAR, box=p.crop_box)
     want = masks.area_average(np.asarray(cut, np.float32) / 255, 8).astype(np.float16)
     assert row["mask"] == want.tobytes()
 
@@ -286,9 +300,15 @@ def test_an_image_without_alpha_follows_missing_mask(tmp_path, missing):
 def test_a_changed_mask_makes_the_row_stale_but_keeps_its_sample_id(tmp_path):
     fresh = _prep(tmp_path, _half((64, 64)))
     st = (tmp_path / "img.png").stat()
-    prev = {"sample_id": fresh["sample_id"], "source_sha256": fresh["source_sha256"], "orig_w": 64, "orig_h": 64,
-            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
-            "mask_sha256": fresh["mask_sha256"]}  # fmt: skip
+    prev = {
+        "sample_id": fresh["sample_id"],
+        "source_sha256": fresh["source_sha256"],
+        "orig_w": 64,
+        "orig_h": 64,
+        "source_size": st.st_size,
+        "source_mtime_ns": st.st_mtime_ns,
+        "mask_sha256": fresh["mask_sha256"],
+    }
     again = _prep(tmp_path, _half((64, 64)), prev=prev)
     assert again["reuse"] and again["mask_sha256"] == fresh["mask_sha256"]
     changed = _prep(tmp_path, _half((64, 64), left=0, right=255), prev=prev)
@@ -397,12 +417,24 @@ def test_the_doctor_reports_mask_coverage(tmp_path):
     (mask_dir / "sub/c.webp").write_bytes(b"garbage")  # unreadable
     _save(images / "e.png", cache_sets.picture(64, 64, 9))
     _save(mask_dir / "e.png", Image.new("L", (64, 64), 0))  # all zero
-    cfg = _cfg(f"data.images_dir={images}", "data.mask=dir", f"data.mask_dir={mask_dir}", "data.resolution=64",
-               f"model.path={tmp_path / 'no-model'}")  # fmt: skip
+    cfg = _cfg(
+        f"data.images_dir={images}",
+        "data.mask=dir",
+        f"data.mask_dir={mask_dir}",
+        "data.resolution=64",
+        f"model.path={tmp_path / 'no-model'}",
+    )
     report = doctor.examine(cfg, workers=1)
     [d] = report.datasets
-    assert d["masks"] == {"mode": "dir", "mask_dir": str(mask_dir), "missing_mask": "skip", "found": 2,
-                          "missing": 1, "unreadable": 1, "all_zero": 1}  # fmt: skip
+    assert d["masks"] == {
+        "mode": "dir",
+        "mask_dir": str(mask_dir),
+        "missing_mask": "skip",
+        "found": 2,
+        "missing": 1,
+        "unreadable": 1,
+        "all_zero": 1,
+    }
     text = "\n".join(doctor.render(report))
     assert f"masks (mask_dir {mask_dir}): 2 found, 1 missing (skipped), 1 unreadable, 1 all zero" in text
 
@@ -416,10 +448,12 @@ def test_a_metadata_column_names_each_images_mask(tmp_path, in_mask_dir):
     _save(where / "a_mask.png", _half((64, 64)))
     _save(where / "b_mask.png", _half((64, 64), left=0, right=255))
     prefix = "" if in_mask_dir else "m/"
-    rows = [{"file_name": "a.png", "text": "a", "mask": f"{prefix}a_mask.png"},
-            {"file_name": "b.png", "text": "b", "mask": f"{prefix}B_MASK.png"},  # any case
-            {"file_name": "c.png", "text": "c", "mask": f"{prefix}gone.png"},
-            {"file_name": "d.png", "text": "d", "mask": 7}]  # fmt: skip
+    rows = [
+        {"file_name": "a.png", "text": "a", "mask": f"{prefix}a_mask.png"},
+        {"file_name": "b.png", "text": "b", "mask": f"{prefix}B_MASK.png"},  # any case
+        {"file_name": "c.png", "text": "c", "mask": f"{prefix}gone.png"},
+        {"file_name": "d.png", "text": "d", "mask": 7},
+    ]
     (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sets = [f"data.images_dir={root}", "data.caption_strategy=metadata", "data.mask=column"]
     found = discover(_cfg(*sets, *([f"data.mask_dir={mask_dir}"] if in_mask_dir else [])).data)

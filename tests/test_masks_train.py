@@ -21,8 +21,13 @@ from rayflux.cache import generations, index, masks, ranges, verify
 from rayflux.cache.manifest import Manifest
 from rayflux.train import batching, step
 
-TRAIN = ["data.resolution=64", "train.max_steps=2", "train.batch_size=1", "train.learning_rate=0.01",
-         "cache.batch_size=8"]  # fmt: skip
+TRAIN = [
+    "data.resolution=64",
+    "train.max_steps=2",
+    "train.batch_size=1",
+    "train.learning_rate=0.01",
+    "cache.batch_size=8",
+]
 
 
 def _half(size=(64, 64)) -> Image.Image:
@@ -51,8 +56,17 @@ def _dataset(root, mask=None, alpha=False):
 
 
 def _run(model, images, out, *sets):
-    cfg = config.load(None, [f"model.path={model}", f"data.images_dir={images}", f"run.output_dir={out / 'run'}",
-                             f"cache.dir={out / 'cache'}", *TRAIN, *sets])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={model}",
+            f"data.images_dir={images}",
+            f"run.output_dir={out / 'run'}",
+            f"cache.dir={out / 'cache'}",
+            *TRAIN,
+            *sets,
+        ],
+    )
     return cfg, job.run(cfg)
 
 
@@ -84,8 +98,10 @@ def _mask_changes_the_loss(cfg, summary):
         want = _half_grid(*batch.latents.shape[2:]).astype(np.float32)
         assert torch.equal(batch.masks[0], torch.from_numpy(want))
         with torch.no_grad():
-            losses = [float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
-                      for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))]  # fmt: skip
+            losses = [
+                float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
+                for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))
+            ]
         assert losses[0] != losses[1]
 
 
@@ -127,8 +143,9 @@ def _upload(local, uri) -> None:
     pafs.copy_files(str(local), inner, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
-def test_masks_on_s3_train_and_a_changed_mask_rewrites_only_its_sample(ray_session, tiny_model, s3_server,
-                                                                         s3_bucket, tmp_path):  # fmt: skip
+def test_masks_on_s3_train_and_a_changed_mask_rewrites_only_its_sample(
+    ray_session, tiny_model, s3_server, s3_bucket, tmp_path
+):
     """FLUX.1, images and masks on the S3 server: cache, train and export with the masks in the loss; then one
     mask changes and the next build writes that one sample again (same sample id) and reuses the others; finally
     ``cache verify`` catches a damaged mask and a mask of the wrong shape."""

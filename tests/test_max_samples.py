@@ -62,8 +62,9 @@ def test_the_cap_is_exact_among_usable_images_and_stable(tmp_path, tiny_model, r
     # Another seed (a refresh generation) draws the same images; the captions were read from the sidecars.
     again = distributed.discover(cfg, facts, seed=2)
     assert [s.rel_path for s in again.sources] == picked
-    assert all(s.caption in (f"good picture {n}", f"another caption of {n}")
-               for s in first.sources for n in [s.rel_path[4:-4]])  # fmt: skip
+    assert all(
+        s.caption in (f"good picture {n}", f"another caption of {n}") for s in first.sources for n in [s.rel_path[4:-4]]
+    )
 
 
 def test_fewer_usable_than_asked_uses_all_and_says_so(tmp_path, tiny_model, ray_session, small_tasks):

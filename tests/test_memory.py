@@ -31,11 +31,20 @@ def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
     t5_bytes_mb = 256
     cfg = config.load(
         None,
-        [f"model.path={heavy_t5_model}", f"data.images_dir={demo_images}", f"run.output_dir={tmp_path / 'run'}",
-         "data.resolution=64", "train.epochs=1", "train.num_workers=2", "train.checkpoint_every=2",
-         # Validation on: its prompts are encoded by the render actor, never by a training worker.
-         'train.validation_prompts=["a red circle"]', "train.validation_every=2", "train.validation_inference_steps=1"],
-    )  # fmt: skip
+        [
+            f"model.path={heavy_t5_model}",
+            f"data.images_dir={demo_images}",
+            f"run.output_dir={tmp_path / 'run'}",
+            "data.resolution=64",
+            "train.epochs=1",
+            "train.num_workers=2",
+            "train.checkpoint_every=2",
+            # Validation on: its prompts are encoded by the render actor, never by a training worker.
+            'train.validation_prompts=["a red circle"]',
+            "train.validation_every=2",
+            "train.validation_inference_steps=1",
+        ],
+    )
     summary = job.run(cfg)
     # The state API saw the text and VAE actors (so the check below can fail), and none is alive now.
     assert summary.cached == 8
@@ -69,8 +78,17 @@ def test_live_encoders_sees_every_familys_text_encoder():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     before = memory.live_encoders().get("Qwen3ForCausalLM", 0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=4))  # fmt: skip
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+        )
+    )
     assert memory.live_encoders()["Qwen3ForCausalLM"] == before + 1
     del model
     assert memory.live_encoders()["Qwen3ForCausalLM"] == before

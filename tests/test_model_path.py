@@ -16,8 +16,9 @@ from rayflux.config import ModelConfig
 
 
 def test_a_missing_local_model_path_names_the_driver(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such directory on this machine; the job reads the model's "
-                                                "configs on the driver"):  # fmt: skip
+    with pytest.raises(
+        FileNotFoundError, match="no such directory on this machine; the job reads the model's configs on the driver"
+    ):
         models.model_facts(ModelConfig(path=str(tmp_path / "not-here")))
 
 
@@ -35,7 +36,10 @@ def test_an_s3_model_path_is_copied_once_per_node(s3_bucket, tiny_model, tmp_pat
     facts = models.model_facts(ModelConfig(path=uri))  # configs only: the driver never pulls the weights
     local = models.model_facts(ModelConfig(path=str(tiny_model)))
     assert (facts.vae_scale_factor, facts.latent_channels, facts.text_length) == (
-        local.vae_scale_factor, local.latent_channels, local.text_length)  # fmt: skip
+        local.vae_scale_factor,
+        local.latent_channels,
+        local.text_length,
+    )
     assert facts.identity != local.identity  # a different source is a different cache identity
     [copy_dir] = (tmp_path / "models").glob("*/")
     assert not list(copy_dir.rglob("*.safetensors"))

@@ -117,13 +117,18 @@ def test_a_listed_dataset_is_named_by_its_own_key(tmp_path, tiny_model):
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()
-    cfg = config.load(None, [f"model.path={tiny_model}", f"run.output_dir={tmp_path / 'run'}",
-                             f"cache.dir={second / 'cache'}",
-                             f"data.datasets=[{{images_dir: {first}}}, {{images_dir: {second}}}]"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={tiny_model}",
+            f"run.output_dir={tmp_path / 'run'}",
+            f"cache.dir={second / 'cache'}",
+            f"data.datasets=[{{images_dir: {first}}}, {{images_dir: {second}}}]",
+        ],
+    )
     with pytest.raises(PathOverlapError, match=r"lies inside data\.datasets\[1\]\.images_dir"):
         job.run(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
-
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -95,10 +95,16 @@ def test_the_plan_command_prints_the_jobs_figures(capsys):
 
 @pytest.mark.parametrize(
     "setting, on_gpu, pixels, need_gb, expected",
-    [("auto", True, 1024, 20, True), ("auto", True, 768, 20, True), ("auto", True, 512, 30, False),
-     ("auto", True, 512, 75, True), ("auto", False, 1024, 200, False), (False, True, 1024, 200, False),
-     (True, False, 256, 1, True)],
-)  # fmt: skip
+    [
+        ("auto", True, 1024, 20, True),
+        ("auto", True, 768, 20, True),
+        ("auto", True, 512, 30, False),
+        ("auto", True, 512, 75, True),
+        ("auto", False, 1024, 200, False),
+        (False, True, 1024, 200, False),
+        (True, False, 256, 1, True),
+    ],
+)
 def test_auto_gradient_checkpointing(setting, on_gpu, pixels, need_gb, expected):
     device = 80 * 10**9 if on_gpu else 0
     assert gpu_memory.gradient_checkpointing(setting, on_gpu, pixels, need_gb * 10**9, device) is expected
@@ -173,8 +179,11 @@ def test_the_plan_prints_every_option_for_flux2(capsys):
     out = capsys.readouterr().out
     assert "FLUX.2 [klein] 9B" in out and "node: 4 workers a node" in out
     rows = {tuple(line.split()[:3]): line for line in out.splitlines() if line.startswith(("  none ", "  node "))}
-    assert set(rows) == {(s, d, px) for s, d in [("none", "bf16"), ("none", "fp8"), ("none", "nf4"), ("node", "bf16")]
-                         for px in ("512", "1024")}  # fmt: skip
+    assert set(rows) == {
+        (s, d, px)
+        for s, d in [("none", "bf16"), ("none", "fp8"), ("none", "nf4"), ("node", "bf16")]
+        for px in ("512", "1024")
+    }
     assert "node/fp8: refused" in out and "node/nf4: refused" in out
     tc = FLUX2_KLEIN_9B
     counts = plan.base_counts(tc)

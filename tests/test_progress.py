@@ -27,8 +27,11 @@ def test_training_progress_text():
 def test_the_bar_counts_the_optimizer_steps_the_loop_trains(accumulation):
     """The driver's counts (plan line, bar, epoch, ETA, ``train.max_steps``) against the step numbers the feed gives
     the loop: ``accumulation`` batches per optimizer step on each of 2 workers, over 3 epochs of uneven buckets."""
-    refs = [batching.SampleRef(f"{bucket}-{i}", bucket, f"shard-{bucket}.parquet", i)
-            for bucket, n in (("64x64", 29), ("80x48", 13)) for i in range(n)]  # fmt: skip
+    refs = [
+        batching.SampleRef(f"{bucket}-{i}", bucket, f"shard-{bucket}.parquet", i)
+        for bucket, n in (("64x64", 29), ("80x48", 13))
+        for i in range(n)
+    ]
     cfg = config.load(None, ["train.batch_size=2", "train.epochs=3", f"train.gradient_accumulation={accumulation}"])
     counts = stage.plan_counts(cfg, refs, 2)
     rows = elastic.plan_rows(refs, 2, cfg.train.seed, (0, 3), 3, 2, accumulation)[0]  # rank 0's, as the loop reads

@@ -30,8 +30,9 @@ def test_a_hole_over_the_cap_is_never_read_through():
 
 @settings(max_examples=100, deadline=None)
 @given(
-    files=st.lists(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), max_size=12), min_size=1,
-                   max_size=3),
+    files=st.lists(
+        st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), max_size=12), min_size=1, max_size=3
+    ),
     waste=st.sampled_from([0.0, 0.05, 0.5]),
 )
 def test_spans_cover_every_range_and_waste_at_most_their_share(files, waste):

@@ -24,8 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_segments_cover_every_epoch_once():
     assert refresh.segments(3, 0) == [refresh.Segment(0, 0, 0, 3)]
-    assert [(s.generation, s.first_epoch, s.end_epoch) for s in refresh.segments(3, 1)] == [(0, 0, 1), (1, 1, 2), (2, 2, 3)]
-    assert [(s.generation, s.first_epoch, s.end_epoch) for s in refresh.segments(5, 2)] == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]
+    assert [(s.generation, s.first_epoch, s.end_epoch) for s in refresh.segments(3, 1)] == [
+        (0, 0, 1),
+        (1, 1, 2),
+        (2, 2, 3),
+    ]
+    assert [(s.generation, s.first_epoch, s.end_epoch) for s in refresh.segments(5, 2)] == [
+        (0, 0, 2),
+        (1, 2, 4),
+        (2, 4, 5),
+    ]
     assert refresh.segments(2, 5) == [refresh.Segment(0, 0, 0, 2)]
 
 
@@ -59,7 +67,9 @@ def _stages(ledger_path) -> dict:
 
 def _live_dirs(gen_dir: str) -> list[str]:
     key = str(Path(gen_dir).parent)
-    return [d for d in generations.generation_dirs(key) if not generations.is_retired(d) and generations.load_manifest(d)]
+    return [
+        d for d in generations.generation_dirs(key) if not generations.is_retired(d) and generations.load_manifest(d)
+    ]
 
 
 def _assert_refresh_protocol(ledger_path, history: list[dict], epochs: int, images: int):
@@ -103,7 +113,9 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
     from rayflux import models
     from rayflux.ledger import Ledger
 
-    stages = generation_stages.GenerationStages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    stages = generation_stages.GenerationStages(
+        cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary()
+    )
     crops = []
     for g in (0, 1):
         rows = sorted(cache_sets.generation_rows(stages.generation(g)), key=lambda r: r["rel_path"])
@@ -112,7 +124,9 @@ def test_generations_differ_in_crops(ray_session, tiny_model, demo_images, tmp_p
     assert crops[0] != crops[1]
     # a generation built again with the same seed (by a later job: one job asks once) is reused, not rebuilt
     before = generations.load_manifest(stages.dirs[1])["committed_at"]
-    again = generation_stages.GenerationStages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    again = generation_stages.GenerationStages(
+        cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary()
+    )
     assert again.generation(1)["committed_at"] == before
 
 
@@ -141,7 +155,9 @@ def test_a_centre_crop_refresh_references_the_previous_generation(ray_session, t
     cfg = _cfg(tiny_model, demo_images, tmp_path / "run", "data.crop=center")
     images, cache_root, out = job.resolve_dirs(cfg)
     cfg.data.images_dir = images
-    stages = generation_stages.GenerationStages(cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary())
+    stages = generation_stages.GenerationStages(
+        cfg, models.model_facts(cfg.model), Ledger(out, "x"), cache_root, False, job.Summary()
+    )
     m0, m1 = stages.generation(0), stages.generation(1)
     assert m1["encoded"]["samples"] == 0 and m1["reused"]["samples"] == m0["cached"] == 8
     assert sum(f["bytes"] for f in m1["files"]) == 0 < sum(f["bytes"] for f in m0["files"])
@@ -171,15 +187,24 @@ def test_changed_config_is_refused(ray_session, tiny_model, demo_images, tmp_pat
 
 def _job_cmd(out: Path, tiny_model, demo_images, *extra: str) -> list[str]:
     cmd = [sys.executable, str(ROOT / "jobs" / "train_flux.py")]
-    for item in (f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
-                 "data.resolution=64", "data.max_aspect=1.0", "data.crop=random", "train.num_workers=2",
-                 "cache.refresh=every_epoch", *extra):  # fmt: skip
+    for item in (
+        f"model.path={tiny_model}",
+        f"data.images_dir={demo_images}",
+        f"run.output_dir={out}",
+        "data.resolution=64",
+        "data.max_aspect=1.0",
+        "data.crop=random",
+        "train.num_workers=2",
+        "cache.refresh=every_epoch",
+        *extra,
+    ):
         cmd += ["--set", item]
     return cmd
 
 
-def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(ray_session, tiny_model, demo_images,
-                                                                          tmp_path):  # fmt: skip
+def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(
+    ray_session, tiny_model, demo_images, tmp_path
+):
     """Three epochs, one generation each, built, committed and retired in order; rank 1 lags every step, so a retire
     that waited only for rank 0 would start before its segment's end. The driver is SIGKILLed once its second segment
     is under way; the same command then resumes without caching again or redoing the first segment, and the finished

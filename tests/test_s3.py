@@ -140,8 +140,9 @@ def test_rerun_reuses_the_cache_and_resumes_training_from_the_bucket(s3_job, s3_
     assert generations.load_manifest(again.cache_dir)["committed_at"] == committed
     assert again.steps == 2 * first.steps
     assert json.loads(storage.read_bytes(storage.join(again.checkpoint, "position.json")))["resumed_at"] == [
-        -7, first.steps
-    ]  # fmt: skip
+        -7,
+        first.steps,
+    ]
     assert [h["step"] for h in again.history] == list(range(1, again.steps + 1))
     assert [h["loss"] for h in again.history[: first.steps]] == first.losses
     assert again.checkpoint.startswith(f"{bucket}/run/checkpoints/") and again.checkpoint != first.checkpoint
@@ -208,9 +209,13 @@ def test_doctor_checks_a_dataset_in_a_bucket(s3_bucket, tiny_model, tmp_path):
     _upload(tmp_path / "imgs", f"{s3_bucket}/imgs")
     cfg = config.load(
         None,
-        [f"data.images_dir={s3_bucket}/imgs", "data.resolution=64", f"model.path={tiny_model}",
-         f"run.output_dir={s3_bucket}/imgs/run"],
-    )  # fmt: skip
+        [
+            f"data.images_dir={s3_bucket}/imgs",
+            "data.resolution=64",
+            f"model.path={tiny_model}",
+            f"run.output_dir={s3_bucket}/imgs/run",
+        ],
+    )
     report = doctor.examine(cfg)
     assert report.datasets[0]["discovered"] == 3 and report.datasets[0]["usable"] == 2
     assert [s["source_uri"] for s in report.skipped] == [f"{s3_bucket}/imgs/empty.png"]

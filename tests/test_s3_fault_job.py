@@ -53,8 +53,9 @@ def _phases(cfg, proxy=None) -> tuple[dict, dict]:
     for name, get_match, put_match in PHASES:
         start = len(proxy.fault_log()) if proxy is not None else 0
         if proxy is not None:
-            proxy.faults(rate=0.05, seed=len(out) + 1, get_resets=1, put_resets=1, get_match=get_match,
-                         put_match=put_match)  # fmt: skip
+            proxy.faults(
+                rate=0.05, seed=len(out) + 1, get_resets=1, put_resets=1, get_match=get_match, put_match=put_match
+            )
         phase = config.from_dict(cfg.to_dict())
         phase.train.epochs = 2 if name == "resume" else 1
         out[name] = job.run(phase, only="cache" if name in ("build", "rerun") else "")
@@ -73,8 +74,15 @@ def _rows(cache_dir: str) -> list[tuple]:
     for path in generations.sample_files(manifest) + generations.text_files(manifest):
         fs, inner = storage.resolve(path)
         for row in pq.read_table(inner, filesystem=fs).to_pylist():
-            out.append(tuple(sorted((k, repr(v)) for k, v in row.items()
-                                    if k != "encode_id" and ("path" not in k or k == "rel_path"))))  # fmt: skip
+            out.append(
+                tuple(
+                    sorted(
+                        (k, repr(v))
+                        for k, v in row.items()
+                        if k != "encode_id" and ("path" not in k or k == "rel_path")
+                    )
+                )
+            )
     return sorted(out)
 
 
@@ -82,16 +90,23 @@ def _lora(summary) -> dict:
     return load_safetensors(storage.read_bytes(summary.lora_path))
 
 
-def test_the_whole_job_through_503s_and_resets_ends_as_the_clean_run(ray_via_proxy, proxy, s3_server, tiny_model,
-                                                                    demo_images):  # fmt: skip
+def test_the_whole_job_through_503s_and_resets_ends_as_the_clean_run(
+    ray_via_proxy, proxy, s3_server, tiny_model, demo_images
+):
     bucket = f"s3://rayflux-faults-{os.urandom(3).hex()}"
     fs, _ = storage.resolve(bucket)
     fs.create_dir(bucket[5:])
     for p in sorted(demo_images.iterdir()):
         if p.suffix in (".png", ".txt"):
             storage.write_bytes_atomic(f"{bucket}/photos/{p.name}", p.read_bytes())
-    settings = [f"model.path={tiny_model}", f"data.images_dir={bucket}/photos", "data.resolution=64",
-                "train.num_workers=1", "train.checkpoint_every=4", "cache.batch_size=4"]  # fmt: skip
+    settings = [
+        f"model.path={tiny_model}",
+        f"data.images_dir={bucket}/photos",
+        "data.resolution=64",
+        "train.num_workers=1",
+        "train.checkpoint_every=4",
+        "cache.batch_size=4",
+    ]
     clean, _ = _phases(config.load(None, settings + [f"run.output_dir={bucket}/clean"]))
     faulted, sent = _phases(config.load(None, settings + [f"run.output_dir={bucket}/faulted"]), proxy)
 

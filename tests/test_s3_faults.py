@@ -34,7 +34,7 @@ def test_reads_listings_and_ranges_ride_out_503s_and_resets(data, fault_proxy, m
     root = next(iter(data)).rsplit("/", 2)[0]
     fs, inner = storage.resolve(root)
     listed = walk.files(fs, inner)
-    assert listed["path"].to_pylist() == sorted(u[len("s3://"):] for u in data)
+    assert listed["path"].to_pylist() == sorted(u[len("s3://") :] for u in data)
     # A GET body cut off half-way: pyarrow's SDK sends the GET again itself, rayflux does it for boto3's.
     fault_proxy.faults(get_resets=1)
     for uri, blob in data.items():
@@ -59,8 +59,9 @@ def test_a_store_that_keeps_failing_fails_after_the_set_attempts(data, fault_pro
         storage.read_bytes(uri)
     assert not isinstance(err.value, FileNotFoundError)
     assert [m for m, p, *_ in fault_proxy.fault_log() if p.endswith(uri.rsplit("/", 1)[1])] in (
-        ["GET"] * 3, ["HEAD"] * 3
-    )  # fmt: skip
+        ["GET"] * 3,
+        ["HEAD"] * 3,
+    )
 
 
 def test_attempts_setting(monkeypatch):
@@ -117,8 +118,13 @@ def test_a_conditional_write_whose_answer_was_lost_is_still_its_own(s3_bucket, f
     assert s3_objects.delete_if(fs, inner, etag)
     assert not storage.exists(held.path)
     lost = [(m, p.rsplit("/", 1)[1]) for m, p, *_, o in fault_proxy.fault_log() if o == "lost"]
-    assert lost == [("PUT", "manifest.json"), ("PUT", "manifest.json"), ("PUT", "lease.json"), ("PUT", "lease.json"),
-                    ("DELETE", "lease.json")]  # fmt: skip
+    assert lost == [
+        ("PUT", "manifest.json"),
+        ("PUT", "manifest.json"),
+        ("PUT", "lease.json"),
+        ("PUT", "lease.json"),
+        ("DELETE", "lease.json"),
+    ]
 
 
 def test_writes_ride_out_503s_and_a_reset_upload(s3_bucket, fault_proxy, monkeypatch):

@@ -80,8 +80,16 @@ def test_bad_dataset_config_names_the_key(tmp_path, yaml_text, message):
 
 def test_help_documents_the_dataset_keys():
     text = config.help_text()
-    keys = ["data.images_dir", "data.datasets = []", "data.caption_strategy", "data.metadata_file",
-            "data.repeats = 1", "data.max_samples = 0", "data.regularisation = False", "data.reg_loss_weight"]  # fmt: skip
+    keys = [
+        "data.images_dir",
+        "data.datasets = []",
+        "data.caption_strategy",
+        "data.metadata_file",
+        "data.repeats = 1",
+        "data.max_samples = 0",
+        "data.regularisation = False",
+        "data.reg_loss_weight",
+    ]
     for key in keys:
         assert key in text
     docs = config.field_docs(config.DatasetConfig)
@@ -111,9 +119,11 @@ def test_each_dataset_buckets_at_its_own_resolution_and_no_bucket_mixes_latent_s
     _images(tmp_path / "hi", sizes)
     cfg = config.load(
         None,
-        [f"data.datasets=[{{images_dir: {tmp_path / 'lo'}, resolution: 64}}, "
-         f"{{images_dir: {tmp_path / 'hi'}, resolution: 128, resolution_type: shorter_edge}}]"],
-    )  # fmt: skip
+        [
+            f"data.datasets=[{{images_dir: {tmp_path / 'lo'}, resolution: 64}}, "
+            f"{{images_dir: {tmp_path / 'hi'}, resolution: 128, resolution_type: shorter_edge}}]"
+        ],
+    )
     specs = {datasets.key(cfg.data, d): bucket_spec(d, FACTS) for d in datasets.datasets_of(cfg.data)}
     assert specs["lo"].resolution == 64 and specs["hi"].resolution_type == "shorter_edge"
     shapes, keys = {}, {"lo": set(), "hi": set()}
@@ -154,27 +164,58 @@ def _generation(gen_dir, parts) -> dict:
     zeros = lambda n: np.zeros(n, np.float32).tobytes()  # noqa: E731
     layout = shards.ShardLayout("samples", "float32", latent_channels=1, vae_scale_factor=8, text=text_tensors(1))
     cid = caption_id("")
-    text = {"caption_id": [cid], "caption": [""], "t5_len": [1], "t5_dim": [2], "clip_dim": [2],
-            "text_dtype": ["float32"], "t5": [zeros(2)], "clip_pooled": [zeros(2)], "encode_id": ["e"]}  # fmt: skip
+    text = {
+        "caption_id": [cid],
+        "caption": [""],
+        "t5_len": [1],
+        "t5_dim": [2],
+        "clip_dim": [2],
+        "text_dtype": ["float32"],
+        "t5": [zeros(2)],
+        "clip_pooled": [zeros(2)],
+        "encode_id": ["e"],
+    }
     tmeta = writer.write_text(text, str(gen_dir), dataclasses.replace(layout, kind="text"), 0)
     samples, captions = index.Sink("samples"), index.Sink("captions", layout.text)
     captions.add(index.from_ipc(tmeta["index"][0]))
     files = []
     for ids, dataset, fill in parts:
         n = len(ids)
-        batch = {"sample_id": ids, "uri": [f"/src/{s}" for s in ids], "rel_path": ids, "dataset": [dataset] * n,
-                 "bucket": ["16x16"] * n, "caption": [""] * n, "caption_id": [cid] * n, "source_sha256": ["0"] * n,
-                 "size": [1] * n, "mtime_ns": [1] * n, "orig_w": [16] * n, "orig_h": [16] * n, "latent_c": [1] * n,
-                 "latent_h": [2] * n, "latent_w": [2] * n, "latent_dtype": ["float32"] * n,
-                 "latent": [np.full(4, fill, np.float32).tobytes()] * n, "encode_id": ["e"] * n,
-                 "skip_reason": [""] * n, "reuse": [False] * n, "ref_count": [0] * n, "ref_sha256": [""] * n,
-                 "ref_latent": [b""] * n}  # fmt: skip
+        batch = {
+            "sample_id": ids,
+            "uri": [f"/src/{s}" for s in ids],
+            "rel_path": ids,
+            "dataset": [dataset] * n,
+            "bucket": ["16x16"] * n,
+            "caption": [""] * n,
+            "caption_id": [cid] * n,
+            "source_sha256": ["0"] * n,
+            "size": [1] * n,
+            "mtime_ns": [1] * n,
+            "orig_w": [16] * n,
+            "orig_h": [16] * n,
+            "latent_c": [1] * n,
+            "latent_h": [2] * n,
+            "latent_w": [2] * n,
+            "latent_dtype": ["float32"] * n,
+            "latent": [np.full(4, fill, np.float32).tobytes()] * n,
+            "encode_id": ["e"] * n,
+            "skip_reason": [""] * n,
+            "reuse": [False] * n,
+            "ref_count": [0] * n,
+            "ref_sha256": [""] * n,
+            "ref_latent": [b""] * n,
+        }
         meta = writer.write_samples(batch, str(gen_dir), layout, 0)
         assert not meta["error"][0], meta["error"]
         samples.add(index.from_ipc(meta["index"][0]))
         files.append({"path": meta["path"][0], "rows": n, "bytes": meta["bytes"][0]})
-    manifest = {"files": files, "text_files": [{"path": tmeta["path"][0], "rows": 1, "bytes": tmeta["bytes"][0]}],
-                "layout": layout.to_json(), "empty_caption": captions.empty}  # fmt: skip
+    manifest = {
+        "files": files,
+        "text_files": [{"path": tmeta["path"][0], "rows": 1, "bytes": tmeta["bytes"][0]}],
+        "layout": layout.to_json(),
+        "empty_caption": captions.empty,
+    }
     manifest["index"] = {"samples": samples.commit(str(gen_dir)), "captions": captions.commit(str(gen_dir))}
     generations.commit(str(gen_dir), manifest, [], "0123456789abcdef")
     return generations.load_manifest(str(gen_dir))
@@ -183,9 +224,11 @@ def _generation(gen_dir, parts) -> dict:
 def test_repeats_and_regularisation_weights_reach_the_batches(tmp_path):
     cfg = config.load(
         None,
-        ["data.reg_loss_weight=0.25",
-         "data.datasets=[{name: main, images_dir: /m, repeats: 3}, {name: reg, images_dir: /r, regularisation: true}]"],
-    )  # fmt: skip
+        [
+            "data.reg_loss_weight=0.25",
+            "data.datasets=[{name: main, images_dir: /m, repeats: 3}, {name: reg, images_dir: /r, regularisation: true}]",
+        ],
+    )
     # The latent's value tells the datasets apart inside a stacked batch: main rows hold 1.0, the reg row 5.0.
     gen = _generation(tmp_path / "key" / "g00000-abc", [(["m0", "m1"], "main", 1.0), (["r0"], "reg", 5.0)])
     refs = datasets.mix(batching.index_samples(gen), datasets.sample_weights(cfg.data))

@@ -45,8 +45,14 @@ def shared_cache(tmp_path_factory) -> Path:
 def swept(ray_session, tiny_model, demo_images, shared_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     space = {"train.learning_rate": {"grid": [1.0e-4, 3.0e-3]}, "train.rank": {"grid": [2, 4]}}
-    path = _write(root / "sweep.yaml", {"space": space, "max_concurrent": 2, "scheduler": "asha"}, tiny_model,
-                  demo_images, root / "out", shared_cache)
+    path = _write(
+        root / "sweep.yaml",
+        {"space": space, "max_concurrent": 2, "scheduler": "asha"},
+        tiny_model,
+        demo_images,
+        root / "out",
+        shared_cache,
+    )
     sf = sweep_config.load(str(path))
     t0 = time.perf_counter()
     outcome = driver.run(sf)
@@ -62,12 +68,17 @@ def test_four_trials_share_one_cache_build(swept, shared_cache):
     outcome, _, out = swept
     assert len(outcome.rows) == 4
     assert {(r.settings["train.learning_rate"], r.settings["train.rank"]) for r in outcome.rows} == {
-        (1e-4, 2), (1e-4, 4), (3e-3, 2), (3e-3, 4)}
+        (1e-4, 2),
+        (1e-4, 4),
+        (3e-3, 2),
+        (3e-3, 4),
+    }
     sweep_ledger = _ledger(out)
     builds = [s for s in sweep_ledger if s["name"] == "cache:g0"]
     assert len(builds) == 1 and not builds[0].get("reused")  # the sweep encoded the cache
     assert sorted(s["name"] for s in sweep_ledger if s["name"].startswith("trial:")) == sorted(
-        f"trial:{r.trial}" for r in outcome.rows)
+        f"trial:{r.trial}" for r in outcome.rows
+    )
     manifests = [p for p in shared_cache.rglob(generations.MANIFEST)]
     assert len(manifests) == 1  # one committed generation, read by every trial
     for r in outcome.rows:
@@ -84,8 +95,12 @@ def test_results_table_and_best_lora(swept):
     for r in outcome.rows:
         assert r.status in ("finished", "stopped"), r.error
         assert r.best is not None and r.best_lora and Path(r.lora).is_file()
-        steps = [json.loads(x) for x in (out / "trials" / r.trial / "metrics").glob("steps*.jsonl")
-                 for x in x.read_text().splitlines() if x.strip()]
+        steps = [
+            json.loads(x)
+            for x in (out / "trials" / r.trial / "metrics").glob("steps*.jsonl")
+            for x in x.read_text().splitlines()
+            if x.strip()
+        ]
         # the baseline (step 0, the base model) counts: a trial that only got worse keeps the untrained LoRA
         assert r.best == min(s["eval_loss"] for s in steps if "eval_loss" in s)
         if r.status == "stopped":  # ASHA stopped it at a rung: it says where, and kept its best LoRA
@@ -135,8 +150,15 @@ def test_killed_sweep_continues_where_it_stopped(swept, ray_session, tiny_model,
     and resumes the other from its checkpoint."""
     out = tmp_path / "out"
     space = {"train.learning_rate": {"grid": [1.0e-4, 3.0e-3]}}
-    path = _write(tmp_path / "sweep.yaml", {"space": space, "max_concurrent": 1, "scheduler": "fifo"}, tiny_model,
-                  demo_images, out, shared_cache, checkpoint_every=2)
+    path = _write(
+        tmp_path / "sweep.yaml",
+        {"space": space, "max_concurrent": 1, "scheduler": "fifo"},
+        tiny_model,
+        demo_images,
+        out,
+        shared_cache,
+        checkpoint_every=2,
+    )
     address = ray_session.get_runtime_context().gcs_address
     cmd = [sys.executable, "-m", "rayflux", "sweep", "--config", str(path), "--set", f"run.ray_address={address}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

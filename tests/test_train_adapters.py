@@ -44,22 +44,48 @@ def bfl_weights(tc: dict) -> dict[str, tuple[int, int]]:
     shapes = {}
     for i in range(tc["num_layers"]):
         for s in ("img", "txt"):
-            shapes.update({f"double_blocks.{i}.{s}_attn.qkv": (3 * h, h), f"double_blocks.{i}.{s}_attn.proj": (h, h),
-                           f"double_blocks.{i}.{s}_mlp.0": (m, h), f"double_blocks.{i}.{s}_mlp.2": (h, m),
-                           f"double_blocks.{i}.{s}_mod.lin": (6 * h, h)})  # fmt: skip
+            shapes.update(
+                {
+                    f"double_blocks.{i}.{s}_attn.qkv": (3 * h, h),
+                    f"double_blocks.{i}.{s}_attn.proj": (h, h),
+                    f"double_blocks.{i}.{s}_mlp.0": (m, h),
+                    f"double_blocks.{i}.{s}_mlp.2": (h, m),
+                    f"double_blocks.{i}.{s}_mod.lin": (6 * h, h),
+                }
+            )
     for i in range(tc["num_single_layers"]):
-        shapes.update({f"single_blocks.{i}.linear1": (3 * h + m, h), f"single_blocks.{i}.linear2": (h, h + m),
-                       f"single_blocks.{i}.modulation.lin": (3 * h, h)})  # fmt: skip
+        shapes.update(
+            {
+                f"single_blocks.{i}.linear1": (3 * h + m, h),
+                f"single_blocks.{i}.linear2": (h, h + m),
+                f"single_blocks.{i}.modulation.lin": (3 * h, h),
+            }
+        )
     return shapes
 
 
-FUSED = {"attn.to_q": 0, "attn.to_k": 1, "attn.to_v": 2, "attn.add_q_proj": 0, "attn.add_k_proj": 1,
-         "attn.add_v_proj": 2, "proj_mlp": 3}  # fmt: skip
+FUSED = {
+    "attn.to_q": 0,
+    "attn.to_k": 1,
+    "attn.to_v": 2,
+    "attn.add_q_proj": 0,
+    "attn.add_k_proj": 1,
+    "attn.add_v_proj": 2,
+    "proj_mlp": 3,
+}
 """flux_to_diffusers: a diffusers module that is a part of a fused BFL weight, and its place in q, k, v(, mlp)."""
-WHOLE = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0",
-         "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
-         "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin", "proj_out": "linear2",
-         "norm.linear": "modulation.lin"}  # fmt: skip
+WHOLE = {
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    "proj_out": "linear2",
+    "norm.linear": "modulation.lin",
+}
 
 
 def comfy_targets(tc: dict) -> dict[str, tuple[str, int, int]]:
@@ -81,8 +107,11 @@ def comfy_targets(tc: dict) -> dict[str, tuple[str, int, int]]:
                 out[f"lycoris_{kind}_{i}_{inner.replace('.', '_')}"] = (weight, part * h, rows)
             for inner, name in WHOLE.items():
                 if f"{block}.{i}.{name}" in bfl:
-                    out[f"lycoris_{kind}_{i}_{inner.replace('.', '_')}"] = (f"{block}.{i}.{name}", 0,
-                                                                            bfl[f"{block}.{i}.{name}"][0])
+                    out[f"lycoris_{kind}_{i}_{inner.replace('.', '_')}"] = (
+                        f"{block}.{i}.{name}",
+                        0,
+                        bfl[f"{block}.{i}.{name}"][0],
+                    )
     return out
 
 
@@ -223,14 +252,17 @@ def test_kohya_keys_at_real_widths_on_the_meta_device(adapter):
         state = lora.lora_state_dict(meta)
         modules = set(lora.adapted_modules(meta))
         siblings = {s for m in modules for s in kohya.locate(m, Flux1.kohya_blocks)[3]}
-        out_features = {s: meta.get_submodule(s).out_features if s not in modules
-                        else meta.get_submodule(s).base_layer.out_features for s in siblings}  # fmt: skip
+        out_features = {
+            s: meta.get_submodule(s).out_features if s not in modules else meta.get_submodule(s).base_layer.out_features
+            for s in siblings
+        }
         norms = {s: torch.empty(out_features[s], device="meta") for s in siblings - modules}
         with torch.device("meta"):  # the fused layers' zero blocks too
             converted = kohya.from_peft(state, 1.0, out_features, Flux1.kohya_blocks, norms)
         found = check_comfy_keys(converted, FLUX1_DEV)
-        assert len(found) == (len(targets) if adapter == "lokr" else len({kohya.locate(m, Flux1.kohya_blocks)[0]
-                                                                         for m in targets})), preset  # fmt: skip
+        assert len(found) == (
+            len(targets) if adapter == "lokr" else len({kohya.locate(m, Flux1.kohya_blocks)[0] for m in targets})
+        ), preset
 
 
 def test_dora_diffusers_file_loads_in_the_pipeline_and_renders_the_trained_model(tiny_model, tmp_path):
@@ -302,8 +334,10 @@ def test_the_kept_kohya_file_names_lycoris_and_keeps_the_tensors(tiny_model, tmp
     lora.add_lora(t, rank=2, alpha=4.0, targets="attention", adapter=adapter)
     _randomise(t, 4)
     written = load_file(kohya.save(t, tmp_path, lora.scale(t)))
-    cfg = config.load(None, [f"model.path={tiny_model}", f"train.adapter={adapter}", "train.output_format=kohya",
-                             "train.output_name=mine"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [f"model.path={tiny_model}", f"train.adapter={adapter}", "train.output_format=kohya", "train.output_name=mine"],
+    )
     path = lora_files.keep_step(str(tmp_path), cfg, str(tmp_path / "run"), {"step": 3, "epoch": 0})
     with safe_open(path, "pt") as f:
         meta = f.metadata()
@@ -316,8 +350,14 @@ def test_the_kept_kohya_file_names_lycoris_and_keeps_the_tensors(tiny_model, tmp
 @pytest.mark.parametrize("adapter", ["dora", "lokr"])
 def test_resume_continues_exactly(tiny_model, tmp_path, adapter):
     """4 steps straight == 2 steps, checkpoint, a fresh trainer restored from it, 2 more steps."""
-    cfg = train_data.job(tiny_model, f"train.adapter={adapter}", "train.output_format=kohya",
-                         "train.targets=all", "train.learning_rate=0.01", "train.gradient_accumulation=2")  # fmt: skip
+    cfg = train_data.job(
+        tiny_model,
+        f"train.adapter={adapter}",
+        "train.output_format=kohya",
+        "train.targets=all",
+        "train.learning_rate=0.01",
+        "train.gradient_accumulation=2",
+    )
     groups = train_data.groups(train_data.items(8), 2)
 
     def fresh():
@@ -378,8 +418,15 @@ def test_a_lokr_file_loads_in_diffusers_flux2_pipeline_and_renders_the_trained_m
         return p
 
     def draw(p):
-        return p(prompt="a red circle", height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
-                 generator=torch.Generator().manual_seed(0), output_type="np").images[0]  # fmt: skip
+        return p(
+            prompt="a red circle",
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+        ).images[0]
 
     trained_pipe = pipe()
     base = draw(trained_pipe)

@@ -17,8 +17,12 @@ from rayflux.train.trainer import LoraTrainer
 
 
 def _lora_after_4_steps(tiny_model, compiled: bool) -> dict:
-    cfg = train_data.job(tiny_model, "train.learning_rate=0.01", "train.gradient_checkpointing=true",
-                         f"train.compile={str(compiled).lower()}")  # fmt: skip
+    cfg = train_data.job(
+        tiny_model,
+        "train.learning_rate=0.01",
+        "train.gradient_checkpointing=true",
+        f"train.compile={str(compiled).lower()}",
+    )
     trainer = LoraTrainer(cfg, "cpu", total_steps=4, empty=train_data.empty_caption())
     for group in train_data.groups(train_data.items(4, batch_size=1), 1):
         trainer.train_step(group)

@@ -22,8 +22,10 @@ def _run(refs, batch_size, epochs, accumulation, world, saved, steps_allowed):
     record) and the training loop steps; returns the new position record and the steps' log records."""
     per_rank = elastic.plan_rows(refs, batch_size, 0, (0, epochs), epochs, world, accumulation, saved)
     # What the feed's read adds to each planned row that the loop's digest records: the batch's sample ids.
-    per_rank = [[{**r, "sample_ids": json.dumps([x.sample_id for x in decode_planned(r["refs"])])} for r in rows]
-                for rows in per_rank]  # fmt: skip
+    per_rank = [
+        [{**r, "sample_ids": json.dumps([x.sample_id for x in decode_planned(r["refs"])])} for r in rows]
+        for rows in per_rank
+    ]
     resume = {row["resume_step"] for rows in per_rank for row in rows}
     assert resume <= {saved["step"] if saved else 0}, "rows disagree on the restored step"
     streams = [grouped(rows, accumulation) for rows in per_rank]

@@ -13,8 +13,13 @@ from rayflux.train import checkpoint, evaluation, kohya, lora, lora_files
 from rayflux.train.trainer import LoraTrainer
 
 # A fast decay, so that 4 steps leave the average clearly apart from the weights; dropout draws from the saved RNGs.
-EMA = ("train.ema_decay=0.5", "train.learning_rate=0.01", "train.lr_scheduler=cosine", "train.gradient_accumulation=2",
-       "train.lora_dropout=0.2")  # fmt: skip
+EMA = (
+    "train.ema_decay=0.5",
+    "train.learning_rate=0.01",
+    "train.lr_scheduler=cosine",
+    "train.gradient_accumulation=2",
+    "train.lora_dropout=0.2",
+)
 
 
 def _weights(trainer) -> dict:
@@ -78,8 +83,11 @@ def test_ema_resumes_bitwise_and_is_exported_beside_the_lora(tiny_model, tmp_pat
 def _deltas(transformer, adapter: str) -> dict:
     from peft.tuners.lora import LoraLayer
 
-    return {n: m.get_delta_weight(adapter) for n, m in transformer.named_modules()
-            if isinstance(m, LoraLayer) and adapter in m.lora_A}  # fmt: skip
+    return {
+        n: m.get_delta_weight(adapter)
+        for n, m in transformer.named_modules()
+        if isinstance(m, LoraLayer) and adapter in m.lora_A
+    }
 
 
 def test_the_exported_ema_loads_in_diffusers_as_the_average(tiny_model, tmp_path):
@@ -108,8 +116,10 @@ def test_eval_loss_and_best_file_use_the_ema_and_training_goes_on_unchanged(tiny
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
     _run(trainer, train_data.groups(train_data.items(4), 2))
     rows = train_data.items(2, seed=7)
-    held = [evaluation.EvalBatch(b, [f"held-{i}-{j}" for j in range(2)]) for i, b in
-            enumerate(train_data.groups(rows, 1)[k][0] for k in range(2))]  # fmt: skip
+    held = [
+        evaluation.EvalBatch(b, [f"held-{i}-{j}" for j in range(2)])
+        for i, b in enumerate(train_data.groups(rows, 1)[k][0] for k in range(2))
+    ]
     training, averaged = _weights(trainer), _averaged(trainer)
     plain = evaluation.score(trainer, held, 1)["eval_loss"]
 
@@ -131,8 +141,10 @@ def test_ema_config_names_refusals_and_memory():
     with pytest.raises(ConfigError, match=r"ema_decay must be in \[0, 1\)"):
         config.load(None, ["train.ema_decay=1"])
     with pytest.raises(ConfigError, match="already evaluates and exports an average"):
-        config.load(None, ["train.ema_decay=0.9", "train.optimizer=schedulefree_adamw",
-                           "train.lr_scheduler=constant_with_warmup"])  # fmt: skip
+        config.load(
+            None,
+            ["train.ema_decay=0.9", "train.optimizer=schedulefree_adamw", "train.lr_scheduler=constant_with_warmup"],
+        )
     text = config.help_text()
     assert "train.ema_decay = 0.0" in text and "train.use_ema: true -> train.ema_decay=0.995" in text
     assert gpu_memory.lora_bytes_per_param("adamw", ema=True) == gpu_memory.lora_bytes_per_param("adamw") + 4

@@ -198,8 +198,17 @@ def test_kohya_step_file_is_named_and_carries_training_metadata(tiny_model, tmp_
     kohya.save(pipe.transformer, ckpt, lora.scale(pipe.transformer))
     text = tmp_path / "text.parquet"
     pq.write_table(pa.table({"caption": ["ohwx, a dog, grass", "ohwx, a cat", None]}), text)
-    cfg = config.load(None, [f"model.path={tiny_model}", "train.output_format=kohya", "train.rank=4",
-                             "train.alpha=8", "train.output_name=my-lora", "train.epochs=3"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={tiny_model}",
+            "train.output_format=kohya",
+            "train.rank=4",
+            "train.alpha=8",
+            "train.output_name=my-lora",
+            "train.epochs=3",
+        ],
+    )
     path = lora_files.keep_step(str(ckpt), cfg, str(tmp_path / "run"), {"step": 500, "epoch": 1}, [str(text)])
     assert path == str(tmp_path / "run" / "lora" / "my-lora-step00000500.safetensors")
     with safe_open(path, "pt") as f:

@@ -156,8 +156,10 @@ def test_schedulefree_eval_loss_scores_its_average_and_training_goes_on_unchange
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
     _run(trainer, groups)
     rows = train_data.items(2, seed=7)
-    held = [evaluation.EvalBatch(b, [f"held-{i}-{j}" for j in range(2)]) for i, b in
-            enumerate(train_data.groups(rows, 1)[k][0] for k in range(2))]  # fmt: skip
+    held = [
+        evaluation.EvalBatch(b, [f"held-{i}-{j}" for j in range(2)])
+        for i, b in enumerate(train_data.groups(rows, 1)[k][0] for k in range(2))
+    ]
     training = _weights(trainer)
     with trainer.optimizer_eval():
         averaged = evaluation.score(trainer, held, 1)["eval_loss"]

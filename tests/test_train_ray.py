@@ -130,8 +130,11 @@ def test_uneven_buckets_give_both_ranks_the_same_steps_and_pure_batches(cache, f
     bucket_of = {r.sample_id: r.bucket for r in refs}
     # 9 batches per epoch, cut to 8 by the remainder rule: 2 steps of 2 batches per rank per epoch, 2 epochs.
     assert [(h["step"], h["epoch"], h["index"], h["span"], h["world"]) for h in result.history] == [
-        (1, 0, 0, 4, 2), (2, 0, 4, 4, 2), (3, 1, 0, 4, 2), (4, 1, 4, 4, 2)
-    ]  # fmt: skip
+        (1, 0, 0, 4, 2),
+        (2, 0, 4, 4, 2),
+        (3, 1, 0, 4, 2),
+        (4, 1, 4, 4, 2),
+    ]
     for epoch in (0, 1):
         planned = batching.plan_epoch(refs, 2, 0, epoch, 2, 2)[0]
         trained = [planned[h["index"] + k] for h in result.history if h["epoch"] == epoch for k in range(h["span"])]
@@ -170,8 +173,9 @@ def test_metrics_are_reported_and_checkpoints_rotated(full):
         assert steps[-1]["epoch_read_bytes"] == sum(h["read_bytes"] for h in steps)
         assert steps[-1]["epoch_tensor_bytes"] == sum(h["tensor_bytes"] for h in steps)
         assert 0 < steps[-1]["read_amplification"] <= 1.05
-        assert steps[-1]["requests_per_sample"] == round(sum(h["read_requests"] for h in steps) /
-                                                         sum(h["samples"] for h in steps), 4)  # fmt: skip
+        assert steps[-1]["requests_per_sample"] == round(
+            sum(h["read_requests"] for h in steps) / sum(h["samples"] for h in steps), 4
+        )
     kept = [p for p in (out / "checkpoints" / "full").glob("checkpoint_*") if p.is_dir()]
     assert len(kept) == 2  # checkpoint_every=1 wrote 4, checkpoints_to_keep=2 kept the newest
     state = torch.load(Path(result.checkpoint_dir) / checkpoint.STATE_FILE, weights_only=True)
@@ -210,8 +214,13 @@ def test_validation_grids_are_the_in_process_render_of_each_step_lora(full, cach
 
     _, out = full
     root, base, _, _ = cache
-    cfg = _cfg(base, "run.name=full", "train.validation_inference_steps=2", f"train.validation_prompts={PROMPTS}",
-               "train.output_format=kohya")  # fmt: skip
+    cfg = _cfg(
+        base,
+        "run.name=full",
+        "train.validation_inference_steps=2",
+        f"train.validation_prompts={PROMPTS}",
+        "train.output_format=kohya",
+    )
     t = cfg.train
     transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
     lora.add_lora(transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
@@ -234,8 +243,14 @@ def test_a_killed_renderer_never_stops_training(cache):
 
     root, base, manifest, facts = cache
     out = root / "killed"
-    cfg = _cfg(base, "run.name=killed", "train.validation_every=1", "train.validation_inference_steps=2",
-               f"train.validation_prompts={json.dumps(PROMPTS)}", "run.debug_slow_rank=0:1.5")  # fmt: skip
+    cfg = _cfg(
+        base,
+        "run.name=killed",
+        "train.validation_every=1",
+        "train.validation_inference_steps=2",
+        f"train.validation_prompts={json.dumps(PROMPTS)}",
+        "run.debug_slow_rank=0:1.5",
+    )
     killed: list[float] = []
 
     def kill_once_rendering() -> None:
@@ -335,8 +350,13 @@ def test_step_loras_outlive_pruned_checkpoints(cache, resumed, tiny_model):
     pipe.load_lora_weights(str(out / "lora"), weight_name=names[1])
 
 
-EVAL = ("train.gradient_accumulation=1", "data.eval_samples=3", "train.eval_every=2", "train.checkpoint_every=2",
-        *(["run.wandb_project=rayflux-test"] if WANDB else []))
+EVAL = (
+    "train.gradient_accumulation=1",
+    "data.eval_samples=3",
+    "train.eval_every=2",
+    "train.checkpoint_every=2",
+    *(["run.wandb_project=rayflux-test"] if WANDB else []),
+)
 
 
 @pytest.fixture(scope="module")
@@ -415,9 +435,11 @@ def test_eval_loss_shows_in_tensorboard_and_the_summary(evaluated):
     events.Reload()
     assert [e.step for e in events.Scalars("train/eval_loss")] == [0, 2, 3, 4, 6]
     assert [e.value for e in events.Scalars("eval/loss_q0.1")] == pytest.approx(
-        [e["eval_loss_sigmas"][0] for e in second.evals], rel=1e-6)  # fmt: skip
-    summary = job.Summary(steps=6, losses=second.losses, eval_samples=3, eval_file="e.txt",
-                          best=(*second.best, "best.safetensors"))  # fmt: skip
+        [e["eval_loss_sigmas"][0] for e in second.evals], rel=1e-6
+    )
+    summary = job.Summary(
+        steps=6, losses=second.losses, eval_samples=3, eval_file="e.txt", best=(*second.best, "best.safetensors")
+    )
     lines = summary.lines()
     assert "eval:       3 samples held out of training (e.txt)" in lines
     assert f"best:       eval loss {second.best[1]:.4f} at step {second.best[0]}: best.safetensors" in lines
@@ -436,7 +458,8 @@ def test_rank0_logs_steps_and_eval_loss_to_one_wandb_run_across_the_resume(evalu
     history = {**runs[0][1], **runs[1][1]}
     assert [s for s in sorted(history) if "train/eval_loss" in history[s]] == [0, 2, 3, 4, 6]
     assert [history[s]["train/eval_loss"] for s in (0, 2, 3, 4, 6)] == pytest.approx(
-        [e["eval_loss"] for e in second.evals], rel=1e-6)  # fmt: skip
+        [e["eval_loss"] for e in second.evals], rel=1e-6
+    )
     assert history[6]["eval/loss_q0.1"] == pytest.approx(second.evals[-1]["eval_loss_sigmas"][0], rel=1e-6)
     assert [history[h["step"]]["train/loss"] for h in second.history] == pytest.approx(second.losses, rel=1e-6)
 
@@ -460,10 +483,20 @@ def test_an_ema_run_evaluates_renders_and_exports_its_average(cache):
     checkpoint leaves an ``-ema`` step file, and the validation render reads the step's EMA file."""
     root, base, manifest, facts = cache
     out = root / "ema"
-    cfg = _cfg(base, "run.name=ema", "train.optimizer=adamw", "train.ema_decay=0.5", "train.max_steps=2",
-               "train.gradient_accumulation=1", "train.lr_scheduler=constant", "train.warmup_steps=0",
-               "data.eval_samples=3", "train.eval_sigmas=2",
-               "train.validation_inference_steps=1", f"train.validation_prompts={json.dumps(PROMPTS[:1])}")  # fmt: skip
+    cfg = _cfg(
+        base,
+        "run.name=ema",
+        "train.optimizer=adamw",
+        "train.ema_decay=0.5",
+        "train.max_steps=2",
+        "train.gradient_accumulation=1",
+        "train.lr_scheduler=constant",
+        "train.warmup_steps=0",
+        "data.eval_samples=3",
+        "train.eval_sigmas=2",
+        "train.validation_inference_steps=1",
+        f"train.validation_prompts={json.dumps(PROMPTS[:1])}",
+    )
     result = stage.train(cfg, manifest, facts, str(out), False)
     assert result.steps == 2 and [e["step"] for e in result.evals] == [0, 2]
     lora_dir = out / "lora"

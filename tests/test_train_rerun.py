@@ -12,13 +12,21 @@ from rayflux.train import commits, metrics
 def _cfg(tiny_model, demo_images, out, max_steps: int) -> config.JobConfig:
     return config.load(
         None,
-        [f"model.path={tiny_model}", f"data.images_dir={demo_images}", f"run.output_dir={out}",
-         "data.resolution=64", "train.epochs=2", "train.num_workers=1", f"train.max_steps={max_steps}"],
-    )  # fmt: skip
+        [
+            f"model.path={tiny_model}",
+            f"data.images_dir={demo_images}",
+            f"run.output_dir={out}",
+            "data.resolution=64",
+            "train.epochs=2",
+            "train.num_workers=1",
+            f"train.max_steps={max_steps}",
+        ],
+    )
 
 
-def test_a_larger_max_steps_continues_and_an_idle_rerun_says_why(ray_session, tiny_model, demo_images, tmp_path,
-                                                                  caplog):  # fmt: skip
+def test_a_larger_max_steps_continues_and_an_idle_rerun_says_why(
+    ray_session, tiny_model, demo_images, tmp_path, caplog
+):
     out = tmp_path / "run"
     first = job.run(_cfg(tiny_model, demo_images, out, 3))
     assert first.steps == 3

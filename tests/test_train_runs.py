@@ -53,8 +53,11 @@ def test_runs_are_storage_neighbours_and_every_sample_is_trained_once(per_file, 
     filled = runs.fill(refs, batch_size, k, random.Random(epoch))
     flat = [(r.file, r.row) for b in filled for r in b]
     ordered = sorted((r.file, r.row) for r in refs)
-    expected = [[x for x in ordered if x[0] == f][i : i + k] for f in sorted({x[0] for x in ordered})
-                for i in range(0, sum(x[0] == f for x in ordered), k)]  # fmt: skip
+    expected = [
+        [x for x in ordered if x[0] == f][i : i + k]
+        for f in sorted({x[0] for x in ordered})
+        for i in range(0, sum(x[0] == f for x in ordered), k)
+    ]
     starts = sorted(flat.index(run[0]) for run in expected)
     assert sorted(tuple(flat[a:b]) for a, b in zip(starts, starts[1:] + [len(flat)])) == sorted(map(tuple, expected))
     rows_of = {f: sorted(x[1] for x in ordered if x[0] == f) for f in {x[0] for x in ordered}}

@@ -93,8 +93,11 @@ def _kill_a_worker_after_first_checkpoint(dashboard: str, run_dir: str, done: th
     deadline = time.monotonic() + 300
     while not done.is_set() and time.monotonic() < deadline:
         if commits.latest(run_dir):
-            workers = [a for a in list_actors(address=dashboard, limit=10_000, raise_on_missing_output=False)
-                       if "RayTrainWorker" in (a.class_name or "") and a.state == "ALIVE" and a.pid]  # fmt: skip
+            workers = [
+                a
+                for a in list_actors(address=dashboard, limit=10_000, raise_on_missing_output=False)
+                if "RayTrainWorker" in (a.class_name or "") and a.state == "ALIVE" and a.pid
+            ]
             if workers:
                 os.kill(workers[-1].pid, signal.SIGKILL)
                 return [workers[-1].pid]

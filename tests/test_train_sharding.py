@@ -71,12 +71,18 @@ class LargestTensor(TorchDispatchMode):
 
 
 def _worker(rank: int, tiny_model: str) -> dict:
-    cfg = train_data.job(tiny_model, "train.base_sharding=node", 'train.validation_prompts=["a red circle"]',
-                         "train.validation_inference_steps=1", "data.resolution=64")  # fmt: skip
+    cfg = train_data.job(
+        tiny_model,
+        "train.base_sharding=node",
+        'train.validation_prompts=["a red circle"]',
+        "train.validation_inference_steps=1",
+        "data.resolution=64",
+    )
     empty = train_data.empty_caption()
     with LargestTensor() as watch:
-        trainer = LoraTrainer(cfg, "cpu", 2, rank, empty,
-                              topology=sharding.Topology(world=2, local_world=2, node_rank=0))  # fmt: skip
+        trainer = LoraTrainer(
+            cfg, "cpu", 2, rank, empty, topology=sharding.Topology(world=2, local_world=2, node_rank=0)
+        )
     base = [p for p in trainer.transformer.parameters() if not p.requires_grad]
     loss = trainer.train_step(train_data.groups(train_data.items(2, seed=rank), 2)[0]).loss
     # Rank 0 renders alone (rank 1 has left the group): a sharded forward would wait on rank 1 for ever.

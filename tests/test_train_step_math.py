@@ -1,6 +1,5 @@
 """Pure pieces of the training step: guidance, caption dropout, LR schedule, step counts, precision, seeds."""
 
-
 import pytest
 import torch
 
@@ -30,7 +29,9 @@ def test_caption_dropout_mask_rate():
 def test_drop_text_swaps_only_masked_rows():
     t5, clip = torch.randn(3, 5, 4), torch.randn(3, 4)
     empty_t5, empty_clip = torch.zeros(5, 4), torch.zeros(4)
-    new = flow.drop_text({"t5": t5, "clip": clip}, torch.tensor([False, True, False]), {"t5": empty_t5, "clip": empty_clip})
+    new = flow.drop_text(
+        {"t5": t5, "clip": clip}, torch.tensor([False, True, False]), {"t5": empty_t5, "clip": empty_clip}
+    )
     new_t5, new_clip = new["t5"], new["clip"]
     assert torch.equal(new_t5[1], empty_t5) and torch.equal(new_clip[1], empty_clip)
     assert torch.equal(new_t5[[0, 2]], t5[[0, 2]]) and torch.equal(new_clip[[0, 2]], clip[[0, 2]])
@@ -53,8 +54,16 @@ def test_schedules_are_diffusers_own(name):
     from rayflux import config
 
     warmup = 0 if name == "constant" else 3
-    cfg = config.load(None, ["train.learning_rate=0.01", f"train.lr_scheduler={name}", f"train.warmup_steps={warmup}",
-                             "train.lr_cycles=2", "train.lr_power=2"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            "train.learning_rate=0.01",
+            f"train.lr_scheduler={name}",
+            f"train.warmup_steps={warmup}",
+            "train.lr_cycles=2",
+            "train.lr_power=2",
+        ],
+    )
     ours = optim.build([torch.nn.Parameter(torch.zeros(1))], cfg.train, total_steps=16)
     ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
     ref = get_scheduler(name, ref_opt, num_warmup_steps=warmup, num_training_steps=16, num_cycles=2, power=2.0)

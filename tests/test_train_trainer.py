@@ -118,9 +118,17 @@ def test_empty_caption_is_read_from_where_the_index_says(tmp_path):
 
     def row(caption, value):
         t5, clip = torch.full((3, 2), value), torch.full((2,), value + 1)
-        return {"caption_id": caption_id(caption), "caption": caption, "t5_len": 3, "t5_dim": 2, "clip_dim": 2,
-                "text_dtype": "float16", "t5": tensors.to_bytes(t5, "float16"),
-                "clip_pooled": tensors.to_bytes(clip, "float16"), "encode_id": "e"}  # fmt: skip
+        return {
+            "caption_id": caption_id(caption),
+            "caption": caption,
+            "t5_len": 3,
+            "t5_dim": 2,
+            "clip_dim": 2,
+            "text_dtype": "float16",
+            "t5": tensors.to_bytes(t5, "float16"),
+            "clip_pooled": tensors.to_bytes(clip, "float16"),
+            "encode_id": "e",
+        }
 
     rows = [row("a cat", 1.0), row("", 5.0)]
     layout = shards.ShardLayout("text", "float16", latent_channels=16, vae_scale_factor=8, text=flux1.text_tensors(3))

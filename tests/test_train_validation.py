@@ -17,8 +17,15 @@ def test_text_encoders_load_once_and_renders_match_the_full_pipeline(tiny_model,
     from diffusers import FluxPipeline
 
     model = shutil.copytree(tiny_model, tmp_path / "model")
-    cfg = config.load(None, [f"model.path={model}", "data.resolution=64", "train.validation_inference_steps=2",
-                             f"train.validation_prompts={PROMPTS}"])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            f"model.path={model}",
+            "data.resolution=64",
+            "train.validation_inference_steps=2",
+            f"train.validation_prompts={PROMPTS}",
+        ],
+    )
     transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
     alive = memory.live_encoders()
     first = validation.render(transformer, cfg, "cpu", torch.float32)
@@ -33,8 +40,15 @@ def test_text_encoders_load_once_and_renders_match_the_full_pipeline(tiny_model,
     facts = models.model_facts(cfg.model)
     assert cfg.train.validation_guidance == 0  # FLUX.1 renders with its own 3.5
     for i, prompt in enumerate(PROMPTS):
-        full = pipe(prompt, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
-                    max_sequence_length=facts.text_length, generator=torch.Generator().manual_seed(i)).images[0]
+        full = pipe(
+            prompt,
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            guidance_scale=3.5,
+            max_sequence_length=facts.text_length,
+            generator=torch.Generator().manual_seed(i),
+        ).images[0]
         np.testing.assert_array_equal(np.asarray(first[i]), np.asarray(full))
         np.testing.assert_array_equal(np.asarray(second[i]), np.asarray(full))
 
@@ -53,8 +67,14 @@ def test_reference_images_are_decoded_as_the_cache_decodes_them_and_read_once(tm
     Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90).save(rotated, exif=exif.tobytes())
     clear = tmp_path / "clear.png"  # fully transparent: the cache composites it onto white
     Image.new("RGBA", (40, 40), (0, 0, 0, 0)).save(clear)
-    cfg = config.load(None, ["data.resolution=32", 'train.validation_prompts=["make it green"]',
-                             f'train.validation_references=[["{rotated}", "{clear}"]]'])  # fmt: skip
+    cfg = config.load(
+        None,
+        [
+            "data.resolution=32",
+            'train.validation_prompts=["make it green"]',
+            f'train.validation_references=[["{rotated}", "{clear}"]]',
+        ],
+    )
 
     size = validation.image_size(cfg)
     phone, white = (np.asarray(img) for img in validation._references(cfg, size)[0])

@@ -12,6 +12,7 @@ from rayflux import config
 from rayflux.train import metrics, validation, wandb_log
 from wandb_support import offline_runs
 
+
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
@@ -29,8 +30,10 @@ def test_rank0_logs_what_tensorboard_gets_and_a_rerun_continues_the_run(offline,
 
     storage = str(offline / "out" / "checkpoints" / "rayflux")
     monkeypatch.setenv("WANDB_DIR", str(offline))
-    log = wandb_log.Both(metrics.TensorBoardLog(str(offline / "out")),
-                         wandb_log.WandbLog("rayflux-test", storage, "rayflux", {"train": {"rank": 8}}))  # fmt: skip
+    log = wandb_log.Both(
+        metrics.TensorBoardLog(str(offline / "out")),
+        wandb_log.WandbLog("rayflux-test", storage, "rayflux", {"train": {"rank": 8}}),
+    )
     log.scalars(0, {"step": 0, "eval_loss": 0.9, "eval_quantiles": [0.25, 0.75], "eval_loss_sigmas": [0.8, 1.0]})
     log.scalars(1, {"step": 1, "loss": 0.5, "lr": 1e-4, "grad_norm": 2.0, "samples_per_s": 3.0})
     log.image(1, "validation", validation.grid([Image.new("RGB", (16, 16), c) for c in ("red", "blue")]))
@@ -41,7 +44,11 @@ def test_rank0_logs_what_tensorboard_gets_and_a_rerun_continues_the_run(offline,
     assert history[0]["train/eval_loss"] == 0.9
     assert (history[0]["eval/loss_q0.25"], history[0]["eval/loss_q0.75"]) == (0.8, 1.0)
     assert {k: history[1][f"train/{k}"] for k in ("loss", "lr", "grad_norm", "samples_per_s")} == {
-        "loss": 0.5, "lr": 1e-4, "grad_norm": 2.0, "samples_per_s": 3.0}  # fmt: skip
+        "loss": 0.5,
+        "lr": 1e-4,
+        "grad_norm": 2.0,
+        "samples_per_s": 3.0,
+    }
     assert history[1]["validation/_type"] == "image-file"
     assert (history[1]["validation/width"], history[1]["validation/height"]) == (32, 16)  # the 2-image grid
     assert os.listdir(offline / "out" / "tensorboard")  # TensorBoard still gets its events

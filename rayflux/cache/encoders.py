@@ -66,8 +66,12 @@ class VaeEncoder:
 
         self.device = models.default_device()
         self.family = models.family(self.model)
-        self.vae = self.family.load_vae(models.resolve_path(self.model), models.revision_kw(self.model), self.device,
-                                        models.vae_dtype(self.model, self.device))  # fmt: skip
+        self.vae = self.family.load_vae(
+            models.resolve_path(self.model),
+            models.revision_kw(self.model),
+            self.device,
+            models.vae_dtype(self.model, self.device),
+        )
         # Weights and input in channels-last let oneDNN (CPU) and cuDNN run their channels-last kernels throughout:
         # 1.3x against NCHW on FLUX.1's VAE on CPU, with fp32 results equal to 1e-5.
         self.vae.to(memory_format=torch.channels_last)
@@ -156,8 +160,9 @@ class TextEncoder:
         self.device = models.default_device()
         dtype = models.torch_dtype(model.dtype, self.device)
         self.family = models.family(model)
-        self.encoders = self.family.load_text_encoders(models.resolve_path(model), models.revision_kw(model),
-                                                       self.device, dtype)  # fmt: skip
+        self.encoders = self.family.load_text_encoders(
+            models.resolve_path(model), models.revision_kw(model), self.device, dtype
+        )
         self.facts = facts
         self.store_dtype = store_dtype
         self.encode_id = encode_id

@@ -198,8 +198,12 @@ def pool_size(key: str, value, res: dict, cap: Capacity) -> PoolSize:
     if most is None:
         # A resource the cluster does not have yet and no readable autoscaler maximum: an autoscaler may still
         # add it, so the request is accepted and cache.stall_seconds bounds the wait.
-        log.info("%s=%d: %s not in the cluster yet; waiting for the autoscaler to add it", key, requested,
-                 ", ".join(sorted(n for n in need if n not in cap.budget(now=False))))  # fmt: skip
+        log.info(
+            "%s=%d: %s not in the cluster yet; waiting for the autoscaler to add it",
+            key,
+            requested,
+            ", ".join(sorted(n for n in need if n not in cap.budget(now=False))),
+        )
         return PoolSize(1, requested, requested)
     if requested > most:
         raise FitError(_overflow(key, requested, res, need, cap))
@@ -218,8 +222,10 @@ def _overflow(key: str, n: int, res: dict, need: dict, cap: Capacity) -> str:
         have = budget.get(name, 0.0)
         if name == "CPU":
             if n * amount + PREPARE_CPUS + WRITE_CPUS > have + _EPS:
-                return (f"{key}={n} x cache.actor_cpus={amount:g} + {PREPARE_CPUS} CPU for preparation + "
-                        f"{WRITE_CPUS} for writing > {have:g} CPUs {where}")  # fmt: skip
+                return (
+                    f"{key}={n} x cache.actor_cpus={amount:g} + {PREPARE_CPUS} CPU for preparation + "
+                    f"{WRITE_CPUS} for writing > {have:g} CPUs {where}"
+                )
         elif n * amount > have + _EPS:
             label = {"GPU": "cache.gpus_per_actor"}.get(name, f"cache.actor_resources.{name}")
             return f"{key}={n} x {label}={amount:g} > {have:g} {name} {where}"

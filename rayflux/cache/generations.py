@@ -90,8 +90,12 @@ def commit(gen_dir: str, manifest: dict, skipped: list[dict], build: str) -> Man
         return manifest
     _remove_own(gen_dir, build, keep=set())
     winner = load_manifest(gen_dir)
-    log.warning("cache %s: another build (%s) committed this generation first; this build's files are removed and "
-                "its commit is used", gen_dir, winner.encode_id)  # fmt: skip
+    log.warning(
+        "cache %s: another build (%s) committed this generation first; this build's files are removed and "
+        "its commit is used",
+        gen_dir,
+        winner.encode_id,
+    )
     return winner
 
 

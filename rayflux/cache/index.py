@@ -35,6 +35,7 @@ _LOCATION = [
     ("row", pa.int32()),
 ]
 
+
 def sample_index(samples=None) -> pa.Schema:
     """One row per sample of the generation: what it is, where its row is, and the byte range and checksum of each
     declared per-sample tensor (a :class:`~rayflux.cache.layout.SampleTensor`) as ``<key>offset``/``<key>length``/
@@ -43,8 +44,16 @@ def sample_index(samples=None) -> pa.Schema:
     the tensors' bytes as the writer wrote them (:mod:`rayflux.cache.integrity`)."""
     samples = sample_layout.SAMPLE_TENSORS if samples is None else samples
     ranges = [(c, pa.uint32() if c.endswith("crc32") else pa.int64()) for t in samples for c in t.columns()]
-    return pa.schema([*_SAMPLE_FIELDS, *_LOCATION, *[(c, pa.int32()) for c in sample_layout.COUNT_COLUMNS], *ranges,
-                      ("generation", pa.int32()), ("encode_id", pa.string())])  # fmt: skip
+    return pa.schema(
+        [
+            *_SAMPLE_FIELDS,
+            *_LOCATION,
+            *[(c, pa.int32()) for c in sample_layout.COUNT_COLUMNS],
+            *ranges,
+            ("generation", pa.int32()),
+            ("encode_id", pa.string()),
+        ]
+    )
 
 
 _SAMPLE_FIELDS = [
@@ -73,19 +82,38 @@ SAMPLE_INDEX = sample_index()
 def borrowed_columns(samples) -> list[str]:
     """The index columns a reused row takes from the earlier generation's index: where its row and tensors are,
     their shapes, and the build that wrote them."""
-    return ["latent_c", "latent_h", "latent_w", *(n for n, _ in _LOCATION), *sample_layout.COUNT_COLUMNS,
-            *(c for t in samples for c in t.columns()), "generation", "encode_id"]  # fmt: skip
+    return [
+        "latent_c",
+        "latent_h",
+        "latent_w",
+        *(n for n, _ in _LOCATION),
+        *sample_layout.COUNT_COLUMNS,
+        *(c for t in samples for c in t.columns()),
+        "generation",
+        "encode_id",
+    ]
 
 
 def caption_index(text) -> pa.Schema:
     """One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it):
     the shape columns of each named text tensor (a :class:`~rayflux.families.base.TextTensor`), where its row is,
     and each tensor's byte range and checksum as ``<key>_offset``/``<key>_length``/``<key>_crc32``."""
-    ranges = [(f"{t.key}_{part}", pa.uint32() if part == "crc32" else pa.int64())
-              for t in text for part in ("offset", "length", "crc32")]  # fmt: skip
-    return pa.schema([("caption_id", pa.string()), ("caption", pa.string()),
-                      *[(d, pa.int32()) for t in text for d in t.dims], *_LOCATION, *ranges,
-                      ("generation", pa.int32()), ("encode_id", pa.string())])  # fmt: skip
+    ranges = [
+        (f"{t.key}_{part}", pa.uint32() if part == "crc32" else pa.int64())
+        for t in text
+        for part in ("offset", "length", "crc32")
+    ]
+    return pa.schema(
+        [
+            ("caption_id", pa.string()),
+            ("caption", pa.string()),
+            *[(d, pa.int32()) for t in text for d in t.dims],
+            *_LOCATION,
+            *ranges,
+            ("generation", pa.int32()),
+            ("encode_id", pa.string()),
+        ]
+    )
 
 
 def to_ipc(table: pa.Table) -> bytes:
@@ -176,8 +204,12 @@ class Sink:
             # No dictionaries and no statistics: nothing looks rows up by a column's range, and the writer keeps
             # both for every row group until it closes; zstd already folds the columns' repeated paths and ids.
             # Read, not memory-mapped: mapped pages would stay counted in the driver's RSS.
-            with pq.ParquetWriter(local, self.schema, compression="zstd", use_dictionary=False,
-                                  write_statistics=False) as out, pa.OSFile(self.path) as src:  # fmt: skip
+            with (
+                pq.ParquetWriter(
+                    local, self.schema, compression="zstd", use_dictionary=False, write_statistics=False
+                ) as out,
+                pa.OSFile(self.path) as src,
+            ):
                 group, rows = [], 0
                 for batch in pa.ipc.open_stream(src):
                     group.append(batch)

@@ -49,13 +49,17 @@ def verify_command(gen_dir: str) -> str:
 
 def mismatch(file: str, offset: int, length: int, what: str, got: int, want: int, gen_dir: str = "") -> str:
     """One line naming the file, the tensor (``what``: its column and its sample or caption) and its byte range."""
-    text = (f"{file} bytes {offset}..{offset + length} ({what}): checksum {got:08x}, the index recorded {want:08x} "
-            "when it was written")  # fmt: skip
+    text = (
+        f"{file} bytes {offset}..{offset + length} ({what}): checksum {got:08x}, the index recorded {want:08x} "
+        "when it was written"
+    )
     if not gen_dir:
         return text
-    return (f"{text}; the cache changed after it was written. Run `{verify_command(gen_dir)}`: it names every damaged "
-            "tensor and records them, and the next run of this job re-encodes exactly those samples and captions, "
-            "reusing the rest")  # fmt: skip
+    return (
+        f"{text}; the cache changed after it was written. Run `{verify_command(gen_dir)}`: it names every damaged "
+        "tensor and records them, and the next run of this job re-encodes exactly those samples and captions, "
+        "reusing the rest"
+    )
 
 
 def check(data, want: int, file: str, offset: int, what: str, gen_dir: str = "") -> None:

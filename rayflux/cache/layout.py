@@ -74,8 +74,14 @@ class SampleTensor:
         return f"{self.key}offset", f"{self.key}length", f"{self.key}crc32"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "key": self.key, "dtype": self.dtype,
-                "optional": self.optional, "batch": self.batch}  # fmt: skip
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "key": self.key,
+            "dtype": self.dtype,
+            "optional": self.optional,
+            "batch": self.batch,
+        }
 
 
 SAMPLE_TENSORS: tuple[SampleTensor, ...] = (
@@ -232,8 +238,16 @@ def text_schema(text: tuple[TextTensor, ...]) -> pa.Schema:
     """A text shard's columns for the named tensors ``text``: their shape columns, then their bytes."""
     dims = [(d, pa.int32()) for t in text for d in t.dims]
     tensors_ = [_tensor(t.name) for t in text]
-    return pa.schema([("caption_id", pa.string()), ("caption", pa.string()), *dims, ("text_dtype", pa.string()),
-                      *tensors_, ("encode_id", pa.string())])  # fmt: skip
+    return pa.schema(
+        [
+            ("caption_id", pa.string()),
+            ("caption", pa.string()),
+            *dims,
+            ("text_dtype", pa.string()),
+            *tensors_,
+            ("encode_id", pa.string()),
+        ]
+    )
 
 
 @dataclass(frozen=True)

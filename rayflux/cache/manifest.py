@@ -70,8 +70,12 @@ class Manifest(dict):
         the stored ``text_dtype`` and the named text tensors (``text``): what
         :func:`rayflux.train.captions.load_empty` reads."""
         empty = self["empty_caption"]
-        return {**empty, "file": self.resolve(empty["file"]), "text_dtype": self["layout"]["dtype"],
-                "text": self["layout"]["text"]}  # fmt: skip
+        return {
+            **empty,
+            "file": self.resolve(empty["file"]),
+            "text_dtype": self["layout"]["dtype"],
+            "text": self["layout"]["text"],
+        }
 
     def shard_files(self, kind: str = "samples") -> list[dict]:
         """The generation's own shards of ``kind`` (``samples`` or ``text``): path (relative to its directory),
@@ -168,8 +172,9 @@ class Build:
 def compose(b: Build, found: Found, spec, specs, text_meta, sample_meta, samples, captions) -> Manifest:
     """The manifest of a finished build (without its index entries), after checking its accounting. ``samples`` and
     ``captions``: the build's :class:`rayflux.cache.index.Sink` of each kind."""
-    skipped = sorted([*found.skipped, *(x for m in sample_meta for x in json.loads(m["skipped"]))],
-                     key=lambda x: x["source_uri"])  # fmt: skip
+    skipped = sorted(
+        [*found.skipped, *(x for m in sample_meta for x in json.loads(m["skipped"]))], key=lambda x: x["source_uri"]
+    )
     cached = samples.rows
     if cached + len(skipped) != found.discovered:
         raise RuntimeError(
@@ -179,36 +184,38 @@ def compose(b: Build, found: Found, spec, specs, text_meta, sample_meta, samples
         raise RuntimeError("the cache's text pass produced no empty-caption row")
     own = b.gen_dir.rstrip("/").rsplit("/", 1)[-1] + "/"
     dtype = b.layout.dtype
-    return Manifest({
-        "schema_version": SCHEMA_VERSION,
-        "generation": b.generation,
-        "dir": b.gen_dir,
-        "seed": b.seed,
-        "encode_id": b.encode_id,
-        "config_hash": b.config_hash,
-        "model_identity": b.facts.identity,
-        "layout": b.layout.to_json(),
-        "bucket_spec": dataclasses.asdict(spec),
-        "bucket_specs": {k: dataclasses.asdict(v) for k, v in specs.items()},
-        "latent_channels": b.facts.latent_channels,
-        "vae_scale_factor": b.facts.vae_scale_factor,
-        "dtype": dtype,
-        "files": sorted((_file_entry(m) for m in sample_meta if m["rows"]), key=lambda f: f["path"]),
-        "text_files": sorted((_file_entry(m, with_buckets=False) for m in text_meta), key=lambda f: f["path"]),
-        "borrowed": sorted(f for f in samples.files | captions.files if not f.startswith(own)),
-        "empty_caption": captions.empty,
-        "buckets": {k: {**v, "dtype": dtype} for k, v in sorted(samples.buckets.items())},
-        "discovered": found.discovered,
-        "cached": cached,
-        "skipped": len(skipped),
-        "skipped_inputs": skipped,
-        "encoded": {
-            "samples": sum(int(m["encoded"]) for m in sample_meta),
-            "captions": sum(int(m["encoded"]) for m in text_meta),
-        },
-        "reused": {"samples": sum(int(m["reused"]) for m in sample_meta), "from": b.reused_from},
-        "inputs": found.inputs,
-    })  # fmt: skip
+    return Manifest(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "generation": b.generation,
+            "dir": b.gen_dir,
+            "seed": b.seed,
+            "encode_id": b.encode_id,
+            "config_hash": b.config_hash,
+            "model_identity": b.facts.identity,
+            "layout": b.layout.to_json(),
+            "bucket_spec": dataclasses.asdict(spec),
+            "bucket_specs": {k: dataclasses.asdict(v) for k, v in specs.items()},
+            "latent_channels": b.facts.latent_channels,
+            "vae_scale_factor": b.facts.vae_scale_factor,
+            "dtype": dtype,
+            "files": sorted((_file_entry(m) for m in sample_meta if m["rows"]), key=lambda f: f["path"]),
+            "text_files": sorted((_file_entry(m, with_buckets=False) for m in text_meta), key=lambda f: f["path"]),
+            "borrowed": sorted(f for f in samples.files | captions.files if not f.startswith(own)),
+            "empty_caption": captions.empty,
+            "buckets": {k: {**v, "dtype": dtype} for k, v in sorted(samples.buckets.items())},
+            "discovered": found.discovered,
+            "cached": cached,
+            "skipped": len(skipped),
+            "skipped_inputs": skipped,
+            "encoded": {
+                "samples": sum(int(m["encoded"]) for m in sample_meta),
+                "captions": sum(int(m["encoded"]) for m in text_meta),
+            },
+            "reused": {"samples": sum(int(m["reused"]) for m in sample_meta), "from": b.reused_from},
+            "inputs": found.inputs,
+        }
+    )
 
 
 def _file_entry(meta: dict, with_buckets: bool = True) -> dict:

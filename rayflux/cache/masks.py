@@ -105,8 +105,16 @@ def current(prev_sha256: str, got: MaskInput | None) -> bool:
     return prev_sha256 == got.sha256
 
 
-def prepare(got: MaskInput, alpha, size: tuple[int, int], plan: buckets.BucketPlan, cell: int, uri: str,
-            max_pixels: int, policy: MaskPolicy) -> tuple[bytes, str] | str:  # fmt: skip
+def prepare(
+    got: MaskInput,
+    alpha,
+    size: tuple[int, int],
+    plan: buckets.BucketPlan,
+    cell: int,
+    uri: str,
+    max_pixels: int,
+    policy: MaskPolicy,
+) -> tuple[bytes, str] | str:
     """``(mask bytes, mask_sha256)`` for an image of upright ``size`` cut by ``plan``, or a skip reason. ``alpha``:
     the image's alpha channel (an ``L`` image, None when it has none) for ``mask=alpha``; ``uri``: the image's, for
     messages."""

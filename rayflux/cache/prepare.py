@@ -23,10 +23,26 @@ from rayflux.cache.decode import BadImage, decode, decode_with_alpha
 
 # Every column prepare_row adds, with its value for a row that has none yet.
 PREPARED_DEFAULTS = dict(
-    skip_reason="", reuse=False, sample_id="", source_sha256="", bucket="", pixels=b"",
-    orig_w=0, orig_h=0, crop_left=0, crop_top=0, crop_w=0, crop_h=0, target_w=0, target_h=0,
-    ref_count=0, ref_sha256="", ref_pixels=b"", mask=b"", mask_sha256="",
-)  # fmt: skip
+    skip_reason="",
+    reuse=False,
+    sample_id="",
+    source_sha256="",
+    bucket="",
+    pixels=b"",
+    orig_w=0,
+    orig_h=0,
+    crop_left=0,
+    crop_top=0,
+    crop_w=0,
+    crop_h=0,
+    target_w=0,
+    target_h=0,
+    ref_count=0,
+    ref_sha256="",
+    ref_pixels=b"",
+    mask=b"",
+    mask_sha256="",
+)
 
 
 def sample_id(rel_path: str, sha256: str, plan: buckets.BucketPlan, references: tuple[str, ...] = ()) -> str:
@@ -41,9 +57,16 @@ def sample_id(rel_path: str, sha256: str, plan: buckets.BucketPlan, references: 
 
 def _geometry(p: buckets.BucketPlan, width: int, height: int) -> dict:
     return dict(
-        bucket=p.key, orig_w=width, orig_h=height, crop_left=p.crop_left, crop_top=p.crop_top,
-        crop_w=p.crop_width, crop_h=p.crop_height, target_w=p.target_width, target_h=p.target_height,
-    )  # fmt: skip
+        bucket=p.key,
+        orig_w=width,
+        orig_h=height,
+        crop_left=p.crop_left,
+        crop_top=p.crop_top,
+        crop_w=p.crop_width,
+        crop_h=p.crop_height,
+        target_w=p.target_width,
+        target_h=p.target_height,
+    )
 
 
 def _plan_or_none(width: int, height: int, spec: buckets.BucketSpec, seed: int, rel_path: str):
@@ -100,8 +123,9 @@ def _read(row: dict) -> bytes | str:
         return f"unreadable: {type(exc).__name__}: {exc}"
 
 
-def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int,
-                mask: masks.MaskPolicy = masks.NO_MASKS) -> dict:  # fmt: skip
+def prepare_row(
+    row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int, mask: masks.MaskPolicy = masks.NO_MASKS
+) -> dict:
     """Ray Data ``map`` function: one discovered source row in, one prepared (or skipped, or reused) row out.
 
     ``row["prev"]`` is the previous generation's index row for the same relative path (JSON), or empty. The same
@@ -135,8 +159,13 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int,
         w, h = prev["orig_w"], prev["orig_h"]
         p = _plan_or_none(w, h, spec, seed, row["rel_path"])
         if p is not None and sample_id(row["rel_path"], sha, p, tuple(ref_shas)) == prev["sample_id"]:
-            row.update(_geometry(p, w, h), sample_id=prev["sample_id"], reuse=True, ref_count=len(ref_data),
-                       mask_sha256=prev.get("mask_sha256", ""))  # fmt: skip
+            row.update(
+                _geometry(p, w, h),
+                sample_id=prev["sample_id"],
+                reuse=True,
+                ref_count=len(ref_data),
+                mask_sha256=prev.get("mask_sha256", ""),
+            )
             return row
     if data is None:
         got = _read(row)
@@ -146,9 +175,18 @@ def prepare_row(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int,
     return _prepare_pixels(row, data, sha, ref_data, ref_shas, got_mask, spec, seed, max_pixels, mask)
 
 
-def _prepare_pixels(row: dict, data: bytes, sha: str, ref_data: list[bytes], ref_shas: list[str],
-                    got_mask: masks.MaskInput | None, spec: buckets.BucketSpec, seed: int, max_pixels: int,
-                    policy: masks.MaskPolicy) -> dict:  # fmt: skip
+def _prepare_pixels(
+    row: dict,
+    data: bytes,
+    sha: str,
+    ref_data: list[bytes],
+    ref_shas: list[str],
+    got_mask: masks.MaskInput | None,
+    spec: buckets.BucketSpec,
+    seed: int,
+    max_pixels: int,
+    policy: masks.MaskPolicy,
+) -> dict:
     """Decode, plan, cut and resize a sample that is not reused: its image, references and mask."""
     from PIL import Image
 
@@ -162,8 +200,9 @@ def _prepare_pixels(row: dict, data: bytes, sha: str, ref_data: list[bytes], ref
     except buckets.ImageTooSmall as exc:
         return _skip(row, str(exc))
     if got_mask is not None:
-        made = masks.prepare(got_mask, alpha, (w, h), p, spec.vae_scale_factor, row.get("mask_uri") or row["uri"],
-                             max_pixels, policy)  # fmt: skip
+        made = masks.prepare(
+            got_mask, alpha, (w, h), p, spec.vae_scale_factor, row.get("mask_uri") or row["uri"], max_pixels, policy
+        )
         if isinstance(made, str):
             return _skip(row, made)
         row["mask"], row["mask_sha256"] = made
@@ -182,8 +221,9 @@ def _prepare_pixels(row: dict, data: bytes, sha: str, ref_data: list[bytes], ref
     return row
 
 
-def skip_reason(row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int,
-                mask: masks.MaskPolicy = masks.NO_MASKS) -> str:  # fmt: skip
+def skip_reason(
+    row: dict, spec: buckets.BucketSpec, seed: int, max_pixels: int, mask: masks.MaskPolicy = masks.NO_MASKS
+) -> str:
     """Why a listed image would not be cached ("" when it would): the same read, decode and plan as
     :func:`prepare_row`, for the ``max_samples`` draw, which must choose among usable images only."""
     refs = row.get("references")

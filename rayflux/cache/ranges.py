@@ -62,15 +62,15 @@ class Span:
     members: list[int] = field(default_factory=list)
 
 
-def plan_spans(
-    asks: dict[str, list[tuple[int, int]]], waste: float = WASTE, hole: int = HOLE
-) -> dict[str, list[Span]]:
+def plan_spans(asks: dict[str, list[tuple[int, int]]], waste: float = WASTE, hole: int = HOLE) -> dict[str, list[Span]]:
     """The requests for ``{file: [(offset, length), ...]}``: per file, spans in offset order. A hole between
     neighbouring ranges is merged (read through) when it is at most ``hole`` bytes, smallest holes first, while the
     merged holes add up to at most ``waste`` times the bytes asked. Empty ranges need no request."""
     asked = sum(n for ranges in asks.values() for _, n in ranges)
-    order = {path: sorted((i for i, (_, n) in enumerate(ranges) if n > 0), key=lambda i: ranges[i])
-             for path, ranges in asks.items()}  # fmt: skip
+    order = {
+        path: sorted((i for i, (_, n) in enumerate(ranges) if n > 0), key=lambda i: ranges[i])
+        for path, ranges in asks.items()
+    }
     gaps = []  # (hole bytes, file, position in its order): the hole before that range
     for path, idx in order.items():
         end = None

@@ -122,8 +122,9 @@ def stack_all(items: list[dict], stack) -> list[dict]:
     """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, samples, text,
     weights)`` for each: ``samples`` holds each declared per-sample tensor's per-sample arrays (None for an optional
     one the batch lacks), ``text`` each named text tensor's (see :func:`rayflux.train.batching.stack_batch`)."""
-    plans = [_Plan(item, decode_planned(item["refs"]), shards.ShardLayout(**json.loads(item["layout"])))
-             for item in items]  # fmt: skip
+    plans = [
+        _Plan(item, decode_planned(item["refs"]), shards.ShardLayout(**json.loads(item["layout"]))) for item in items
+    ]
     asks = _Asks()
     for b, plan in enumerate(plans):
         for j, s in enumerate(plan.samples):
@@ -141,10 +142,15 @@ def stack_all(items: list[dict], stack) -> list[dict]:
         gen = generations.generation_number(plan.item["generation_dir"])
         row = stack(plan.item, gen, sids, samples, text, weights)
         # What the batch fetched against the stored bytes of every tensor it uses (a cached caption's included).
-        dtypes = {**{t.name: plan.layout.dtype_of(t) for t in plan.layout.samples},
-                  **{t.name: plan.layout.dtype for t in plan.layout.text}}  # fmt: skip
-        used = sum(tensors.nbytes(a.shape, dtypes[name]) for name, arrays in [*samples.items(), *text.items()]
-                   for a in arrays or ())  # fmt: skip
+        dtypes = {
+            **{t.name: plan.layout.dtype_of(t) for t in plan.layout.samples},
+            **{t.name: plan.layout.dtype for t in plan.layout.text},
+        }
+        used = sum(
+            tensors.nbytes(a.shape, dtypes[name])
+            for name, arrays in [*samples.items(), *text.items()]
+            for a in arrays or ()
+        )
         row.update(read_bytes=round(bytes_read[b]), read_requests=request_count[b], tensor_bytes=used)
         out.append(row)
     return out

@@ -30,8 +30,15 @@ import pyarrow.parquet as pq
 
 from rayflux import storage
 from rayflux.cache import integrity, tensors
-from rayflux.cache.layout import (_SAMPLE_COLUMNS, SAMPLE_SCHEMA, SCHEMA_VERSION, ShardLayout, layout_of,  # noqa: F401
-                                  sample_schema, text_schema)
+from rayflux.cache.layout import (
+    _SAMPLE_COLUMNS,
+    SAMPLE_SCHEMA,
+    SCHEMA_VERSION,
+    ShardLayout,
+    layout_of,  # noqa: F401
+    sample_schema,
+    text_schema,
+)
 
 # The only columns worth a dictionary or statistics; on tensor columns both would store each tensor again.
 _STRING_COLUMNS = sorted({n for n, t in _SAMPLE_COLUMNS if t == pa.string()} | {"text_dtype"})

@@ -36,6 +36,7 @@ from rayflux.models import ModelFacts
 
 log = logging.getLogger(__name__)
 
+
 class BadInputError(ValueError):
     """``cache.strict`` is on and an input could not be cached."""
 
@@ -89,8 +90,9 @@ def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
     per-sample tensors, and every config field that declares itself part of it (``CACHED``,
     :mod:`rayflux.config.identity`): each dataset's, the data section's own, and the cache section's with
     ``cache.dtype`` resolved. Anything else never invalidates it."""
-    identities = [datasets.cache_identity(ds, storage.canonical(ds.images_dir))
-                  for ds in datasets.datasets_of(cfg.data)]  # fmt: skip
+    identities = [
+        datasets.cache_identity(ds, storage.canonical(ds.images_dir)) for ds in datasets.datasets_of(cfg.data)
+    ]
     own = set(identity.names(DatasetConfig)) | {"datasets"}  # each dataset's are in its identity above
     data = {k: v for k, v in identity.values(cfg.data, "cache").items() if k not in own}
     cache = identity.values(dataclasses.replace(cfg.cache, dtype=store_dtype(cfg, use_gpu)), "cache")
@@ -205,8 +207,9 @@ def _text_input(b: _Build, images: staging.Staged | None, sink: index.Sink) -> t
     return found
 
 
-def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
-                ) -> list[dict]:  # fmt: skip
+def _build_text(
+    b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing: threading.Event | None = None
+) -> list[dict]:
     """Encode and write the captions of ``ds`` (staged by :func:`_text_input`). Returns the text shards' metadata
     rows."""
     c = b.cfg.cache
@@ -224,8 +227,12 @@ def _build_text(b: _Build, ds, sink: index.Sink, stop: threading.Event, flowing:
         compute=_pool(c.text_actors),
         **b.resources,
     )
-    out = {"out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, "text", b.use_gpu), "generation": b.generation,
-           "build": b.encode_id}  # fmt: skip
+    out = {
+        "out_dir": b.gen_dir,
+        "layout": layout(b.cfg, b.facts, "text", b.use_gpu),
+        "generation": b.generation,
+        "build": b.encode_id,
+    }
     ds = ds.map_batches(writer.write_text, fn_kwargs=out, batch_size=c.rows_per_shard, num_cpus=fit.WRITE_CPUS)
     name = f"cache-text-g{b.generation}"
     ds.set_name(name)
@@ -240,19 +247,28 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
     if ds is None:
         return []
     ds = ds.map_batches(
-        _with_previous, fn_kwargs={"samples": b.previous.samples, "roots": roots}, batch_size=None,
-        batch_format="pyarrow", num_cpus=fit.PREPARE_CPUS,
-    )  # fmt: skip
+        _with_previous,
+        fn_kwargs={"samples": b.previous.samples, "roots": roots},
+        batch_size=None,
+        batch_format="pyarrow",
+        num_cpus=fit.PREPARE_CPUS,
+    )
     ds = ds.map(
         _prepare_in_dataset,
-        fn_kwargs={"specs": bucket_specs(b.cfg, b.facts), "policies": mask_policies(b.cfg), "seed": b.seed,
-                   "max_pixels": b.cfg.data.max_image_pixels},
+        fn_kwargs={
+            "specs": bucket_specs(b.cfg, b.facts),
+            "policies": mask_policies(b.cfg),
+            "seed": b.seed,
+            "max_pixels": b.cfg.data.max_image_pixels,
+        },
         num_cpus=fit.PREPARE_CPUS,
     )
     ds = ds.map_batches(
         VaeEncoder,
         fn_constructor_kwargs={
-            "model": b.cfg.model, "store_dtype": store_dtype(b.cfg, b.use_gpu), "encode_id": b.encode_id
+            "model": b.cfg.model,
+            "store_dtype": store_dtype(b.cfg, b.use_gpu),
+            "encode_id": b.encode_id,
         },
         batch_size=c.batch_size,
         compute=_pool(c.vae_actors),
@@ -261,7 +277,9 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
     ds = ds.map_batches(
         writer.write_samples,
         fn_kwargs={
-            "out_dir": b.gen_dir, "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu), "generation": b.generation,
+            "out_dir": b.gen_dir,
+            "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu),
+            "generation": b.generation,
             "build": b.encode_id,
         },
         batch_size=c.rows_per_shard,
@@ -339,8 +357,9 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
 
     samples = layout(cfg, facts, use_gpu=use_gpu).samples
     sample_index, caption_index = index.Sink("samples", samples=samples), index.Sink("captions", facts.text)
-    found = manifest_mod.Found(discovery.discovered, discovery.skipped, inputs_signature(discovery),
-                               discovery.sidecars.rows)  # fmt: skip
+    found = manifest_mod.Found(
+        discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows
+    )
     try:
         staged = {"images": _stage(b, discovery.table, "images")}
         discovery.table = discovery.table.schema.empty_table()  # the staged file holds the rows now
@@ -357,11 +376,21 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
             text_flowing=flowing,
         )
         allocator.trim()  # what the passes' threads kept for themselves until they ended
-        build = manifest_mod.Build(b.generation, gen_dir, seed, encode_id, b.cfg.fingerprint("data", "model", "cache"),
-                                   facts, layout(b.cfg, facts, use_gpu=use_gpu), b.previous.dir)  # fmt: skip
+        build = manifest_mod.Build(
+            b.generation,
+            gen_dir,
+            seed,
+            encode_id,
+            b.cfg.fingerprint("data", "model", "cache"),
+            facts,
+            layout(b.cfg, facts, use_gpu=use_gpu),
+            b.previous.dir,
+        )
         manifest = manifest_mod.compose(build, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
-        files = {kind: sink.commit(gen_dir, encode_id)
-                 for kind, sink in (("samples", sample_index), ("captions", caption_index))}  # fmt: skip
+        files = {
+            kind: sink.commit(gen_dir, encode_id)
+            for kind, sink in (("samples", sample_index), ("captions", caption_index))
+        }
         if found.sidecars:  # the caption files read, for the next discovery (see discovery.sidecars)
             files["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
         staged_bytes = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
@@ -372,9 +401,15 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
     counts, n = manifest.skip_counts(), manifest.counts()
     log.info(
         "cache %s: %d discovered = %d cached + %d skipped; encoded %d samples and %d captions, reused %d and %d",
-        gen_dir, counts.discovered, counts.cached, counts.skipped, n["encoded"]["samples"], n["encoded"]["captions"],
-        n["reused"]["samples"], n["reused"]["captions"],
-    )  # fmt: skip
+        gen_dir,
+        counts.discovered,
+        counts.cached,
+        counts.skipped,
+        n["encoded"]["samples"],
+        n["encoded"]["captions"],
+        n["reused"]["samples"],
+        n["reused"]["captions"],
+    )
     return generations.commit(gen_dir, manifest, manifest.skipped_inputs, encode_id)
 
 

@@ -119,4 +119,3 @@ def _source_class():
             return tasks
 
     return Source
-

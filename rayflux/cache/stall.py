@@ -45,10 +45,17 @@ def _executors() -> list:
 def _progress(rows: int) -> tuple:
     marks = [rows]
     for ex in _executors():
-        for op in (getattr(ex, "_topology", None) or {}):
+        for op in getattr(ex, "_topology", None) or {}:
             m = op.metrics
-            marks += [getattr(m, name, 0) for name in ("num_task_outputs_generated", "num_tasks_finished",
-                                                       "num_outputs_taken", "num_inputs_received")]  # fmt: skip
+            marks += [
+                getattr(m, name, 0)
+                for name in (
+                    "num_task_outputs_generated",
+                    "num_tasks_finished",
+                    "num_outputs_taken",
+                    "num_inputs_received",
+                )
+            ]
     return tuple(marks)
 
 
@@ -130,8 +137,10 @@ class _Monitor:
             if now != mark:
                 mark, since = now, time.monotonic()
             elif time.monotonic() - since >= self.seconds:
-                self.message = (f"{self.name}: no progress for {self.seconds:g} s (cache.stall_seconds); "
-                                f"pending: {pending_report()}")  # fmt: skip
+                self.message = (
+                    f"{self.name}: no progress for {self.seconds:g} s (cache.stall_seconds); "
+                    f"pending: {pending_report()}"
+                )
                 self._interrupt(self.stalled)
                 return
 

@@ -46,15 +46,20 @@ class TextInput:
     """The generation's unique captions, the empty one included."""
 
 
-def find(images: staging.Staged | None, gen_dir: str, previous: dict | None, rows_per_block: int, build: str = ""
-         ) -> TextInput:  # fmt: skip
+def find(
+    images: staging.Staged | None, gen_dir: str, previous: dict | None, rows_per_block: int, build: str = ""
+) -> TextInput:
     """Ray task body: the unique captions of the staged ``images``, the index rows of those the ``previous``
     committed manifest holds (written to :data:`KNOWN`), and the others staged as ``captions`` in ``gen_dir``."""
     column = pa.chunked_array(
-        [staging.read_block(images.path, images.file_bytes, int(o), int(n))["caption"].unique()
-         for o, n in zip(images.offsets, images.lengths)] if images is not None else [],
+        [
+            staging.read_block(images.path, images.file_bytes, int(o), int(n))["caption"].unique()
+            for o, n in zip(images.offsets, images.lengths)
+        ]
+        if images is not None
+        else [],
         pa.string(),
-    )  # fmt: skip
+    )
     captions = caption_hash.unique_captions(column)
     del column
     ids = caption_hash.caption_ids(captions)
@@ -63,8 +68,9 @@ def find(images: staging.Staged | None, gen_dir: str, previous: dict | None, row
         known_path, known_bytes, known = _write_known(reuse.Previous(manifest=previous), ids, gen_dir, build)
     fresh = pa.table({"caption_id": ids, "caption": captions})
     fresh = discoveries.where(fresh, pc.invert(pc.is_in(ids, value_set=known)))
-    return TextInput(staging.stage(fresh, gen_dir, "captions", rows_per_block, build), known_path, known_bytes,
-                     len(captions))  # fmt: skip
+    return TextInput(
+        staging.stage(fresh, gen_dir, "captions", rows_per_block, build), known_path, known_bytes, len(captions)
+    )
 
 
 def _write_known(previous: reuse.Previous, ids: pa.Array, gen_dir: str, build: str) -> tuple[str, int, pa.Array]:
@@ -78,8 +84,9 @@ def _write_known(previous: reuse.Previous, ids: pa.Array, gen_dir: str, build: s
         def add(rows: pa.Table) -> None:
             nonlocal writer
             if writer is None:
-                writer = pq.ParquetWriter(local, rows.schema, compression="zstd", use_dictionary=False,
-                                          write_statistics=False)  # fmt: skip
+                writer = pq.ParquetWriter(
+                    local, rows.schema, compression="zstd", use_dictionary=False, write_statistics=False
+                )
             writer.write_table(rows)
 
         found = previous.known_captions(ids, add)

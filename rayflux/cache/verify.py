@@ -170,8 +170,10 @@ class _Checker:
             for t in self.layout.samples:
                 length, nbytes = e[t.columns()[1]], t.nbytes(want, e, self.layout.dtype_of(t))
                 if got != want or (length != nbytes and not (t.optional and length == 0)):
-                    self.problem(f"{where}: bucket {e['bucket']}: {t.name} of latent shape {got} and {length} bytes, "
-                                 f"expected {want} and {nbytes}")  # fmt: skip
+                    self.problem(
+                        f"{where}: bucket {e['bucket']}: {t.name} of latent shape {got} and {length} bytes, "
+                        f"expected {want} and {nbytes}"
+                    )
             if e.get("mask_sha256") and not e.get("mask_length"):
                 self.problem(f"{where}: mask {e['mask_sha256'][:12]} recorded but no mask bytes")
             by_file.setdefault(e["file"], []).append(e)
@@ -188,8 +190,13 @@ class _Checker:
         self.index_buckets = {}
         for e in samples:
             b = self.index_buckets.setdefault(
-                e["bucket"], {"rows": 0, "latent_shape": [e["latent_c"], e["latent_h"], e["latent_w"]],
-                              "dtype": self.layout.dtype, "latent_bytes": 0}  # fmt: skip
+                e["bucket"],
+                {
+                    "rows": 0,
+                    "latent_shape": [e["latent_c"], e["latent_h"], e["latent_w"]],
+                    "dtype": self.layout.dtype,
+                    "latent_bytes": 0,
+                },
             )
             b["rows"] += 1
             b["latent_bytes"] += e["length"]
@@ -304,8 +311,14 @@ def verify_generation(gen_dir: str, manifest: dict, quick: bool = False) -> tupl
     value checks."""
     manifest = Manifest.of(manifest)
     if manifest.schema_version != shards.SCHEMA_VERSION:
-        return [f"schema version {manifest.schema_version}; this rayflux reads {shards.SCHEMA_VERSION} (a run "
-                "of the job builds a new cache for it)"], {}, []  # fmt: skip
+        return (
+            [
+                f"schema version {manifest.schema_version}; this rayflux reads {shards.SCHEMA_VERSION} (a run "
+                "of the job builds a new cache for it)"
+            ],
+            {},
+            [],
+        )
     c = _Checker(gen_dir, manifest, quick)
     c.check_text()
     c.check_samples()
@@ -315,10 +328,14 @@ def verify_generation(gen_dir: str, manifest: dict, quick: bool = False) -> tupl
     if c.damage.samples or c.damage.captions:
         path = integrity.record(gen_dir, c.damage)
         n, k = len(set(c.damage.samples)), len(set(c.damage.captions))
-        c.problem(f"recorded {n} damaged sample(s) and {k} caption(s) in {path}: the next run of the job re-encodes "
-                  "exactly those, reusing the rest")  # fmt: skip
-    per_bucket = {b: {**e, "stored_bytes": c.buckets.get(b, {}).get("stored_bytes", 0)}
-                  for b, e in getattr(c, "index_buckets", {}).items()}  # fmt: skip
+        c.problem(
+            f"recorded {n} damaged sample(s) and {k} caption(s) in {path}: the next run of the job re-encodes "
+            "exactly those, reusing the rest"
+        )
+    per_bucket = {
+        b: {**e, "stored_bytes": c.buckets.get(b, {}).get("stored_bytes", 0)}
+        for b, e in getattr(c, "index_buckets", {}).items()
+    }
     return c.problems, per_bucket, unlisted
 
 
@@ -347,8 +364,11 @@ def main(argv: list[str] | None = None, out=None) -> int:
     out = out or sys.stdout
     parser = argparse.ArgumentParser(prog="python -m rayflux cache verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("cache_dir", help="a generation dir, a cache key dir, or a whole cache.dir (local or URI)")
-    parser.add_argument("--quick", action="store_true",
-                        help="skip each tensor's checksum and value checks (layout, places and counts only)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip each tensor's checksum and value checks (layout, places and counts only)",
+    )
     args = parser.parse_args(argv)
     found = find_generations(args.cache_dir.rstrip("/") or "/")
     ok, committed = True, 0

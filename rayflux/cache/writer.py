@@ -115,8 +115,14 @@ def _check_borrowed(entry: dict, layout: shards.ShardLayout) -> str:
     for t in layout.samples:
         nbytes, length = t.nbytes(want, entry, layout.dtype_of(t)), entry[t.columns()[1]]
         if got != want or (length != nbytes and not (t.optional and length == 0)):
-            err = shards.shape_error(entry["bucket"], entry["sample_id"], entry["source_uri"],
-                                     f"reused {t.name} shape", (want, nbytes), (got, length))  # fmt: skip
+            err = shards.shape_error(
+                entry["bucket"],
+                entry["sample_id"],
+                entry["source_uri"],
+                f"reused {t.name} shape",
+                (want, nbytes),
+                (got, length),
+            )
             return str(err)
     return ""
 
@@ -159,14 +165,20 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
     n = len(batch["sample_id"])
     kept = [i for i in range(n) if not batch["skip_reason"][i]]
     skipped = [
-        {"source_uri": str(batch["uri"][i]), "dataset": str(batch["dataset"][i]), "reason": str(batch["skip_reason"][i])}
+        {
+            "source_uri": str(batch["uri"][i]),
+            "dataset": str(batch["dataset"][i]),
+            "reason": str(batch["skip_reason"][i]),
+        }
         for i in range(n)
         if batch["skip_reason"][i]
     ]
     # A bucket's rows lie together in the shard (in input order), so the runs of neighbouring rows that training
     # batches are filled with (rayflux.train.runs) hold no other bucket's latents between them: one short read each.
-    fresh = sorted((i for i in kept if not batch["reuse"][i]),
-                   key=lambda i: (str(batch["bucket"][i]), int(batch["ref_count"][i]) if "ref_count" in batch else 0))
+    fresh = sorted(
+        (i for i in kept if not batch["reuse"][i]),
+        key=lambda i: (str(batch["bucket"][i]), int(batch["ref_count"][i]) if "ref_count" in batch else 0),
+    )
     rows = _fresh_rows(batch, fresh, layout, generation)
     borrowed = index.borrowed_columns(layout.samples)
     entries = []

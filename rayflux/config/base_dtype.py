@@ -16,9 +16,9 @@ MIN_CAPABILITY = {"fp8": (8, 9)}
 """Lowest CUDA compute capability per base_dtype: fp8 tensor cores start with Ada (8.9) and Hopper (9.0)."""
 NODE_SHARDING = {
     "fp8": "torchao's float8 layers would have to be swapped in before FSDP2 shards the base, and the sharded "
-           "loader shards plain bf16 weights; use train.base_sharding=none with fp8, or bf16 with node",
+    "loader shards plain bf16 weights; use train.base_sharding=none with fp8, or bf16 with node",
     "nf4": "bitsandbytes' packed 4-bit weights are not tensors FSDP2 can shard; use train.base_sharding=none "
-           "(an NF4 base is a quarter of bf16), or bf16 with node",
+    "(an NF4 base is a quarter of bf16), or bf16 with node",
 }
 """Why each lower-precision base does not combine with ``train.base_sharding=node``."""
 
@@ -28,8 +28,14 @@ def shardable(base_dtype: str) -> bool:
     return base_dtype not in NODE_SHARDING
 
 
-def refusal(base_dtype: str, *, gpu: bool, capability: tuple[int, int] | None = None, installed: bool = True,
-            sharding: str = "none") -> str:  # fmt: skip
+def refusal(
+    base_dtype: str,
+    *,
+    gpu: bool,
+    capability: tuple[int, int] | None = None,
+    installed: bool = True,
+    sharding: str = "none",
+) -> str:
     """Why ``base_dtype`` cannot run here, in one line; empty when it can. ``gpu``: the run trains on CUDA GPUs;
     ``capability``: the GPU's (None: not known yet, e.g. on the driver); ``installed``: its package imports."""
     if base_dtype not in NEEDS:
@@ -39,12 +45,16 @@ def refusal(base_dtype: str, *, gpu: bool, capability: tuple[int, int] | None = 
     if sharding == "node" and not shardable(base_dtype):
         return f"{key} with train.base_sharding=node: {NODE_SHARDING[base_dtype]}"
     if not gpu:
-        return (f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.use_gpu=false, no GPU in the "
-                "cluster, or none on this worker)")  # fmt: skip
+        return (
+            f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.use_gpu=false, no GPU in the "
+            "cluster, or none on this worker)"
+        )
     least = MIN_CAPABILITY.get(base_dtype)
     if capability is not None and least and tuple(capability) < least:
-        return (f"{key} needs a GPU of compute capability {least[0]}.{least[1]} or more (fp8 tensor cores: Ada, "
-                f"Hopper); this GPU is {capability[0]}.{capability[1]}")  # fmt: skip
+        return (
+            f"{key} needs a GPU of compute capability {least[0]}.{least[1]} or more (fp8 tensor cores: Ada, "
+            f"Hopper); this GPU is {capability[0]}.{capability[1]}"
+        )
     if not installed:
         return f"{key} needs {package}, which is not installed: pip install 'rayflux[{extra}]'"
     return ""

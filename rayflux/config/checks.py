@@ -19,8 +19,14 @@ _CHOICES = {
     ("cache", "use_gpu"): ("auto", "true", "false"),
     ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
     ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
-    ("train", "lr_scheduler"): ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
-                                "polynomial"),
+    ("train", "lr_scheduler"): (
+        "constant",
+        "constant_with_warmup",
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+    ),
     ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("train", "output_format"): ("diffusers", "kohya"),
     ("train", "adapter"): ("lora", "dora", "lokr"),
@@ -54,11 +60,15 @@ def _check_optimizer(cfg: JobConfig) -> None:
     refused = optimizer_refusal(cfg.train.optimizer, gpu=cfg.train.use_gpu != "false")
     if refused:
         raise ConfigError(refused)
-    if cfg.train.optimizer == "schedulefree_adamw" and cfg.train.lr_scheduler not in ("constant",
-                                                                                      "constant_with_warmup"):
-        raise ConfigError(f"train.optimizer=schedulefree_adamw replaces the LR schedule (train.lr_scheduler="
-                          f"{cfg.train.lr_scheduler}); use constant_with_warmup, with train.warmup_steps as its own "
-                          "warmup")  # fmt: skip
+    if cfg.train.optimizer == "schedulefree_adamw" and cfg.train.lr_scheduler not in (
+        "constant",
+        "constant_with_warmup",
+    ):
+        raise ConfigError(
+            f"train.optimizer=schedulefree_adamw replaces the LR schedule (train.lr_scheduler="
+            f"{cfg.train.lr_scheduler}); use constant_with_warmup, with train.warmup_steps as its own "
+            "warmup"
+        )
 
 
 ADAPTER_SPELLINGS = {"networks.lora": "lora", "networks.lora_flux": "lora"}
@@ -68,8 +78,10 @@ ADAPTER_SPELLINGS = {"networks.lora": "lora", "networks.lora_flux": "lora"}
 def _adapter(value: str) -> str:
     """``train.adapter`` in rayflux's spelling; LyCORIS's module needs its ``network_args`` to say which."""
     if value == "lycoris.kohya":
-        raise ConfigError("train.adapter (network_module) lycoris.kohya: say which LyCORIS algorithm: "
-                          "train.adapter=dora (algo=lora with dora_wd=True) or train.adapter=lokr (algo=lokr)")
+        raise ConfigError(
+            "train.adapter (network_module) lycoris.kohya: say which LyCORIS algorithm: "
+            "train.adapter=dora (algo=lora with dora_wd=True) or train.adapter=lokr (algo=lokr)"
+        )
     return ADAPTER_SPELLINGS.get(value, value)
 
 
@@ -82,11 +94,14 @@ def validate(cfg: JobConfig) -> None:
     _check_run(cfg)
     _check_resources(cfg)
     if cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
-                          "(model.vae_dtype=float16 runs the VAE alone in fp16)")  # fmt: skip
+        raise ConfigError(
+            "model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
+            "(model.vae_dtype=float16 runs the VAE alone in fp16)"
+        )
     if cfg.train.validation_inference_steps < 0 or cfg.train.validation_guidance < 0:
-        raise ConfigError("train.validation_inference_steps and train.validation_guidance must be >= 0 (0: the "
-                          "model's own)")  # fmt: skip
+        raise ConfigError(
+            "train.validation_inference_steps and train.validation_guidance must be >= 0 (0: the model's own)"
+        )
     if cfg.model.text_tokens < 0:
         raise ConfigError(f"model.text_tokens must be >= 0 (0: the model's default), got {cfg.model.text_tokens}")
     check_pools(cfg.cache)
@@ -103,8 +118,6 @@ def validate(cfg: JobConfig) -> None:
     datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
 
 
-
-
 def _check_ranges(cfg: JobConfig) -> None:
     """Choices, positive values and ranges of single keys."""
     for (section, key), choices in _CHOICES.items():
@@ -117,8 +130,16 @@ def _check_ranges(cfg: JobConfig) -> None:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
     if cfg.data.alignment < 0:
         raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
-    for key in ("max_steps", "warmup_steps", "checkpoint_every", "validation_every", "max_grad_norm",
-                "prefetch_reads", "report_seconds", "eval_every"):
+    for key in (
+        "max_steps",
+        "warmup_steps",
+        "checkpoint_every",
+        "validation_every",
+        "max_grad_norm",
+        "prefetch_reads",
+        "report_seconds",
+        "eval_every",
+    ):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0")
     if cfg.data.eval_samples < 0:
@@ -138,17 +159,26 @@ def _check_validation(cfg: JobConfig) -> None:
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
     refs = cfg.train.validation_references
-    if refs and (not isinstance(refs, list) or len(refs) != len(prompts) or not all(
-            isinstance(r, str) or (isinstance(r, list) and r and all(isinstance(x, str) for x in r)) for r in refs)):
-        raise ConfigError("train.validation_references must list one reference image (or a list of them) per "
-                          f"validation prompt; got {refs!r} for {len(prompts)} prompt(s)")  # fmt: skip
+    if refs and (
+        not isinstance(refs, list)
+        or len(refs) != len(prompts)
+        or not all(
+            isinstance(r, str) or (isinstance(r, list) and r and all(isinstance(x, str) for x in r)) for r in refs
+        )
+    ):
+        raise ConfigError(
+            "train.validation_references must list one reference image (or a list of them) per "
+            f"validation prompt; got {refs!r} for {len(prompts)} prompt(s)"
+        )
 
 
 def _check_run(cfg: JobConfig) -> None:
     """The schedule, the output's name, the workers and the refresh interval."""
     if cfg.train.lr_scheduler == "constant" and cfg.train.warmup_steps:
-        raise ConfigError("train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
-                          f"{cfg.train.warmup_steps} use constant_with_warmup")  # fmt: skip
+        raise ConfigError(
+            "train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
+            f"{cfg.train.warmup_steps} use constant_with_warmup"
+        )
     stem = cfg.train.output_name or cfg.run.name
     if not stem or any(c in stem for c in '/\\:*?"<>|') or stem.startswith("."):
         raise ConfigError(f"train.output_name (else run.name) must be a plain file-name stem; got {stem!r}")
@@ -166,11 +196,15 @@ def _check_resources(cfg: JobConfig) -> None:
     """Ray resources asked for by the train workers, the cache's actors and the render actor."""
     resource_map("train.worker_resources", cfg.train.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
-    custom = {k: v for k, v in cfg.train.validation_resources.items() if k not in ("CPU", "GPU")} if isinstance(
-        cfg.train.validation_resources, dict) else cfg.train.validation_resources  # fmt: skip
+    custom = (
+        {k: v for k, v in cfg.train.validation_resources.items() if k not in ("CPU", "GPU")}
+        if isinstance(cfg.train.validation_resources, dict)
+        else cfg.train.validation_resources
+    )
     resource_map("train.validation_resources", custom)
     if cfg.train.validation_queue < 1 or cfg.train.validation_wait_seconds < 0:
         raise ConfigError("train.validation_queue must be >= 1 and train.validation_wait_seconds >= 0")
+
 
 def _check_ema_compile(cfg: JobConfig) -> None:
     """``train.ema_decay``'s range and the combinations of it and ``train.compile`` that are refused."""
@@ -178,12 +212,16 @@ def _check_ema_compile(cfg: JobConfig) -> None:
     if not 0 <= t.ema_decay < 1:
         raise ConfigError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {t.ema_decay}")
     if t.ema_decay and t.optimizer == "schedulefree_adamw":
-        raise ConfigError("train.ema_decay: schedulefree_adamw already evaluates and exports an average of its "
-                          "iterates; an EMA on top of it is not supported (set train.ema_decay=0)")  # fmt: skip
+        raise ConfigError(
+            "train.ema_decay: schedulefree_adamw already evaluates and exports an average of its "
+            "iterates; an EMA on top of it is not supported (set train.ema_decay=0)"
+        )
     if t.compile and t.base_sharding != "none":
         # FSDP2's per-block gathers would have to be traced into the compiled blocks; untested, so refused.
-        raise ConfigError(f"train.compile needs the whole base on every worker (train.base_sharding: none), got "
-                          f"train.base_sharding={t.base_sharding}")  # fmt: skip
+        raise ConfigError(
+            f"train.compile needs the whole base on every worker (train.base_sharding: none), got "
+            f"train.base_sharding={t.base_sharding}"
+        )
 
 
 def adapter_refusal(cfg: JobConfig) -> None:
@@ -193,12 +231,16 @@ def adapter_refusal(cfg: JobConfig) -> None:
         return
     if t.adapter == "lokr":
         if t.output_format != "kohya":
-            raise ConfigError("train.adapter=lokr has no diffusers format (diffusers' FLUX.1 pipelines load no LoKr); "
-                              "set train.output_format=kohya (LyCORIS lokr_w1/lokr_w2 keys, which ComfyUI loads)")
+            raise ConfigError(
+                "train.adapter=lokr has no diffusers format (diffusers' FLUX.1 pipelines load no LoKr); "
+                "set train.output_format=kohya (LyCORIS lokr_w1/lokr_w2 keys, which ComfyUI loads)"
+            )
         if t.lora_dropout:
             raise ConfigError("train.adapter=lokr has no input dropout; set train.lora_dropout=0")
         if t.init_lora:
             raise ConfigError("train.init_lora starts a LoRA or DoRA from a LoRA file; a LoKr cannot hold one")
     if t.base_sharding == "node":
-        raise ConfigError(f"train.adapter={t.adapter} needs the whole base on every worker (train.base_sharding: "
-                          "none); a sharded base is supported with lora only")
+        raise ConfigError(
+            f"train.adapter={t.adapter} needs the whole base on every worker (train.base_sharding: "
+            "none); a sharded base is supported with lora only"
+        )

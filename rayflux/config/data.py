@@ -184,11 +184,14 @@ def _check_mask(ds: DatasetConfig, label) -> None:
             f"{label('mask_dir')} is set but {label('mask')}={ds.mask}; set mask: dir to train with those masks"
         )
     if ds.mask == "column" and (ds.caption_strategy != "metadata" or not ds.mask_column):
-        raise ConfigError(f"{label('mask')}=column reads {label('mask_column')} of the metadata table, so it needs "
-                          f"caption_strategy=metadata (got {ds.caption_strategy}) and a column name")  # fmt: skip
+        raise ConfigError(
+            f"{label('mask')}=column reads {label('mask_column')} of the metadata table, so it needs "
+            f"caption_strategy=metadata (got {ds.caption_strategy}) and a column name"
+        )
     if not 0.0 <= ds.mask_floor <= 1.0:
-        raise ConfigError(f"{label('mask_floor')} must be in [0, 1] (the masked-out area's weight), "
-                          f"got {ds.mask_floor}")  # fmt: skip
+        raise ConfigError(
+            f"{label('mask_floor')} must be in [0, 1] (the masked-out area's weight), got {ds.mask_floor}"
+        )
     if ds.mask_dir and ds.images_dir:
         from rayflux import paths, storage
 
@@ -205,8 +208,10 @@ def _resolution_hint(ds: DatasetConfig, key: str) -> str:
     said = f"{key}={ds.resolution} with resolution_type={ds.resolution_type} means {ds.resolution} px"
     if ds.resolution_type == "area":
         meant = round((ds.resolution * 1e6) ** 0.5 / 64) * 64
-        return (f"{said}; SimpleTuner's resolution_type=area counts megapixels: for {ds.resolution} MP write "
-                f"resolution: {meant} (about {meant}x{meant} pixels) with resolution_type: area")  # fmt: skip
+        return (
+            f"{said}; SimpleTuner's resolution_type=area counts megapixels: for {ds.resolution} MP write "
+            f"resolution: {meant} (about {meant}x{meant} pixels) with resolution_type: area"
+        )
     return f"{said}; the shorter edge is in pixels (at least {MIN_RESOLUTION}), e.g. resolution: 512"
 
 

@@ -160,8 +160,10 @@ def help_text() -> str:
             lines.append(textwrap.fill(docs.get(f.name, ""), 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
     lines.append("\n  Also accepted, with the same meaning (kohya sd-scripts / SimpleTuner names):")
     lines += [f"    {section}.{alias} -> {section}.{own}" for (section, alias), own in ALIASES.items()]
-    lines += [f"    {section}.{switch}: true -> {section}.{own}={on} (false -> 0)"
-              for (section, switch), (own, on) in SWITCHES.items()]  # fmt: skip
+    lines += [
+        f"    {section}.{switch}: true -> {section}.{own}={on} (false -> 0)"
+        for (section, switch), (own, on) in SWITCHES.items()
+    ]
     spellings = ", ".join(f"{alias} -> {own}" for alias, own in SPELLINGS.items())
     lines.append("\n  train.optimizer values also accepted (any case):")
     lines.append(textwrap.fill(spellings, 100, initial_indent=" " * 4, subsequent_indent=" " * 4))

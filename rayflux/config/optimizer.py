@@ -27,8 +27,9 @@ class OptimizerSpec:
 
 OPTIMIZERS = {
     "adamw": OptimizerSpec("torch", "", "torch.optim.AdamW"),
-    "adamw8bit": OptimizerSpec("bitsandbytes", "adamw8bit", "bitsandbytes.optim.AdamW8bit",
-                               "bitsandbytes' 8-bit optimizer kernels"),  # fmt: skip
+    "adamw8bit": OptimizerSpec(
+        "bitsandbytes", "adamw8bit", "bitsandbytes.optim.AdamW8bit", "bitsandbytes' 8-bit optimizer kernels"
+    ),
     "prodigy": OptimizerSpec("prodigyopt", "prodigy", "prodigyopt.Prodigy"),
     "adafactor": OptimizerSpec("transformers", "", "transformers.optimization.Adafactor"),
     "schedulefree_adamw": OptimizerSpec("schedulefree", "schedulefree", "schedulefree.AdamWScheduleFree"),
@@ -61,8 +62,10 @@ def refusal(optimizer: str, *, gpu: bool, installed: bool = True) -> str:
         return ""  # an unknown name is the choice check's to report
     key = f"train.optimizer={optimizer}"
     if spec.gpu_only and not gpu:
-        return (f"{key} needs a CUDA GPU ({spec.gpu_only}); this run trains on CPU (train.use_gpu=false, no GPU in "
-                "the cluster, or none on this worker); use adamw")  # fmt: skip
+        return (
+            f"{key} needs a CUDA GPU ({spec.gpu_only}); this run trains on CPU (train.use_gpu=false, no GPU in "
+            "the cluster, or none on this worker); use adamw"
+        )
     if not installed:
         how = f"pip install 'rayflux[{spec.extra}]'" if spec.extra else f"pip install {spec.package}"
         return f"{key} needs {spec.package}, which is not installed: {how}"

@@ -205,8 +205,10 @@ def worker_range(num_workers: Any) -> tuple[int, int]:
         raise ConfigError("train.num_workers must be an integer or [min, max]")
     if isinstance(num_workers, int):
         lo = hi = num_workers
-    elif isinstance(num_workers, (list, tuple)) and len(num_workers) == 2 and all(
-        isinstance(n, int) and not isinstance(n, bool) for n in num_workers
+    elif (
+        isinstance(num_workers, (list, tuple))
+        and len(num_workers) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in num_workers)
     ):
         lo, hi = num_workers
     else:

@@ -22,6 +22,8 @@ def unique_captions(column: pa.ChunkedArray) -> pa.Array:
 
 def caption_ids(captions: pa.Array) -> pa.Array:
     """:func:`caption_id` of each caption, through Python a bounded chunk at a time."""
-    parts = [pa.array([caption_id(t) for t in captions.slice(i, _CHUNK).to_pylist()], pa.string())
-             for i in range(0, len(captions), _CHUNK)]  # fmt: skip
+    parts = [
+        pa.array([caption_id(t) for t in captions.slice(i, _CHUNK).to_pylist()], pa.string())
+        for i in range(0, len(captions), _CHUNK)
+    ]
     return pa.concat_arrays(parts) if parts else pa.array([], pa.string())

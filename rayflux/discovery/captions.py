@@ -80,8 +80,9 @@ def _rows(fs: pafs.FileSystem, path: str, column: str, extras: dict[str, str] | 
             raise CaptionError(f"{path}: no {col!r} column (columns: {', '.join(table.column_names)})")
     cells = table[column].to_pylist()
     more = {e: table[e].to_pylist() for e in extras}
-    return [(f"{name} row {i + 1}", n, c, {e: more[e][i] for e in extras})
-            for i, (n, c) in enumerate(zip(names, cells))]  # fmt: skip
+    return [
+        (f"{name} row {i + 1}", n, c, {e: more[e][i] for e in extras}) for i, (n, c) in enumerate(zip(names, cells))
+    ]
 
 
 def _jsonl_rows(raw: bytes, path: str, column: str, extras: dict[str, str]) -> list[tuple]:

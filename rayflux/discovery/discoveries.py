@@ -116,8 +116,10 @@ def gather(listing: Listing, settled: pa.Table, left_out: int = 0) -> Discovery:
     if ds.mask in ("dir", "column") and ds.missing_mask == "ones":
         maskless = settled["rel_path"].filter(pc.and_(pc.equal(settled["mask_uri"], ""), pc.invert(skipping)))
         if len(maskless):
-            found.problems.append(f"dataset {name}: {len(maskless)} images have no mask file and train on "
-                                  f"their whole area (missing_mask=ones; first: {maskless[0].as_py()})")  # fmt: skip
+            found.problems.append(
+                f"dataset {name}: {len(maskless)} images have no mask file and train on "
+                f"their whole area (missing_mask=ones; first: {maskless[0].as_py()})"
+            )
     if ds.max_samples and found.table.num_rows < ds.max_samples and found.discovered:
         found.problems.append(
             f"dataset {name}: max_samples={ds.max_samples}, but only {found.table.num_rows} of its images are usable "

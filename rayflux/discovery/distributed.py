@@ -58,11 +58,13 @@ def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
         ls = by_key[key]
         ds = ls.ds
         group = batch.filter(pc.equal(batch["dataset"], key))
-        usable = functools.partial(skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels,
-                                   mask=masks.policy_of(ds))  # fmt: skip
+        usable = functools.partial(
+            skip_reason, spec=specs[key], seed=seed, max_pixels=max_pixels, mask=masks.policy_of(ds)
+        )
         # A capped dataset's images are read here: their URIs are made for this block only.
-        settled = settling.settle_table(ls.with_uris(group) if ds.max_samples else group, ds, seed,
-                                       usable if ds.max_samples else None)  # fmt: skip
+        settled = settling.settle_table(
+            ls.with_uris(group) if ds.max_samples else group, ds, seed, usable if ds.max_samples else None
+        )
         left = 0
         if ds.max_samples:
             skipping = pc.not_equal(settled["skip_reason"], "")
@@ -104,8 +106,9 @@ def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | Non
     return found
 
 
-def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, spool: sidecar_spool.Spool,
-                known: sidecars.Known) -> tuple:  # fmt: skip
+def _settle_all(
+    cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, spool: sidecar_spool.Spool, known: sidecars.Known
+) -> tuple:
     """Settle every listed row, in listing order: those that need no read here, the others in Ray tasks of
     :data:`_IMAGES_PER_TASK` rows. Returns each dataset's settled parts (:data:`rayflux.discovery.schemas.GATHERED` columns)
     and how many usable images its local draws left out; the caption files go to ``spool`` as rows arrive.
@@ -120,8 +123,18 @@ def _settle_all(cfg: JobConfig, facts: ModelFacts, seed: int, listings: list, sp
     from rayflux.cache.stage import bucket_specs
 
     rowless = {ls.key: dataclasses.replace(ls, table=listing.LISTED.empty_table()) for ls in listings}
-    tasks = _Tasks(ray.put({"by_key": rowless, "specs": bucket_specs(cfg, facts), "seed": seed,
-                            "max_pixels": cfg.data.max_image_pixels}), listings, spool)  # fmt: skip
+    tasks = _Tasks(
+        ray.put(
+            {
+                "by_key": rowless,
+                "specs": bucket_specs(cfg, facts),
+                "seed": seed,
+                "max_pixels": cfg.data.max_image_pixels,
+            }
+        ),
+        listings,
+        spool,
+    )
     try:
         for ls in listings:
             parts = ls.table.to_batches(max_chunksize=listing.PART)
@@ -158,8 +171,9 @@ class _Tasks:
         self.window = _window()
         self.running: dict = {}
         """Task -> (dataset key, its place in that dataset's parts)."""
-        self.settled: dict[str, list] = {ls.key: [schemas.SETTLED.empty_table().select(schemas.GATHERED)]
-                                         for ls in listings}  # fmt: skip
+        self.settled: dict[str, list] = {
+            ls.key: [schemas.SETTLED.empty_table().select(schemas.GATHERED)] for ls in listings
+        }
         self.left_out = {ls.key: 0 for ls in listings}
 
     def send(self, key: str, rows: pa.Table) -> None:

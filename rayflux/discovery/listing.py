@@ -28,11 +28,22 @@ _CHUNK = 4096  # rows mapped through Python at a time where a value needs Python
 PART = 2048  # listed files turned into rows at a time: bounds the listing's short-lived columns
 
 LISTED = pa.schema(
-    [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()), ("dataset", pa.string()),
-     ("sidecar", pa.string()), ("sidecar_stamp", pa.string()), ("sidecar_lines", pa.string()),
-     ("options", pa.list_(pa.string())), ("references", pa.list_(pa.string())), ("references_stamp", pa.string()),
-     ("missing_reference", pa.string()), ("mask_uri", pa.string()), ("mask_stamp", pa.string())]
-)  # fmt: skip
+    [
+        ("rel_path", pa.string()),
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("dataset", pa.string()),
+        ("sidecar", pa.string()),
+        ("sidecar_stamp", pa.string()),
+        ("sidecar_lines", pa.string()),
+        ("options", pa.list_(pa.string())),
+        ("references", pa.list_(pa.string())),
+        ("references_stamp", pa.string()),
+        ("missing_reference", pa.string()),
+        ("mask_uri", pa.string()),
+        ("mask_stamp", pa.string()),
+    ]
+)
 """A listed image: its path under the dataset root (prefixed by the dataset's key when the job lists several),
 size and mtime; either its caption file (``sidecar``, "" when none, with the ``size:mtime`` stamp the listing gave
 it and, when known from the previous generation, its ``sidecar_lines``) or the caption ``options`` of the other
@@ -71,14 +82,16 @@ class Listing:
 
 def stamps(table: pa.Table) -> pa.ChunkedArray:
     """``size:mtime`` per file: the cheap change detector of caption files and references."""
-    return pc.binary_join_element_wise(pc.cast(table["size"], pa.string()), pc.cast(table["mtime_ns"], pa.string()),
-                                       ":")  # fmt: skip
+    return pc.binary_join_element_wise(
+        pc.cast(table["size"], pa.string()), pc.cast(table["mtime_ns"], pa.string()), ":"
+    )
 
 
 def per_row(values: pa.ChunkedArray, fn: Callable, type_: pa.DataType) -> pa.ChunkedArray:
     """``fn`` of each value, through Python a bounded chunk at a time."""
-    parts = [pa.array([fn(v) for v in values.slice(i, _CHUNK).to_pylist()], type_)
-             for i in range(0, len(values), _CHUNK)]  # fmt: skip
+    parts = [
+        pa.array([fn(v) for v in values.slice(i, _CHUNK).to_pylist()], type_) for i in range(0, len(values), _CHUNK)
+    ]
     return pa.chunked_array(parts, type_)
 
 
@@ -100,8 +113,10 @@ def _check_case(paths: pa.ChunkedArray, base: str, ds: DatasetConfig) -> None:
     # times the paths' own bytes; sorted, equal paths are neighbours. The sorted paths are compared a part at a
     # time, so besides the lower-cased paths only their order (8 bytes a path) is held.
     # The paths under the root, lower-cased a part at a time: the root's own characters are the same in every path.
-    lower = pa.chunked_array([pc.utf8_lower(pc.utf8_slice_codeunits(paths.slice(i, PART), len(base)))
-                              for i in range(0, len(paths), PART)], pa.string())  # fmt: skip
+    lower = pa.chunked_array(
+        [pc.utf8_lower(pc.utf8_slice_codeunits(paths.slice(i, PART), len(base))) for i in range(0, len(paths), PART)],
+        pa.string(),
+    )
     order = pc.sort_indices(lower)
     twice = []
     for i in range(0, max(len(order) - 1, 0), PART):
@@ -151,8 +166,9 @@ def _hidden(rel: str) -> bool:
 def _image_mask(rel: pa.ChunkedArray, name: pa.ChunkedArray, excluded: pa.Array) -> pa.ChunkedArray:
     """Images: not hidden (no path part starting with a dot), an image extension in any case, not a reference."""
     ext = "|".join(re.escape(e) for e in IMAGE_EXTENSIONS)
-    mask = pc.and_(pc.invert(pc.match_substring_regex(rel, r"(^|/)\.")),
-                   pc.match_substring_regex(pc.utf8_lower(name), f"({ext})$"))  # fmt: skip
+    mask = pc.and_(
+        pc.invert(pc.match_substring_regex(rel, r"(^|/)\.")), pc.match_substring_regex(pc.utf8_lower(name), f"({ext})$")
+    )
     if len(excluded):
         mask = pc.and_(mask, pc.invert(pc.is_in(rel, value_set=excluded)))
     return mask
@@ -190,8 +206,9 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
         # dataset's captions are a Python dict per image anyway, see captions.MetadataIndex).
         metadata = captions.load_metadata(fs, root, set(listed["path"].to_pylist()), ds)
     label = datasets.label(ds)
-    out = Listing(ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])],
-                  prefixed=prefix)  # fmt: skip
+    out = Listing(
+        ds, key, problems=[f"dataset {label}: {p}" for p in (metadata.problems if metadata else [])], prefixed=prefix
+    )
     pairs = _pairing(ds, metadata, listed, base)
     masks = _masks(ds, out.problems, listed, base)
     # Files a metadata table names as references or masks inside images_dir are never training images themselves.
@@ -217,8 +234,17 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
     return out
 
 
-def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: bool, excluded: pa.Array, metadata,
-               pairs: edit_pairs.Pairing, masks: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:  # fmt: skip
+def _part_rows(
+    part: pa.Table,
+    base: str,
+    ds: DatasetConfig,
+    key: str,
+    prefix: bool,
+    excluded: pa.Array,
+    metadata,
+    pairs: edit_pairs.Pairing,
+    masks: pa.Table | None = None,
+) -> tuple[pa.Table, pa.Table]:
     """One part of the sorted listing (:data:`rayflux.discovery.walk.FILES` rows) as :data:`LISTED` rows, and its caption
     files that no image of the part named (:data:`LONE` rows)."""
     paths = part["path"]
@@ -230,9 +256,13 @@ def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: b
     n = images.num_rows
     cols = {
         "rel_path": pc.binary_join_element_wise(f"{key}/", rel, "") if prefix else rel,
-        "size": images["size"], "mtime_ns": images["mtime_ns"], "dataset": _repeat(key, n),
-        "sidecar": _repeat("", n), "sidecar_stamp": _repeat("", n), "sidecar_lines": pa.nulls(n, pa.string()),
-    }  # fmt: skip
+        "size": images["size"],
+        "mtime_ns": images["mtime_ns"],
+        "dataset": _repeat(key, n),
+        "sidecar": _repeat("", n),
+        "sidecar_stamp": _repeat("", n),
+        "sidecar_lines": pa.nulls(n, pa.string()),
+    }
     lone = LONE.empty_table()
     if ds.caption_strategy == "sidecar":
         # Matched among the part's caption files only: an image's stem + ext can only name one of them. An image's
@@ -264,11 +294,14 @@ def _part_rows(part: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: b
     if masks is not None:
         # mask=dir: matched as caption files are, by the path without its extension, in any case; mask=column: by
         # the path the metadata names (in any case).
-        wanted = _stems(rel) if ds.mask == "dir" else \
-            per_row(rel, lambda r: metadata.masks.get(r, "").lower(), pa.string())  # fmt: skip
+        wanted = (
+            _stems(rel) if ds.mask == "dir" else per_row(rel, lambda r: metadata.masks.get(r, "").lower(), pa.string())
+        )
         at = pc.index_in(wanted, value_set=masks["key"])
-        cols.update(mask_uri=pc.fill_null(pc.take(masks["uri"], at), ""),
-                    mask_stamp=pc.fill_null(pc.take(masks["stamp"], at), ""))  # fmt: skip
+        cols.update(
+            mask_uri=pc.fill_null(pc.take(masks["uri"], at), ""),
+            mask_stamp=pc.fill_null(pc.take(masks["stamp"], at), ""),
+        )
     else:
         cols.update(mask_uri=_repeat("", n), mask_stamp=_repeat("", n))
     return pa.table(cols, schema=LISTED), lone
@@ -315,15 +348,16 @@ def _masks(ds: DatasetConfig, problems: list[str], dataset_files: pa.Table, base
     if pc.count_distinct(table["key"]).as_py() < table.num_rows:
         counts = pc.value_counts(table["key"].combine_chunks())
         twice = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
-        problems.append(f"dataset {datasets.label(ds)}: {len(twice)} images have several masks (e.g. "
-                        f"{twice[0].as_py()}.*); the first in path order is used")  # fmt: skip
+        problems.append(
+            f"dataset {datasets.label(ds)}: {len(twice)} images have several masks (e.g. "
+            f"{twice[0].as_py()}.*); the first in path order is used"
+        )
     return table
 
 
 def _caption_keys(image_paths, ext: str) -> pa.ChunkedArray:
     """The lower-cased path each image's caption file would have: its path without the extension, plus ``ext``."""
-    return pc.binary_join_element_wise(pc.utf8_lower(pc.replace_substring_regex(image_paths, r"\.[^.]*$", "")), ext,
-                                       "")  # fmt: skip
+    return pc.binary_join_element_wise(pc.utf8_lower(pc.replace_substring_regex(image_paths, r"\.[^.]*$", "")), ext, "")
 
 
 def _adopt(parts: list[pa.Table], lone: pa.Table, base: str, ds: DatasetConfig, key: str, prefix: bool) -> list[str]:
@@ -351,10 +385,14 @@ def _adopt(parts: list[pa.Table], lone: pa.Table, base: str, ds: DatasetConfig, 
         used.append(at.filter(pc.is_valid(at)))
         sidecar = pc.fill_null(pc.take(lone["path"], at), "")
         stamp = pc.fill_null(pc.take(lone["stamp"], at), "")
-        rows = rows.set_column(rows.schema.get_field_index("sidecar"), "sidecar",
-                               pc.if_else(pc.is_valid(at), sidecar, rows["sidecar"]))  # fmt: skip
-        parts[i] = rows.set_column(rows.schema.get_field_index("sidecar_stamp"), "sidecar_stamp",
-                                   pc.if_else(pc.is_valid(at), stamp, rows["sidecar_stamp"]))  # fmt: skip
+        rows = rows.set_column(
+            rows.schema.get_field_index("sidecar"), "sidecar", pc.if_else(pc.is_valid(at), sidecar, rows["sidecar"])
+        )
+        parts[i] = rows.set_column(
+            rows.schema.get_field_index("sidecar_stamp"),
+            "sidecar_stamp",
+            pc.if_else(pc.is_valid(at), stamp, rows["sidecar_stamp"]),
+        )
     named = pa.chunked_array(used, pa.int32()) if used else pa.chunked_array([], pa.int32())
     kept = pc.invert(pc.is_in(pa.array(range(lone.num_rows), pa.int32()), value_set=named.combine_chunks()))
     return lone["path"].filter(kept).to_pylist()

@@ -43,22 +43,41 @@ SKIPS = pa.schema([("source_uri", pa.string()), ("dataset", pa.string()), ("reas
 
 
 SETTLED = pa.schema(
-    [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
-     ("dataset", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string()), ("uncaptioned", pa.bool_()),
-     ("references", pa.list_(pa.string())), ("references_stamp", pa.string()), ("sidecar", pa.string()),
-     ("mask_uri", pa.string()), ("mask_stamp", pa.string()), ("sidecar_stamp", pa.string()),
-     ("sidecar_lines", pa.string())]
-)  # fmt: skip
+    [
+        ("rel_path", pa.string()),
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("dataset", pa.string()),
+        ("caption", pa.string()),
+        ("skip_reason", pa.string()),
+        ("uncaptioned", pa.bool_()),
+        ("references", pa.list_(pa.string())),
+        ("references_stamp", pa.string()),
+        ("sidecar", pa.string()),
+        ("mask_uri", pa.string()),
+        ("mask_stamp", pa.string()),
+        ("sidecar_stamp", pa.string()),
+        ("sidecar_lines", pa.string()),
+    ]
+)
 """A listed image once settled (:func:`settle`): its caption or ``skip_reason``, whether it had no caption of its
 own, and its caption file's lines when they were read or known. Like a listed row it has no URI column: the
 :class:`Discovery` tables get theirs from the relative path (:meth:`rayflux.discovery.listing.Listing.uris`)."""
 
 
 SOURCES = pa.schema(
-    [("rel_path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
-     ("caption", pa.string()), ("dataset", pa.string()), ("references", pa.list_(pa.string())),
-     ("references_stamp", pa.string()), ("mask_uri", pa.string()), ("mask_stamp", pa.string())]
-)  # fmt: skip
+    [
+        ("rel_path", pa.string()),
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("caption", pa.string()),
+        ("dataset", pa.string()),
+        ("references", pa.list_(pa.string())),
+        ("references_stamp", pa.string()),
+        ("mask_uri", pa.string()),
+        ("mask_stamp", pa.string()),
+    ]
+)
 """The :class:`Source` fields as Arrow columns but the URI: how a discovery holds its images (bytes per image on the
 driver, not a Python object each), in relative-path order per dataset. A URI is the dataset's root and the relative
 path, so it is made where it is needed (:func:`uris`), not held for every image."""

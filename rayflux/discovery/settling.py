@@ -78,8 +78,10 @@ def missing_mask_reason(row: dict, ds: DatasetConfig) -> str:
     if ds.mask not in ("dir", "column") or row.get("mask_uri") or ds.missing_mask != "skip":
         return ""
     if ds.mask == "column":
-        return (f"mask missing: metadata column {ds.mask_column!r} names no mask file for it, or names one that does "
-                "not exist (missing_mask=skip)")  # fmt: skip
+        return (
+            f"mask missing: metadata column {ds.mask_column!r} names no mask file for it, or names one that does "
+            "not exist (missing_mask=skip)"
+        )
     name = row["rel_path"].rsplit("/", 1)[-1]
     return f"mask missing: mask_dir {ds.mask_dir} has no mask for {name} (any image extension; missing_mask=skip)"
 

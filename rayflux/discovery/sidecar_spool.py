@@ -49,8 +49,9 @@ class Spool:
             # Statistics on the path only: the next generation's discovery finds a listed part's rows by the paths'
             # span in each row group (rayflux.discovery.sidecars.Known); the writer keeps every row group's statistics
             # until it closes, so none for the stamps and lines. No dictionaries: paths and lines rarely repeat.
-            self._writer = pq.ParquetWriter(self.path, SIDECARS, compression="zstd", use_dictionary=False,
-                                            write_statistics=["path"])  # fmt: skip
+            self._writer = pq.ParquetWriter(
+                self.path, SIDECARS, compression="zstd", use_dictionary=False, write_statistics=["path"]
+            )
         self._writer.write_table(rows)
         self.rows += rows.num_rows
 

@@ -47,8 +47,11 @@ def _table(chunks: Iterator[Rows]) -> pa.Table:
     an arena of its own whose freed pages stay resident: three times the peak RSS of this way for a listing in 32
     threads (measured: BENCHMARKS.md, "Probes behind the defaults")."""
     pool = pa.system_memory_pool()
-    batches = [pa.record_batch([pa.array(c, f.type, memory_pool=pool) for c, f in zip(rows, FILES)], schema=FILES)
-               for rows in chunks if rows[0]]
+    batches = [
+        pa.record_batch([pa.array(c, f.type, memory_pool=pool) for c, f in zip(rows, FILES)], schema=FILES)
+        for rows in chunks
+        if rows[0]
+    ]
     return pa.Table.from_batches(batches, schema=FILES)
 
 

@@ -127,8 +127,10 @@ class Family(ABC):
         """The text length a job keeps: ``text_tokens`` (``model.text_tokens``) when set, else the family's default;
         a length the pipelines refuse is refused here, before any encoder loads."""
         if not 0 <= text_tokens <= self.max_text_tokens:
-            raise ValueError(f"model.text_tokens={text_tokens}: {', '.join(self.pipelines.values())} encodes at most "
-                             f"{self.max_text_tokens} text tokens (0: the default)")  # fmt: skip
+            raise ValueError(
+                f"model.text_tokens={text_tokens}: {', '.join(self.pipelines.values())} encodes at most "
+                f"{self.max_text_tokens} text tokens (0: the default)"
+            )
         return text_tokens or self.text_length_of(transformer_config)
 
     config_parts: tuple[str, ...] = ("vae", "transformer")

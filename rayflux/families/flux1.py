@@ -81,8 +81,15 @@ def text_tensors(t5_len: int) -> tuple[TextTensor, ...]:
 class Flux1(Family):
     name = "flux1"
     pipelines = {"FluxPipeline": "FLUX.1 [dev] / [schnell]"}
-    parts = ("transformer/config.json", "vae/config.json", "text_encoder/config.json", "text_encoder_2/config.json",
-             "tokenizer", "tokenizer_2", "scheduler/scheduler_config.json")  # fmt: skip
+    parts = (
+        "transformer/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "text_encoder_2/config.json",
+        "tokenizer",
+        "tokenizer_2",
+        "scheduler/scheduler_config.json",
+    )
     config_parts = ("vae", "transformer", "text_encoder", "text_encoder_2")
     encoder_parts = ("vae", "text_encoder", "text_encoder_2")
     lora_presets = {
@@ -97,8 +104,10 @@ class Flux1(Family):
     lora_read_kwargs = {"return_alphas": True}
     base_model_version = "flux1"
     network_module = "networks.lora_flux"
-    kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
-                    "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
+    kohya_blocks = {
+        "transformer_blocks.": (DOUBLE, "double_blocks"),
+        "single_transformer_blocks.": (SINGLE, "single_blocks"),
+    }
     encoder_classes = {"transformers": ("CLIPTextModel", "T5EncoderModel"), "diffusers": ("AutoencoderKL",)}
     built_in_configs = {"flux1-dev": (FLUX1_DEV, "FLUX.1-dev")}
     mlp_ratio = 4.0
@@ -242,5 +251,12 @@ class Flux1(Family):
         return out
 
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
-        return self.pipeline_class()(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
-                            tokenizer_2=None, transformer=transformer)  # fmt: skip
+        return self.pipeline_class()(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=None,
+            tokenizer=None,
+            text_encoder_2=None,
+            tokenizer_2=None,
+            transformer=transformer,
+        )

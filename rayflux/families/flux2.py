@@ -27,20 +27,51 @@ from rayflux.families.flux1 import DOUBLE_ATTENTION
 TEXT_LENGTH = 512
 """The pipelines' ``max_sequence_length`` default, and so the padded length of every cached caption."""
 
-FLUX2_DEV = {"_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 128, "num_layers": 8,
-             "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
-             "joint_attention_dim": 15360, "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32],
-             "guidance_embeds": True}  # fmt: skip
+FLUX2_DEV = {
+    "_class_name": "Flux2Transformer2DModel",
+    "patch_size": 1,
+    "in_channels": 128,
+    "num_layers": 8,
+    "num_single_layers": 48,
+    "attention_head_dim": 128,
+    "num_attention_heads": 48,
+    "joint_attention_dim": 15360,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": [32, 32, 32, 32],
+    "guidance_embeds": True,
+}
 """FLUX.2 [dev] (about 32B parameters): diffusers' ``Flux2Transformer2DModel`` defaults."""
-FLUX2_KLEIN_9B = {**FLUX2_DEV, "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32,
-                  "joint_attention_dim": 12288, "guidance_embeds": False}  # fmt: skip
+FLUX2_KLEIN_9B = {
+    **FLUX2_DEV,
+    "num_layers": 8,
+    "num_single_layers": 24,
+    "num_attention_heads": 32,
+    "joint_attention_dim": 12288,
+    "guidance_embeds": False,
+}
 """FLUX.2 [klein] 9B (black-forest-labs/FLUX.2-klein-9B, subfolder ``transformer``)."""
-FLUX2_KLEIN_4B = {**FLUX2_DEV, "num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
-                  "joint_attention_dim": 7680, "guidance_embeds": False}  # fmt: skip
+FLUX2_KLEIN_4B = {
+    **FLUX2_DEV,
+    "num_layers": 5,
+    "num_single_layers": 20,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 7680,
+    "guidance_embeds": False,
+}
 """FLUX.2 [klein] 4B (black-forest-labs/FLUX.2-klein-4B, subfolder ``transformer``)."""
 
-ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-             "attn.to_qkv_mlp_proj", "attn.to_out"]  # fmt: skip
+ATTENTION = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "attn.to_qkv_mlp_proj",
+    "attn.to_out",
+]
 FFS = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
 
 DOUBLE = {
@@ -57,8 +88,13 @@ SINGLE = {"attn.to_qkv_mlp_proj": ("linear1", None, 1), "attn.to_out": ("linear2
 class Flux2(Family):
     name = "flux2"
     pipelines = {"Flux2KleinPipeline": "FLUX.2 [klein]", "Flux2Pipeline": "FLUX.2 [dev]"}
-    parts = ("transformer/config.json", "vae/config.json", "text_encoder/config.json", "tokenizer",
-             "scheduler/scheduler_config.json")  # fmt: skip
+    parts = (
+        "transformer/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "tokenizer",
+        "scheduler/scheduler_config.json",
+    )
     config_parts = ("vae", "transformer", "text_encoder")
     encoder_parts = ("vae", "text_encoder")
     lora_presets = {"attention": ATTENTION, "attention+ffs": ATTENTION + FFS, "all": ATTENTION + FFS}
@@ -69,11 +105,15 @@ class Flux2(Family):
     # kohya's FLUX.2 trainer (musubi-tuner) writes its LoRAs with this network module.
     network_module = "networks.lora_flux_2"
     max_references = None
-    encoder_classes = {"transformers": ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"),
-                       "diffusers": ("AutoencoderKLFlux2",)}  # fmt: skip
-    built_in_configs = {"flux2-dev": (FLUX2_DEV, "FLUX.2 [dev]"),
-                        "flux2-klein-9b": (FLUX2_KLEIN_9B, "FLUX.2 [klein] 9B"),
-                        "flux2-klein-4b": (FLUX2_KLEIN_4B, "FLUX.2 [klein] 4B")}  # fmt: skip
+    encoder_classes = {
+        "transformers": ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"),
+        "diffusers": ("AutoencoderKLFlux2",),
+    }
+    built_in_configs = {
+        "flux2-dev": (FLUX2_DEV, "FLUX.2 [dev]"),
+        "flux2-klein-9b": (FLUX2_KLEIN_9B, "FLUX.2 [klein] 9B"),
+        "flux2-klein-4b": (FLUX2_KLEIN_4B, "FLUX.2 [klein] 4B"),
+    }
     mlp_ratio = 3.0
     block_activations = ((11, 3), (9, 4))
     """Per token, with h the hidden width and m the MLP width. The blocks are FLUX.1's (see
@@ -89,8 +129,10 @@ class Flux2(Family):
     def text_length_of(self, transformer_config: dict) -> int:
         return TEXT_LENGTH
 
-    kohya_blocks = {"transformer_blocks.": (DOUBLE, "double_blocks"),
-                    "single_transformer_blocks.": (SINGLE, "single_blocks")}  # fmt: skip
+    kohya_blocks = {
+        "transformer_blocks.": (DOUBLE, "double_blocks"),
+        "single_transformer_blocks.": (SINGLE, "single_blocks"),
+    }
 
     def facts(self, configs, identity, text_tokens=0):
         vae, transformer, encoder = configs["vae"], configs["transformer"], configs["text_encoder"]
@@ -132,14 +174,17 @@ class Flux2(Family):
     def load_transformer(self, path, kw, device, dtype):
         from diffusers import Flux2Transformer2DModel
 
-        return Flux2Transformer2DModel.from_pretrained(path, torch_dtype=dtype, subfolder="transformer", **kw).to(device)
+        return Flux2Transformer2DModel.from_pretrained(path, torch_dtype=dtype, subfolder="transformer", **kw).to(
+            device
+        )
 
     def encode_text(self, encoders, captions, facts):
         import torch
 
         with torch.inference_mode():
-            embeds, _ = encoders.encode_prompt(captions, device=encoders.text_encoder.device,
-                                               max_sequence_length=facts.text_length)  # fmt: skip
+            embeds, _ = encoders.encode_prompt(
+                captions, device=encoders.text_encoder.device, max_sequence_length=facts.text_length
+            )
         return {"prompt_embeds": embeds}
 
     def stored_latent(self, vae, z):
@@ -196,7 +241,9 @@ class Flux2(Family):
         # itself, with the text encoder that the render no longer has.
         negative = getattr(pipe.config, "is_distilled", True) is False
         with torch.inference_mode():
-            empty = pipe.encode_prompt("", device=device, max_sequence_length=facts.text_length)[0] if negative else None
+            empty = (
+                pipe.encode_prompt("", device=device, max_sequence_length=facts.text_length)[0] if negative else None
+            )
             out = []
             for p in prompts:
                 e = pipe.encode_prompt(p, device=device, max_sequence_length=facts.text_length)[0].clone()
@@ -219,5 +266,6 @@ class Flux2(Family):
 
     def render_pipeline(self, path, kw, scheduler, vae, transformer):
         cls = self._pipeline(path, kw)
-        return cls.from_pretrained(path, scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
-                                   tokenizer=None, **kw)  # fmt: skip
+        return cls.from_pretrained(
+            path, scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None, tokenizer=None, **kw
+        )

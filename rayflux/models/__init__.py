@@ -21,7 +21,22 @@ from rayflux.models.location import read_config, resolve_path, revision_kw
 from rayflux.models.precision import cpu_has_fast_bf16, torch_dtype, vae_dtype
 
 __all__ = [
-    "Family", "ModelFacts", "check_family", "choose_device", "cpu_has_fast_bf16", "default_device", "family",
-    "load_text_encoders", "load_transformer", "load_vae", "meta_transformer", "model_facts", "read_config",
-    "resolve_path", "revision_kw", "shift_config", "torch_dtype", "vae_dtype",
-]  # fmt: skip
+    "Family",
+    "ModelFacts",
+    "check_family",
+    "choose_device",
+    "cpu_has_fast_bf16",
+    "default_device",
+    "family",
+    "load_text_encoders",
+    "load_transformer",
+    "load_vae",
+    "meta_transformer",
+    "model_facts",
+    "read_config",
+    "resolve_path",
+    "revision_kw",
+    "shift_config",
+    "torch_dtype",
+    "vae_dtype",
+]

@@ -73,5 +73,7 @@ def shift_config(cfg: ModelConfig) -> dict:
 
     from rayflux.train.flow import SHIFT_KEYS
 
-    config = FlowMatchEulerDiscreteScheduler.load_config(resolve_path(cfg), **{"subfolder": "scheduler", **revision_kw(cfg)})
+    config = FlowMatchEulerDiscreteScheduler.load_config(
+        resolve_path(cfg), **{"subfolder": "scheduler", **revision_kw(cfg)}
+    )
     return {k: config[k] for k in SHIFT_KEYS if k in config}

@@ -30,9 +30,12 @@ Rerunning the same command continues an interrupted sweep. Example sweep.yaml:
 def _parser() -> argparse.ArgumentParser:
     from rayflux.sweep.config import help_text
 
-    p = argparse.ArgumentParser(prog="rayflux sweep", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=help_text() + "\n\n" + config.help_text())  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="rayflux sweep",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=help_text() + "\n\n" + config.help_text(),
+    )
     p.add_argument("--config", metavar="FILE", required=True, help="YAML file with a sweep: section and a job config")
     config.add_set_arg(p)
     p.add_argument("--verbose", action="store_true", help="also show Ray's and Tune's own output")
@@ -79,8 +82,10 @@ def _run(sf, write_traceback) -> int:
     print("\n".join("[rayflux] " + line for line in results.lines(outcome.rows, sf.sweep.metric)))
     print(f"[rayflux] cache:   {outcome.cached} samples, encoded once, shared by {len(outcome.rows)} trials")
     if outcome.best is not None:
-        print(f"[rayflux] best:    trial {outcome.best.trial} ({outcome.best.settings}): {sf.sweep.metric} "
-              f"{outcome.best.best:.5f} at step {outcome.best.best_step} -> {outcome.best_lora}")  # fmt: skip
+        print(
+            f"[rayflux] best:    trial {outcome.best.trial} ({outcome.best.settings}): {sf.sweep.metric} "
+            f"{outcome.best.best:.5f} at step {outcome.best.best_step} -> {outcome.best_lora}"
+        )
     print(f"[rayflux] results: {outcome.results[0]} and .csv")
     print(f"[rayflux] metrics: tensorboard --logdir {outcome.tensorboard_dir}")
     print(f"[rayflux] ledger:  {outcome.ledger}")

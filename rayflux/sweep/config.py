@@ -102,11 +102,14 @@ def _space(raw) -> dict:
         section, _, name = str(key).partition(".")
         name = ALIASES.get((section, name), name)
         if section != "train" or name not in fields:
-            raise ConfigError(f"sweep.space key {key!r} is not a train.* setting; a sweep varies only train keys "
-                              "(the cache is shared by every trial)")  # fmt: skip
+            raise ConfigError(
+                f"sweep.space key {key!r} is not a train.* setting; a sweep varies only train keys "
+                "(the cache is shared by every trial)"
+            )
         if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
-            raise ConfigError(f"sweep.space.{key} must be one of {{grid|choice|loguniform|uniform: [...]}}, "
-                              f"got {spec!r}")  # fmt: skip
+            raise ConfigError(
+                f"sweep.space.{key} must be one of {{grid|choice|loguniform|uniform: [...]}}, got {spec!r}"
+            )
         kind, values = next(iter(spec.items()))
         if not isinstance(values, list) or not values:
             raise ConfigError(f"sweep.space.{key}.{kind} needs a non-empty list, got {values!r}")
@@ -155,8 +158,12 @@ def tune_space(sweep: SweepConfig) -> dict:
     """Tune's ``param_space``: one flat entry per varied key."""
     from ray import tune
 
-    make = {"grid": tune.grid_search, "choice": tune.choice, "loguniform": lambda v: tune.loguniform(*v),
-            "uniform": lambda v: tune.uniform(*v)}  # fmt: skip
+    make = {
+        "grid": tune.grid_search,
+        "choice": tune.choice,
+        "loguniform": lambda v: tune.loguniform(*v),
+        "uniform": lambda v: tune.uniform(*v),
+    }
     return {key: make[kind](values) for key, spec in sweep.space.items() for kind, values in spec.items()}
 
 

@@ -78,16 +78,26 @@ def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
     short = {k: v for k, v in need.items() if budget.get(k, 0.0) + 1e-9 < v}
     if short:
         have = ", ".join(f"{k} {budget.get(k, 0.0):g}" for k in need)
-        raise ConfigError(f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.num_workers "
-                          f"x train.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}")  # fmt: skip
+        raise ConfigError(
+            f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.num_workers "
+            f"x train.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}"
+        )
     per_trial = need["CPU"]
-    log.info("sweep: each trial reserves %g CPU; the cluster has %g: up to %d trial(s) at once (sweep.max_concurrent "
-             "%d)", per_trial, budget.get("CPU", 0.0), int(budget.get("CPU", 0.0) // per_trial), sweep.max_concurrent)
+    log.info(
+        "sweep: each trial reserves %g CPU; the cluster has %g: up to %d trial(s) at once (sweep.max_concurrent %d)",
+        per_trial,
+        budget.get("CPU", 0.0),
+        int(budget.get("CPU", 0.0) // per_trial),
+        sweep.max_concurrent,
+    )
 
 
 def _fingerprint(sweep: SweepConfig) -> str:
-    blob = json.dumps({"space": sweep.space, "num_samples": sweep.num_samples, "metric": sweep.metric,
-                       "scheduler": sweep.scheduler}, sort_keys=True, default=str)  # fmt: skip
+    blob = json.dumps(
+        {"space": sweep.space, "num_samples": sweep.num_samples, "metric": sweep.metric, "scheduler": sweep.scheduler},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -95,17 +105,30 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
     fp = _fingerprint(sweep)
     old = ledger.find("sweep")
     if old is not None and old["inputs"] != fp:
-        raise ConfigError(f"{output} holds a sweep with another space, metric or scheduler; use a new run.output_dir "
-                          "or restore the original sweep section")  # fmt: skip
-    entry = ledger.start("sweep", fp, space=sweep.space, num_samples=sweep.num_samples, scheduler=sweep.scheduler,
-                         metric=sweep.metric, max_concurrent=sweep.max_concurrent)  # fmt: skip
+        raise ConfigError(
+            f"{output} holds a sweep with another space, metric or scheduler; use a new run.output_dir "
+            "or restore the original sweep section"
+        )
+    entry = ledger.start(
+        "sweep",
+        fp,
+        space=sweep.space,
+        num_samples=sweep.num_samples,
+        scheduler=sweep.scheduler,
+        metric=sweep.metric,
+        max_concurrent=sweep.max_concurrent,
+    )
     grid = _tuner(cfg, sweep, output).fit()
     rows = [results.row(r, cfg, output, sweep.metric) for r in grid]
     for r in rows:  # again: a stopped trial's controller may have started a new worker group before it died
         release(trial_dir(output, r.trial))
     for r in rows:
-        trial = ledger.start(f"trial:{r.trial}", json.dumps(r.settings, sort_keys=True, default=str),
-                             settings=r.settings, dir=storage.join(output, TRIALS_DIR, r.trial))  # fmt: skip
+        trial = ledger.start(
+            f"trial:{r.trial}",
+            json.dumps(r.settings, sort_keys=True, default=str),
+            settings=r.settings,
+            dir=storage.join(output, TRIALS_DIR, r.trial),
+        )
         ledger.finish(trial, status="done" if r.status != "error" else "failed", result=r.record(sweep.metric))
     out = Outcome(rows=rows, ledger=ledger.path, tensorboard_dir=storage.join(output, TRIALS_DIR))
     out.results = results.write(rows, output, sweep.metric)
@@ -113,8 +136,13 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
     if out.best is not None:
         out.best_lora = results.copy_best(out.best, output)
     failed = [r for r in rows if r.status == "error"]
-    ledger.finish(entry, status="failed" if rows and len(failed) == len(rows) else "done", results=out.results[0],
-                  best=out.best.trial if out.best else None, best_lora=out.best_lora)  # fmt: skip
+    ledger.finish(
+        entry,
+        status="failed" if rows and len(failed) == len(rows) else "done",
+        results=out.results[0],
+        best=out.best.trial if out.best else None,
+        best_lora=out.best_lora,
+    )
     if rows and len(failed) == len(rows):
         first = next(r for r in grid if r.error)
         raise RuntimeError(f"every trial of the sweep failed; the first: {first.error}")
@@ -167,8 +195,12 @@ def _scheduler(cfg: JobConfig, sweep: SweepConfig):
         return FIFOScheduler()
     grace = sweep.grace_period or cfg.train.eval_every or 1
     # ASHA stops a trial that reaches max_t; one past the last step lets a trial that trains to its end export.
-    return ASHAScheduler(time_attr="step", max_t=(cfg.train.max_steps or 10**9) + 1, grace_period=grace,
-                         reduction_factor=sweep.reduction_factor)  # fmt: skip
+    return ASHAScheduler(
+        time_attr="step",
+        max_t=(cfg.train.max_steps or 10**9) + 1,
+        grace_period=grace,
+        reduction_factor=sweep.reduction_factor,
+    )
 
 
 def release_callback(sweep_output: str):

@@ -58,4 +58,3 @@ def release(trial_dir: str) -> int:
     if removed:
         log.info("sweep: released %d placement group(s) of the stopped trial in %s", removed, trial_dir)
     return removed
-

@@ -49,9 +49,18 @@ class Row:
     """The first line of a failed trial's error."""
 
     def record(self, metric: str) -> dict:
-        d = {"trial": self.trial, **self.settings, "status": self.status, f"best_{metric}": self.best,
-             "best_step": self.best_step, "stopped_at": self.stopped_at, "steps": self.steps,
-             "wall_seconds": round(self.wall_seconds, 1), "lora": self.lora, "error": self.error}  # fmt: skip
+        d = {
+            "trial": self.trial,
+            **self.settings,
+            "status": self.status,
+            f"best_{metric}": self.best,
+            "best_step": self.best_step,
+            "stopped_at": self.stopped_at,
+            "steps": self.steps,
+            "wall_seconds": round(self.wall_seconds, 1),
+            "lora": self.lora,
+            "error": self.error,
+        }
         return d
 
 
@@ -125,9 +134,17 @@ def lines(rows: list[Row], metric: str) -> list[str]:
     head = ["trial", *keys, "status", f"best {metric}", "at step", "stopped at", "wall s"]
     body = []
     for r in sorted(rows, key=lambda r: (r.best is None, r.best or 0.0)):
-        body.append([r.trial, *(_short(r.settings.get(k)) for k in keys), r.status,
-                     "-" if r.best is None else f"{r.best:.5f}", _short(r.best_step), _short(r.stopped_at),
-                     f"{r.wall_seconds:.0f}"])  # fmt: skip
+        body.append(
+            [
+                r.trial,
+                *(_short(r.settings.get(k)) for k in keys),
+                r.status,
+                "-" if r.best is None else f"{r.best:.5f}",
+                _short(r.best_step),
+                _short(r.stopped_at),
+                f"{r.wall_seconds:.0f}",
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*head)] + [fmt.format(*b) for b in body]

@@ -41,8 +41,16 @@ def run_trial(settings: dict, base: dict, sweep_output: str, metric: str) -> Non
     _write(out, {"settings": settings, "started": time.time()})
     _wait_for_lease(out, cfg.run.lease_seconds)
     summary = job.run(cfg)
-    _write(out, {"settings": settings, "finished": time.time(), "steps": summary.steps, "lora": summary.lora_path,
-                 "best": list(summary.best) if summary.best else None})  # fmt: skip
+    _write(
+        out,
+        {
+            "settings": settings,
+            "finished": time.time(),
+            "steps": summary.steps,
+            "lora": summary.lora_path,
+            "best": list(summary.best) if summary.best else None,
+        },
+    )
 
 
 def _wait_for_lease(out: str, seconds: float) -> None:

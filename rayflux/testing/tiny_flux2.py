@@ -107,7 +107,12 @@ def _assemble(pipeline_cls, spec: TinyFlux2Spec, text_encoder, tokenizer, guidan
     vae = _flux2_vae(spec)
     transformer = _flux2_transformer(spec, guidance_embeds)
     return pipeline_cls(
-        scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, **extra
+        scheduler=_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        **extra,
     )
 
 

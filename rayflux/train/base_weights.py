@@ -79,8 +79,10 @@ def convert(transformer, base_dtype: str, emulate: bool = False) -> int:
     runs on CPU (tests)."""
     if base_dtype == "nf4" and not getattr(transformer, "is_quantized", False):
         # A transformer built elsewhere (not through load_kwargs) would otherwise train as bf16 under an nf4 label.
-        raise ValueError("train.base_dtype=nf4 quantizes the transformer as it loads (models.load_transformer with "
-                         "base_weights.load_kwargs); this one was given unquantized")  # fmt: skip
+        raise ValueError(
+            "train.base_dtype=nf4 quantizes the transformer as it loads (models.load_transformer with "
+            "base_weights.load_kwargs); this one was given unquantized"
+        )
     if base_dtype != "fp8":
         return 0
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -113,8 +115,10 @@ def counts(transformer) -> BaseCounts:
     def frozen(module) -> int:
         return sum(elements(p) for n, p in module.named_parameters() if not is_lora(n))
 
-    linears = [elements(m.weight) for n, m in transformer.named_modules()
-               if isinstance(m, torch.nn.Linear) and not is_lora(n)]  # fmt: skip
-    blocks = [frozen(block) for child in transformer.children() if isinstance(child, torch.nn.ModuleList)
-              for block in child]  # fmt: skip
+    linears = [
+        elements(m.weight) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and not is_lora(n)
+    ]
+    blocks = [
+        frozen(block) for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child
+    ]
     return BaseCounts(frozen(transformer), sum(linears), max(linears, default=0), max(blocks, default=0))

@@ -70,8 +70,17 @@ class SampleRef:
         return TensorRange(*json.loads(self.ranges)[name])
 
     def planned(self) -> PlannedSample:
-        return PlannedSample(self.file, self.row, self.sample_id, self.file_bytes, self.latent_shape, self.source,
-                             self.text, self.ref_count, json.loads(self.ranges))  # fmt: skip
+        return PlannedSample(
+            self.file,
+            self.row,
+            self.sample_id,
+            self.file_bytes,
+            self.latent_shape,
+            self.source,
+            self.text,
+            self.ref_count,
+            json.loads(self.ranges),
+        )
 
 
 def group(ref: SampleRef) -> str:
@@ -110,22 +119,47 @@ def index_samples(manifest: dict) -> list[SampleRef]:
 
     text = {}
     for c in index.read(manifest, "captions").to_pylist():
-        parts = [TextPart(c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims], c[f"{t.key}_crc32"])
-                 for t in layout.text]  # fmt: skip
+        parts = [
+            TextPart(c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims], c[f"{t.key}_crc32"])
+            for t in layout.text
+        ]
         text[c["caption_id"]] = TextLocator(full(c["file"]), c["file_bytes"], c["caption_id"], parts).encode()
-    cols = ["sample_id", "bucket", "file", "row", "dataset", "file_bytes", "latent_c", "latent_h", "latent_w",
-            "source_uri", "caption_id", "ref_count", *(c for t in layout.samples for c in t.columns())]  # fmt: skip
+    cols = [
+        "sample_id",
+        "bucket",
+        "file",
+        "row",
+        "dataset",
+        "file_bytes",
+        "latent_c",
+        "latent_h",
+        "latent_w",
+        "source_uri",
+        "caption_id",
+        "ref_count",
+        *(c for t in layout.samples for c in t.columns()),
+    ]
     refs = []
     for r in index.read(manifest, "samples", cols).to_pylist():
         ranges = {t.name: [r[c] for c in t.columns()] for t in layout.samples}
         lacks = ",".join(t.name for t in layout.samples if t.optional and not t.counts() and not ranges[t.name][1])
         refs.append(
             SampleRef(
-                r["sample_id"], r["bucket"], full(r["file"]), r["row"], r["dataset"], file_bytes=r["file_bytes"],
-                latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}", source=r["source_uri"],
-                text=text[r["caption_id"]], gen_dir=gen_dir, layout=layout_json, ref_count=r["ref_count"],
-                ranges=json.dumps(ranges), lacks=lacks,
-            )  # fmt: skip
+                r["sample_id"],
+                r["bucket"],
+                full(r["file"]),
+                r["row"],
+                r["dataset"],
+                file_bytes=r["file_bytes"],
+                latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}",
+                source=r["source_uri"],
+                text=text[r["caption_id"]],
+                gen_dir=gen_dir,
+                layout=layout_json,
+                ref_count=r["ref_count"],
+                ranges=json.dumps(ranges),
+                lacks=lacks,
+            )
         )
     return refs
 
@@ -136,8 +170,10 @@ def check_references(refs: list[SampleRef], family) -> None:
     worst = max(refs, key=lambda r: r.ref_count, default=None)
     limit = family.max_references
     if worst is not None and limit is not None and worst.ref_count > limit:
-        raise ValueError(f"{worst.source} has {worst.ref_count} reference images, but "
-                         f"{', '.join(family.pipelines.values())} takes at most {limit}")  # fmt: skip
+        raise ValueError(
+            f"{worst.source} has {worst.ref_count} reference images, but "
+            f"{', '.join(family.pipelines.values())} takes at most {limit}"
+        )
 
 
 def _rng(*parts) -> random.Random:
@@ -146,7 +182,12 @@ def _rng(*parts) -> random.Random:
 
 
 def plan_epoch(
-    refs: list[SampleRef], batch_size: int, seed: int, epoch: int, world_size: int, accumulation: int = 1,
+    refs: list[SampleRef],
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    world_size: int,
+    accumulation: int = 1,
     read_run: int = 4,
 ) -> tuple[list[dict], int]:
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
@@ -209,8 +250,12 @@ def plan_eval(held: list[SampleRef], batch_size: int) -> list[dict]:
     by_bucket: dict[str, list[SampleRef]] = {}
     for r in sorted(held, key=lambda r: r.sample_id):
         by_bucket.setdefault(group(r), []).append(r)
-    batches = [refs[i : i + batch_size] for key in sorted(by_bucket, key=_order) for refs in [by_bucket[key]]
-               for i in range(0, len(refs), batch_size)]  # fmt: skip
+    batches = [
+        refs[i : i + batch_size]
+        for key in sorted(by_bucket, key=_order)
+        for refs in [by_bucket[key]]
+        for i in range(0, len(refs), batch_size)
+    ]
     return [{**_planned(b, -1, i, 0), "step": 0, "total_steps": 0} for i, b in enumerate(batches)]
 
 
@@ -220,8 +265,11 @@ def epoch_counts(
     """Samples, dropped samples and batches of the epoch :func:`plan_epoch` would plan, from the buckets' sample
     counts alone: the batches' order is the same shuffle of the same number of batches, so the remainder rule cuts
     the same sizes. The driver reports these per epoch without planning any epoch."""
-    sizes = [size for bucket in sorted(bucket_sizes, key=_order)
-             for size in runs.batch_sizes(bucket_sizes[bucket], batch_size)]  # fmt: skip
+    sizes = [
+        size
+        for bucket in sorted(bucket_sizes, key=_order)
+        for size in runs.batch_sizes(bucket_sizes[bucket], batch_size)
+    ]
     _rng(seed, epoch, "order").shuffle(sizes)
     keep = len(sizes) - len(sizes) % (world_size * accumulation)
     return {"samples": sum(sizes[:keep]), "dropped": sum(sizes[keep:]), "batches": keep}
@@ -255,7 +303,11 @@ def load_batches(items: list[dict]) -> list[dict]:
 
 
 def stack_batch(
-    item: dict, generation: int, sample_ids: list[str], samples: dict[str, list | None], text: dict[str, list],
+    item: dict,
+    generation: int,
+    sample_ids: list[str],
+    samples: dict[str, list | None],
+    text: dict[str, list],
     weights: list | None = None,
 ) -> dict:
     """One training row: the plan fields of ``item``, the cache generation, each declared per-sample tensor stacked

@@ -28,7 +28,9 @@ def load_empty(where: dict) -> EmptyCaption:
         off = where[f"{t.key}_offset"]
         integrity.check(data, where[f"{t.key}_crc32"], where["file"], off, f"{t.name} of the empty caption")
     dtype = where["text_dtype"]
-    return EmptyCaption({
-        t.name: torch.from_numpy(tensors.from_bytes_numpy(data, dtype, tuple(where[d] for d in t.dims)).copy())
-        for t, data in zip(specs, raw)
-    })  # fmt: skip
+    return EmptyCaption(
+        {
+            t.name: torch.from_numpy(tensors.from_bytes_numpy(data, dtype, tuple(where[d] for d in t.dims)).copy())
+            for t, data in zip(specs, raw)
+        }
+    )

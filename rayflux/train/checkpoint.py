@@ -94,8 +94,19 @@ def batch_key(step: int, row: dict) -> list:
     return [step, int(row["epoch"]), int(row["index"]), json.loads(row["sample_ids"])]
 
 
-_SHARED = ("step", "epoch", "index", "world_size", "digest", "resumed_at", "restarts", "failures_seen", "feed_done",
-           "best_eval_loss", "best_step")
+_SHARED = (
+    "step",
+    "epoch",
+    "index",
+    "world_size",
+    "digest",
+    "resumed_at",
+    "restarts",
+    "failures_seen",
+    "feed_done",
+    "best_eval_loss",
+    "best_step",
+)
 
 
 def capture_rng(device) -> dict:

@@ -91,8 +91,9 @@ def download(checkpoint_dir: str, local_dir: str) -> str:
             if "Failed to flush response stream" not in str(exc):
                 raise
             if n + 1 == tries:
-                raise OSError(f"{checkpoint_dir}: the checkpoint's download broke off {tries} times; last: {exc}") \
-                    from exc
+                raise OSError(
+                    f"{checkpoint_dir}: the checkpoint's download broke off {tries} times; last: {exc}"
+                ) from exc
             log.warning("%s: checkpoint download broke off (%s); trying again", checkpoint_dir, exc)
             time.sleep(min(20.0, random.random() * 2**n))
     raise AssertionError("unreachable")

@@ -80,12 +80,22 @@ def plan_rows(
             if offset is None:
                 offset = restored - (step - 1)
             per_rank[i % world].append(
-                {**b, "step": step + offset, "total_steps": steps_per_epoch * total_epochs + offset,
-                 "resume_step": restored}
-            )  # fmt: skip
+                {
+                    **b,
+                    "step": step + offset,
+                    "total_steps": steps_per_epoch * total_epochs + offset,
+                    "resume_step": restored,
+                }
+            )
     if start and start[1] != int(position["index"]) and offset is not None:
-        log.info("resuming on %d workers (was %s) at epoch %d, batch %d: %d batches skipped to keep ranks equal",
-                 world, position.get("world_size"), start[0], start[1], start[1] - int(position["index"]))  # fmt: skip
+        log.info(
+            "resuming on %d workers (was %s) at epoch %d, batch %d: %d batches skipped to keep ranks equal",
+            world,
+            position.get("world_size"),
+            start[0],
+            start[1],
+            start[1] - int(position["index"]),
+        )
     return per_rank
 
 

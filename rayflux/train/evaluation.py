@@ -83,9 +83,13 @@ def score(trainer, batches: list[EvalBatch], world: int) -> dict:
         sums = total.cpu()
     per_sigma = (sums[:k_count] / sums[k_count].clamp(min=1)).tolist()
     quantiles = ((torch.arange(k_count, dtype=torch.float64) + 0.5) / k_count).tolist()
-    return {"eval_loss": sum(per_sigma) / k_count, "eval_loss_sigmas": per_sigma,
-            "eval_quantiles": [round(q, 4) for q in quantiles], "eval_samples": int(sums[k_count]),
-            "eval_time": time.perf_counter() - begin}  # fmt: skip
+    return {
+        "eval_loss": sum(per_sigma) / k_count,
+        "eval_loss_sigmas": per_sigma,
+        "eval_quantiles": [round(q, 4) for q in quantiles],
+        "eval_samples": int(sums[k_count]),
+        "eval_time": time.perf_counter() - begin,
+    }
 
 
 def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor, t, device, dtype, family) -> None:
@@ -93,16 +97,27 @@ def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor, t, device, d
     batch = eb.batch
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
-    grid = flow.eval_sigmas(t.eval_sigmas, t.sigma_sampling, logit_mean=t.logit_mean, logit_std=t.logit_std,
-                            shift=t.shift, seq_len=family.seq_len(h, w), shift_config=trainer.shift_config)  # fmt: skip
+    grid = flow.eval_sigmas(
+        t.eval_sigmas,
+        t.sigma_sampling,
+        logit_mean=t.logit_mean,
+        logit_std=t.logit_std,
+        shift=t.shift,
+        seq_len=family.seq_len(h, w),
+        shift_config=trainer.shift_config,
+    )
     text = {n: x.to(device, dtype) for n, x in batch.text.items()}
     guidance = torch.full((b,), float(t.guidance), device=device, dtype=dtype) if trainer.guidance_embeds else None
     autocast = torch.autocast(device.type, trainer.autocast or torch.float32, enabled=bool(trainer.autocast))
     weights = step.token_weights(batch, family)  # a masked sample scores on its mask, as it trains
     for k, sigma in enumerate(grid.tolist()):
         # Noise per sample on the CPU, as in training: the same seed gives the same noise on any device.
-        noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(noise_seed(s, k)))
-                             for s in eb.sample_ids]).to(device)  # fmt: skip
+        noise = torch.stack(
+            [
+                torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(noise_seed(s, k)))
+                for s in eb.sample_ids
+            ]
+        ).to(device)
         sigmas = torch.full((b,), sigma, device=device)
         with autocast:
             pred, target = step.predict(model, batch, latents, noise, sigmas, text, guidance, device, dtype, family)

@@ -64,8 +64,17 @@ class PlannedDataConfig(DataConfig):
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
         resume_from = commits.latest(self.run_storage) if self.run_storage else ""
         position = commits.read_json(resume_from) if resume_from else None
-        per_rank = elastic.plan_rows(refs, self.batch_size, self.seed, self.epochs, self.total_epochs, world_size,
-                                     self.accumulation, position, self.read_run)  # fmt: skip
+        per_rank = elastic.plan_rows(
+            refs,
+            self.batch_size,
+            self.seed,
+            self.epochs,
+            self.total_epochs,
+            world_size,
+            self.accumulation,
+            position,
+            self.read_run,
+        )
         per_rank = [[{**row, "resume_from": resume_from} for row in mine] for mine in per_rank]
         output = []
         for mine in per_rank:

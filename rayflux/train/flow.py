@@ -101,8 +101,9 @@ def mask_weights(mask: torch.Tensor, floor: float | torch.Tensor) -> torch.Tenso
     return 1.0 - (1.0 - float(floor)) * (1.0 - mask.float())
 
 
-def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-              token_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def flow_loss(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, token_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Batch mean of ``w_b L_b``: ``weights`` ``[B]`` are the per-sample weights (σ weighting, dataset weights).
 
     ``pred`` and ``target`` are the target's packed tokens ``[B, N, D]`` (an edit's reference tokens already cut off).
@@ -117,7 +118,9 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
     return (weights.float() * per_sample_loss(pred, target, token_weights)).mean()
 
 
-def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+def per_sample_loss(
+    pred: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """``L_b`` of :func:`flow_loss` for each sample ``[B]``: what the training loss weights and averages, and what the
     eval loss averages unweighted."""
     sq = (pred.float() - target.float()) ** 2

@@ -36,6 +36,7 @@ PREFIX = "lora_unet_"
 LYCORIS_PREFIX = "lycoris_"
 KOHYA_NAME = "pytorch_lora_weights_kohya.safetensors"
 
+
 def locate(module: str, blocks: dict) -> tuple[str, int | None, int, list[str]]:
     """(kohya name, part, parts, sibling modules in part order) of a diffusers module name, by a family's key map
     (:attr:`rayflux.families.base.Family.kohya_blocks`); KeyError if unmapped."""
@@ -68,8 +69,13 @@ def check_adapter(transformer) -> None:
     check_targets(adapted_modules(transformer), of_transformer(transformer).kohya_blocks)
 
 
-def from_peft(state: dict, scale: float, out_features: dict[str, int], blocks: dict,
-              row_norms: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def from_peft(
+    state: dict,
+    scale: float,
+    out_features: dict[str, int],
+    blocks: dict,
+    row_norms: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Convert peft's tensors (strength ``scale``) to kohya keys by the family key map ``blocks``: LoRA's
     ``<module>.lora_A.weight``/``lora_B`` (DoRA's also ``lora_magnitude_vector``), or LoKr's ``lokr_*``.
 
@@ -145,8 +151,9 @@ def save(transformer, directory, scale: float) -> str:
     out_features = {s: _base(transformer.get_submodule(s)).out_features for s in siblings}
     norms = {}
     if any(k.endswith(".lora_magnitude_vector") for k in state):  # DoRA: untrained parts keep their row norms
-        norms = {s: _base(transformer.get_submodule(s)).weight.detach().float().norm(dim=1).cpu()
-                 for s in siblings - modules}  # fmt: skip
+        norms = {
+            s: _base(transformer.get_submodule(s)).weight.detach().float().norm(dim=1).cpu() for s in siblings - modules
+        }
     path = os.path.join(str(directory), KOHYA_NAME)
     save_file(from_peft(state, scale, out_features, blocks, norms), path, metadata={"format": "pt"})
     return path

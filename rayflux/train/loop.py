@@ -26,8 +26,20 @@ import torch
 
 from rayflux import config as config_mod
 from rayflux import memory, phases, progress as progress_mod, storage
-from rayflux.train import (captions, checkpoint, commits, elastic, evaluation, lora_files, metrics, optim, sharding,
-                           step, validation, wandb_log)
+from rayflux.train import (
+    captions,
+    checkpoint,
+    commits,
+    elastic,
+    evaluation,
+    lora_files,
+    metrics,
+    optim,
+    sharding,
+    step,
+    validation,
+    wandb_log,
+)
 from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
 from rayflux.train.feed import DATASET, planned_rows
@@ -71,8 +83,11 @@ def _agree(loss: float, samples: int, report_due: bool, preempted: bool, device,
     requests) summed over ranks."""
     if world == 1:
         return loss, samples, report_due, preempted, tuple(reads)
-    t = torch.tensor([loss, float(samples), float(report_due), float(preempted), *map(float, reads)],
-                     dtype=torch.float64, device=device)  # fmt: skip
+    t = torch.tensor(
+        [loss, float(samples), float(report_due), float(preempted), *map(float, reads)],
+        dtype=torch.float64,
+        device=device,
+    )
     torch.distributed.all_reduce(t)
     return float(t[0]) / world, int(t[1]), bool(t[2] > 0), bool(t[3] > 0), tuple(int(x) for x in t[4:].tolist())
 
@@ -105,12 +120,22 @@ def _record_start(progress: Progress, run_storage: str, resume_from: str, offere
     if not resume_from and not causes:
         return  # a fresh run
     offered_name = offered.path.rstrip("/").rsplit("/", 1)[-1] if offered else ""
-    entry = {"step": progress.step, "from": resume_from.rstrip("/").rsplit("/", 1)[-1], "ray_offered": offered_name,
-             "cause": "; ".join(causes) or "resumed by a new job, segment or resize", "time": time.time()}  # fmt: skip
+    entry = {
+        "step": progress.step,
+        "from": resume_from.rstrip("/").rsplit("/", 1)[-1],
+        "ray_offered": offered_name,
+        "cause": "; ".join(causes) or "resumed by a new job, segment or resize",
+        "time": time.time(),
+    }
     progress.resumed_at.append(progress.step)
     progress.restarts.append(entry)
-    log.warning("restart at step %d from %s (Ray offered %s): %s", progress.step, entry["from"] or "scratch",
-                offered_name or "none", entry["cause"])  # fmt: skip
+    log.warning(
+        "restart at step %d from %s (Ray offered %s): %s",
+        progress.step,
+        entry["from"] or "scratch",
+        offered_name or "none",
+        entry["cause"],
+    )
 
 
 def _worst_rank(facts: dict, device, world: int) -> dict:
@@ -142,9 +167,16 @@ def _worker(lc: LoopConfig) -> _Worker:
     import ray.train.torch
 
     ctx = ray.train.get_context()
-    return _Worker(lc, config_mod.from_dict(lc.job), ctx.get_world_rank(), ctx.get_world_size(),
-                   ray.train.torch.get_device(), ctx.get_local_world_size(), ctx.get_node_rank(),
-                   memory.rss_mb())  # fmt: skip
+    return _Worker(
+        lc,
+        config_mod.from_dict(lc.job),
+        ctx.get_world_rank(),
+        ctx.get_world_size(),
+        ray.train.torch.get_device(),
+        ctx.get_local_world_size(),
+        ctx.get_node_rank(),
+        memory.rss_mb(),
+    )
 
 
 def _restore(w: _Worker, first: dict) -> tuple[LoraTrainer, Progress, int, str]:
@@ -160,13 +192,23 @@ def _restore(w: _Worker, first: dict) -> tuple[LoraTrainer, Progress, int, str]:
     with commits.downloaded(resume_from) if resume_from else contextlib.nullcontext() as d:
         total = optim.total_steps(int(first["total_steps"]), t.max_steps)
         topology = sharding.Topology(w.world, w.local_world, w.node_rank)
-        trainer = LoraTrainer(w.cfg, w.device, total, w.rank, empty, wrap=ray.train.torch.prepare_model,
-                              topology=topology, text_length=w.lc.text_length)  # fmt: skip
+        trainer = LoraTrainer(
+            w.cfg,
+            w.device,
+            total,
+            w.rank,
+            empty,
+            wrap=ray.train.torch.prepare_model,
+            topology=topology,
+            text_length=w.lc.text_length,
+        )
         if d:
             progress = checkpoint.restore(d, trainer, w.rank, w.world)
     if progress.step != int(first["resume_step"]):
-        raise RuntimeError(f"the data feed was planned from step {first['resume_step']}, but checkpoint "
-                           f"{resume_from or '(none)'} holds step {progress.step}")  # fmt: skip
+        raise RuntimeError(
+            f"the data feed was planned from step {first['resume_step']}, but checkpoint "
+            f"{resume_from or '(none)'} holds step {progress.step}"
+        )
     return trainer, progress, total, resume_from
 
 
@@ -175,8 +217,9 @@ class _Logs:
 
     def __init__(self, w: _Worker, start: int):
         cfg, lc = w.cfg, w.lc
-        self.tensorboard = metrics.TensorBoardLog(lc.output_dir, purge_step=start + 1 if start else None) if w.rank == 0 \
-            else None  # fmt: skip
+        self.tensorboard = (
+            metrics.TensorBoardLog(lc.output_dir, purge_step=start + 1 if start else None) if w.rank == 0 else None
+        )
         if self.tensorboard and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
             wandb = wandb_log.WandbLog(cfg.run.wandb_project, lc.checkpoints, cfg.run.name, lc.job)
             self.tensorboard = wandb_log.Both(self.tensorboard, wandb)
@@ -200,8 +243,9 @@ class _Logs:
             self.steps.close()
 
 
-def _queue_render(renders, trainer, cfg, output_dir: str, record: dict, checkpointed: bool, last: bool,
-                  caption_tables) -> None:
+def _queue_render(
+    renders, trainer, cfg, output_dir: str, record: dict, checkpointed: bool, last: bool, caption_tables
+) -> None:
     """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
     go on training. The LoRA is :meth:`LoraTrainer.eval_weights`' (the EMA, or schedule-free's average). A
     diffusers-format checkpoint at this step has written it already; without an EMA the live LoRA is written as that
@@ -245,11 +289,15 @@ class _Run:
             _record_start(self.progress, w.lc.checkpoints, resume_from, _offered())
         self.preemption, self.preempted_once = elastic.PreemptionNotice(), False
         self.logs = _Logs(w, self.start)
-        self.clock, self.window, self.reads = ReportClock(t.report_seconds, t.log_every), metrics.Throughput(), \
-            metrics.ReadTotals()  # fmt: skip
+        self.clock, self.window, self.reads = (
+            ReportClock(t.report_seconds, t.log_every),
+            metrics.Throughput(),
+            metrics.ReadTotals(),
+        )
         final = int(w.lc.epochs[1]) >= t.epochs
-        self.evals = evaluation.Evaluator(self.trainer, list(w.lc.eval_plan), w.rank, w.world, t.eval_every,
-                                          final_segment=final)  # fmt: skip
+        self.evals = evaluation.Evaluator(
+            self.trainer, list(w.lc.eval_plan), w.rank, w.world, t.eval_every, final_segment=final
+        )
         renderer = w.lc.renderer if w.rank == 0 and t.validation_prompts else None
         self.renders = renderer_mod.Queue(renderer, t.validation_queue) if renderer else None
 
@@ -284,8 +332,16 @@ class _Run:
         if due.checkpoint or due.report or due_eval:  # every eval reaches Ray Train (and a sweep's scheduler)
             self.report(record, due.checkpoint)  # writes this step's LoRA file when it checkpoints
         if self.renders and due.images:
-            _queue_render(self.renders, self.trainer, self.w.cfg, self.w.lc.output_dir, record, due.checkpoint,
-                          due.last, self.w.lc.caption_tables)  # fmt: skip
+            _queue_render(
+                self.renders,
+                self.trainer,
+                self.w.cfg,
+                self.w.lc.output_dir,
+                record,
+                due.checkpoint,
+                due.last,
+                self.w.lc.caption_tables,
+            )
         if self.logs.steps:
             self.logs.steps.write(record)
         self.logs.bar.send(record, force=due.last or end_of_feed)
@@ -299,12 +355,24 @@ class _Run:
         position = elastic.step_position(group, w.rank, w.world)
         self.progress.advance(int(group[0]["step"]), position, group)
         loss, samples, report_due, preempted, step_reads = _agree(
-            stats.loss, stats.samples, w.rank == 0 and self.clock.due(self.progress.step), self.preemption.local(),
-            w.device, w.world, metrics.batch_reads(group),
-        )  # fmt: skip
-        record = {"step": self.progress.step, "epoch": int(group[0]["epoch"]), "samples": samples, "loss": loss,
-                  "generation": int(group[0]["generation"]), "lr": stats.lr, "grad_norm": stats.grad_norm,
-                  **self.window.take(samples)}  # fmt: skip
+            stats.loss,
+            stats.samples,
+            w.rank == 0 and self.clock.due(self.progress.step),
+            self.preemption.local(),
+            w.device,
+            w.world,
+            metrics.batch_reads(group),
+        )
+        record = {
+            "step": self.progress.step,
+            "epoch": int(group[0]["epoch"]),
+            "samples": samples,
+            "loss": loss,
+            "generation": int(group[0]["generation"]),
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            **self.window.take(samples),
+        }
         record.update(position)
         record.update(self.reads.add(record["epoch"], samples, step_reads))
         return record, report_due, preempted
@@ -335,8 +403,11 @@ class _Run:
             if w.rank == 0:
                 lora_files.keep_step(directory, w.cfg, w.lc.output_dir, record, w.lc.caption_tables)
         self.logs.flush()
-        ray.train.report(record, checkpoint=Checkpoint.from_directory(directory) if directory else None,
-                         delete_local_checkpoint_after_upload=bool(directory))  # fmt: skip
+        ray.train.report(
+            record,
+            checkpoint=Checkpoint.from_directory(directory) if directory else None,
+            delete_local_checkpoint_after_upload=bool(directory),
+        )
         self.clock.reset(self.progress.step)
         if directory:
             # Every rank's report returned, so every rank's files are in storage: the checkpoint is whole.

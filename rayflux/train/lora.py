@@ -63,8 +63,14 @@ def adapter_config(adapter: str, rank: int, alpha: float, targets: list[str], dr
         return LoKrConfig(r=rank, alpha=alpha, target_modules=targets)
     from peft import LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
-                      use_dora=adapter == "dora", target_modules=targets)  # fmt: skip
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        init_lora_weights="gaussian",
+        use_dora=adapter == "dora",
+        target_modules=targets,
+    )
 
 
 def kind(transformer) -> str:

@@ -87,8 +87,10 @@ def tag_frequency(caption_tables: tuple[str, ...]) -> dict[str, int]:
     return dict(counts.most_common(MAX_TAGS))
 
 
-LYCORIS_ARGS = {"dora": {"algo": "lora", "dora_wd": "True", "wd_on_output": "True"},
-                "lokr": {"algo": "lokr", "factor": "-1"}}
+LYCORIS_ARGS = {
+    "dora": {"algo": "lora", "dora_wd": "True", "wd_on_output": "True"},
+    "lokr": {"algo": "lokr", "factor": "-1"},
+}
 """LyCORIS ``network_args`` of the adapters only LyCORIS (``lycoris.kohya``) writes in kohya files: DoRA's
 magnitude on the output axis as peft trains it, LoKr with LyCORIS's and peft's default factorisation."""
 
@@ -122,7 +124,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_network_alpha": t.alpha,
         "ss_network_dropout": t.lora_dropout,
         "ss_training_comment": f"alpha/rank is baked into {'lokr_w1' if t.adapter == 'lokr' else 'lora_up'}; "
-                               "alpha tensors equal their rank (strength 1)",
+        "alpha tensors equal their rank (strength 1)",
         "ss_resolution": f"({d.resolution}, {d.resolution})",
         "ss_enable_bucket": True,
         "ss_learning_rate": t.learning_rate,
@@ -238,6 +240,7 @@ def keep_best(trainer, cfg: JobConfig, output_dir: str, record: dict, caption_ta
     dest = storage.join(output_dir, LORA_DIR, best_name(cfg))
     storage.write_bytes_atomic(dest, data)
     note = {"step": step, "eval_loss": record["eval_loss"], "file": best_name(cfg)}
-    storage.write_bytes_atomic(storage.join(output_dir, LORA_DIR, f"{output_name(cfg)}-best.json"),
-                               json.dumps(note).encode())  # fmt: skip
+    storage.write_bytes_atomic(
+        storage.join(output_dir, LORA_DIR, f"{output_name(cfg)}-best.json"), json.dumps(note).encode()
+    )
     return dest

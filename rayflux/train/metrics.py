@@ -28,8 +28,16 @@ from rayflux import storage
 
 log = logging.getLogger(__name__)
 
-REPORTED = ("loss", "lr", "grad_norm", "samples_per_s", "step_time", "read_amplification", "requests_per_sample",
-            "eval_loss")
+REPORTED = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "step_time",
+    "read_amplification",
+    "requests_per_sample",
+    "eval_loss",
+)
 STEPS_DIR = "metrics"
 PART_BYTES = 8 << 20
 """An object-store step log starts a new part after this many bytes."""
@@ -74,11 +82,15 @@ class ReadTotals:
         self.used += reads[1]
         self.requests += reads[2]
         return {
-            "read_bytes": reads[0], "tensor_bytes": reads[1], "read_requests": reads[2],
-            "epoch_read_bytes": self.fetched, "epoch_tensor_bytes": self.used, "epoch_read_requests": self.requests,
+            "read_bytes": reads[0],
+            "tensor_bytes": reads[1],
+            "read_requests": reads[2],
+            "epoch_read_bytes": self.fetched,
+            "epoch_tensor_bytes": self.used,
+            "epoch_read_requests": self.requests,
             "read_amplification": round(self.fetched / max(self.used, 1), 4),
             "requests_per_sample": round(self.requests / max(self.samples, 1), 4),
-        }  # fmt: skip
+        }
 
 
 class StepLog:

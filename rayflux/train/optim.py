@@ -43,14 +43,16 @@ def make_optimizer(params: list, t: TrainConfig, device) -> torch.optim.Optimize
         return module.optim.AdamW8bit(params, lr=lr, weight_decay=wd)
     if name == "prodigy":
         if lr < 0.1:
-            log.warning("train.optimizer=prodigy with train.learning_rate=%g: Prodigy estimates its own step size and "
-                        "the learning rate scales it, 1.0 by its convention", lr)  # fmt: skip
+            log.warning(
+                "train.optimizer=prodigy with train.learning_rate=%g: Prodigy estimates its own step size and "
+                "the learning rate scales it, 1.0 by its convention",
+                lr,
+            )
         return module.Prodigy(params, lr=lr, weight_decay=wd)
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
-        return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False,
-                         warmup_init=False)  # fmt: skip
+        return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False, warmup_init=False)
     if name == "schedulefree_adamw":
         # Its own warmup replaces the schedule's (the config check allows only constant schedules with it).
         optimizer = module.AdamWScheduleFree(params, lr=lr, weight_decay=wd, warmup_steps=t.warmup_steps)

@@ -144,10 +144,17 @@ class Renders:
         self.name = f"rayflux-renderer-{uuid.uuid4().hex[:8]}"
         cpus = float(resources.get("CPU", 0))
         custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-        self.actor = ray.remote(Renderer).options(
-            name=self.name, num_cpus=cpus, num_gpus=float(resources.get("GPU", 0)), resources=custom or None,
-            max_restarts=0,
-        ).remote(cfg.to_dict(), output_dir)  # fmt: skip
+        self.actor = (
+            ray.remote(Renderer)
+            .options(
+                name=self.name,
+                num_cpus=cpus,
+                num_gpus=float(resources.get("GPU", 0)),
+                resources=custom or None,
+                max_restarts=0,
+            )
+            .remote(cfg.to_dict(), output_dir)
+        )
         log.info("validation renders: actor %s with %s (%s); training does not wait for it", self.name, resources, why)
 
     def finish(self) -> list[dict]:
@@ -159,8 +166,9 @@ class Renders:
         try:
             results = ray.get(self.actor.drain.remote(), timeout=self.wait_seconds)
         except ray.exceptions.GetTimeoutError:
-            log.warning("validation renders still due after %gs (train.validation_wait_seconds): abandoned",
-                        self.wait_seconds)  # fmt: skip
+            log.warning(
+                "validation renders still due after %gs (train.validation_wait_seconds): abandoned", self.wait_seconds
+            )
         except ray.exceptions.RayActorError as exc:
             log.warning("validation renderer died; its pending renders are lost: %s", str(exc).splitlines()[0])
         finally:
@@ -195,8 +203,11 @@ class Queue:
         if self.pending:
             self._settle()
         if len(self.pending) >= self.limit and not last:
-            log.warning("validation render for step %d skipped: %d renders still pending (train.validation_queue)",
-                        step, len(self.pending))  # fmt: skip
+            log.warning(
+                "validation render for step %d skipped: %d renders still pending (train.validation_queue)",
+                step,
+                len(self.pending),
+            )
             return False
         self.pending.append(self.actor.render.remote(step, lora_path))
         return True

@@ -67,8 +67,10 @@ def mesh_shape(node_of: list[int], local_sizes: list[int]) -> Layout:
     contiguous = even and all(node_of[r] == node_of[r - r % per_node] for r in range(world))
     distinct = contiguous and len({node_of[n * per_node] for n in range(nodes)}) == nodes
     if not distinct:
-        return Layout((world,), f"uneven workers per node ({local_sizes}) or nodes not on consecutive ranks: "
-                                "sharded over all workers")  # fmt: skip
+        return Layout(
+            (world,),
+            f"uneven workers per node ({local_sizes}) or nodes not on consecutive ranks: sharded over all workers",
+        )
     if nodes == 1:
         return Layout((world,), "one node: sharded over its workers")
     return Layout((nodes, per_node), f"{nodes} nodes x {per_node} workers: sharded within a node, replicated across")

@@ -159,8 +159,9 @@ def train(
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
     manifest = Manifest.of(manifest)
     _, hi = worker_range(cfg.train.num_workers)
-    refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(cfg.data),
-                        datasets.mask_floors(cfg.data))
+    refs = datasets.mix(
+        batching.index_samples(manifest), datasets.sample_weights(cfg.data), datasets.mask_floors(cfg.data)
+    )
     batching.check_references(refs, models.family(cfg.model))
     refs, eval_plan, eval_file = held_out(cfg, refs, output_dir)
     counts = plan_counts(cfg, refs, hi)
@@ -171,9 +172,15 @@ def train(
     first, end = epochs or (0, cfg.train.epochs)
     dropped = [counts[e]["dropped"] for e in range(first, end)]
     per_epoch = progress.steps_per_epoch(counts, hi, cfg.train.gradient_accumulation)  # optimizer steps, as the bar
-    log.info("train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
-             "per epoch", first + 1, end, hi, sum(per_epoch[first:end]),
-             dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)))  # fmt: skip
+    log.info(
+        "train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
+        "per epoch",
+        first + 1,
+        end,
+        hi,
+        sum(per_epoch[first:end]),
+        dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)),
+    )
     run_storage = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_storage)
     with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
@@ -191,8 +198,13 @@ def train(
     commits.prune(run_storage)  # Ray has registered its last checkpoint: orphans older than it can go
     position = commits.read_json(final)
     if final == before:
-        log.info("train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, "
-                 "train.max_steps=%d)", position["step"], first + 1, end, cfg.train.max_steps)  # fmt: skip
+        log.info(
+            "train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, train.max_steps=%d)",
+            position["step"],
+            first + 1,
+            end,
+            cfg.train.max_steps,
+        )
     local = commits.download(final, tempfile.mkdtemp(prefix="rayflux-final-"))
     history = metrics.read_steps(output_dir, last_step=int(position["step"]))
     return TrainResult(
@@ -218,8 +230,17 @@ def _raise_integrity(error: BaseException) -> None:
         raise found from None
 
 
-def _fit(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str, cluster_gpus: bool, refs, epochs,
-         board, eval_plan=()):  # fmt: skip
+def _fit(
+    cfg: JobConfig,
+    manifest: Manifest,
+    facts: ModelFacts,
+    output_dir: str,
+    cluster_gpus: bool,
+    refs,
+    epochs,
+    board,
+    eval_plan=(),
+):
     import ray
     from ray.train.torch import TorchTrainer
 
@@ -232,33 +253,47 @@ def _fit(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str,
         gpu_left = renderer.gpu_share(resources) if use_gpu else 0.0
         renders = renderer.Renders(cfg, output_dir, resources, why)
     try:
-        result = _trainer(cfg, manifest, facts, output_dir, run_storage, (use_gpu, gpu_left), renders, refs, epochs,
-                          board, eval_plan).fit()  # fmt: skip
+        result = _trainer(
+            cfg, manifest, facts, output_dir, run_storage, (use_gpu, gpu_left), renders, refs, epochs, board, eval_plan
+        ).fit()
     finally:
         if renders:
             renders.finish()  # waits for the renders still due (bounded), then kills the actor
     return result
 
 
-def _trainer(cfg: JobConfig, manifest: Manifest, facts: ModelFacts, output_dir: str, run_storage: str, gpus: tuple, renders,
-             refs, epochs, board, eval_plan):  # fmt: skip
+def _trainer(
+    cfg: JobConfig,
+    manifest: Manifest,
+    facts: ModelFacts,
+    output_dir: str,
+    run_storage: str,
+    gpus: tuple,
+    renders,
+    refs,
+    epochs,
+    board,
+    eval_plan,
+):
     """The ``TorchTrainer`` of one trainer run; ``gpus``: ``(use GPUs, share of each GPU left to the renderer)``."""
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={LOOP_KEY: LoopConfig(
-            job=cfg.to_dict(),
-            output_dir=output_dir,
-            checkpoints=run_storage,
-            empty_caption=manifest.empty_caption(),
-            caption_tables=(index.caption_table(manifest),),
-            epochs=tuple(epochs or (0, cfg.train.epochs)),
-            text_length=facts.text_length,
-            eval_plan=tuple(eval_plan),
-            progress=board,
-            renderer=renders.actor if renders else None,
-        )},
+        train_loop_config={
+            LOOP_KEY: LoopConfig(
+                job=cfg.to_dict(),
+                output_dir=output_dir,
+                checkpoints=run_storage,
+                empty_caption=manifest.empty_caption(),
+                caption_tables=(index.caption_table(manifest),),
+                epochs=tuple(epochs or (0, cfg.train.epochs)),
+                text_length=facts.text_length,
+                eval_plan=tuple(eval_plan),
+                progress=board,
+                renderer=renders.actor if renders else None,
+            )
+        },
         scaling_config=scaling_config(cfg, *gpus),
         run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_storage)]),
         datasets={DATASET: index_dataset(refs)},

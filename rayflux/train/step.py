@@ -71,9 +71,16 @@ def from_item(item: dict) -> Batch:
 
 
 def flow_loss(
-    model, batch: Batch, t: TrainConfig, guidance_embeds: bool, empty: EmptyCaption | None, device, dtype,
-    family: Family, shift_config: dict | None = None,
-):  # fmt: skip
+    model,
+    batch: Batch,
+    t: TrainConfig,
+    guidance_embeds: bool,
+    empty: EmptyCaption | None,
+    device,
+    dtype,
+    family: Family,
+    shift_config: dict | None = None,
+):
     """Noise the latents, predict ``ε - x`` and return the weighted loss (float32 scalar). ``shift_config``: the
     model's ``flux_shift`` constants (:func:`rayflux.models.shift_config`); ``family``: the model's family (packing,
     ids and forward arguments)."""

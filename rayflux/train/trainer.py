@@ -57,9 +57,18 @@ class LoraTrainer:
     configs when not given.
     """
 
-    def __init__(self, cfg: JobConfig, device, total_steps: int, rank: int = 0, empty: EmptyCaption | None = None,
-                 wrap=None, transformer=None, topology: sharding.Topology | None = None,
-                 text_length: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: JobConfig,
+        device,
+        total_steps: int,
+        rank: int = 0,
+        empty: EmptyCaption | None = None,
+        wrap=None,
+        transformer=None,
+        topology: sharding.Topology | None = None,
+        text_length: int | None = None,
+    ):
         t = cfg.train
         self.cfg, self.device, self.empty = cfg, torch.device(device), empty
         self.memory: gpu_memory.Estimate | None = None  # this process's estimate as the run uses it (see _plan_memory)
@@ -117,24 +126,35 @@ class LoraTrainer:
             whole = self._weight_bytes(base_weights.counts(meta), None)
             trainable = lora.trainable_count(meta, t.rank, t.targets, t.adapter)
             without, with_, on, device_bytes = self._estimates(dict(meta.config), whole, trainable)
-            mode = sharding.choose(mode, self.device.type == "cuda", topology.local_world,
-                                   (with_ if on else without).total, device_bytes)  # fmt: skip
+            mode = sharding.choose(
+                mode, self.device.type == "cuda", topology.local_world, (with_ if on else without).total, device_bytes
+            )
             # Uneven nodes may see different worker counts: shard if any rank must, so every rank agrees.
             mode = "node" if sharding.any_rank(mode == "node", self.device) else "none"
         if mode == "none":
-            transformer = models.load_transformer(m, str(self.device), self.dtype,
-                                                  base_weights.load_kwargs(t.base_dtype))  # fmt: skip
+            transformer = models.load_transformer(
+                m, str(self.device), self.dtype, base_weights.load_kwargs(t.base_dtype)
+            )
             if rank == 0:
-                log.info("base sharding: none (train.base_sharding=%s); the whole base, %.2f GiB, on every worker",
-                         t.base_sharding, sharding.whole_bytes(transformer) / GIB)  # fmt: skip
+                log.info(
+                    "base sharding: none (train.base_sharding=%s); the whole base, %.2f GiB, on every worker",
+                    t.base_sharding,
+                    sharding.whole_bytes(transformer) / GIB,
+                )
             return transformer
         self.layout = sharding.gather_layout(topology, self.device)
         mesh = sharding.build_mesh(self.layout, self.device.type)
         transformer = shard_load.load(m, self.device, self.dtype, mesh, meta)
         if rank == 0:
             whole, mine = sharding.whole_bytes(transformer) / GIB, sharding.local_bytes(transformer) / GIB
-            log.info("base sharding: node (train.base_sharding=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
-                     t.base_sharding, "x".join(map(str, self.layout.shape)), self.layout.reason, whole, mine)  # fmt: skip
+            log.info(
+                "base sharding: node (train.base_sharding=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
+                t.base_sharding,
+                "x".join(map(str, self.layout.shape)),
+                self.layout.reason,
+                whole,
+                mine,
+            )
         torch.manual_seed(t.seed)  # the adapter's init draws as after a whole load
         return transformer
 
@@ -142,8 +162,9 @@ class LoraTrainer:
         """Bytes of the frozen base on this worker's device: whole, or its share of a ``layout`` plus the blocks FSDP2
         gathers (:func:`rayflux.gpu_memory.per_gpu_weight_bytes`, the figure ``python -m rayflux plan`` prints)."""
         mode, shards = ("node", layout.shards) if layout else ("none", 1)
-        return int(gpu_memory.per_gpu_weight_bytes(counts, self.cfg.train.base_dtype, mode, shards,
-                                                  self.dtype.itemsize))  # fmt: skip
+        return int(
+            gpu_memory.per_gpu_weight_bytes(counts, self.cfg.train.base_dtype, mode, shards, self.dtype.itemsize)
+        )
 
     def _estimates(self, tc: dict, weight_bytes: int, trainable: int):
         """This run's memory estimates per process (``weight_bytes`` of frozen base, ``trainable`` LoRA parameters)
@@ -154,10 +175,22 @@ class LoraTrainer:
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
         pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         act_bytes = torch.finfo(self.autocast or torch.float32).bits // 8
-        without, with_ = (gpu_memory.estimate(tc, weight_bytes, trainable, pixels, t.batch_size, c, act_bytes,
-                                              text=self.text_length, optimizer=t.optimizer, rank=t.rank,
-                                              ema=bool(t.ema_decay))
-                          for c in (False, True))  # fmt: skip
+        without, with_ = (
+            gpu_memory.estimate(
+                tc,
+                weight_bytes,
+                trainable,
+                pixels,
+                t.batch_size,
+                c,
+                act_bytes,
+                text=self.text_length,
+                optimizer=t.optimizer,
+                rank=t.rank,
+                ema=bool(t.ema_decay),
+            )
+            for c in (False, True)
+        )
         on = gpu_memory.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         return without, with_, on, device_bytes
 
@@ -176,16 +209,32 @@ class LoraTrainer:
             log.info(
                 "memory estimate per process at %d px, batch %d: weights %.1f GiB, LoRA + %s %.2f GiB, activations "
                 "%.1f GiB (%.1f without checkpointing, %.1f with); gradient checkpointing %s (%s)%s",
-                pixels, t.batch_size, used.weights / GIB, t.optimizer + (" + EMA" if t.ema_decay else ""),
+                pixels,
+                t.batch_size,
+                used.weights / GIB,
+                t.optimizer + (" + EMA" if t.ema_decay else ""),
                 used.lora_optimizer / GIB,
-                used.activations / GIB, without.activations / GIB, with_.activations / GIB,
+                used.activations / GIB,
+                without.activations / GIB,
+                with_.activations / GIB,
                 "on" if on else "off",
-                t.gradient_checkpointing, f"; device {device_bytes / GIB:.0f} GiB" if device_bytes else "",
-            )  # fmt: skip
-            share = (f"{self.layout.shards} shards + {gpu_memory.GATHERED_BLOCKS} gathered blocks: "
-                     f"{mine / GIB:.2f} GiB a worker" if self.layout else "whole on every worker")  # fmt: skip
-            log.info("frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s (%s)",
-                     t.base_dtype, whole / counts.total, whole / GIB, t.base_sharding, share)  # fmt: skip
+                t.gradient_checkpointing,
+                f"; device {device_bytes / GIB:.0f} GiB" if device_bytes else "",
+            )
+            share = (
+                f"{self.layout.shards} shards + {gpu_memory.GATHERED_BLOCKS} gathered blocks: "
+                f"{mine / GIB:.2f} GiB a worker"
+                if self.layout
+                else "whole on every worker"
+            )
+            log.info(
+                "frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s (%s)",
+                t.base_dtype,
+                whole / counts.total,
+                whole / GIB,
+                t.base_sharding,
+                share,
+            )
         return on
 
     def train_step(self, batches: list[step.Batch]) -> StepStats:

@@ -62,8 +62,9 @@ def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     key = (path, cfg.model.revision, tuple(t.validation_prompts), str(device), str(dtype), facts.text_length)
     if key not in _PREPARED:
         family = models.family(cfg.model)
-        embeds = family.prompt_embeddings(path, models.revision_kw(cfg.model), list(t.validation_prompts), facts,
-                                          device, dtype)  # fmt: skip
+        embeds = family.prompt_embeddings(
+            path, models.revision_kw(cfg.model), list(t.validation_prompts), facts, device, dtype
+        )
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

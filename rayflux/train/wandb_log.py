@@ -51,8 +51,7 @@ class WandbLog:
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=project, id=run_id(run_storage, name), name=name, resume="allow",
-                              config=config)  # fmt: skip
+        self.run = wandb.init(project=project, id=run_id(run_storage, name), name=name, resume="allow", config=config)
 
     def scalars(self, step: int, values: dict) -> None:
         row = {f"train/{key}": values[key] for key in REPORTED if key in values}
