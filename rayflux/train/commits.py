@@ -198,3 +198,28 @@ class CommitCallback(ray.train.UserCallback):
         record = {"time": time.time(), "cause": cause[:2000]}
         name = f"{time.time_ns():020d}.json"
         storage.write_bytes_atomic(storage.join(self.run_storage, RESTARTS_DIR, name), json.dumps(record).encode())
+
+
+def record_restart(progress, run_storage: str, resume_from: str, offered) -> None:
+    """Rank 0: record this worker-group start in ``progress`` when it is a restart (a checkpoint was restored, or
+    the controller recorded a failure since the last checkpoint), with its cause."""
+    causes, progress.failures_seen = failures_since(run_storage, progress.failures_seen)
+    if not resume_from and not causes:
+        return  # a fresh run
+    offered_name = offered.path.rstrip("/").rsplit("/", 1)[-1] if offered else ""
+    entry = {
+        "step": progress.step,
+        "from": resume_from.rstrip("/").rsplit("/", 1)[-1],
+        "ray_offered": offered_name,
+        "cause": "; ".join(causes) or "resumed by a new job, segment or resize",
+        "time": time.time(),
+    }
+    progress.resumed_at.append(progress.step)
+    progress.restarts.append(entry)
+    log.warning(
+        "restart at step %d from %s (Ray offered %s): %s",
+        progress.step,
+        entry["from"] or "scratch",
+        offered_name or "none",
+        entry["cause"],
+    )

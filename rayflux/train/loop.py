@@ -22,13 +22,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
 
 from rayflux import config as config_mod
 from rayflux import memory, phases, progress as progress_mod, storage
 from rayflux.train import (
     captions,
     checkpoint,
+    collectives,
     commits,
     elastic,
     evaluation,
@@ -77,21 +77,6 @@ def _debug_delay(cfg, rank: int) -> None:
             time.sleep(float(seconds))
 
 
-def _agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int, reads=(0, 0, 0)):
-    """One step's all-rank view: ``(mean loss, total samples, report due, preempted, reads)``, the flags true on every
-    rank when true on any (rank 0 alone decides when a report is due), ``reads`` (bytes fetched, tensor bytes,
-    requests) summed over ranks."""
-    if world == 1:
-        return loss, samples, report_due, preempted, tuple(reads)
-    t = torch.tensor(
-        [loss, float(samples), float(report_due), float(preempted), *map(float, reads)],
-        dtype=torch.float64,
-        device=device,
-    )
-    torch.distributed.all_reduce(t)
-    return float(t[0]) / world, int(t[1]), bool(t[2] > 0), bool(t[3] > 0), tuple(int(x) for x in t[4:].tolist())
-
-
 class ReportClock:
     """Rank 0's clock for metrics reports to Ray: due when ``seconds`` of wall time and ``steps`` steps have passed
     since the last report (checkpoints report on their own schedule and restart the clock)."""
@@ -105,47 +90,6 @@ class ReportClock:
 
     def reset(self, step: int) -> None:
         self.last, self.last_step = time.monotonic(), step
-
-
-def _barrier(device, world: int) -> None:
-    """Wait for every rank (a tiny all-reduce, on the process group the step already uses)."""
-    if world > 1:
-        torch.distributed.all_reduce(torch.zeros(1, device=device))
-
-
-def _record_start(progress: Progress, run_storage: str, resume_from: str, offered) -> None:
-    """Rank 0: record this worker-group start in ``progress`` when it is a restart (a checkpoint was restored, or
-    the controller recorded a failure since the last checkpoint), with its cause."""
-    causes, progress.failures_seen = commits.failures_since(run_storage, progress.failures_seen)
-    if not resume_from and not causes:
-        return  # a fresh run
-    offered_name = offered.path.rstrip("/").rsplit("/", 1)[-1] if offered else ""
-    entry = {
-        "step": progress.step,
-        "from": resume_from.rstrip("/").rsplit("/", 1)[-1],
-        "ray_offered": offered_name,
-        "cause": "; ".join(causes) or "resumed by a new job, segment or resize",
-        "time": time.time(),
-    }
-    progress.resumed_at.append(progress.step)
-    progress.restarts.append(entry)
-    log.warning(
-        "restart at step %d from %s (Ray offered %s): %s",
-        progress.step,
-        entry["from"] or "scratch",
-        offered_name or "none",
-        entry["cause"],
-    )
-
-
-def _worst_rank(facts: dict, device, world: int) -> dict:
-    """The largest value of each memory fact over all ranks (a collective: every rank must call it)."""
-    if world == 1:
-        return facts
-    keys = sorted(facts)
-    t = torch.tensor([float(facts[k]) for k in keys], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return {k: (int(v) if isinstance(facts[k], int) else round(float(v), 1)) for k, v in zip(keys, t.tolist())}
 
 
 @dataclass
@@ -286,7 +230,7 @@ class _Run:
         self.trainer, self.progress, self.total, resume_from = _restore(w, first)
         self.start = self.progress.step
         if w.rank == 0:
-            _record_start(self.progress, w.lc.checkpoints, resume_from, _offered())
+            commits.record_restart(self.progress, w.lc.checkpoints, resume_from, _offered())
         self.preemption, self.preempted_once = elastic.PreemptionNotice(), False
         self.logs = _Logs(w, self.start)
         self.clock, self.window, self.reads = (
@@ -354,7 +298,7 @@ class _Run:
         stats = self.trainer.train_step([step.from_item(item) for item in group])
         position = elastic.step_position(group, w.rank, w.world)
         self.progress.advance(int(group[0]["step"]), position, group)
-        loss, samples, report_due, preempted, step_reads = _agree(
+        loss, samples, report_due, preempted, step_reads = collectives.agree(
             stats.loss,
             stats.samples,
             w.rank == 0 and self.clock.due(self.progress.step),
@@ -397,7 +341,7 @@ class _Run:
         w, directory = self.w, None
         if with_checkpoint:
             # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
-            record.update(_worst_rank(memory.snapshot(w.start_rss), w.device, w.world))
+            record.update(collectives.worst_rank(memory.snapshot(w.start_rss), w.device, w.world))
             directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
             checkpoint.save(directory, self.trainer, w.rank, self.progress, self.t.output_format)
             if w.rank == 0:
@@ -411,7 +355,7 @@ class _Run:
         self.clock.reset(self.progress.step)
         if directory:
             # Every rank's report returned, so every rank's files are in storage: the checkpoint is whole.
-            _barrier(w.device, w.world)
+            collectives.barrier(w.device, w.world)
             if w.rank == 0:
                 commits.commit(ray.train.get_checkpoint())
                 commits.prune(w.lc.checkpoints)
