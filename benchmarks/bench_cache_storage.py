@@ -105,7 +105,8 @@ def _np_dtype(name: str) -> str:
 def run_one(name: str, args, work: Path) -> dict:
     from rayflux import config, models
     from rayflux.cache import generations
-    from rayflux.cache.stage import build_generation, cache_key, inputs_signature
+    from rayflux.cache.stage import build_generation, inputs_signature
+    from rayflux.cache.keys import cache_key
     from rayflux.discovery.in_process import discover
     from rayflux.testing.tiny import TinySpec, ensure_tiny_model
 

@@ -73,7 +73,7 @@ def examine(cfg: config.JobConfig, workers: int = 0) -> Report:
     """Everything the doctor checks, as data (``main`` prints it)."""
     from rayflux.cache import masks
     from rayflux.cache.prepare import prepare_row, skip_reason
-    from rayflux.cache.stage import bucket_spec
+    from rayflux.cache.keys import bucket_spec
 
     report = Report()
     facts = _model_geometry(cfg, report)

@@ -18,7 +18,7 @@ class GenerationStages:
     """The cache generations of one job, each built, reused, discarded or retired as a stage recorded in the ledger."""
 
     def __init__(self, cfg: JobConfig, facts, ledger: Ledger, cache_root: str, use_gpu: bool, summary: Summary):
-        from rayflux.cache.stage import cache_key
+        from rayflux.cache.keys import cache_key
 
         self.cfg, self.facts, self.ledger, self.use_gpu, self.summary = cfg, facts, ledger, use_gpu, summary
         self.cache_root = cache_root

@@ -140,7 +140,8 @@ def build(cfg, previous: dict | None = None, generation: int = 0, facts=None) ->
     """Run the real cache stage for ``cfg`` (Ray must be up); returns (generation dir, manifest)."""
     from rayflux import models
     from rayflux.cache import generations
-    from rayflux.cache.stage import build_generation, cache_key, inputs_signature
+    from rayflux.cache.stage import build_generation, inputs_signature
+    from rayflux.cache.keys import cache_key
     from rayflux.discovery.in_process import discover
 
     facts = facts or models.model_facts(cfg.model)

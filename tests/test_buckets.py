@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayflux import buckets, config, models
-from rayflux.cache.stage import bucket_spec
+from rayflux.cache.keys import bucket_spec
 
 specs = st.builds(
     buckets.BucketSpec,

@@ -252,7 +252,7 @@ def test_images_are_prepared_while_the_text_pool_encodes(ray_session, ray_dashbo
     text_end_ms = passes["text"]["end"] * 1000
     starts = []
     for _ in range(60):  # task events reach the GCS a second or so after the fact
-        starts = _task_starts(ray_dashboard, "_prepare_in_dataset")
+        starts = _task_starts(ray_dashboard, "prepare_in_dataset")
         if starts:
             break
         time.sleep(1)

@@ -12,7 +12,8 @@ import pytest
 
 from rayflux import job, models
 from rayflux.cache import generations, verify
-from rayflux.cache.stage import cache_key, inputs_signature
+from rayflux.cache.stage import inputs_signature
+from rayflux.cache.keys import cache_key
 from rayflux.discovery.in_process import discover
 
 CAPTIONS = {"a": "a red circle", "b": "a blue square", "c": "a red circle", "d": "a green ring"}

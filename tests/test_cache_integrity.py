@@ -130,7 +130,7 @@ def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(b
 def test_a_cache_written_before_checksums_is_named_by_verify_and_not_reused(built, tmp_path, monkeypatch):
     """Schema version 7 added the checksum columns: a version-6 generation is reported with the reason, and a
     version-6 build had another cache key, so a run builds a new cache rather than read one without checksums."""
-    from rayflux.cache import shards, stage
+    from rayflux.cache import keys, shards
 
     gen = cache_sets.copy_generation(built, tmp_path)
     manifest = json.loads((gen / generations.MANIFEST).read_text())
@@ -139,6 +139,6 @@ def test_a_cache_written_before_checksums_is_named_by_verify_and_not_reused(buil
     code, text = _verify(gen)
     reads = f"schema version 6; this rayflux reads {shards.SCHEMA_VERSION} (a run of the job builds a new cache"
     assert code == 1 and reads in text
-    today = stage.cache_key(built.cfg, built.facts)
+    today = keys.cache_key(built.cfg, built.facts)
     monkeypatch.setattr(shards, "SCHEMA_VERSION", 6)
-    assert stage.cache_key(built.cfg, built.facts) != today
+    assert keys.cache_key(built.cfg, built.facts) != today

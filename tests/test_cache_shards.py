@@ -103,7 +103,7 @@ def test_decoded_rows_equal_the_encoders_own_output(built, rows):
 
     from rayflux import models
     from rayflux.cache.encoders import VaeEncoder
-    from rayflux.cache.stage import bucket_spec
+    from rayflux.cache.keys import bucket_spec
 
     same = [r for r in rows if r["bucket"] == "128x128"]
     assert len(same) >= 5
@@ -207,7 +207,7 @@ def test_same_named_files_in_different_folders_never_collide(built, rows):
 
 
 def test_every_row_has_the_geometry_and_id_the_bucket_function_gives(built, rows):
-    from rayflux.cache.stage import bucket_spec
+    from rayflux.cache.keys import bucket_spec
 
     spec = bucket_spec(built.cfg, built.facts)
     for r in rows:

@@ -156,7 +156,7 @@ def test_a_batch_mixing_buckets_is_refused(built):
 
 def test_write_time_rows_with_non_finite_values_are_refused(built, tmp_path):
     """The writer task itself (no Ray needed to call it) returns the error and writes no shard."""
-    from rayflux.cache.stage import layout
+    from rayflux.cache.keys import layout
 
     row = pq.read_table(generations.sample_files(built.manifest)[0]).to_pylist()[0]
     latent = np.frombuffer(row["latent"], np.float32).copy()

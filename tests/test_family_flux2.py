@@ -75,7 +75,7 @@ def test_facts_and_inputs_match_the_pipeline(variant, request):
 def test_text_tokens_keep_the_first_tokens_under_a_cache_key_of_their_own(klein, demo_images):
     """``model.text_tokens=16``: tensors of 16 tokens, the same as the default's first 16 (Qwen3 is causal and pads
     on the right), and another cache key."""
-    from rayflux.cache.stage import cache_key
+    from rayflux.cache.keys import cache_key
 
     cfgs = [
         config.load(None, [f"model.path={klein}", f"data.images_dir={demo_images}", f"model.text_tokens={n}"])

@@ -111,7 +111,7 @@ def test_shorter_text_is_its_own_cache_and_trains(ray_session, tiny_model, demo_
     import shutil
 
     from rayflux import config, models
-    from rayflux.cache.stage import cache_key
+    from rayflux.cache.keys import cache_key
 
     images = tmp_path / "images"
     images.mkdir()

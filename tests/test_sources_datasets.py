@@ -9,7 +9,7 @@ from PIL import Image
 from rayflux.cache.layout import decode_planned
 from rayflux import buckets, config, datasets, storage
 from rayflux.cache import generations, shards
-from rayflux.cache.stage import bucket_spec
+from rayflux.cache.keys import bucket_spec
 from rayflux.models import ModelFacts
 from rayflux.discovery.in_process import discover
 from rayflux.train import batching

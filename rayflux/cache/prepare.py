@@ -17,9 +17,10 @@ import json
 
 import numpy as np
 
-from rayflux import buckets, storage
+from rayflux import buckets, datasets, storage
 from rayflux.cache import masks
 from rayflux.cache.decode import BadImage, decode, decode_with_alpha
+from rayflux.config import JobConfig
 
 # Every column prepare_row adds, with its value for a row that has none yet.
 PREPARED_DEFAULTS = dict(
@@ -230,3 +231,15 @@ def skip_reason(
     if isinstance(refs, str):  # a listed row carries its references as JSON (see sources.list_dataset)
         refs = json.loads(refs or "[]")
     return prepare_row({**row, "references": refs, "prev": ""}, spec, seed, max_pixels, mask)["skip_reason"]
+
+
+def prepare_in_dataset(row: dict, specs: dict, policies: dict | None = None, **kwargs) -> dict:
+    """``prepare_row`` with the bucket spec and mask settings of the row's own dataset (each dataset has its
+    resolution, crop and masks)."""
+    policy = (policies or {}).get(row["dataset"], masks.NO_MASKS)
+    return prepare_row(row, specs[row["dataset"]], mask=policy, **kwargs)
+
+
+def mask_policies(cfg: JobConfig) -> dict[str, masks.MaskPolicy]:
+    """Each dataset's mask settings, keyed by its ``dataset`` column value."""
+    return {datasets.key(cfg.data, ds): masks.policy_of(ds) for ds in datasets.datasets_of(cfg.data)}

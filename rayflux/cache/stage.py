@@ -22,13 +22,24 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rayflux import allocator, buckets, datasets, storage
-from rayflux.cache import fit, generations, index, masks, passes, reuse, shards, staging, stall, text_input, writer
-from rayflux.cache import layout as sample_layout
+from rayflux import allocator
+from rayflux.cache import (
+    fit,
+    generations,
+    index,
+    passes,
+    prepare,
+    reuse,
+    shards,
+    staging,
+    stall,
+    text_input,
+    writer,
+)
 from rayflux.cache import manifest as manifest_mod
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
-from rayflux.cache.prepare import prepare_row
-from rayflux.config import ConfigError, DatasetConfig, JobConfig, identity
+from rayflux.cache.keys import bucket_spec, bucket_specs, layout, store_dtype
+from rayflux.config import JobConfig
 from rayflux.discovery import discoveries, sidecars
 from rayflux.discovery.caption_hash import caption_id
 from rayflux.discovery.discoveries import Discovery
@@ -39,75 +50,6 @@ log = logging.getLogger(__name__)
 
 class BadInputError(ValueError):
     """``cache.strict`` is on and an input could not be cached."""
-
-
-def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets.BucketSpec:
-    """One dataset's bucket knobs (a JobConfig means ``data.*``): its settings plus what the model dictates."""
-    d = source.data if isinstance(source, JobConfig) else source
-    spec = buckets.BucketSpec(
-        resolution=d.resolution,
-        resolution_type=d.resolution_type,
-        alignment=d.alignment or buckets.effective_step(d.bucket_step, d.resolution, facts.alignment),
-        crop=d.crop,
-        max_aspect=d.max_aspect,
-        min_image_size=d.min_image_size,
-        vae_scale_factor=facts.vae_scale_factor,
-        latent_channels=facts.latent_channels,
-        pack=facts.pack,
-    )
-    try:
-        buckets.check_spec(spec)
-    except ValueError as exc:
-        raise ConfigError(f"data.alignment: {exc}") from None
-    return spec
-
-
-def encoders_on_gpu(cfg: JobConfig, use_gpu: bool) -> bool:
-    """Do the encoder actors ask for GPUs? ``use_gpu`` says whether the cluster has GPUs right now."""
-    return fit.wants_gpu(cfg, use_gpu)
-
-
-def store_dtype(cfg: JobConfig, use_gpu: bool = False) -> str:
-    """``cache.dtype`` with ``auto`` resolved: bfloat16 when the encoders run on GPUs (where FLUX trains in bf16
-    anyway), float32 on CPU."""
-    if cfg.cache.dtype != "auto":
-        return cfg.cache.dtype
-    return "bfloat16" if encoders_on_gpu(cfg, use_gpu) else "float32"
-
-
-def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", use_gpu: bool = False) -> shards.ShardLayout:
-    dtype = store_dtype(cfg, use_gpu)
-    return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.text)
-
-
-def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketSpec]:
-    """Each dataset's bucket spec, keyed by its ``dataset`` column value (each has its own resolution and crop)."""
-    return {datasets.key(cfg.data, ds): bucket_spec(ds, facts) for ds in datasets.datasets_of(cfg.data)}
-
-
-def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
-    """A cache's identity: the encoders (the model's identity, from its files), the shard schema and its declared
-    per-sample tensors, and every config field that declares itself part of it (``CACHED``,
-    :mod:`rayflux.config.identity`): each dataset's, the data section's own, and the cache section's with
-    ``cache.dtype`` resolved. Anything else never invalidates it."""
-    identities = [
-        datasets.cache_identity(ds, storage.canonical(ds.images_dir)) for ds in datasets.datasets_of(cfg.data)
-    ]
-    own = set(identity.names(DatasetConfig)) | {"datasets"}  # each dataset's are in its identity above
-    data = {k: v for k, v in identity.values(cfg.data, "cache").items() if k not in own}
-    cache = identity.values(dataclasses.replace(cfg.cache, dtype=store_dtype(cfg, use_gpu)), "cache")
-    blob = json.dumps(
-        {
-            "schema": shards.SCHEMA_VERSION,
-            "samples": [t.to_json() for t in sample_layout.SAMPLE_TENSORS],
-            "model": facts.identity,
-            "datasets": identities,
-            "data": data,
-            "cache": cache,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _fit_encoders(cfg: JobConfig, use_gpu: bool) -> tuple[JobConfig, fit.Plan]:
@@ -254,10 +196,10 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
         num_cpus=fit.PREPARE_CPUS,
     )
     ds = ds.map(
-        _prepare_in_dataset,
+        prepare.prepare_in_dataset,
         fn_kwargs={
             "specs": bucket_specs(b.cfg, b.facts),
-            "policies": mask_policies(b.cfg),
+            "policies": prepare.mask_policies(b.cfg),
             "seed": b.seed,
             "max_pixels": b.cfg.data.max_image_pixels,
         },
@@ -308,18 +250,6 @@ def _with_previous(block, samples, roots) -> object:
     return block.append_column("prev", pa.array([prev.get(r, "") for r in block["rel_path"].to_pylist()], pa.string()))
 
 
-def _prepare_in_dataset(row: dict, specs: dict, policies: dict | None = None, **kwargs) -> dict:
-    """``prepare_row`` with the bucket spec and mask settings of the row's own dataset (each dataset has its
-    resolution, crop and masks)."""
-    policy = (policies or {}).get(row["dataset"], masks.NO_MASKS)
-    return prepare_row(row, specs[row["dataset"]], mask=policy, **kwargs)
-
-
-def mask_policies(cfg: JobConfig) -> dict[str, masks.MaskPolicy]:
-    """Each dataset's mask settings, keyed by its ``dataset`` column value."""
-    return {datasets.key(cfg.data, ds): masks.policy_of(ds) for ds in datasets.datasets_of(cfg.data)}
-
-
 def build_generation(
     cfg: JobConfig,
     facts: ModelFacts,
@@ -361,21 +291,7 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
         discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows
     )
     try:
-        staged = {"images": _stage(b, discovery.table, "images")}
-        discovery.table = discovery.table.schema.empty_table()  # the staged file holds the rows now
-        allocator.trim()
-        text = _text_input(b, staged["images"], caption_index)
-        staged["captions"] = text.staged
-        images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
-        # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
-        flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
-        text_meta, sample_meta, times = passes.run(
-            lambda stop: _build_text(b, texts, caption_index, stop, flowing),
-            lambda stop: _build_samples(b, images, discovery.roots, sample_index, stop),
-            together=b.encoders != fit.SEQUENTIAL,
-            text_flowing=flowing,
-        )
-        allocator.trim()  # what the passes' threads kept for themselves until they ended
+        staged, text, text_meta, sample_meta, times = _passes(b, discovery, sample_index, caption_index)
         build = manifest_mod.Build(
             b.generation,
             gen_dir,
@@ -398,6 +314,33 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
     finally:
         sample_index.discard()
         caption_index.discard()
+    _log_built(gen_dir, manifest)
+    return generations.commit(gen_dir, manifest, manifest.skipped_inputs, encode_id)
+
+
+def _passes(b: _Build, discovery: Discovery, sample_index: index.Sink, caption_index: index.Sink):
+    """The build's input staged, then its text and image passes run: ``(staged inputs, the text input, the text
+    and sample shards' metadata, the passes' times)``."""
+    staged = {"images": _stage(b, discovery.table, "images")}
+    discovery.table = discovery.table.schema.empty_table()  # the staged file holds the rows now
+    allocator.trim()
+    text = _text_input(b, staged["images"], caption_index)
+    staged["captions"] = text.staged
+    images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
+    # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
+    flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
+    text_meta, sample_meta, times = passes.run(
+        lambda stop: _build_text(b, texts, caption_index, stop, flowing),
+        lambda stop: _build_samples(b, images, discovery.roots, sample_index, stop),
+        together=b.encoders != fit.SEQUENTIAL,
+        text_flowing=flowing,
+    )
+    allocator.trim()  # what the passes' threads kept for themselves until they ended
+    return staged, text, text_meta, sample_meta, times
+
+
+def _log_built(gen_dir: str, manifest) -> None:
+    """One line: what the generation holds, and what it encoded and reused."""
     counts, n = manifest.skip_counts(), manifest.counts()
     log.info(
         "cache %s: %d discovered = %d cached + %d skipped; encoded %d samples and %d captions, reused %d and %d",
@@ -410,7 +353,6 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
         n["reused"]["samples"],
         n["reused"]["captions"],
     )
-    return generations.commit(gen_dir, manifest, manifest.skipped_inputs, encode_id)
 
 
 def inputs_signature(discovery: Discovery) -> str:

@@ -1,7 +1,7 @@
 """What each config field is part of: the cache key, the run's identity, or neither.
 
 Every field of every config section declares it beside its docstring, as dataclass field metadata
-(``field(default=..., metadata=CACHED)``); the cache key (:func:`rayflux.cache.stage.cache_key`), a dataset's cache
+(``field(default=..., metadata=CACHED)``); the cache key (:func:`rayflux.cache.keys.cache_key`), a dataset's cache
 identity (:func:`rayflux.datasets.cache_identity`) and the run identity (:func:`rayflux.job.run_identity`) are taken
 from these declarations, never from key lists kept elsewhere. A field that declares nothing fails a test
 (``tests/test_config.py``).

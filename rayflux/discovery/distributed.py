@@ -120,7 +120,7 @@ def _settle_all(
     the dataset is gone, so the listing was held twice at the end.)"""
     import ray
 
-    from rayflux.cache.stage import bucket_specs
+    from rayflux.cache.keys import bucket_specs
 
     rowless = {ls.key: dataclasses.replace(ls, table=listing.LISTED.empty_table()) for ls in listings}
     tasks = _Tasks(

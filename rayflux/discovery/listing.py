@@ -265,20 +265,7 @@ def _part_rows(
     }
     lone = LONE.empty_table()
     if ds.caption_strategy == "sidecar":
-        # Matched among the part's caption files only: an image's stem + ext can only name one of them. An image's
-        # stem is lower-cased: IMG_0001.PNG takes IMG_0001.TXT (caption extensions match in any case too).
-        ext = ds.caption_ext.lower()
-        lower = pc.utf8_lower(paths)
-        is_caption = pc.ends_with(lower, ext)
-        caps, cap_lower = part.filter(is_caption), lower.filter(is_caption)
-        del lower, is_caption
-        wanted = _caption_keys(images["path"], ext)
-        at = pc.index_in(wanted, value_set=cap_lower)
-        cols["sidecar"] = pc.fill_null(pc.take(caps["path"], at), "")
-        cols["sidecar_stamp"] = pc.fill_null(pc.take(stamps(caps), at), "")
-        named = pc.is_in(cap_lower, value_set=wanted)
-        lone = pa.table([caps["path"], stamps(caps), cap_lower], schema=LONE).filter(pc.invert(named))
-        del at, wanted, named, caps, cap_lower
+        lone = _match_sidecars(part, paths, images, ds, cols)
     if ds.caption_strategy == "metadata":
         cols["options"] = per_row(rel, lambda r: list(metadata.captions.get(r, [])), _STRINGS)
     elif ds.caption_strategy == "filename":
@@ -291,20 +278,39 @@ def _part_rows(
         cols.update(references=found.field("r"), references_stamp=found.field("s"), missing_reference=found.field("m"))
     else:
         cols.update(references=_lists(n, []), references_stamp=_repeat("", n), missing_reference=_repeat("", n))
-    if masks is not None:
-        # mask=dir: matched as caption files are, by the path without its extension, in any case; mask=column: by
-        # the path the metadata names (in any case).
-        wanted = (
-            _stems(rel) if ds.mask == "dir" else per_row(rel, lambda r: metadata.masks.get(r, "").lower(), pa.string())
-        )
-        at = pc.index_in(wanted, value_set=masks["key"])
-        cols.update(
-            mask_uri=pc.fill_null(pc.take(masks["uri"], at), ""),
-            mask_stamp=pc.fill_null(pc.take(masks["stamp"], at), ""),
-        )
-    else:
-        cols.update(mask_uri=_repeat("", n), mask_stamp=_repeat("", n))
+    cols.update(_mask_columns(rel, n, ds, metadata, masks))
     return pa.table(cols, schema=LISTED), lone
+
+
+def _match_sidecars(part: pa.Table, paths, images: pa.Table, ds: DatasetConfig, cols: dict) -> pa.Table:
+    """Each image's caption file into ``cols`` (``sidecar``, ``sidecar_stamp``); the part's caption files that no image
+    named (:data:`LONE` rows). Matched among the part's caption files only: an image's stem + ext can only name one
+    of them. An image's stem is lower-cased: IMG_0001.PNG takes IMG_0001.TXT (caption extensions match in any case
+    too)."""
+    ext = ds.caption_ext.lower()
+    lower = pc.utf8_lower(paths)
+    is_caption = pc.ends_with(lower, ext)
+    caps, cap_lower = part.filter(is_caption), lower.filter(is_caption)
+    del lower, is_caption
+    wanted = _caption_keys(images["path"], ext)
+    at = pc.index_in(wanted, value_set=cap_lower)
+    cols["sidecar"] = pc.fill_null(pc.take(caps["path"], at), "")
+    cols["sidecar_stamp"] = pc.fill_null(pc.take(stamps(caps), at), "")
+    named = pc.is_in(cap_lower, value_set=wanted)
+    return pa.table([caps["path"], stamps(caps), cap_lower], schema=LONE).filter(pc.invert(named))
+
+
+def _mask_columns(rel, n: int, ds: DatasetConfig, metadata, masks: pa.Table | None) -> dict:
+    """``mask_uri`` and ``mask_stamp`` of each image: mask=dir matches as caption files are, by the path without
+    its extension, in any case; mask=column by the path the metadata names (in any case); no masks: empty."""
+    if masks is None:
+        return {"mask_uri": _repeat("", n), "mask_stamp": _repeat("", n)}
+    wanted = _stems(rel) if ds.mask == "dir" else per_row(rel, lambda r: metadata.masks.get(r, "").lower(), pa.string())
+    at = pc.index_in(wanted, value_set=masks["key"])
+    return {
+        "mask_uri": pc.fill_null(pc.take(masks["uri"], at), ""),
+        "mask_stamp": pc.fill_null(pc.take(masks["stamp"], at), ""),
+    }
 
 
 MASKS = pa.schema([("key", pa.string()), ("uri", pa.string()), ("stamp", pa.string())])

@@ -170,17 +170,7 @@ def train(
             f"no full set of batches for {hi} workers: {manifest.cached} samples, batch_size {cfg.train.batch_size}"
         )
     first, end = epochs or (0, cfg.train.epochs)
-    dropped = [counts[e]["dropped"] for e in range(first, end)]
-    per_epoch = progress.steps_per_epoch(counts, hi, cfg.train.gradient_accumulation)  # optimizer steps, as the bar
-    log.info(
-        "train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
-        "per epoch",
-        first + 1,
-        end,
-        hi,
-        sum(per_epoch[first:end]),
-        dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)),
-    )
+    _log_plan(cfg, counts, hi, first, end)
     run_storage = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_storage)
     with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
@@ -205,6 +195,26 @@ def train(
             end,
             cfg.train.max_steps,
         )
+    return _result(cfg, output_dir, final, position, counts, result, eval_plan, eval_file)
+
+
+def _log_plan(cfg: JobConfig, counts: dict, hi: int, first: int, end: int) -> None:
+    """One line: the epochs, workers and optimizer steps this trainer run plans, and what the remainder rule drops."""
+    dropped = [counts[e]["dropped"] for e in range(first, end)]
+    per_epoch = progress.steps_per_epoch(counts, hi, cfg.train.gradient_accumulation)  # optimizer steps, as the bar
+    log.info(
+        "train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
+        "per epoch",
+        first + 1,
+        end,
+        hi,
+        sum(per_epoch[first:end]),
+        dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)),
+    )
+
+
+def _result(cfg: JobConfig, output_dir: str, final: str, position: dict, counts, result, eval_plan, eval_file):
+    """The stage's :class:`TrainResult`: the final checkpoint downloaded, the step log read back."""
     local = commits.download(final, tempfile.mkdtemp(prefix="rayflux-final-"))
     history = metrics.read_steps(output_dir, last_step=int(position["step"]))
     return TrainResult(
