@@ -6,14 +6,22 @@ Everything is real (Ray, torch, diffusers); only the model is tiny.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from own_cluster_schedule import is_own_cluster
+
 # The loopback S3 server for the object-storage tests; a plugin, so its endpoint is set before Ray starts.
-pytest_plugins = ["s3server"]
+pytest_plugins = ["s3server", "own_cluster_schedule"]
+
+# Under pytest-xdist every worker runs Rays of its own: a Ray temp dir per worker keeps them apart (Ray's "latest
+# cluster" file lives there, and a job's plain ``ray.init()`` would otherwise join another worker's head).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{os.environ['PYTEST_XDIST_WORKER']}-", dir="/tmp")
 
 # Generated assets go to a per-session home, never the user's ~/.cache; set before Ray starts so workers inherit it.
 _HOME = tempfile.mkdtemp(prefix="rayflux-test-home-")
@@ -86,20 +94,38 @@ _DASHBOARD: dict = {}
 # Modules that start Ray clusters of their own (``ray start`` heads, ``ray.cluster_utils.Cluster``, the autoscaler's
 # fake provider). They run after every other test, with the session Ray already stopped: a driver connected to one
 # local Ray while other Rays start and stop on the same machine has been seen to lose its GCS and exit the whole
-# test process, and these tests never need the session Ray.
-_OWN_CLUSTER_PREFIX = "test_cluster_"
+# test process, and these tests never need the session Ray. (Under pytest-xdist, tests/own_cluster_schedule.py also
+# keeps them off every worker but the last one running.)
+
+
+_EXIT: dict = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End a serial run's process with pytest's own status once pytest is done with it. Ray objects of clusters the
+    tests stopped (a ``Cluster``'s in-process node and its GCS client) can outlive them; at interpreter exit one was
+    seen to wait 60 s for its dead GCS and then end the process with status 1, after every test had passed."""
+    if "ray" in sys.modules and "status" in _EXIT and not os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT["status"])
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Run the own-cluster modules last (stable: collection order is kept within each group)."""
-    items.sort(key=lambda item: Path(str(item.fspath)).name.startswith(_OWN_CLUSTER_PREFIX))
+    items.sort(key=lambda item: is_own_cluster(str(item.fspath)))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_session_ray_beside_own_clusters(request):
     """Stop the session Ray (if this process started it) before a module that runs clusters of its own. Module
     scope and autouse: it runs before the module's own fixtures start any cluster."""
-    if Path(request.module.__file__).name.startswith(_OWN_CLUSTER_PREFIX):
+    if is_own_cluster(request.module.__file__):
         import ray
 
         if ray.is_initialized():
