@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from own_cluster_schedule import is_own_cluster
-
 # The loopback S3 server for the object-storage tests; a plugin, so its endpoint is set before Ray starts.
-pytest_plugins = ["s3server", "own_cluster_schedule"]
+pytest_plugins = ["s3server", "slowest_first"]
 
 # Under pytest-xdist every worker runs Rays of its own: a Ray temp dir per worker keeps them apart (Ray's "latest
 # cluster" file lives there, and a job's plain ``ray.init()`` would otherwise join another worker's head).
@@ -94,8 +92,13 @@ _DASHBOARD: dict = {}
 # Modules that start Ray clusters of their own (``ray start`` heads, ``ray.cluster_utils.Cluster``, the autoscaler's
 # fake provider). They run after every other test, with the session Ray already stopped: a driver connected to one
 # local Ray while other Rays start and stop on the same machine has been seen to lose its GCS and exit the whole
-# test process, and these tests never need the session Ray. (Under pytest-xdist, tests/own_cluster_schedule.py also
-# keeps them off every worker but the last one running.)
+# test process, and these tests never need the session Ray. (Under pytest-xdist each worker is a process of its own:
+# see tests/slowest_first.py.)
+_OWN_CLUSTER_PREFIX = "test_cluster_"
+
+
+def is_own_cluster(path: str) -> bool:
+    return Path(path).name.startswith(_OWN_CLUSTER_PREFIX)
 
 
 _EXIT: dict = {}

@@ -110,14 +110,8 @@ def _capture_transformer_inputs(pipe):
     return seen, handle
 
 
-def test_klein_edit_inputs_match_the_pipeline(klein):
-    """The whole image stream of an edit: noisy target tokens, then two references at their own t."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(6)
-    refs = [Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)) for h, w in ((64, 64), (80, 64))]
-    noise = _randn(1, 16, 4, 4, seed=8)
+def _klein_edit_inputs(klein, refs, noise) -> list[dict]:
+    """The keyword inputs of every transformer call of a one-step 64x64 edit of ``refs`` from ``noise``."""
     seen, handle = _capture_transformer_inputs(klein)
     try:
         klein(
@@ -133,6 +127,18 @@ def test_klein_edit_inputs_match_the_pipeline(klein):
         )
     finally:
         handle.remove()
+    return seen
+
+
+def test_klein_edit_inputs_match_the_pipeline(klein):
+    """The whole image stream of an edit: noisy target tokens, then two references at their own t."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(6)
+    refs = [Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)) for h, w in ((64, 64), (80, 64))]
+    noise = _randn(1, 16, 4, 4, seed=8)
+    seen = _klein_edit_inputs(klein, refs, noise)
     # The same pixels the pipeline hands its VAE (its own resize/crop/normalise), then rayflux's math.
     pixels = [klein.image_processor.preprocess(r, height=r.height, width=r.width, resize_mode="crop") for r in refs]
     latents = [_encode(klein, x) for x in pixels]
@@ -199,21 +205,7 @@ def test_flux2_forward_args_with_references_are_the_pipelines_transformer_inputs
 
     refs = [_pil(20), _pil(21)]
     noise = _randn(1, 16, 4, 4, seed=22)
-    seen, handle = _capture_transformer_inputs(klein)
-    try:
-        klein(
-            prompt="make it red",
-            image=refs,
-            latents=noise,
-            height=64,
-            width=64,
-            num_inference_steps=1,
-            guidance_scale=1.0,
-            max_sequence_length=TEXT_LEN,
-            output_type="latent",
-        )
-    finally:
-        handle.remove()
+    seen = _klein_edit_inputs(klein, refs, noise)
     call = seen[0]
     pixels = [klein.image_processor.preprocess(r, height=64, width=64, resize_mode="crop") for r in refs]
     cached = torch.stack([_encode(klein, x)[0] for x in pixels])[None]  # [B, k, C, h, w], the cache's ref_latent

@@ -43,22 +43,23 @@ def test_generation_seeds_differ_and_are_stable():
     assert seeds == [refresh.generation_seed(7, g) for g in range(4)]
 
 
+def _settings(tiny_model, demo_images, out, *extra) -> list[str]:
+    return [
+        f"model.path={tiny_model}",
+        f"data.images_dir={demo_images}",
+        f"run.output_dir={out}",
+        "data.resolution=64",
+        # Square targets from non-square images leave room for the random crop to move.
+        "data.max_aspect=1.0",
+        "data.crop=random",
+        "train.num_workers=2",
+        "cache.refresh=every_epoch",
+        *extra,
+    ]
+
+
 def _cfg(tiny_model, demo_images, out, *extra):
-    return config.load(
-        None,
-        [
-            f"model.path={tiny_model}",
-            f"data.images_dir={demo_images}",
-            f"run.output_dir={out}",
-            "data.resolution=64",
-            # Square targets from non-square images leave room for the random crop to move.
-            "data.max_aspect=1.0",
-            "data.crop=random",
-            "train.num_workers=2",
-            "cache.refresh=every_epoch",
-            *extra,
-        ],
-    )
+    return config.load(None, _settings(tiny_model, demo_images, out, *extra))
 
 
 def _stages(ledger_path) -> dict:
@@ -187,17 +188,7 @@ def test_changed_config_is_refused(ray_session, tiny_model, demo_images, tmp_pat
 
 def _job_cmd(out: Path, tiny_model, demo_images, *extra: str) -> list[str]:
     cmd = [sys.executable, str(ROOT / "jobs" / "train_flux.py")]
-    for item in (
-        f"model.path={tiny_model}",
-        f"data.images_dir={demo_images}",
-        f"run.output_dir={out}",
-        "data.resolution=64",
-        "data.max_aspect=1.0",
-        "data.crop=random",
-        "train.num_workers=2",
-        "cache.refresh=every_epoch",
-        *extra,
-    ):
+    for item in _settings(tiny_model, demo_images, out, *extra):
         cmd += ["--set", item]
     return cmd
 

@@ -188,3 +188,28 @@ def test_killed_sweep_continues_where_it_stopped(swept, ray_session, tiny_model,
     assert position["resumed_at"] and position["resumed_at"][0] >= 2  # from its checkpoint, not from scratch
     rows = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
     assert sorted(r["status"] for r in rows) == ["finished", "finished"]
+
+
+def test_a_sweep_whose_every_trial_fails_raises_the_first_error(
+    ray_session, tiny_model, demo_images, shared_cache, tmp_path
+):
+    """Every trial fails in its training (a LoRA to start from that is not there): each is recorded with its error,
+    and the sweep raises with the first one's error line (not Tune's whole remote traceback)."""
+    out = tmp_path / "out"
+    missing = [str(tmp_path / "missing-a.safetensors"), str(tmp_path / "missing-b.safetensors")]
+    path = _write(
+        tmp_path / "sweep.yaml",
+        {"space": {"train.init_lora": {"grid": missing}}, "max_concurrent": 2, "scheduler": "fifo"},
+        tiny_model,
+        demo_images,
+        out,
+        shared_cache,
+        max_failures=0,
+    )
+    with pytest.raises(RuntimeError, match=r"every trial of the sweep failed; the first \(\w+\): OSError: .*missing-"):
+        driver.run(sweep_config.load(str(path)))
+    rows = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
+    assert sorted(r["status"] for r in rows) == ["error", "error"]
+    assert all("missing-" in r["error"] for r in rows), rows
+    sweep_stage = next(s for s in _ledger(out) if s["name"] == "sweep")
+    assert sweep_stage["status"] == "failed"

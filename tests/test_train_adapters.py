@@ -13,14 +13,13 @@ weight.
 
 from __future__ import annotations
 
-import dataclasses
-
+import adapter_values
 import numpy as np
 import pytest
 import torch
-
 import train_data
 from pipeline_support import render
+
 from rayflux import config, plan
 from rayflux.families.flux1 import FLUX1_DEV
 from rayflux.train import checkpoint, kohya, lora, lora_files
@@ -168,23 +167,6 @@ def comfy_apply(state: dict, tc: dict, base: dict[str, torch.Tensor]) -> dict[st
     return weights
 
 
-def _transformer(tiny_model):
-    from diffusers import FluxTransformer2DModel
-
-    return FluxTransformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
-
-
-def _randomise(transformer, seed: int) -> None:
-    """Trained-looking adapter values: random LoRA/LoKr factors, magnitudes moved off their base norms."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_magnitude_vector" in name:
-                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "lora_" in name or "lokr_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-
 def _bfl_base(transformer, tc: dict) -> dict[str, torch.Tensor]:
     """BFL's block weights of ``transformer``, assembled by ComfyUI's own row map (each diffusers module's current
     weight: the base, or with :func:`_merge` done, the trained one)."""
@@ -216,11 +198,11 @@ def test_kohya_files_carry_comfyui_keys_that_rebuild_the_trained_weights(tiny_mo
     the weights peft's merge of the trained adapter gives, for every block weight (untouched ones included)."""
     from safetensors.torch import load_file
 
-    t = _transformer(tiny_model)
+    t = adapter_values.transformer(tiny_model)
     tc = dict(t.config)
     base = _bfl_base(t, tc)
     lora.add_lora(t, rank=2, alpha=6.0, targets="attention", adapter=adapter)  # single blocks: proj_mlp untrained
-    _randomise(t, 3)
+    adapter_values.randomise(t, 3)
     path = kohya.save(t, tmp_path, lora.scale(t))
     state = load_file(path)
     if adapter == "lokr":
@@ -272,7 +254,7 @@ def test_dora_diffusers_file_loads_in_the_pipeline_and_renders_the_trained_model
     pipe.set_progress_bar_config(disable=True)
     base = render(pipe)
     lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE, adapter="dora")
-    _randomise(pipe.transformer, 5)
+    adapter_values.randomise(pipe.transformer, 5)
     trained = render(pipe)
     assert np.abs(trained - base).max() > 0.01
     lora.save_diffusers(pipe.transformer, tmp_path)
@@ -330,9 +312,9 @@ def test_the_kept_kohya_file_names_lycoris_and_keeps_the_tensors(tiny_model, tmp
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    t = _transformer(tiny_model)
+    t = adapter_values.transformer(tiny_model)
     lora.add_lora(t, rank=2, alpha=4.0, targets="attention", adapter=adapter)
-    _randomise(t, 4)
+    adapter_values.randomise(t, 4)
     written = load_file(kohya.save(t, tmp_path, lora.scale(t)))
     cfg = config.load(
         None,
@@ -387,21 +369,21 @@ def test_resume_continues_exactly(tiny_model, tmp_path, adapter):
 
 
 def test_dora_starts_from_a_dora_file_exactly_and_refuses_a_plain_lora(tiny_model, tmp_path):
-    source = _transformer(tiny_model)
+    source = adapter_values.transformer(tiny_model)
     lora.add_lora(source, rank=4, alpha=8.0, targets="attention", adapter="dora")
-    _randomise(source, 7)
+    adapter_values.randomise(source, 7)
     path = lora.save_diffusers(source, tmp_path / "dora")
-    target = _transformer(tiny_model)
+    target = adapter_values.transformer(tiny_model)
     lora.add_lora(target, rank=4, alpha=2.0, targets="attention", adapter="dora")  # another alpha: strength kept
     lora.init_from_file(target, str(path))
     x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
     for name in ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_v"):
         a, b = source.get_submodule(name), target.get_submodule(name)
         torch.testing.assert_close(b(x), a(x), rtol=1e-5, atol=1e-6)
-    plain = _transformer(tiny_model)
+    plain = adapter_values.transformer(tiny_model)
     lora.add_lora(plain, rank=4, alpha=8.0, targets="attention")
     plain_path = lora.save_diffusers(plain, tmp_path / "lora")
-    fresh = _transformer(tiny_model)
+    fresh = adapter_values.transformer(tiny_model)
     lora.add_lora(fresh, rank=4, alpha=8.0, targets="attention", adapter="dora")
     with pytest.raises(ValueError, match="DoRA starts only from a DoRA file"):
         lora.init_from_file(fresh, str(plain_path))
@@ -431,7 +413,7 @@ def test_a_lokr_file_loads_in_diffusers_flux2_pipeline_and_renders_the_trained_m
     trained_pipe = pipe()
     base = draw(trained_pipe)
     lora.add_lora(trained_pipe.transformer, rank=2, alpha=6.0, targets="all", adapter="lokr")
-    _randomise(trained_pipe.transformer, 9)
+    adapter_values.randomise(trained_pipe.transformer, 9)
     trained = draw(trained_pipe)
     assert np.abs(trained - base).max() > 0.01
     kohya.save(trained_pipe.transformer, tmp_path, lora.scale(trained_pipe.transformer))

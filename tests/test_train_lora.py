@@ -1,9 +1,9 @@
 """LoRA targets, the diffusers and kohya output formats, and starting from an existing LoRA file."""
 
+import adapter_values
 import numpy as np
 import pytest
 import torch
-
 from pipeline_support import render
 
 from rayflux import config
@@ -20,23 +20,8 @@ LOADABLE = (
 )
 
 
-def _transformer(tiny_model):
-    from diffusers import FluxTransformer2DModel
-
-    return FluxTransformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
-
-
-def _randomise(transformer, seed: int) -> None:
-    """Give A and B seeded random values, as a trained LoRA would have (a fresh one has B = 0: no effect)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-
 def test_presets_stay_inside_the_blocks(tiny_model):
-    t = _transformer(tiny_model)
+    t = adapter_values.transformer(tiny_model)
     attention = lora.resolve_targets(t, "attention")
     assert "single_transformer_blocks.0.attn.to_q" in attention and "transformer_blocks.0.attn.to_add_out" in attention
     ffs = lora.resolve_targets(t, "attention+ffs")
@@ -47,7 +32,7 @@ def test_presets_stay_inside_the_blocks(tiny_model):
 
 
 def test_explicit_list_matches_like_peft_and_rejects_unknown_names(tiny_model):
-    t = _transformer(tiny_model)
+    t = adapter_values.transformer(tiny_model)
     assert lora.resolve_targets(t, "proj_out, x_embedder") == [
         "x_embedder",
         "single_transformer_blocks.0.proj_out",
@@ -58,7 +43,7 @@ def test_explicit_list_matches_like_peft_and_rejects_unknown_names(tiny_model):
 
 
 def test_kohya_refuses_layers_it_cannot_name(tiny_model):
-    kohya.check_targets(lora.resolve_targets(_transformer(tiny_model), "all"), Flux1.kohya_blocks)
+    kohya.check_targets(lora.resolve_targets(adapter_values.transformer(tiny_model), "all"), Flux1.kohya_blocks)
     with pytest.raises(ValueError, match="x_embedder"):
         kohya.check_targets(["transformer_blocks.0.attn.to_q", "x_embedder"], Flux1.kohya_blocks)
 
@@ -69,7 +54,7 @@ def test_diffusers_and_kohya_files_give_the_same_images(tiny_model, tmp_path):
     pipe = FluxPipeline.from_pretrained(tiny_model)
     base = render(pipe)
     lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE)  # alpha != rank: the scale must travel
-    _randomise(pipe.transformer, 1)
+    adapter_values.randomise(pipe.transformer, 1)
     trained = render(pipe)
     assert np.abs(trained - base).max() > 0.05
     lora.save_diffusers(pipe.transformer, tmp_path)
@@ -104,7 +89,7 @@ def test_diffusers_file_keeps_its_strength_without_metadata(tiny_model, tmp_path
 
     pipe = FluxPipeline.from_pretrained(tiny_model)
     lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE)
-    _randomise(pipe.transformer, 4)
+    adapter_values.randomise(pipe.transformer, 4)
     trained = render(pipe)
     path = lora.save_diffusers(pipe.transformer, tmp_path)
     _strip_metadata(path)
@@ -114,11 +99,11 @@ def test_diffusers_file_keeps_its_strength_without_metadata(tiny_model, tmp_path
 
 
 def test_resume_restores_the_trained_update_from_a_baked_file(tiny_model, tmp_path):
-    source = _transformer(tiny_model)
+    source = adapter_values.transformer(tiny_model)
     lora.add_lora(source, rank=4, alpha=2.0, targets="attention")
-    _randomise(source, 5)
+    adapter_values.randomise(source, 5)
     path = lora.save_diffusers(source, tmp_path)
-    target = _transformer(tiny_model)
+    target = adapter_values.transformer(tiny_model)
     lora.add_lora(target, rank=4, alpha=2.0, targets="attention")
     lora.load_into(target, path)
     want, got = lora.delta_weights(source), lora.delta_weights(target)
@@ -128,9 +113,9 @@ def test_resume_restores_the_trained_update_from_a_baked_file(tiny_model, tmp_pa
 
 def test_fused_kohya_layers_hold_each_parts_update(tiny_model):
     """``up @ down`` of a fused kohya layer equals its diffusers parts' ``scale * B @ A`` stacked in order."""
-    t = _transformer(tiny_model)
+    t = adapter_values.transformer(tiny_model)
     lora.add_lora(t, rank=2, alpha=3.0, targets="attention")  # single blocks: q, k, v trained, proj_mlp not
-    _randomise(t, 2)
+    adapter_values.randomise(t, 2)
     deltas = lora.delta_weights(t)
     state = lora.lora_state_dict(t)
     out_features = {n: m.out_features for n, m in t.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -154,14 +139,14 @@ def test_fused_kohya_layers_hold_each_parts_update(tiny_model):
 
 @pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
 def test_init_from_an_existing_lora_file(tiny_model, tmp_path, fmt):
-    source = _transformer(tiny_model)
+    source = adapter_values.transformer(tiny_model)
     lora.add_lora(source, rank=4, alpha=8.0, targets=LOADABLE)
-    _randomise(source, 3)
+    adapter_values.randomise(source, 3)
     path = lora.save_diffusers(source, tmp_path)
     if fmt == "kohya":
         path = kohya.save(source, tmp_path, lora.scale(source))
 
-    target = _transformer(tiny_model)
+    target = adapter_values.transformer(tiny_model)
     lora.add_lora(target, rank=4, alpha=2.0, targets=LOADABLE)  # another alpha: the file's strength is kept
     assert lora.init_from_file(target, str(path)) == len(LOADABLE.split(","))
     want, got = lora.delta_weights(source), lora.delta_weights(target)
@@ -171,10 +156,10 @@ def test_init_from_an_existing_lora_file(tiny_model, tmp_path, fmt):
 
 
 def test_init_refuses_a_lora_of_another_rank(tiny_model, tmp_path):
-    source = _transformer(tiny_model)
+    source = adapter_values.transformer(tiny_model)
     lora.add_lora(source, rank=8, alpha=8.0, targets="attention")
     path = lora.save_diffusers(source, tmp_path)
-    target = _transformer(tiny_model)
+    target = adapter_values.transformer(tiny_model)
     lora.add_lora(target, rank=4, alpha=4.0, targets="attention")
     with pytest.raises(ValueError, match="train.rank"):
         lora.init_from_file(target, str(path))
@@ -191,7 +176,7 @@ def test_kohya_step_file_is_named_and_carries_training_metadata(tiny_model, tmp_
 
     pipe = FluxPipeline.from_pretrained(tiny_model)
     lora.add_lora(pipe.transformer, rank=4, alpha=8.0, targets=LOADABLE)
-    _randomise(pipe.transformer, 6)
+    adapter_values.randomise(pipe.transformer, 6)
     trained = render(pipe)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -144,8 +144,8 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
         best_lora=out.best_lora,
     )
     if rows and len(failed) == len(rows):
-        first = next(r for r in grid if r.error)
-        raise RuntimeError(f"every trial of the sweep failed; the first: {first.error}")
+        first = next(r for r in rows if r.error)  # its error's last line, not Tune's whole remote traceback
+        raise RuntimeError(f"every trial of the sweep failed; the first ({first.trial}): {first.error}")
     return out
 
 
