@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 # The loopback S3 server for the object-storage tests; a plugin, so its endpoint is set before Ray starts.
-pytest_plugins = ["s3server", "slowest_first"]
+pytest_plugins = ["s3server"]
 
 # Under pytest-xdist every worker runs Rays of its own: a Ray temp dir per worker keeps them apart (Ray's "latest
 # cluster" file lives there, and a job's plain ``ray.init()`` would otherwise join another worker's head).
@@ -92,13 +92,22 @@ _DASHBOARD: dict = {}
 # Modules that start Ray clusters of their own (``ray start`` heads, ``ray.cluster_utils.Cluster``, the autoscaler's
 # fake provider). They run after every other test, with the session Ray already stopped: a driver connected to one
 # local Ray while other Rays start and stop on the same machine has been seen to lose its GCS and exit the whole
-# test process, and these tests never need the session Ray. (Under pytest-xdist each worker is a process of its own:
-# see tests/slowest_first.py.)
+# test process, and these tests never need the session Ray. Under pytest-xdist they run last and alone as well
+# (tests/slowest_first.py).
 _OWN_CLUSTER_PREFIX = "test_cluster_"
 
 
 def is_own_cluster(path: str) -> bool:
-    return Path(path).name.startswith(_OWN_CLUSTER_PREFIX)
+    """Whether a test file (or a node id in it) is an own-cluster module."""
+    return Path(path.split("::", 1)[0]).name.startswith(_OWN_CLUSTER_PREFIX)
+
+
+# tryfirst: xdist's own implementation registers later and would otherwise answer first.
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    from slowest_first import make_scheduler
+
+    return make_scheduler(config, log, is_own_cluster)
 
 
 _EXIT: dict = {}
