@@ -31,7 +31,9 @@
    the GPU together. The train stage's wall time from each run's ledger gives ``job_s_per_extra_step`` = (long - short)
    / extra steps, in which start-up, model load and the first read cancel out; it is reported beside
    ``trainer_s_per_step``, ``bare_s_per_step`` and the two ratios. All three runs join one local Ray started here and
-   stopped at the end.
+   stopped at the end. ``time_to_first_step_s`` breaks the short run's way to its first step down by phase (the
+   ``RAYFLUX_PHASES`` marks): job start to train stage, worker group start, first read, model load, first step, with
+   the cache built and Ray up, as when a job is submitted to a running cluster.
 
 Weights are random: speed and memory do not depend on their values. ``--dry-run`` runs every section on the CPU with
 tiny widths and two steps (the job section: the default tiny model at 64 px, ``train.max_steps`` 2 and 4), so the
@@ -45,6 +47,7 @@ import gc
 import itertools
 import json
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import tempfile
@@ -398,7 +401,7 @@ def job_section(
     time per extra step between ``train.max_steps`` ``steps[0]`` and ``steps[1]``, against the in-process steps."""
     import ray
 
-    from benchmarks.job_runs import build_cache, cached_batches, job_train_seconds
+    from benchmarks.job_runs import build_cache, cached_batches, first_step, job_train_seconds
     from rayflux.testing.images import write_images
 
     _free(device)
@@ -415,7 +418,9 @@ def job_section(
     }
     write_images(work / "images", sizes=[(px, px)] * JOB_IMAGES)
     short, long = steps
-    # One Ray for the three runs (cache, short, long): each job joins it instead of starting its own.
+    # One Ray for the three runs (cache, short, long): each job joins it instead of starting its own. Its workers
+    # write the runs' phase marks (for the time to first step) to the file named before it starts.
+    os.environ.setdefault("RAYFLUX_PHASES", str(work / "phases.jsonl"))
     ctx = ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         common = [
@@ -447,6 +452,8 @@ def job_section(
             "bare_s_per_step": round(bare_s, 5),
             "job_over_trainer": round(job_s / trainer_s, 3),
             "job_over_bare": round(job_s / bare_s, 3),
+            # The short run's way to its first step, with its cache built and Ray already up (as on a cluster).
+            "time_to_first_step_s": first_step(work, f"job-{short}"),
         }
     )
     print(json.dumps({"job": row}), flush=True)

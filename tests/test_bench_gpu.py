@@ -78,6 +78,12 @@ def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
     assert abs(job["job_over_bare"] - job["job_s_per_extra_step"] / job["bare_s_per_step"]) < 0.01 * max(
         1, abs(job["job_over_bare"])
     )
+    # The short run's way to its first step, phase by phase from its marks: every phase measured, and the total
+    # no shorter than its parts.
+    first = job["time_to_first_step_s"]
+    parts = [k for k in first if k != "time to first step"]
+    assert len(parts) == 5 and all(first[k] >= 0 for k in parts), first
+    assert first["time to first step"] >= sum(first[k] for k in parts) - 0.05, first
 
 
 def test_the_job_sections_model_is_built_and_written_in_bf16(tmp_path):
