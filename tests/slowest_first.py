@@ -19,16 +19,16 @@ from typing import Callable
 SLOWEST_FIRST = [
     "test_sweep.py",
     "test_train_ray.py",
-    "test_refresh.py",
-    "test_s3_fault_job.py",
     "test_masks_train.py",
-    "test_job_e2e.py",
+    "test_refresh.py",
     "test_train_sharded_ray.py",
+    "test_job_e2e.py",
     "test_family_flux2.py",
+    "test_s3_fault_job.py",
     "test_edit_pairs.py",
-    "test_bench_gpu.py",
     "test_cache_fit.py",
     "test_memory.py",
+    "test_bench_gpu.py",
     "test_s3.py",
 ]
 

@@ -104,35 +104,16 @@ def test_rerun_reuses_the_committed_cache(finished_run, ray_session):
     assert generations.load_manifest(again.cache_dir)["committed_at"] == manifest_before["committed_at"]
 
 
-def test_shorter_text_is_its_own_cache_and_trains(ray_session, tiny_model, demo_images, tmp_path):
+def test_shorter_text_is_a_cache_key_of_its_own(tiny_model):
     """``model.text_tokens=16``: a cache key of its own (T5 runs unmasked, so the kept positions' embeddings depend
-    on the length and must not mix with the default's), text tensors of 16 tokens, and a training step on them
-    (two of the demo images, for time)."""
-    import shutil
-
+    on the length and must not mix with the default's). Its text tensors and a training run on them: the CLI job
+    below runs with it."""
     from rayflux import config, models
     from rayflux.cache.keys import cache_key
 
-    images = tmp_path / "images"
-    images.mkdir()
-    for p in sorted(Path(demo_images).iterdir())[:4]:  # two images with their captions
-        shutil.copy(p, images / p.name)
-    sets = [
-        f"model.path={tiny_model}",
-        f"data.images_dir={images}",
-        f"run.output_dir={tmp_path / 'run'}",
-        "data.resolution=64",
-        "train.max_steps=1",
-        "cache.batch_size=8",
-    ]
+    sets = [f"model.path={tiny_model}", "data.resolution=64"]
     plain, short = config.load(None, sets), config.load(None, [*sets, "model.text_tokens=16"])
     assert cache_key(plain, models.model_facts(plain.model)) != cache_key(short, models.model_facts(short.model))
-    summary = job.run(short)
-    assert summary.steps == 1 and summary.lora_path
-    manifest = generations.load_manifest(summary.cache_dir)
-    assert [(t["name"], t["length"]) for t in manifest["layout"]["text"]] == [("t5", 16), ("clip_pooled", 0)]
-    rows = [r for path in generations.text_files(manifest) for r in pq.read_table(path).to_pylist()]
-    assert rows and all(r["t5_len"] == 16 and len(r["t5"]) == 16 * r["t5_dim"] * 4 for r in rows)
 
 
 _ENTRIES = {
@@ -156,7 +137,8 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     """The installed ``rayflux train``, joined to the session's Ray through RAY_ADDRESS, with stdout and stderr one
     pipe (not a terminal): stage lines, plain progress lines and the summary last; Ray's chatter stays in its logs,
     what its C++ core prints on the driver's fd 2 (``core_worker.cc`` about the encoder actors) included. (The same on
-    a terminal: test_cluster_driver_terminal.)"""
+    a terminal: test_cluster_driver_terminal.) With ``model.text_tokens=16``, so that the same job shows the shorter
+    text cached as 16-token tensors and trained on (one job less than a run of its own)."""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     env.pop("RAYFLUX_VERBOSE", None)
     out = tmp_path / "cli-run"
@@ -171,6 +153,8 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
             "data.resolution=64",
             "--set",
             "train.max_steps=2",
+            "--set",
+            "model.text_tokens=16",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -190,6 +174,12 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     assert any(line.startswith("[rayflux] train step 2/2 ") for line in lines), proc.stdout
     steps = [json.loads(x) for x in (out / "metrics" / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
+    # The shorter text: 16-token T5 tensors in the generation the steps above trained on.
+    [cache] = [s for s in json.loads((out / "ledger.json").read_text())["stages"] if s["name"] == "cache:g0"]
+    manifest = generations.load_manifest(cache["dir"])
+    assert [(t["name"], t["length"]) for t in manifest["layout"]["text"]] == [("t5", 16), ("clip_pooled", 0)]
+    rows = [r for path in generations.text_files(manifest) for r in pq.read_table(path).to_pylist()]
+    assert rows and all(r["t5_len"] == 16 and len(r["t5"]) == 16 * r["t5_dim"] * 4 for r in rows)
 
 
 def test_summary_reports_what_the_remainder_rule_dropped(finished_run):

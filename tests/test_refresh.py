@@ -196,14 +196,16 @@ def _job_cmd(out: Path, tiny_model, demo_images, *extra: str) -> list[str]:
 def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(
     ray_session, tiny_model, demo_images, tmp_path
 ):
-    """Three epochs, one generation each, built, committed and retired in order; rank 1 lags every step, so a retire
+    """Two epochs, one generation each, built, committed and retired in order; rank 1 lags every step, so a retire
     that waited only for rank 0 would start before its segment's end. The driver is SIGKILLed once its second segment
-    is under way; the same command then resumes without caching again or redoing the first segment, and the finished
-    run passes every check of the refresh protocol. (One job for both: each alone cost a full three- or two-segment
-    run.)"""
+    is under way (generation 0 retired, generation 1 committed and being read); the same command then resumes without
+    caching again or redoing the first segment, and the finished run passes every check of the refresh protocol.
+    (One job for both: each alone cost a full run. Two epochs, not three: on the tests' 2-CPU Ray the next generation
+    is built only after a segment ends, so a third epoch added a build and a segment after the resume, and no state
+    at the kill that the second epoch lacks.)"""
     out = tmp_path / "run"
     # A short lease: the killed driver's lease on the run directory expires 2 s after its last heartbeat.
-    cmd = _job_cmd(out, tiny_model, demo_images, "train.epochs=3", "run.debug_slow_rank=1:0.4", "run.lease_seconds=2")
+    cmd = _job_cmd(out, tiny_model, demo_images, "train.epochs=2", "run.debug_slow_rank=1:0.4", "run.lease_seconds=2")
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     ledger = out / "ledger.json"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -232,14 +234,13 @@ def test_refresh_every_epoch_with_one_slow_worker_survives_a_killed_driver(
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     after = _stages(ledger)
-    # Nothing cached again: the generations committed before the kill keep their stages. (Generation 2 may have been
-    # under way at the kill; a half-built one is dropped and built anew, which the protocol check below covers.)
+    # Nothing cached again: the generations committed before the kill keep their stages.
     for g in (0, 1):
         assert after[f"cache:g{g}"]["start"] == before[f"cache:g{g}"]["start"] < killed_at, f"cache:g{g} was rebuilt"
     assert after["train:seg0"]["start"] == before["train:seg0"]["start"]  # not redone
-    assert after["train:seg1"]["start"] > killed_at and after["train:seg2"]["status"] == "done"
-    # The step counter continued: the run's step log holds steps 1..N once each, over all three epochs.
-    position = json.loads((Path(after["train:seg2"]["outputs"]["checkpoint"]) / "position.json").read_text())
+    assert after["train:seg1"]["start"] > killed_at and after["train:seg1"]["status"] == "done"
+    # The step counter continued: the run's step log holds steps 1..N once each, over both epochs.
+    position = json.loads((Path(after["train:seg1"]["outputs"]["checkpoint"]) / "position.json").read_text())
     history = read_steps(str(out), last_step=position["step"])
-    assert position["step"] == 3 * 8 // 2 and [h["step"] for h in history] == list(range(1, position["step"] + 1))
-    _assert_refresh_protocol(ledger, history, epochs=3, images=8)
+    assert position["step"] == 2 * 8 // 2 and [h["step"] for h in history] == list(range(1, position["step"] + 1))
+    _assert_refresh_protocol(ledger, history, epochs=2, images=8)
