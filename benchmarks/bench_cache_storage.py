@@ -14,15 +14,32 @@ Two model shapes, both with random weights: ``tiny`` (the test model: 4 latent c
 ``wide`` (16 latent channels like FLUX, 768-wide text, 512 T5 tokens), so the per-row fixed costs show against
 tensors of realistic size.
 
+Then, side by side in the same run, the generation as written (text tensors compressed where that pays,
+:mod:`rayflux.cache.codec`) against a raw copy of it (every text tensor decoded back into its shard, the caption
+index without codec columns: what rayflux wrote before codecs, and still reads):
+
+- **bytes per image**: every file of the generation (shards, index, manifest, skip list) ÷ cached images;
+- **read per sample**: the trainer's own read (:func:`rayflux.train.batching.load_batches`: ranged reads, checksums,
+  decoding, value checks, stacking) of every planned batch, the process's text cache emptied first, so each caption's
+  text is read and decoded once, as in a worker's first epoch; median of ``--rounds``, milliseconds per sample.
+
+``--demo`` uses the images of ``benchmarks/bench_cold.py`` (the demo's shapes, nearly one caption per image: the
+setup measured against SimpleTuner) instead of ``--captions`` repeated captions.
+
     python benchmarks/bench_cache_storage.py [--images 24] [--captions 6] [--resolution 512] [--dtype float32]
+    python benchmarks/bench_cache_storage.py --demo --images 32 --resolution 256 --models tiny
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cold's demo images (--demo)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -102,6 +119,85 @@ def _np_dtype(name: str) -> str:
     return "uint16" if name == "bfloat16" else name
 
 
+def raw_copy(gen_dir: str, dest: Path) -> str:
+    """A copy of a committed generation with every text tensor stored raw and a caption index without codec columns
+    (as rayflux wrote them before :mod:`rayflux.cache.codec`): its directory."""
+    import json
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayflux.cache import codec, generations, index, shards
+
+    src = Path(gen_dir)
+    gen = dest / src.parent.name / src.name
+    shutil.copytree(src, gen)
+    manifest = json.loads((gen / generations.MANIFEST).read_text())
+    layout = shards.ShardLayout(**{**manifest["layout"], "kind": "text"})
+    entry = manifest["index"]["captions"]
+    captions = pq.read_table(gen / entry["path"]).to_pylist()
+    by_row = {(c["file"], c["row"]): c for c in captions}
+    for f in manifest["text_files"]:
+        rows, file = pq.read_table(gen / f["path"]).to_pylist(), f"{gen.name}/{f['path']}"
+        for i, row in enumerate(rows):
+            for t in layout.text:
+                stored = by_row[(file, i)].pop(f"{t.key}_{codec.COLUMN}")
+                row[t.name] = codec.decode(row[t.name], stored, layout.dtype, tuple(row[d] for d in t.dims))
+        data = shards.encode_table(pa.Table.from_pylist(rows, schema=layout.schema()), layout)
+        (gen / f["path"]).write_bytes(data)
+        f["bytes"] = len(data)
+        ranges = shards.value_ranges(data, layout.tensor_columns)
+        for i in range(len(rows)):
+            c = by_row[(file, i)]
+            c["file_bytes"] = len(data)
+            for t in layout.text:
+                c[f"{t.key}_offset"], c[f"{t.key}_length"], c[f"{t.key}_crc32"] = ranges[t.name][i]
+    schema = pa.schema([fld for fld in index.caption_index(layout.text) if not fld.name.endswith(f"_{codec.COLUMN}")])
+    pq.write_table(pa.Table.from_pylist(captions, schema=schema), gen / entry["path"], compression="zstd")
+    entry["bytes"] = (gen / entry["path"]).stat().st_size
+    manifest["empty_caption"] = next(c for c in captions if c["caption"] == "")
+    (gen / generations.MANIFEST).write_text(json.dumps(manifest))
+    return str(gen)
+
+
+def stored_as(gen_dir: str, rounds: int) -> dict:
+    """Bytes per image and the trainer's read time per sample (ms, one figure per round) of one generation."""
+    import time
+
+    from rayflux.cache import generations, reads
+    from rayflux.train import batching
+
+    manifest = generations.load_manifest(gen_dir)
+    files = [p for p in Path(gen_dir).rglob("*") if p.is_file()]
+    refs = batching.index_samples(manifest)
+    planned, _ = batching.plan_epoch(refs, 1, seed=0, epoch=0, world_size=1)  # the job's default: batch 1
+    items = [{**item, "step": 0, "total_steps": 1} for item in planned]
+    times = []
+    for _ in range(rounds):
+        reads._text_cache.clear()  # every caption read and decoded once, as in a worker's first epoch
+        reads._text_cache_bytes = 0
+        start = time.perf_counter()
+        batching.load_batches(items)
+        times.append((time.perf_counter() - start) / len(refs) * 1e3)
+    return {"bytes_per_image": sum(p.stat().st_size for p in files) / manifest["cached"], "read_ms": times}
+
+
+def compare(gen_dir: str, work: Path, rounds: int) -> dict:
+    """:func:`stored_as` for the generation as written and for its raw copy, their rounds interleaved."""
+    raw = raw_copy(gen_dir, work / "raw-copy")
+    out = {"compressed": [], "raw": []}
+    for _ in range(rounds):
+        out["compressed"].append(stored_as(gen_dir, 1))
+        out["raw"].append(stored_as(raw, 1))
+    import statistics
+
+    return {
+        k: {"bytes_per_image": v[0]["bytes_per_image"], "read_ms": statistics.median(r["read_ms"][0] for r in v)}
+        for k, v in out.items()
+    }
+
+
 def run_one(name: str, args, work: Path) -> dict:
     from rayflux import config, models
     from rayflux.cache import generations
@@ -112,7 +208,13 @@ def run_one(name: str, args, work: Path) -> dict:
 
     model = ensure_tiny_model(work / f"model-{name}", TinySpec(**MODELS[name]))
     images = work / "images"
-    distinct = write_images(images, args.images, args.captions) if not images.exists() else args.captions
+    if args.demo:
+        from bench_cold import write_images as demo_images
+
+        demo_images(images, args.images)
+        distinct = len({p.read_text() for p in images.glob("*.txt")})
+    else:
+        distinct = write_images(images, args.images, args.captions) if not images.exists() else args.captions
     cfg = config.load(
         None,
         [
@@ -130,6 +232,7 @@ def run_one(name: str, args, work: Path) -> dict:
     manifest = build_generation(cfg, facts, discovery, gen_dir, 0, 0, use_gpu=False)
     result = measure(manifest)
     result["distinct_image_captions"] = distinct
+    result["stored_as"] = compare(gen_dir, work / f"compare-{name}", args.rounds)
     return result
 
 
@@ -140,6 +243,8 @@ def main() -> None:
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--models", default="tiny,wide")
+    p.add_argument("--demo", action="store_true", help="bench_cold.py's demo images (the SimpleTuner setup)")
+    p.add_argument("--rounds", type=int, default=5, help="read timings: rounds of each, interleaved")
     args = p.parse_args()
 
     import ray
@@ -155,14 +260,26 @@ def main() -> None:
                 "| text passes ÷ unique captions |"
             )
             print("| --- | --- | --- | --- | --- | --- |")
+            results = {}
             for name in args.models.split(","):
-                r = run_one(name, args, Path(tmp))
+                r = results[name] = run_one(name, args, Path(tmp))
                 print(
                     f"| {name} | {r['raw_bytes_per_row']:,.0f} | {r['row_tensor_ratio']:.4f} | {r['latent_ratio']:.4f} "
                     f"| {r['file_ratio']:.4f} | {r['text_passes']} ÷ {r['unique_captions']} = "
                     f"{r['text_passes'] / r['unique_captions']:.2f} |"
                 )
                 assert r["unique_captions"] == r["distinct_image_captions"] + 1  # plus the dropout caption ""
+            print()
+            print("| model | text tensors | bytes per image | ÷ raw | read per sample (ms, median) | ÷ raw |")
+            print("| --- | --- | --- | --- | --- | --- |")
+            for name, r in results.items():
+                raw = r["stored_as"]["raw"]
+                for kind, v in r["stored_as"].items():
+                    print(
+                        f"| {name} | {kind} | {v['bytes_per_image']:,.0f} | "
+                        f"{v['bytes_per_image'] / raw['bytes_per_image']:.3f} | {v['read_ms']:.3f} | "
+                        f"{v['read_ms'] / raw['read_ms']:.2f} |"
+                    )
     finally:
         ray.shutdown()
 
