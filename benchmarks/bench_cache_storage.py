@@ -4,15 +4,16 @@ Runs the real cache stage (Ray Data, the real encoder classes) on generated imag
 measures the written shards with pyarrow alone:
 
 - **row tensor ratio**: per row, the Parquet column chunks of its tensors ÷ their raw bytes: ``latent`` ÷
-  ``C·h·w · itemsize`` for a sample row, ``t5`` and ``clip_pooled`` ÷ ``(t5_len·t5_dim + clip_dim) · itemsize`` for a
-  caption's text row (stored once per caption); target ≤ 1.02, the worst row counts;
+  ``C·h·w · itemsize`` for a sample row, the text tensors (FLUX.1: ``t5`` and ``clip_pooled``) ÷ their shapes' raw
+  bytes for a caption's text row (stored once per caption, compressed where that pays); target ≤ 1.02, the worst
+  row counts;
 - **file ratio**: whole shard files (footers and id columns included) ÷ raw tensor bytes;
 - **text passes ratio**: text rows stamped by this build's text encoder ÷ unique captions the generation needs
   (the images' distinct captions plus the empty caption kept for caption dropout); target 1.0.
 
-Two model shapes, both with random weights: ``tiny`` (the test model: 4 latent channels, 32-wide text) and
-``wide`` (16 latent channels like FLUX, 768-wide text, 512 T5 tokens), so the per-row fixed costs show against
-tensors of realistic size.
+Model shapes, all with random weights: ``tiny`` (the test model: 4 latent channels, 32-wide text), ``wide`` (16
+latent channels like FLUX, 768-wide text, 512 T5 tokens), so the per-row fixed costs show against tensors of
+realistic size, and ``klein`` (the tiny FLUX.2 [klein]: one stacked text tensor, ``prompt_embeds``).
 
 Then, side by side in the same run, the generation as written (text tensors compressed where that pays,
 :mod:`rayflux.cache.codec`) against a raw copy of it (every text tensor decoded back into its shard, the caption
@@ -93,12 +94,16 @@ def measure(manifest: dict) -> dict:
             rows += 1
         file_total += os.path.getsize(path)
     # Text embeddings are stored once per caption, in the text shards (schema 4).
+    # The model family's named text tensors (FLUX.1: t5, clip_pooled; FLUX.2: prompt_embeds), each by its shape columns.
+    text = manifest["layout"]["text"]
+    dims = [d for t in text for d in t["dims"]]
     for path in generations.text_files(manifest):
         pf = pq.ParquetFile(path)
-        for i, s in enumerate(pf.read(columns=["t5_len", "t5_dim", "clip_dim", "text_dtype"]).to_pylist()):
-            text_raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * np.dtype(_np_dtype(s["text_dtype"])).itemsize
+        for i, s in enumerate(pf.read(columns=[*dims, "text_dtype"]).to_pylist()):
+            values = sum(int(np.prod([s[d] for d in t["dims"]])) for t in text)
+            text_raw = values * np.dtype(_np_dtype(s["text_dtype"])).itemsize
             c = chunks(pf, i)
-            worst_row = max(worst_row, (c["t5"] + c["clip_pooled"]) / text_raw)
+            worst_row = max(worst_row, sum(c[t["name"]] for t in text) / text_raw)
             raw_total += text_raw
         file_total += os.path.getsize(path)
     worst_row = max(worst_row, worst_latent)
@@ -206,7 +211,12 @@ def run_one(name: str, args, work: Path) -> dict:
     from rayflux.discovery.in_process import discover
     from rayflux.testing.tiny import TinySpec, ensure_tiny_model
 
-    model = ensure_tiny_model(work / f"model-{name}", TinySpec(**MODELS[name]))
+    if name == "klein":  # FLUX.2 [klein]: one stacked text tensor, prompt_embeds
+        from rayflux.testing.tiny_flux2 import ensure_tiny_flux2_klein
+
+        model = ensure_tiny_flux2_klein(work / "model-klein")
+    else:
+        model = ensure_tiny_model(work / f"model-{name}", TinySpec(**MODELS[name]))
     images = work / "images"
     if args.demo:
         from bench_cold import write_images as demo_images
@@ -254,7 +264,8 @@ def main() -> None:
     DataContext.get_current().enable_progress_bars = False
     try:
         with tempfile.TemporaryDirectory(prefix="rayflux-bench-storage-") as tmp:
-            print(f"{args.images} images, {args.captions} distinct captions, {args.resolution} px, {args.dtype}")
+            captions = "bench_cold's demo captions" if args.demo else f"{args.captions} distinct captions"
+            print(f"{args.images} images, {captions}, {args.resolution} px, {args.dtype}")
             print(
                 "| model | raw tensor bytes/row | row tensor ratio (worst) | latent ratio (worst) | file ratio "
                 "| text passes ÷ unique captions |"
