@@ -188,6 +188,48 @@ def stored_as(gen_dir: str, rounds: int) -> dict:
     return {"bytes_per_image": sum(p.stat().st_size for p in files) / manifest["cached"], "read_ms": times}
 
 
+def per_tensor(raw_gen: str) -> list[dict]:
+    """Per stored tensor column (each text tensor, the latent), read from a raw generation: its raw bytes, the
+    stored ÷ raw of plain zstd and of :mod:`rayflux.cache.codec`'s shuffled zstd, and the codec's decode time per
+    tensor (ms, median over the tensors). What decides which tensors the writer compresses."""
+    import statistics
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayflux.cache import codec, generations, tensors
+
+    manifest = generations.load_manifest(raw_gen)
+    dtype, text = manifest["layout"]["dtype"], manifest["layout"]["text"]
+    itemsize = tensors.ITEMSIZE[dtype]
+    columns = {t["name"]: generations.text_files(manifest) for t in text}
+    columns["latent"] = generations.sample_files(manifest)
+    zstd = pa.Codec("zstd", codec.LEVEL)
+    out = []
+    for name, paths in columns.items():
+        values = [v for p in paths for v in pq.read_table(p, columns=[name])[name].to_pylist()]
+        raw = sum(len(v) for v in values)
+        plain = sum(len(zstd.compress(v, asbytes=True)) for v in values)
+        stored, times = 0, []
+        for v in values:
+            packed = zstd.compress(codec.shuffle(v, itemsize), asbytes=True)
+            stored += len(packed)
+            start = time.perf_counter()
+            codec.decode(packed, codec.SHUFFLE_ZSTD, dtype, (len(v) // itemsize,))
+            times.append((time.perf_counter() - start) * 1e3)
+        out.append(
+            {
+                "tensor": name,
+                "raw": raw / len(values),
+                "zstd": plain / raw,
+                "shuffle": stored / raw,
+                "decode_ms": statistics.median(times),
+            }
+        )
+    return out
+
+
 def compare(gen_dir: str, work: Path, rounds: int) -> dict:
     """:func:`stored_as` for the generation as written and for its raw copy, their rounds interleaved."""
     raw = raw_copy(gen_dir, work / "raw-copy")
@@ -197,10 +239,12 @@ def compare(gen_dir: str, work: Path, rounds: int) -> dict:
         out["raw"].append(stored_as(raw, 1))
     import statistics
 
-    return {
+    result = {
         k: {"bytes_per_image": v[0]["bytes_per_image"], "read_ms": statistics.median(r["read_ms"][0] for r in v)}
         for k, v in out.items()
     }
+    result["tensors"] = per_tensor(raw)
+    return result
 
 
 def run_one(name: str, args, work: Path) -> dict:
@@ -285,11 +329,21 @@ def main() -> None:
             print("| --- | --- | --- | --- | --- | --- |")
             for name, r in results.items():
                 raw = r["stored_as"]["raw"]
-                for kind, v in r["stored_as"].items():
+                for kind in ("compressed", "raw"):
+                    v = r["stored_as"][kind]
                     print(
                         f"| {name} | {kind} | {v['bytes_per_image']:,.0f} | "
                         f"{v['bytes_per_image'] / raw['bytes_per_image']:.3f} | {v['read_ms']:.3f} | "
                         f"{v['read_ms'] / raw['read_ms']:.2f} |"
+                    )
+            print()
+            print("| model | tensor | raw bytes | zstd ÷ raw | shuffled zstd ÷ raw | decode (ms, median) |")
+            print("| --- | --- | --- | --- | --- | --- |")
+            for name, r in results.items():
+                for t in r["stored_as"]["tensors"]:
+                    print(
+                        f"| {name} | {t['tensor']} | {t['raw']:,.0f} | {t['zstd']:.3f} | {t['shuffle']:.3f} "
+                        f"| {t['decode_ms']:.3f} |"
                     )
     finally:
         ray.shutdown()
