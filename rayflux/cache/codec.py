@@ -33,7 +33,8 @@ SHUFFLE_ZSTD = "shuffle-zstd"
 """Byte-shuffled by significance (``itemsize`` planes), then one zstd frame."""
 CODECS = (RAW, SHUFFLE_ZSTD)
 LEVEL = 3
-"""zstd level: 1-9 stored the tiny T5 embeddings within 2% of each other, and 3 is zstd's own default."""
+"""zstd level: levels 1 to 9 stored the tiny T5 embeddings at 0.56 to 0.54 of their raw size (19: 0.51, at many
+times the write time); 3 is zstd's own default (pyarrow's is 1)."""
 
 _zstd = pa.Codec("zstd", LEVEL)
 

@@ -14,8 +14,9 @@ its length then differs from its shape's raw size); a latent's never is.
 Each row is its own Parquet row group, written without Parquet compression or dictionaries, as one version-1 data
 page per tensor column, so a tensor's stored bytes are one contiguous range of the file. :func:`value_ranges` finds
 those ranges when a shard is written (and checks them byte for byte); the generation index records them, and
-training reads each row's tensors with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet
-key-value metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
+training reads each row's tensors with one ranged GET and no footer. Each file also carries its
+:class:`ShardLayout` in the Parquet key-value metadata (key ``rayflux``), so a shard alone says what its buckets'
+latent shapes must be.
 """
 
 from __future__ import annotations
