@@ -223,14 +223,18 @@ def generation_rows(manifest: dict) -> list[dict]:
 
 
 def generation_text(manifest: dict) -> list[dict]:
-    """Every caption of a committed generation as its text-shard row, wherever the index says it lives."""
+    """Every caption of a committed generation as its text-shard row, wherever the index says it lives, each text
+    tensor decoded to its raw bytes by the codec the index records (rayflux.cache.codec)."""
     import pyarrow.parquet as pq
 
-    from rayflux.cache import index
+    from rayflux.cache import codec, index
 
     out = []
     for c in index.read(manifest, "captions").to_pylist():
         row = pq.ParquetFile(index.resolve(manifest, c["file"])).read_row_group(c["row"]).to_pylist()[0]
+        for t in manifest["layout"]["text"]:
+            stored, shape = c.get(f"{t['key']}_codec") or "", tuple(row[d] for d in t["dims"])
+            row[t["name"]] = codec.decode(row[t["name"]], stored, row["text_dtype"], shape)
         out.append({**row, **c})
     return out
 
@@ -247,3 +251,13 @@ def scale_one_value(path: str, offset: int, length: int, factor: float = 1e6) ->
         assert np.isfinite(values).all()
         f.seek(offset + 4 * k)
         f.write(values[k : k + 1].tobytes())
+
+
+def flip_one_byte(path: str, offset: int, length: int) -> None:
+    """Invert one byte in the middle of the stored tensor at ``offset`` of ``path``, in place: damage to compressed
+    bytes (rayflux.cache.codec), which are no floats to scale."""
+    with open(path, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 0xFF]))

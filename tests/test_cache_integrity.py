@@ -12,7 +12,7 @@ import cache_sets
 import pytest
 
 from rayflux import cli, job
-from rayflux.cache import generations, integrity, verify
+from rayflux.cache import codec, generations, integrity, verify
 from rayflux.cache.integrity import CacheIntegrityError
 from rayflux.train import batching
 
@@ -60,11 +60,14 @@ def test_a_changed_latent_is_caught_by_a_read_and_by_verify_but_not_by_quick(bui
 
 
 def test_a_changed_text_tensor_is_caught_by_a_read_and_by_verify(built, tmp_path):
+    """The stored bytes are checked, before they are decoded: a changed byte of a compressed tensor is a checksum
+    error, not a codec failure (nor, for a byte zstd does not notice, a quietly different embedding)."""
     gen = cache_sets.copy_generation(built, tmp_path)
     refs = _samples(gen, 2)
     file, _, caption_id, parts = json.loads(refs[0].text)
-    offset, length, _, _ = parts[0]  # the first named text tensor (FLUX.1: t5)
-    cache_sets.scale_one_value(file, offset, length)
+    offset, length, _, _, stored = parts[0]  # the first named text tensor (FLUX.1: t5)
+    assert stored == codec.SHUFFLE_ZSTD
+    cache_sets.flip_one_byte(file, offset, length)
     with pytest.raises(CacheIntegrityError) as exc:
         _read(refs[:1])
     name = built.manifest["layout"]["text"][0]["name"]
@@ -83,7 +86,8 @@ def test_the_empty_caption_that_caption_dropout_reads_is_checked_too(built, tmp_
     where = index.empty_caption(generations.load_manifest(str(gen)))
     load_empty(where)  # intact: loads
     key = built.manifest["layout"]["text"][0]["key"]
-    cache_sets.scale_one_value(where["file"], where[f"{key}_offset"], where[f"{key}_length"])
+    assert where[f"{key}_codec"] == codec.SHUFFLE_ZSTD
+    cache_sets.flip_one_byte(where["file"], where[f"{key}_offset"], where[f"{key}_length"])
     with pytest.raises(CacheIntegrityError) as exc:
         load_empty(where)
     assert where["file"] in str(exc.value) and "of the empty caption" in str(exc.value)

@@ -64,11 +64,14 @@ def test_text_embeddings_are_stored_once_per_caption_not_per_sample(built):
     for path in generations.sample_files(built.manifest):
         assert not {"t5", "clip_pooled"} & set(pq.read_schema(path).names)
     for path in generations.text_files(built.manifest):
-        shapes = pq.read_table(path, columns=["t5_len", "t5_dim", "clip_dim", "text_dtype"]).to_pylist()
-        for s, t5, clip in zip(shapes, _chunk_sizes(path, "t5"), _chunk_sizes(path, "clip_pooled")):
-            item = np.dtype(s["text_dtype"]).itemsize
-            raw = (s["t5_len"] * s["t5_dim"] + s["clip_dim"]) * item
-            assert raw <= t5 + clip <= 1.02 * raw
+        # Each row's chunks hold its own stored tensors (compressed or not, rayflux.cache.codec) and nothing more.
+        table = pq.read_table(path, columns=["t5", "clip_pooled"])
+        values = zip(*(pc.binary_length(table[c]).to_pylist() for c in ("t5", "clip_pooled")))
+        for (t5_value, clip_value), t5, clip in zip(
+            values, _chunk_sizes(path, "t5"), _chunk_sizes(path, "clip_pooled")
+        ):
+            stored = t5_value + clip_value
+            assert stored <= t5 + clip <= 1.02 * stored + 64
 
 
 def test_the_index_locates_every_tensor_byte_for_byte(built, rows):
@@ -134,6 +137,7 @@ def test_plain_pyarrow_rebuilds_every_tensor_as_the_docs_show(built, rows):
     code = snippet.replace('"<cache.dir>/<cache key>/g00000-..."', repr(str(built.gen_dir))) + (
         "import sys, json\n"
         "print(json.dumps({'shapes': [latent.shape, t5.shape, clip.shape], 'sum': float(latent.sum()),"
+        " 't5': float(t5.astype('float64').sum()), 'codec': c['t5_codec'],"
         " 'heavy': sorted(m for m in ('ray', 'torch') if m in sys.modules)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -148,6 +152,12 @@ def test_plain_pyarrow_rebuilds_every_tensor_as_the_docs_show(built, rows):
     assert got["heavy"] == []
     assert got["shapes"] == [list(latent.shape), [caption["t5_len"], caption["t5_dim"]], [caption["clip_dim"]]]
     assert got["sum"] == pytest.approx(float(latent.sum()), rel=1e-6)
+    # The snippet undoes the text tensors' compression as rayflux does (rayflux.cache.codec).
+    from rayflux.cache import codec
+
+    shape = (caption["t5_len"], caption["t5_dim"])
+    t5 = np.frombuffer(codec.decode(caption["t5"], got["codec"], "float32", shape), np.float32)
+    assert got["codec"] == codec.SHUFFLE_ZSTD and got["t5"] == float(t5.astype(np.float64).sum())
 
 
 def test_the_docs_document_every_column(built):

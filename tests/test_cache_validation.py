@@ -77,18 +77,16 @@ def test_a_batch_says_what_reading_it_cost_and_a_run_of_neighbours_is_one_read(b
     assert [r.row for r in run] == list(range(run[0].row, run[0].row + 3))  # bucket's rows together
     scattered = [next(r for r in refs if r.file == f) for f in sorted({r.file for r in refs})][:3]
     layout = generations.load_manifest(str(built.gen_dir))["layout"]
-    text_bytes = sum(
-        tensors.nbytes([json.loads(r.text)[3][i][2] for r in run][0], layout["dtype"])
-        for i in range(len(layout["text"]))
-    )
+    # A caption's stored bytes: its text tensors' lengths in the index (compressed ones smaller than their shapes).
+    text_bytes = {json.loads(r.text)[2]: sum(p[1] for p in json.loads(r.text)[3]) for r in run}
     latent_bytes = tensors.nbytes((4, 16, 16), layout["dtype"])
-    captions = len({json.loads(r.text)[2] for r in run})
+    captions = len(text_bytes)
     reads._text_cache.clear()  # what this process read before (other tests) must not hide the text's reads
     reads._text_cache_bytes = 0
     out = load_batch(_batch_item(run))
-    used = 3 * (latent_bytes + text_bytes)
+    used = 3 * latent_bytes + sum(text_bytes[json.loads(r.text)[2]] for r in run)
     assert out["tensor_bytes"] == used
-    asked = 3 * latent_bytes + captions * text_bytes  # a caption shared by two samples is read once
+    asked = 3 * latent_bytes + sum(text_bytes.values())  # a caption shared by two samples is read once
     assert asked <= out["read_bytes"] <= asked * 1.05  # holes of a row's small columns, within ranges.WASTE
     # One read for the three latents, and one per caption at most (their text rows may be neighbours too).
     assert 2 <= out["read_requests"] <= 1 + captions

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cache_sets
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -64,10 +65,9 @@ def test_shape_columns_match_stored_bytes(finished_run):
             assert f"{row['target_w']}x{row['target_h']}" == row["bucket"]
             lat = np.frombuffer(row["latent"], np.float32).reshape(c, h, w)
             assert np.isfinite(lat).all() and lat.std() > 0
-    for path in generations.text_files(manifest):
-        for row in pq.read_table(path).to_pylist():
-            assert len(row["t5"]) == row["t5_len"] * row["t5_dim"] * 4
-            assert len(row["clip_pooled"]) == row["clip_dim"] * 4
+    for row in cache_sets.generation_text(manifest):  # text tensors decoded as the index says
+        assert len(row["t5"]) == row["t5_len"] * row["t5_dim"] * 4
+        assert len(row["clip_pooled"]) == row["clip_dim"] * 4
 
 
 def test_losses_are_finite_and_recorded(finished_run):
@@ -178,7 +178,7 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     [cache] = [s for s in json.loads((out / "ledger.json").read_text())["stages"] if s["name"] == "cache:g0"]
     manifest = generations.load_manifest(cache["dir"])
     assert [(t["name"], t["length"]) for t in manifest["layout"]["text"]] == [("t5", 16), ("clip_pooled", 0)]
-    rows = [r for path in generations.text_files(manifest) for r in pq.read_table(path).to_pylist()]
+    rows = cache_sets.generation_text(manifest)
     assert rows and all(r["t5_len"] == 16 and len(r["t5"]) == 16 * r["t5_dim"] * 4 for r in rows)
 
 

@@ -8,8 +8,8 @@ batch reads, the next generation's reuse, caption dropout's empty caption, ``cac
 ``file`` is relative to the cache key's directory (``g00001-<hash>/samples/samples-....parquet``), so a generation
 can reference rows another generation of the same key wrote, and a cache that is moved or synced elsewhere still
 finds its own files. ``offset``/``length`` locate one tensor value inside that file (see
-:func:`rayflux.cache.shards.value_ranges`) and ``crc32`` is its checksum; ``file_bytes`` is the file's size, checked
-by ``cache verify``.
+:func:`rayflux.cache.shards.value_ranges`), ``crc32`` is its checksum and a text tensor's ``codec`` how its stored
+bytes are encoded (:mod:`rayflux.cache.codec`); ``file_bytes`` is the file's size, checked by ``cache verify``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayflux import storage
+from rayflux.cache import codec
 from rayflux.cache import layout as sample_layout
 from rayflux.cache.manifest import Manifest
 
@@ -94,15 +95,15 @@ def borrowed_columns(samples) -> list[str]:
     ]
 
 
+_PART_TYPES = {"offset": pa.int64(), "length": pa.int64(), "crc32": pa.uint32(), codec.COLUMN: pa.string()}
+
+
 def caption_index(text) -> pa.Schema:
     """One row per caption the generation's samples use, plus the empty caption (caption dropout trains on it):
     the shape columns of each named text tensor (a :class:`~rayflux.families.base.TextTensor`), where its row is,
-    and each tensor's byte range and checksum as ``<key>_offset``/``<key>_length``/``<key>_crc32``."""
-    ranges = [
-        (f"{t.key}_{part}", pa.uint32() if part == "crc32" else pa.int64())
-        for t in text
-        for part in ("offset", "length", "crc32")
-    ]
+    and each tensor's byte range, checksum and codec as ``<key>_offset``/``<key>_length``/``<key>_crc32``/
+    ``<key>_codec`` (the range and checksum are of the stored bytes, compressed or not)."""
+    ranges = [(f"{t.key}_{part}", kind) for t in text for part, kind in _PART_TYPES.items()]
     return pa.schema(
         [
             ("caption_id", pa.string()),
@@ -114,6 +115,15 @@ def caption_index(text) -> pa.Schema:
             ("encode_id", pa.string()),
         ]
     )
+
+
+def with_codecs(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with the codec columns of ``schema`` that it lacks, as raw (``""``): rows of an index written before
+    codecs (a known caption reused from an older generation) join a new index as what they are."""
+    for name in schema.names:
+        if name.endswith(f"_{codec.COLUMN}") and name not in table.column_names:
+            table = table.append_column(name, pa.array([""] * table.num_rows, pa.string()))
+    return table
 
 
 def to_ipc(table: pa.Table) -> bytes:
@@ -179,7 +189,7 @@ class Sink:
     def add(self, table: pa.Table) -> None:
         if not table.num_rows:
             return
-        table = table.select(self.schema.names).cast(self.schema)
+        table = with_codecs(table, self.schema).select(self.schema.names).cast(self.schema)
         self.files.update(table["file"].unique().to_pylist())
         self.writer.write_table(table)
         self.rows += table.num_rows

@@ -5,7 +5,9 @@ the right length, so the shape and NaN/Inf checks cannot see it, and reads take 
 parsing Parquet pages, so Parquet's own page checksums would not help either. So the writer takes a CRC-32 of every
 tensor's bytes as it wrote them into the file (:func:`rayflux.cache.shards.value_ranges`), the generation index keeps
 it beside the tensor's offset and length (``crc32``, ``ref_crc32``, ``<key>_crc32``), and every training read and
-``cache verify`` compare it.
+``cache verify`` compare it. A compressed text tensor's checksum is of its stored (compressed) bytes, compared before
+they are decoded (:mod:`rayflux.cache.codec`): damage is reported as damage, never as a decoder's failure, and a
+change the decoder would not notice is caught too.
 
 Why zlib's CRC-32: it ships with Python (no new dependency; any plain pyarrow reader can check a tensor with it),
 runs at 1-5 GB/s here (a 512 KiB bf16 latent in 0.1-0.4 ms; see BENCHMARKS.md, "Tensor checksums"), releases the GIL

@@ -153,12 +153,14 @@ def decode_planned(refs: str) -> list[PlannedSample]:
 
 
 class TextPart(NamedTuple):
-    """One named text tensor of a caption: its byte range, its shape and its checksum."""
+    """One named text tensor of a caption: its byte range, its shape, its checksum and how its stored bytes are
+    encoded (:mod:`rayflux.cache.codec`; ``""``: raw)."""
 
     offset: int
     length: int
     shape: list
     crc32: int
+    codec: str = ""
 
 
 class TextLocator(NamedTuple):

@@ -6,7 +6,8 @@ included: they are the next tensor of the same row, so they share the latent's G
 are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
 footer, no HEAD: the index gave the offsets and each file's size. Every tensor's bytes are compared with the checksum
 the writer recorded in the index (:mod:`rayflux.cache.integrity`: a changed tensor raises a CacheIntegrityError
-naming the file, the sample or caption and the byte range), and every row is checked against its batch's bucket
+naming the file, the sample or caption and the byte range) before a compressed text tensor is decoded
+(:mod:`rayflux.cache.codec`), and every row is checked against its batch's bucket
 before anything is stacked, so a bad cache raises a CacheShapeError naming bucket, sample, source and shapes.
 
 Each stacked batch also says what reading it cost: ``read_bytes`` fetched, ``read_requests`` sent (GETs; a span
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rayflux.cache import generations, integrity, ranges, shards, tensors
+from rayflux.cache import codec, generations, integrity, ranges, shards, tensors
 from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, decode_planned
 
 TEXT_CACHE_BYTES = 256 << 20
@@ -64,14 +65,19 @@ def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, in
     return data, fetched, requests
 
 
-def _array(data: bytes, dtype: str, shape, error, what: str, crc: int, at: tuple) -> np.ndarray:
-    """The tensor ``data`` checked: its length for ``shape``, then its checksum against the index's ``crc`` (``at``:
-    file, offset, tensor and generation, for the error), then finite values."""
+def _array(data: bytes, dtype: str, shape, error, what: str, crc: int, at: tuple, stored: str = codec.RAW):
+    """The tensor ``data``, stored by codec ``stored``, checked: a raw one's length for ``shape``, then the stored
+    bytes' checksum against the index's ``crc`` (``at``: file, offset, tensor and generation, for the error), then
+    a compressed one decoded to its raw size, then finite values."""
     want = tensors.nbytes(shape, dtype)
-    if len(data) != want:
+    if stored == codec.RAW and len(data) != want:
         raise error(f"{what} bytes for shape {tuple(int(s) for s in shape)}", want, len(data))
     file, offset, tensor, gen_dir = at
-    integrity.check(data, crc, file, offset, tensor, gen_dir)
+    integrity.check(data, crc, file, offset, tensor, gen_dir)  # before decoding: damage reads as damage
+    try:
+        data = codec.decode(data, stored, dtype, shape)
+    except codec.CodecError as exc:
+        raise error(f"{what} bytes for shape {tuple(int(s) for s in shape)}", f"{want} once decoded", str(exc))
     arr = tensors.from_bytes_numpy(data, dtype, shape)
     if not np.isfinite(arr).all():
         raise error(f"{what} values", "all finite", "NaN or Inf")
@@ -141,15 +147,12 @@ def stack_all(items: list[dict], stack) -> list[dict]:
         weights = json.loads(plan.item["weights"]) if "weights" in plan.item else None
         gen = generations.generation_number(plan.item["generation_dir"])
         row = stack(plan.item, gen, sids, samples, text, weights)
-        # What the batch fetched against the stored bytes of every tensor it uses (a cached caption's included).
-        dtypes = {
-            **{t.name: plan.layout.dtype_of(t) for t in plan.layout.samples},
-            **{t.name: plan.layout.dtype for t in plan.layout.text},
-        }
+        # What the batch fetched against the stored bytes of every tensor it uses (a cached caption's included;
+        # a compressed text tensor's stored bytes, not its raw size).
         used = sum(
-            tensors.nbytes(a.shape, dtypes[name])
-            for name, arrays in [*samples.items(), *text.items()]
-            for a in arrays or ()
+            sum(TensorRange(*r).length for r in s.ranges.values())
+            + sum(p.length for p in TextLocator.decode(s.text).parts)
+            for s in plan.samples
         )
         row.update(read_bytes=round(bytes_read[b]), read_requests=request_count[b], tensor_bytes=used)
         out.append(row)
@@ -206,7 +209,8 @@ def _text_arrays(s: PlannedSample, layout, raw: dict, local: dict, error, gen_di
                 raise error(f"{t.name} length", t.length, part.shape[0])
             what = f"{t.name} of caption {loc.caption_id}, used by sample {s.sample_id} ({s.source})"
             at = (loc.file, part.offset, what, gen_dir)
-            arrays[t.name] = _array(raw[(cid, t.name)], layout.dtype, part.shape, error, t.name, part.crc32, at)
+            data = raw[(cid, t.name)]
+            arrays[t.name] = _array(data, layout.dtype, part.shape, error, t.name, part.crc32, at, part.codec)
         local[cid] = arrays
         _keep_text(cid, arrays)
     return local[cid]

@@ -8,11 +8,15 @@ encodes (the layout's ``text``), each reshaped by its own shape columns: FLUX.1'
 stored as raw 16-bit patterns; see :func:`rayflux.cache.tensors.from_bytes_numpy`). Text embeddings live once per
 caption in the text shards; a sample row names its caption by ``caption_id``.
 
-Each row is its own Parquet row group, written uncompressed, without dictionaries, as one version-1 data page per
-tensor column, so a tensor's bytes are one contiguous range of the file. :func:`value_ranges` finds those ranges when
-a shard is written (and checks them byte for byte); the generation index records them, and training reads each
-row's tensors with one ranged GET and no footer. Each file also carries its :class:`ShardLayout` in the Parquet
-key-value metadata (key ``rayflux``), so a shard alone says what its buckets' latent shapes must be.
+A text tensor's value may be compressed (:mod:`rayflux.cache.codec`; the caption index's ``<key>_codec`` says how, and
+its length then differs from its shape's raw size); a latent's never is.
+
+Each row is its own Parquet row group, written without Parquet compression or dictionaries, as one version-1 data
+page per tensor column, so a tensor's stored bytes are one contiguous range of the file. :func:`value_ranges` finds
+those ranges when a shard is written (and checks them byte for byte); the generation index records them, and
+training reads each row's tensors with one ranged GET and no footer. Each file also carries its
+:class:`ShardLayout` in the Parquet key-value metadata (key ``rayflux``), so a shard alone says what its buckets'
+latent shapes must be.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rayflux import storage
-from rayflux.cache import integrity, tensors
+from rayflux.cache import codec, integrity, tensors
 from rayflux.cache.layout import (
     _SAMPLE_COLUMNS,
     SAMPLE_SCHEMA,
@@ -62,14 +66,22 @@ def _check_tensor(row: dict, col: str, shape, dtype: str, error, values: bool) -
         raise error(f"{col} values", "all finite", "NaN or Inf")
 
 
-def check_text(row: dict, layout: ShardLayout, error, values: bool = True) -> None:
-    """Check a row's text columns (a sample row's copy or a text-table row) against ``layout``."""
+def check_text(row: dict, layout: ShardLayout, error, values: bool = True, codecs: dict | None = None) -> None:
+    """Check a row's text columns (a sample row's copy or a text-table row) against ``layout``; ``codecs``: how each
+    tensor's bytes are stored, by name (the caption index's; none: raw), decoded before they are checked."""
     if row["text_dtype"] != layout.dtype:
         raise error("text dtype", layout.dtype, row["text_dtype"])
     for t in layout.text:
         if t.length and row[t.dims[0]] != t.length:
             raise error(f"{t.name} length", t.length, row[t.dims[0]])
-        _check_tensor(row, t.name, tuple(row[d] for d in t.dims), layout.dtype, error, values)
+        shape = tuple(row[d] for d in t.dims)
+        stored = (codecs or {}).get(t.name, codec.RAW)
+        if stored != codec.RAW and row[t.name] is not None:
+            try:
+                row = {**row, t.name: codec.decode(row[t.name], stored, layout.dtype, shape)}
+            except codec.CodecError as exc:
+                raise error(f"{t.name} bytes ({stored})", f"{tensors.nbytes(shape, layout.dtype)} once decoded", exc)
+        _check_tensor(row, t.name, shape, layout.dtype, error, values)
 
 
 def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values: bool = True) -> None:
@@ -109,7 +121,8 @@ def encode_table(table: pa.Table, layout: ShardLayout | None = None) -> bytes:
         table,
         buf,
         row_group_size=1,
-        # Tensor bytes do not compress; dictionaries and min/max statistics would store them again.
+        # Latents do not compress and text tensors come compressed (rayflux.cache.codec) when that pays: Parquet's own
+        # compression would split no range and gain nothing; dictionaries and statistics would store them again.
         compression="none",
         use_dictionary=[c for c in _STRING_COLUMNS if c in table.column_names],
         write_statistics=[c for c in _STATS_COLUMNS if c in table.column_names],

@@ -8,7 +8,8 @@ generation that was never committed), 2 for usage errors. Directories without a 
 listed: readers ignore them, and so does the exit status.
 
 Checks: every listed file exists with its recorded size, schema, layout and row count; every row has its bucket's
-latent shape and dtype, byte lengths that match its shape columns, finite values, and the crop and sample id that
+latent shape and dtype, byte lengths that match its shape columns (a compressed text tensor's once decoded by the
+codec its caption index row names, :mod:`rayflux.cache.codec`), finite values, and the crop and sample id that
 :func:`rayflux.buckets.plan` gives for it; the generation index has one row per sample (ids unique) and per caption,
 each pointing into a file the generation owns or lists as borrowed, at exactly its tensor's bytes (checked against
 the file's own Parquet metadata and rows), whose checksum is still the one its writer recorded (see
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayflux import buckets, storage
-from rayflux.cache import generations, index, integrity, shards
+from rayflux.cache import codec, generations, index, integrity, shards
 from rayflux.cache.manifest import Manifest
 from rayflux.cache.prepare import sample_id
 
@@ -108,14 +109,29 @@ class _Checker:
             self.problem(f"{entry['path']}: unreadable Parquet: {type(exc).__name__}: {exc}")
 
     def check_text(self) -> None:
+        codecs = self._text_codecs()
         for entry in self.m.shard_files("text"):
-            for _, table, _ in self._row_groups(entry, "text"):
-                for i, row in enumerate(table.to_pylist()):
+            file = f"{self.name}/{entry['path']}"
+            for i, table, _ in self._row_groups(entry, "text"):
+                for row in table.to_pylist():
                     where = f"{entry['path']}: caption {row['caption_id']}"
                     try:
-                        shards.check_text(row, self.layout, _plain_error, values=not self.quick)
+                        stored = codecs.get((file, i))
+                        shards.check_text(row, self.layout, _plain_error, values=not self.quick, codecs=stored)
                     except shards.CacheShapeError as exc:
                         self.problem(f"{where}: {exc}")
+
+    def _text_codecs(self) -> dict[tuple[str, int], dict[str, str]]:
+        """How each indexed text row's tensors are stored, by (index-style file, row): the caption index's codec
+        columns (none in an index written before them: raw). An unreadable index is check_index's finding."""
+        try:
+            captions = index.read(self.m, "captions").to_pylist()
+        except Exception:  # noqa: BLE001
+            return {}
+        return {
+            (c["file"], c["row"]): {t.name: c.get(f"{t.key}_{codec.COLUMN}") or codec.RAW for t in self.layout.text}
+            for c in captions
+        }
 
     def check_samples(self) -> None:
         seen: set[str] = set()

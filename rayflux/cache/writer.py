@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from rayflux import storage
-from rayflux.cache import index, shards
+from rayflux.cache import codec, index, shards
 from rayflux.cache import layout as sample_layout
 from rayflux.testing.faults import kill_point
 
@@ -74,6 +74,7 @@ def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation
     error = _checked(rows, layout)
     if error:
         return _meta(error=error, encoded=0, index=b"")
+    codecs = _compress_text(rows, layout)  # after the checks, which look at the raw values
     path, nbytes, _, ranges = _write(rows, out_dir, layout, build)
     file = index.relative(out_dir, path)
     dims = [d for t in layout.text for d in t.dims]
@@ -83,9 +84,22 @@ def write_text(batch: dict, out_dir: str, layout: shards.ShardLayout, generation
         entry.update(file=file, file_bytes=nbytes, row=i, generation=generation)
         for t in layout.text:
             entry[f"{t.key}_offset"], entry[f"{t.key}_length"], entry[f"{t.key}_crc32"] = ranges[t.name][i]
+            entry[f"{t.key}_{codec.COLUMN}"] = codecs[i][t.name]
         entries.append(entry)
     table = pa.Table.from_pylist(entries, schema=index.caption_index(layout.text))
     return _meta(path, len(rows), nbytes, encoded=len(rows), index=index.to_ipc(table))
+
+
+def _compress_text(rows: list[dict], layout: shards.ShardLayout) -> list[dict[str, str]]:
+    """Replace each row's text tensors by their stored bytes (:func:`rayflux.cache.codec.encode`: compressed where
+    that is smaller); return each row's codec per tensor name, for its index row."""
+    codecs = []
+    for row in rows:
+        used = {}
+        for t in layout.text:
+            row[t.name], used[t.name] = codec.encode(row[t.name], layout.dtype)
+        codecs.append(used)
+    return codecs
 
 
 def _index_row(batch: dict, i: int) -> dict:

@@ -105,7 +105,7 @@ def _order(key: str) -> tuple[str, str]:
 
 def index_samples(manifest: dict) -> list[SampleRef]:
     """Every sample of a committed generation, from its index (two Parquet reads, whatever the sample count)."""
-    from rayflux.cache import index
+    from rayflux.cache import codec, index
     from rayflux.cache.manifest import Manifest
 
     manifest = Manifest.of(manifest)
@@ -119,8 +119,15 @@ def index_samples(manifest: dict) -> list[SampleRef]:
 
     text = {}
     for c in index.read(manifest, "captions").to_pylist():
+        # An index written before codecs has no codec columns: its tensors are raw.
         parts = [
-            TextPart(c[f"{t.key}_offset"], c[f"{t.key}_length"], [c[d] for d in t.dims], c[f"{t.key}_crc32"])
+            TextPart(
+                c[f"{t.key}_offset"],
+                c[f"{t.key}_length"],
+                [c[d] for d in t.dims],
+                c[f"{t.key}_crc32"],
+                c.get(f"{t.key}_{codec.COLUMN}") or "",
+            )
             for t in layout.text
         ]
         text[c["caption_id"]] = TextLocator(full(c["file"]), c["file_bytes"], c["caption_id"], parts).encode()
