@@ -60,22 +60,10 @@ def _items(paths: dict, sizes: dict, ranges: dict, res: int, layout: str) -> lis
     ):
         parts = [[t_off, t_n, [512, 4096], t_crc], [c_off, c_n, [768], c_crc]]
         loc = json.dumps([paths["text"], sizes["text"], f"caption-{i}", parts])
-        ref = [
-            paths["samples"],
-            i,
-            f"s{i}",
-            off,
-            n,
-            sizes["samples"],
-            f"16,{res // 8},{res // 8}",
-            "bench",
-            loc,
-            0,
-            0,
-            0,
-            crc,
-            0,
-        ]
+        # A PlannedSample (rayflux.cache.layout): file, row, id, file size, latent shape, source, text, refs,
+        # and {name: [offset, length, crc32]} of each declared sample tensor (here the latent alone).
+        ref = [paths["samples"], i, f"s{i}", sizes["samples"], f"16,{res // 8},{res // 8}", "bench", loc, 0]
+        ref.append({"latent": [off, n, crc], "ref_latent": [0, 0, 0], "mask": [0, 0, 0]})  # optional, absent
         items.append(
             {
                 "bucket": f"{res}x{res}",
