@@ -90,7 +90,7 @@ def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -
     m = run_measured(argv, env, code, out.parent / f"{out.name}.log", timeout)
     if m.returncode != 0:
         raise SystemExit(f"job failed ({' '.join(settings)}): {m.tail}")
-    saved = {"launch": m.launch, "exit": m.exit, "cpu": m.cpu, "lines": m.lines}
+    saved = {"launch": m.launch, "exit": m.exit, "cpu": m.cpu, "cpu_rusage": m.cpu_rusage, "lines": m.lines}
     (out.parent / f"{out.name}.times.json").write_text(json.dumps(saved))
     return read_run(out)
 

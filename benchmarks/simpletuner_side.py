@@ -130,6 +130,7 @@ def run_simpletuner(python: Path, work: Path, images: Path, cache: Path, out: Pa
         "launch": m.launch,
         "exit": m.exit,
         "cpu": m.cpu,
+        "cpu_rusage": m.cpu_rusage,
         "lines": m.lines,
         "cache_bytes": tree_bytes(cache, *bucket_metadata(images)),
     }
