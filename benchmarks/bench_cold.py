@@ -188,8 +188,6 @@ def main() -> int:
     ]
     codes = [ROOT, *[c.resolve() for c in args.code]]
     results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
-    if args.source:
-        return report_from(args.source, codes, results, args)
     st = None
     if args.simpletuner:
         from simpletuner_side import SimpleTunerSide
@@ -197,6 +195,8 @@ def main() -> int:
         from rayflux.testing.tiny import ensure_tiny_model
 
         st = SimpleTunerSide(args.simpletuner, work, images, ensure_tiny_model(), args.resolution, args.steps)
+    if args.source:
+        return report_from(args.source, codes, results, args, st)
     for r in range(args.rounds):
         print(f"round {r}: load average {os.getloadavg()}", flush=True)
         sides = [*codes, *([st] if st else [])]

@@ -103,7 +103,6 @@ def main() -> None:
     sys.meta_path.insert(0, _PatchTorchaudioLoader())
     _stub_skrample_if_it_cannot_compile()
     _pin_memory_without_cuda()
-    sys.argv = [sys.argv[0], *sys.argv[1:]]
     runpy.run_module("simpletuner.train", run_name="__main__", alter_sys=True)
 
 
