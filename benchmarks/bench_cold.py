@@ -3,6 +3,7 @@ cache) and warm (the cache reused), and the wall time each extra training step a
 
     python benchmarks/bench_cold.py [--images 32] [--resolution 256] [--steps 40] [--rounds 3]
                                     [--code DIR ...] [--slope 8] [--from WORK_DIR]
+                                    [--simpletuner PYTHON] [--cold-only]
 
 The job as a user runs it with its defaults except: ``--images`` generated captioned images (the demo's shapes and
 sizes, repeated), ``data.resolution``, ``train.max_steps``, one worker, ``run.ray_address=local`` (its own Ray).
@@ -14,8 +15,13 @@ seconds are from the process's launch.
 and prints each one's median end-to-end time and its ratio to the first (older checkouts have no phase marks; their
 totals still compare). ``--slope N``: also time each code's train stage with ``train.max_steps=N`` on the warm cache,
 so ``(stage(steps) - stage(N)) / (steps - N)`` is the wall each extra step adds, against the step log's mean
-``step_time``. No SimpleTuner side yet: it needs Python 3.12 or later, which this project's machines cannot
-install (BENCHMARKS.md, "Cold start and fixed overhead").
+``step_time``.
+
+``--simpletuner PYTHON`` also runs SimpleTuner 4.10.1 on the same images under that interpreter (its venv and what
+is configured alike: :mod:`simpletuner_side`), alternating with this tree within every round, and prints each
+measure's median per side and the per-round ratio rayflux ÷ SimpleTuner. ``--cold-only`` skips the warm runs. Every
+run is measured by :mod:`proctree`: wall to exit, CPU seconds of the whole process tree (orphaned helpers reaped),
+terminal lines; cache bytes per image after the cold run. CI never runs the SimpleTuner side.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from proctree import run_measured, tree_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +68,8 @@ PHASES = [
 
 def write_images(path: Path, n: int) -> Path:
     """``n`` captioned demo images (the demo's 8 sizes, repeated; distinct seeds, so distinct pictures)."""
-    from rayflux.testing.images import DEMO_SIZES, write_images as write
+    from rayflux.testing.images import DEMO_SIZES
+    from rayflux.testing.images import write_images as write
 
     if not (path / ".complete").exists():
         path.mkdir(parents=True, exist_ok=True)
@@ -73,18 +80,18 @@ def write_images(path: Path, n: int) -> Path:
 
 
 def run_job(code: Path, out: Path, settings: list[str], timeout: float = 1800) -> dict:
-    """Run ``code``'s job into ``out``; the named Unix times of its phases, ``steps`` and ``step_time``."""
+    """Run ``code``'s job into ``out``; the named Unix times of its phases, ``steps``, ``step_time``, and its whole
+    process tree's ``cpu`` seconds and terminal ``lines`` (:mod:`proctree`)."""
     marks = out.parent / f"{out.name}.phases.jsonl"
     argv = [sys.executable, str(code / "jobs" / "train_flux.py")]
     for s in [f"run.output_dir={out}", *settings]:
         argv += ["--set", s]
     env = {**os.environ, "PYTHONPATH": str(code), "TRANSFORMERS_VERBOSITY": "error", "RAYFLUX_PHASES": str(marks)}
-    t0 = time.time()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=code)
-    t1 = time.time()
-    if proc.returncode != 0:
-        raise SystemExit(f"job failed ({' '.join(settings)}): {proc.stderr[-3000:]}")
-    (out.parent / f"{out.name}.times.json").write_text(json.dumps({"launch": t0, "exit": t1}))
+    m = run_measured(argv, env, code, out.parent / f"{out.name}.log", timeout)
+    if m.returncode != 0:
+        raise SystemExit(f"job failed ({' '.join(settings)}): {m.tail}")
+    saved = {"launch": m.launch, "exit": m.exit, "cpu": m.cpu, "cpu_rusage": m.cpu_rusage, "lines": m.lines}
+    (out.parent / f"{out.name}.times.json").write_text(json.dumps(saved))
     return read_run(out)
 
 
@@ -153,6 +160,14 @@ def main() -> int:
     ap.add_argument("--slope", type=int, default=0, help="also time train.max_steps=N runs on the warm cache")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument(
+        "--simpletuner",
+        type=Path,
+        default=None,
+        metavar="PYTHON",
+        help="also run SimpleTuner under this interpreter, alternating with rayflux (simpletuner_side.py)",
+    )
+    ap.add_argument("--cold-only", action="store_true", help="no warm runs (with --simpletuner: the 200-image check)")
+    ap.add_argument(
         "--from",
         dest="source",
         type=Path,
@@ -173,41 +188,54 @@ def main() -> int:
     ]
     codes = [ROOT, *[c.resolve() for c in args.code]]
     results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
+    st = None
+    if args.simpletuner:
+        from simpletuner_side import SimpleTunerSide
+
+        from rayflux.testing.tiny import ensure_tiny_model
+
+        st = SimpleTunerSide(args.simpletuner, work, images, ensure_tiny_model(), args.resolution, args.steps)
     if args.source:
-        return report_from(args.source, codes, results, args)
+        return report_from(args.source, codes, results, args, st)
     for r in range(args.rounds):
-        for i, code in enumerate(codes if r % 2 == 0 else codes[::-1]):
-            tag = f"r{r}-c{codes.index(code)}"
-            cache = work / f"cache-{tag}"
-            res = results[str(code)]
-            res["cold"].append(
-                run_job(code, work / f"cold-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={args.steps}"])
-            )
-            res["warm"].append(
-                run_job(code, work / f"warm-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={args.steps}"])
-            )
-            if args.slope:
-                res["short"].append(
-                    run_job(
-                        code, work / f"short-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={args.slope}"]
-                    )
-                )
-            shutil.rmtree(cache, ignore_errors=True)
-            c, w = res["cold"][-1], res["warm"][-1]
-            print(
-                f"round {r} {code}: cold {c['exit'] - c['launch']:.1f}s, warm {w['exit'] - w['launch']:.1f}s",
-                flush=True,
-            )
+        print(f"round {r}: load average {os.getloadavg()}", flush=True)
+        sides = [*codes, *([st] if st else [])]
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            if side is st:
+                st.run_round(f"r{r}", args.cold_only)
+            else:
+                run_round(side, codes.index(side), r, work, common, results[str(side)], args)
     report(codes, results, args)
+    if st:
+        from simpletuner_side import side_by_side
+
+        side_by_side(results[str(ROOT)], st.runs, args.images)
     print(f"load average at the end: {os.getloadavg()}")
     return 0
 
 
-def report_from(work: Path, codes: list[Path], results: dict, args) -> int:
+def run_round(code: Path, c: int, r: int, work: Path, common: list[str], res: dict, args) -> None:
+    """One round of ``code``'s runs: cold (an empty cache), then warm and, with ``--slope``, short on its cache."""
+    tag = f"r{r}-c{c}"
+    cache = work / f"cache-{tag}"
+    kinds = [("cold", args.steps)] + ([] if args.cold_only else [("warm", args.steps)])
+    for kind, steps in kinds + ([("short", args.slope)] if args.slope else []):
+        res[kind].append(
+            run_job(code, work / f"{kind}-{tag}", [*common, f"cache.dir={cache}", f"train.max_steps={steps}"])
+        )
+    res["cold"][-1]["cache_bytes"] = tree_bytes(cache)
+    saved = work / f"cold-{tag}.times.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "cache_bytes": res["cold"][-1]["cache_bytes"]}))
+    shutil.rmtree(cache, ignore_errors=True)
+    line = ", ".join(f"{k} {res[k][-1]['exit'] - res[k][-1]['launch']:.1f}s" for k, _ in kinds)
+    print(f"round {r} {code}: {line}", flush=True)
+
+
+def report_from(work: Path, codes: list[Path], results: dict, args, st=None) -> int:
     """Report on the finished runs under ``work`` (``<kind>-r<round>-c<code>``, code as ordered by ``--code``); a
     round is used only when all its runs finished. Runs without a saved launch time have no end-to-end rows."""
     rounds = sorted({int(p.name.split("-")[1][1:]) for p in work.glob("cold-r*-c*") if p.is_dir()})
-    kinds = ["cold", "warm"] + (["short"] if args.slope else [])
+    kinds = ["cold"] + ([] if args.cold_only else ["warm"]) + (["short"] if args.slope else [])
     for r in rounds:
         outs = {(k, c): work / f"{k}-r{r}-c{c}" for k in kinds for c in range(len(codes))}
         if not all((o / "ledger.json").exists() and (o / "metrics").exists() for o in outs.values()):
@@ -220,6 +248,11 @@ def report_from(work: Path, codes: list[Path], results: dict, args) -> int:
             results[str(codes[c])][k].append(run)
     args.rounds = len(results[str(codes[0])]["cold"])
     report(codes, results, args)
+    if st:
+        from simpletuner_side import side_by_side
+
+        st.load(work)
+        side_by_side(results[str(ROOT)], st.runs, args.images)
     return 0
 
 
