@@ -79,6 +79,36 @@ def read_paths(proxy, args) -> None:
         )
 
 
+def _run_record(cfg, summary) -> dict:
+    """What two runs are compared on: the committed samples (id and stored checksums), the train stage's ledger
+    entries and the step log's losses."""
+    from rayflux import storage
+    from rayflux.cache import generations, index
+    from rayflux.train import metrics
+
+    manifest = generations.load_manifest(summary.cache_dir)
+    samples = sorted(
+        (r["sample_id"], *(v for k, v in sorted(r.items()) if k.endswith("crc32")))
+        for r in index.read(manifest, "samples").to_pylist()
+    )
+    out = cfg.run.output_dir
+    stages = json.loads(storage.read_bytes(storage.join(out, "ledger.json")))["stages"]
+    losses = [(s["step"], s["loss"]) for s in metrics.read_steps(out)]
+    return {"samples": samples, "stages": stages, "losses": losses}
+
+
+def _compare(clean: dict, faulted: dict) -> None:
+    """Where a faulted run departs from the clean one: its committed samples, its train stages, its first loss."""
+    rows = {"same_samples": clean["samples"] == faulted["samples"], "samples": len(clean["samples"])}
+    rows["faulted_stages"] = [
+        {k: v for k, v in s.items() if k in ("name", "status", "attempt", "error", "reused")} for s in faulted["stages"]
+    ]
+    first = next((i for i, (x, y) in enumerate(zip(clean["losses"], faulted["losses"])) if x != y), None)
+    rows["first_loss_difference"] = None if first is None else [clean["losses"][first], faulted["losses"][first]]
+    rows["steps"] = [len(clean["losses"]), len(faulted["losses"])]
+    print(json.dumps(rows, default=str), flush=True)
+
+
 def whole_job(proxy, args) -> None:
     import ray
     import torch
@@ -106,7 +136,7 @@ def whole_job(proxy, args) -> None:
         "cache.refresh=never",
         f"train.checkpoint_every={max(steps // 10, 1)}",
     ]
-    loras = {}
+    loras, runs = {}, {}
     for name, rate in (("clean", 0.0), (f"{args.rate:.0%} 503s", args.rate)):
         proxy.faults(rate=rate, seed=1)
         cfg = config.load(None, sets + [f"run.output_dir={bucket}/run-{len(loras)}"])
@@ -114,8 +144,10 @@ def whole_job(proxy, args) -> None:
             summary, rec = _counted(proxy, lambda: job.run(cfg, only=only))
             print(json.dumps({"run": name, "phase": phase, "images": args.images, **rec}), flush=True)
         loras[name] = load(storage.read_bytes(summary.lora_path))
+        runs[name] = _run_record(cfg, summary)
     a, b = loras.values()
     print(json.dumps({"same_lora": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)}), flush=True)
+    _compare(*runs.values())
     ray.shutdown()
 
 
