@@ -170,9 +170,6 @@ def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
             mode="min",
             num_samples=sweep.num_samples,
             max_concurrent_trials=sweep.max_concurrent,
-            # A finished trial's process runs the next one: no new process, no second import of torch and the
-            # job's modules (every trial asks the same resources: sweep.trial_cpus).
-            reuse_actors=True,
             scheduler=_scheduler(cfg, sweep),
             trial_dirname_creator=lambda t: t.trial_id,  # results.row finds a trial's run directory by it
         ),
