@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rayflux.cache import codec, generations, index, shards, tensors, verify
+from rayflux.cache import codec, generations, index, tensors, verify
+from rayflux.testing.raw_text import rewrite_without_codecs
 from rayflux.train import batching
 from rayflux.train.captions import load_empty
 
@@ -83,42 +84,9 @@ def test_compressed_text_tensors_read_back_bit_for_bit_as_the_encoder_made_them(
     assert empty.text["t5"].numpy().tobytes() == made[manifest["empty_caption"]["caption_id"]][0]
 
 
-def _as_written_before_codecs(gen) -> None:
-    """Turn a copy of a generation into what rayflux wrote before codecs: raw text tensors in the text shards, a
-    caption index without codec columns, the manifest's sizes and empty caption to match."""
-    path = gen / generations.MANIFEST
-    manifest = json.loads(path.read_text())
-    layout = shards.ShardLayout(**{**manifest["layout"], "kind": "text"})
-    entry = manifest["index"]["captions"]
-    old = pq.read_table(gen / entry["path"]).to_pylist()
-    by_row = {(c["file"], c["row"]): c for c in old}
-    for f in manifest["text_files"]:
-        rows = pq.read_table(gen / f["path"]).to_pylist()
-        file = f"{gen.name}/{f['path']}"
-        for i, row in enumerate(rows):
-            c = by_row[(file, i)]
-            for t in layout.text:
-                shape = tuple(row[d] for d in t.dims)
-                row[t.name] = codec.decode(row[t.name], c.pop(f"{t.key}_codec"), layout.dtype, shape)
-        data = shards.encode_table(pa.Table.from_pylist(rows, schema=layout.schema()), layout)
-        (gen / f["path"]).write_bytes(data)
-        f["bytes"] = len(data)
-        ranges = shards.value_ranges(data, layout.tensor_columns)
-        for i in range(len(rows)):
-            c = by_row[(file, i)]
-            c["file_bytes"] = len(data)
-            for t in layout.text:
-                c[f"{t.key}_offset"], c[f"{t.key}_length"], c[f"{t.key}_crc32"] = ranges[t.name][i]
-    schema = pa.schema([fld for fld in index.caption_index(layout.text) if not fld.name.endswith("_codec")])
-    pq.write_table(pa.Table.from_pylist(old, schema=schema), gen / entry["path"])
-    entry["bytes"] = (gen / entry["path"]).stat().st_size
-    manifest["empty_caption"] = next(c for c in old if c["caption"] == "")
-    path.write_text(json.dumps(manifest))
-
-
 def test_a_cache_written_before_codecs_still_reads_verifies_and_joins_a_new_index(built, tmp_path):
     gen = cache_sets.copy_generation(built, tmp_path)
-    _as_written_before_codecs(gen)
+    rewrite_without_codecs(gen)  # raw text, no codec columns, as written before codecs
     manifest = generations.load_manifest(str(gen))
     captions = index.read(manifest, "captions")
     assert not [n for n in captions.column_names if n.endswith("_codec")]
