@@ -8,9 +8,9 @@ has no such column: every tensor in it is raw.
 
 Why byte shuffling: a float's bytes differ in how much they vary. Grouping each value's first bytes together, then
 its second bytes, and so on, puts the sign and exponent bytes (few distinct values across a tensor) into long runs
-zstd folds, while the low mantissa bytes stay as they are. On the tiny FLUX.1's float32 T5 embeddings it took zstd
-from 0.89 to 0.55 of the raw size; the latents gained under 10% and are read every step, so they stay raw
-(BENCHMARKS.md, "Cache storage"). Why pyarrow's zstd: pyarrow is already a dependency, and any plain pyarrow reader
+zstd folds, while the low mantissa bytes stay as they are. On the tiny FLUX.1's float32 per-token text
+embeddings it took zstd from 0.89 to 0.55 of the raw size; the latents gained under 10% and are read every step,
+so they stay raw (BENCHMARKS.md, "Cache storage"). Why pyarrow's zstd: pyarrow is already a dependency, and any plain pyarrow reader
 can undo it:
 
     raw = pyarrow.Codec("zstd").decompress(stored, nbytes, asbytes=True)
@@ -33,8 +33,8 @@ SHUFFLE_ZSTD = "shuffle-zstd"
 """Byte-shuffled by significance (``itemsize`` planes), then one zstd frame."""
 CODECS = (RAW, SHUFFLE_ZSTD)
 LEVEL = 3
-"""zstd level: levels 1 to 9 stored the tiny T5 embeddings at 0.56 to 0.54 of their raw size (19: 0.51, at many
-times the write time); 3 is zstd's own default (pyarrow's is 1)."""
+"""zstd level: levels 1 to 9 stored the tiny FLUX.1's per-token text embeddings at 0.56 to 0.54 of their raw size
+(19: 0.51, at many times the write time); 3 is zstd's own default (pyarrow's is 1)."""
 
 _zstd = pa.Codec("zstd", LEVEL)
 
@@ -55,7 +55,7 @@ def unshuffle(planes, itemsize: int) -> bytes:
 
 def encode(raw: bytes, dtype: str) -> tuple[bytes, str]:
     """``(stored bytes, codec)`` of one text tensor's raw bytes: shuffled and compressed when that is smaller, else
-    the raw bytes themselves (a 32-value CLIP embedding does not shrink)."""
+    the raw bytes themselves (a 32-value pooled embedding does not shrink)."""
     itemsize = tensors.ITEMSIZE[dtype]
     if not raw or len(raw) % itemsize:
         return raw, RAW
