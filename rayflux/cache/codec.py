@@ -10,8 +10,8 @@ Why byte shuffling: a float's bytes differ in how much they vary. Grouping each 
 its second bytes, and so on, puts the sign and exponent bytes (few distinct values across a tensor) into long runs
 zstd folds, while the low mantissa bytes stay as they are. On the tiny FLUX.1's float32 per-token text
 embeddings it took zstd from 0.89 to 0.55 of the raw size; the latents gained under 10% and are read every step,
-so they stay raw (BENCHMARKS.md, "Cache storage"). Why pyarrow's zstd: pyarrow is already a dependency, and any plain pyarrow reader
-can undo it:
+so they stay raw (BENCHMARKS.md, "Cache storage"). Why pyarrow's zstd: pyarrow is already a dependency, and any
+plain pyarrow reader can undo it:
 
     raw = pyarrow.Codec("zstd").decompress(stored, nbytes, asbytes=True)
     values = np.frombuffer(raw, np.uint8).reshape(itemsize, -1).T.tobytes()   # then np.frombuffer(values, dtype)
