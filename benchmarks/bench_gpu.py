@@ -130,6 +130,8 @@ T5_XXL = {
     "feed_forward_proj": "gated-gelu",
     "is_encoder_decoder": False,
 }
+SECTIONS = ("lora", "encoders", "job")
+"""The sections, in their default order: the LoRA step (with the bare step), the encoders, the job."""
 JOB_IMAGES = 8
 """Square images the job section caches and trains on: 8 steps an epoch on one worker at batch 1."""
 CLIP_L = {
@@ -476,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--skip-job", action="store_true", help="leave out the job section")
     ap.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="sections to run, in this order (default: all, as listed); a lent GPU's minutes may not cover them all",
+    )
+    ap.add_argument(
         "--job-blocks",
         default="19,38",
         metavar="D,S",
@@ -520,22 +529,28 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
     results = {"device": name, "peak_tflops": peak, "lora_step": []}
-    for model in args.models:
-        tc, base_dtype, grid = models[model]
-        results["lora_step"] += lora_steps(model, tc, base_dtype, device, grid, steps, peak)
-    if device.type == "cuda" and torch.cuda.device_count() > 1:
-        # One process drives one GPU here; a sharded base needs one Ray Train worker per GPU (the job itself).
-        results["skipped"] = ["flux2-dev with train.base_sharding=node: not measured by this one-process script"]
-    results["vae"] = [vae_encode(vae_cfg, device, vae_px, 8, steps, p) for p in (1, vae_procs)]
-    results["text"] = text_encode(t5_cfg, clip_cfg, device, 16, text_len, steps)
-    if not args.skip_job:
-        work = Path(tempfile.mkdtemp(prefix="bench-gpu-job-"))
-        try:
-            results["job"] = job_section(
-                job_spec(blocks, args.dry_run), 64 if args.dry_run else 512, job_steps, device, work, args.job_model
-            )
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    for section in [s for s in args.sections if not (s == "job" and args.skip_job)]:
+        if section == "lora":
+            for model in args.models:
+                tc, base_dtype, grid = models[model]
+                results["lora_step"] += lora_steps(model, tc, base_dtype, device, grid, steps, peak)
+            if device.type == "cuda" and torch.cuda.device_count() > 1:
+                # One process drives one GPU here; a sharded base needs one Ray Train worker per GPU (the job itself).
+                results["skipped"] = [
+                    "flux2-dev with train.base_sharding=node: not measured by this one-process script"
+                ]
+        elif section == "encoders":
+            results["vae"] = [vae_encode(vae_cfg, device, vae_px, 8, steps, p) for p in (1, vae_procs)]
+            results["text"] = text_encode(t5_cfg, clip_cfg, device, 16, text_len, steps)
+            print(json.dumps({"vae": results["vae"], "text": results["text"]}), flush=True)
+        else:
+            work = Path(tempfile.mkdtemp(prefix="bench-gpu-job-"))
+            try:
+                results["job"] = job_section(
+                    job_spec(blocks, args.dry_run), 64 if args.dry_run else 512, job_steps, device, work, args.job_model
+                )
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({k: results[k] for k in ("device", "vae", "text", "job") if k in results}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -20,7 +20,7 @@ from rayflux import datasets, families, gpu_memory, models, phases
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
-from rayflux.train import base_weights, ema, kohya, lora, optim, shard_load, sharding, step
+from rayflux.train import attention, base_weights, ema, kohya, lora, optim, shard_load, sharding, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class LoraTrainer:
         torch.manual_seed(t.seed)
         base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
         optim.check_worker(t.optimizer, self.device)  # likewise: CUDA for 8-bit AdamW, the optimizer's package
+        attention.exclude_faulting_kernels(self.device)
         self.text_length = text_length or models.model_facts(cfg.model).text_length
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
         self.layout: sharding.Layout | None = None
