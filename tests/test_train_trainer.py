@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import train_data
+from rayflux import phases
 from rayflux.cache import shards, tensors
 from rayflux.families import flux1
 from rayflux.discovery.caption_hash import caption_id
-from rayflux import phases
 from rayflux.train import captions, checkpoint, lora, step
 from rayflux.train.feed import FirstRow
 from rayflux.train.trainer import LoraTrainer
