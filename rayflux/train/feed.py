@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ray.train import DataConfig
 
@@ -133,7 +133,7 @@ class FirstRow:
     LR schedule). The caller's thread takes every later row from the same iterator, after :meth:`get`.
     """
 
-    def __init__(self, rows: Iterator[dict], on_read=None):
+    def __init__(self, rows: Iterator[dict], on_read: Callable[[], None] | None = None):
         self._rows, self._on_read = rows, on_read
         self._out: dict = {}
         self._thread = threading.Thread(target=self._read, name="rayflux-first-read", daemon=True)

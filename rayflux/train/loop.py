@@ -395,7 +395,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ahead = FirstRow(rows, on_read=lambda: phases.mark("first_read_end"))  # read while the model loads
     try:
         run = _Run(w, ahead)
-    except _NothingLeft:
+    except _NothingLeft:  # known only once the model has loaded: a rerun past this segment's end, which is rare
         log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.epochs)
         return
     first = run.first
