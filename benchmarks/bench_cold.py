@@ -56,6 +56,7 @@ PHASES = [
     ("read -> model load", "first_read_end", "model_load_start"),
     ("model load + LoRA", "model_load_start", "model_load_end"),
     ("first step", "model_load_end", "step_end"),
+    ("worker start -> first step (the read and the load overlap)", "worker_start", "step_end"),
     ("remaining steps", "step_end", "last_step_end"),
     ("after the last step: fit's end", "last_step_end", "train_end"),
     ("export", "export_start", "export_end"),

@@ -1,15 +1,19 @@
 """The trainer in-process (no Ray): the step's options, gradient checkpointing, precision and exact resume."""
 
 import dataclasses
+import json
+import time
 
 import pytest
 import torch
 
 import train_data
+from rayflux import phases
 from rayflux.cache import shards, tensors
 from rayflux.families import flux1
 from rayflux.discovery.caption_hash import caption_id
 from rayflux.train import captions, checkpoint, lora, step
+from rayflux.train.feed import FirstRow
 from rayflux.train.trainer import LoraTrainer
 
 FULL = (
@@ -166,3 +170,27 @@ def test_the_memory_estimate_uses_the_text_length_the_driver_passes(tiny_model):
     per_token *= cfg.train.batch_size * 4
     assert given.memory.activations == gpu_memory.tokens(pixels, 7) * per_token  # fp32 activations on CPU
     assert read.memory.activations == gpu_memory.tokens(pixels, length) * per_token
+
+
+def test_the_model_loads_while_the_first_batch_is_still_being_read(tiny_model, tmp_path, monkeypatch):
+    """The training loop's feed start overlaps the model load: the first planned row, read by a thread of its own
+    (``FirstRow``), arrives here only once the model is loaded, and the trainer's LR horizon is still that row's."""
+    marks = tmp_path / "phases.jsonl"
+    monkeypatch.setenv(phases.ENV, str(marks))
+
+    def rows():  # a read that ends only after the model has loaded; one after the other, it would wait its bound out
+        end = time.monotonic() + 120
+        while time.monotonic() < end and "model_load_end" not in (marks.read_text() if marks.exists() else ""):
+            time.sleep(0.05)
+        phases.mark("first_read_end")
+        yield {"total_steps": 3}
+
+    ahead = FirstRow(rows())
+    cfg = train_data.job(tiny_model, "train.lr_scheduler=linear")
+    trainer = LoraTrainer(cfg, "cpu", total_steps=lambda: ahead.get()["total_steps"])
+    order = [json.loads(x)["phase"] for x in marks.read_text().splitlines()]
+    assert order == ["model_load_start", "model_load_end", "first_read_end"]
+    for _ in range(3):
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    assert trainer.scheduler.get_last_lr()[0] == 0.0  # the linear schedule ends at the row's 3 steps

@@ -19,6 +19,8 @@ the very checkpoint the plan was cut for.
 from __future__ import annotations
 
 import copy
+import threading
+from collections.abc import Callable, Iterator
 
 from ray.train import DataConfig
 
@@ -120,3 +122,34 @@ def planned_rows(shard, prefetch_reads: int):
     """
     for block in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch_reads):
         yield from block.to_pylist()
+
+
+class FirstRow:
+    """A rank's first planned batch, read by a thread of its own from the moment this is made.
+
+    The feed's start is seconds of waiting on other processes: Ray Data's executor and its helper actors, a read
+    worker, the first Parquet reads. Reading the first batch here lets the worker load the model meanwhile instead of
+    one after the other (the model load needs only the run's planned step count from that batch, and only for the
+    LR schedule). The caller's thread takes every later row from the same iterator, after :meth:`get`.
+    """
+
+    def __init__(self, rows: Iterator[dict], on_read: Callable[[], None] | None = None):
+        self._rows, self._on_read = rows, on_read
+        self._out: dict = {}
+        self._thread = threading.Thread(target=self._read, name="rayflux-first-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._out["row"] = next(self._rows, None)
+            if self._on_read:
+                self._on_read()
+        except BaseException as exc:  # raised in the caller's thread by get()
+            self._out["error"] = exc
+
+    def get(self) -> dict | None:
+        """The first row (None when the rank's plan is empty), once read; the read's error, raised here."""
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["row"]

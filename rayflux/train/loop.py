@@ -42,7 +42,7 @@ from rayflux.train import (
 )
 from rayflux.train import renderer as renderer_mod
 from rayflux.train.checkpoint import Progress
-from rayflux.train.feed import DATASET, planned_rows
+from rayflux.train.feed import DATASET, FirstRow, planned_rows
 from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 from rayflux.train.trainer import LoraTrainer
 
@@ -123,29 +123,41 @@ def _worker(lc: LoopConfig) -> _Worker:
     )
 
 
-def _restore(w: _Worker, first: dict) -> tuple[LoraTrainer, Progress, int, str]:
+class _NothingLeft(Exception):
+    """The rank's plan is empty: it was cut at a checkpoint past this trainer run's last batch."""
+
+
+def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, str, dict]:
     """The trainer, restored from the checkpoint the feed cut the plan at (see :mod:`rayflux.train.feed`) when there
-    is one; ``(trainer, progress, total steps, that checkpoint)``. Every row carries the run's planned step count,
-    which fixes the LR schedule's horizon."""
+    is one; ``(trainer, progress, total steps, that checkpoint, the first planned row)``. Every row carries the run's
+    planned step count, which fixes the LR schedule's horizon: the model loads while ``ahead`` reads the first row,
+    and the schedule is built once both are done. Raises :class:`_NothingLeft` when there is no first row."""
     import ray.train.torch
 
     t = w.cfg.train
     empty = captions.load_empty(w.lc.empty_caption) if t.caption_dropout > 0 else None
     progress = Progress(world_size=w.world)
+    first: dict = {}
+
+    def total_steps() -> int:  # called by LoraTrainer after the model load
+        row = ahead.get()
+        if row is None:
+            raise _NothingLeft
+        first.update(row)
+        return optim.total_steps(int(row["total_steps"]), t.max_steps)
+
+    trainer = LoraTrainer(
+        w.cfg,
+        w.device,
+        total_steps,
+        w.rank,
+        empty,
+        wrap=ray.train.torch.prepare_model,
+        topology=sharding.Topology(w.world, w.local_world, w.node_rank),
+        text_length=w.lc.text_length,
+    )
     resume_from = first["resume_from"]
     with commits.downloaded(resume_from) if resume_from else contextlib.nullcontext() as d:
-        total = optim.total_steps(int(first["total_steps"]), t.max_steps)
-        topology = sharding.Topology(w.world, w.local_world, w.node_rank)
-        trainer = LoraTrainer(
-            w.cfg,
-            w.device,
-            total,
-            w.rank,
-            empty,
-            wrap=ray.train.torch.prepare_model,
-            topology=topology,
-            text_length=w.lc.text_length,
-        )
         if d:
             progress = checkpoint.restore(d, trainer, w.rank, w.world)
     if progress.step != int(first["resume_step"]):
@@ -153,7 +165,7 @@ def _restore(w: _Worker, first: dict) -> tuple[LoraTrainer, Progress, int, str]:
             f"the data feed was planned from step {first['resume_step']}, but checkpoint "
             f"{resume_from or '(none)'} holds step {progress.step}"
         )
-    return trainer, progress, total, resume_from
+    return trainer, progress, trainer.total_steps, resume_from, first
 
 
 class _Logs:
@@ -224,10 +236,10 @@ class _Due:
 class _Run:
     """One worker's training run: the trainer and everything each step updates."""
 
-    def __init__(self, w: _Worker, first: dict):
+    def __init__(self, w: _Worker, ahead: FirstRow):
         t = w.cfg.train
         self.w, self.t = w, t
-        self.trainer, self.progress, self.total, resume_from = _restore(w, first)
+        self.trainer, self.progress, self.total, resume_from, self.first = _restore(w, ahead)
         self.start = self.progress.step
         if w.rank == 0:
             commits.record_restart(self.progress, w.lc.checkpoints, resume_from, _offered())
@@ -380,13 +392,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
     lc: LoopConfig = loop_config[LOOP_KEY]
     w = _worker(lc)
     rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.prefetch_reads))
-    first = next(rows, None)
-    if first is None:
-        # The plan was cut at a checkpoint past this trainer run's last batch: nothing left to train.
+    ahead = FirstRow(rows, on_read=lambda: phases.mark("first_read_end"))  # read while the model loads
+    try:
+        run = _Run(w, ahead)
+    except _NothingLeft:  # known only once the model has loaded: a rerun past this segment's end, which is rare
         log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.epochs)
         return
-    phases.mark("first_read_end")
-    run = _Run(w, first)
+    first = run.first
     run.baseline()
     for group, end_of_feed in with_last(grouped(itertools.chain([first], rows), w.cfg.train.gradient_accumulation)):
         if run.progress.step >= run.total:

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,14 +55,15 @@ class LoraTrainer:
     instead of loading ``model.path`` (already on ``device`` in the weight dtype). ``topology`` (Ray Train's view of
     the workers) lets ``train.base_sharding`` shard the frozen base; without it every process holds all of it.
     ``text_length``: the model's text tokens per sample (the driver's ``ModelFacts``); read from ``model.path``'s
-    configs when not given.
+    configs when not given. ``total_steps`` may be a callable, called once the base is loaded (the training loop
+    reads its first batch, which knows the planned step count, while the model loads).
     """
 
     def __init__(
         self,
         cfg: JobConfig,
         device,
-        total_steps: int,
+        total_steps: int | Callable[[], int],
         rank: int = 0,
         empty: EmptyCaption | None = None,
         wrap=None,
@@ -101,7 +103,9 @@ class LoraTrainer:
             self.family.compile_blocks(self.transformer)
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.shift_config = models.shift_config(cfg.model)
-        self.optimizer, self.scheduler = optim.build(self.params, t, total_steps, self.device)
+        # Resolved only now when a callable: the training loop reads the feed's first batch meanwhile.
+        self.total_steps = total_steps() if callable(total_steps) else total_steps
+        self.optimizer, self.scheduler = optim.build(self.params, t, self.total_steps, self.device)
         if self.layout:
             sharding.broadcast_from_first(self.params)  # as DDP's wrap would: rank 0's adapter everywhere
             wrap = None  # the LoRA's gradients are averaged in train_step instead of by DDP
