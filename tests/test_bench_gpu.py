@@ -79,11 +79,13 @@ def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
         1, abs(job["job_over_bare"])
     )
     # The short run's way to its first step, phase by phase from its marks: every phase measured, and the total
-    # no shorter than its parts.
+    # no shorter than its parts, the first read counted beside the model load and the first step it runs during
+    # (rayflux/train/loop.py reads the feed's first batch while the model loads).
     first = job["time_to_first_step_s"]
     parts = [k for k in first if k != "time to first step"]
     assert len(parts) == 5 and all(first[k] >= 0 for k in parts), first
-    assert first["time to first step"] >= sum(first[k] for k in parts) - 0.05, first
+    start, group, read, load, step = (first[k] for k in parts)
+    assert first["time to first step"] >= start + group + max(read, load + step) - 0.05, first
 
 
 def test_the_job_sections_model_is_built_and_written_in_bf16(tmp_path):
