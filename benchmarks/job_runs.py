@@ -23,7 +23,7 @@ JOB = ROOT / "jobs" / "train_flux.py"
 FIRST_STEP = (
     ("job start -> train stage (config, checks, cache reuse)", "launch", "train_start"),
     ("worker group start (Ray Train controller, worker, torch)", "train_start", "worker_start"),
-    ("first read (the feed's first batch)", "worker_start", "first_read_end"),
+    ("first read (the feed's first batch, read while the model loads)", "worker_start", "first_read_end"),
     ("model load + LoRA", "model_load_start", "model_load_end"),
     ("first step (on a GPU: CUDA's lazy init, kernel selection)", "model_load_end", "step_end"),
     ("time to first step", "launch", "step_end"),
