@@ -80,26 +80,34 @@ def read_paths(proxy, args) -> None:
 
 
 def _run_record(cfg, summary) -> dict:
-    """What two runs are compared on: the committed samples (id and stored checksums), the train stage's ledger
-    entries and the step log's losses."""
+    """What two runs are compared on: the committed samples (id and stored checksums), where they lie (shard and
+    row), the train stage's ledger entries and the step log's losses."""
     from rayflux import storage
     from rayflux.cache import generations, index
     from rayflux.train import metrics
 
     manifest = generations.load_manifest(summary.cache_dir)
-    samples = sorted(
-        (r["sample_id"], *(v for k, v in sorted(r.items()) if k.endswith("crc32")))
-        for r in index.read(manifest, "samples").to_pylist()
-    )
+    rows = index.read(manifest, "samples").to_pylist()
+    samples = sorted((r["sample_id"], *(v for k, v in sorted(r.items()) if k.endswith("crc32"))) for r in rows)
+    # Where each sample lies, its shard named by the smallest sample id it holds (shard names differ per build).
+    first: dict[str, str] = {}
+    for r in rows:
+        first[r["file"]] = min(first.get(r["file"], r["sample_id"]), r["sample_id"])
+    layout = sorted((r["sample_id"], first[r["file"]], r["row"]) for r in rows)
     out = cfg.run.output_dir
     stages = json.loads(storage.read_bytes(storage.join(out, "ledger.json")))["stages"]
     losses = [(s["step"], s["loss"]) for s in metrics.read_steps(out)]
-    return {"samples": samples, "stages": stages, "losses": losses}
+    return {"samples": samples, "layout": layout, "stages": stages, "losses": losses}
 
 
 def _compare(clean: dict, faulted: dict) -> None:
-    """Where a faulted run departs from the clean one: its committed samples, its train stages, its first loss."""
-    rows = {"same_samples": clean["samples"] == faulted["samples"], "samples": len(clean["samples"])}
+    """Where a faulted run departs from the clean one: its committed samples, their layout, its train stages, its
+    first loss."""
+    rows = {
+        "same_samples": clean["samples"] == faulted["samples"],
+        "same_layout": clean["layout"] == faulted["layout"],
+        "samples": len(clean["samples"]),
+    }
     rows["faulted_stages"] = [
         {k: v for k, v in s.items() if k in ("name", "status", "attempt", "error", "reused")} for s in faulted["stages"]
     ]

@@ -1,5 +1,6 @@
 """Read runs: batches filled with shuffled runs of storage neighbours (rayflux.train.runs), as plan_epoch plans them."""
 
+import dataclasses
 import random
 
 from hypothesis import given, settings
@@ -73,6 +74,22 @@ def test_the_plan_is_identical_across_calls_and_listing_orders_and_differs_per_e
     assert a == batching.plan_epoch(shuffled, 8, 11, 1, 2, 2, read_run=4)[0]
     other = batching.plan_epoch(refs, 8, 11, 2, 2, 2, read_run=4)[0]
     assert [x["refs"] for x in other] != [x["refs"] for x in a]
+
+
+def test_the_plan_does_not_depend_on_the_names_a_build_gave_its_shards():
+    """Two builds of the same images lay the samples out alike, but each names its shards with its own build id and
+    a random part: the plan (which samples each batch trains, in which order) must be the same for both, or a rebuilt
+    cache (a clean run against one through S3 faults) trains different batches and another LoRA."""
+    refs = _refs([40, 25, 31]) + _refs([17, 9], bucket="80x48")
+    # The second build's names sort the other way round.
+    renamed = {f: f"samples-{9 - int(f.split('-')[1][0])}-{f}" for f in {r.file for r in refs}}
+    rebuilt = [dataclasses.replace(r, file=renamed[r.file]) for r in refs]
+    for k in (1, 4):
+        a = batching.plan_epoch(refs, 8, 11, 1, 2, 2, read_run=k)[0]
+        b = batching.plan_epoch(rebuilt, 8, 11, 1, 2, 2, read_run=k)[0]
+        assert [[r.sample_id for r in decode_planned(x["refs"])] for x in a] == [
+            [r.sample_id for r in decode_planned(x["refs"])] for x in b
+        ]
 
 
 def test_runs_shuffle_which_neighbours_share_a_batch():

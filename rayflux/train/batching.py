@@ -1,9 +1,9 @@
 """Bucket-pure batches with equal steps on every rank.
 
 The data feed plans every batch of an epoch before training: one bucket per batch, filled from a shuffle seeded per
-(seed, epoch, bucket) of runs of storage neighbours taken in (file, row) order (:mod:`rayflux.train.runs`), then a
-seeded shuffle of the batch order. Every process that computes the plan gets the same answer, regardless of listing
-order.
+(seed, epoch, bucket) of runs of storage neighbours listed by their first sample id (:mod:`rayflux.train.runs`), then
+a seeded shuffle of the batch order. Every process that computes the plan gets the same answer, regardless of listing
+order or of the names a build gave its shards.
 
 Remainder rule (the same on every rank): a bucket's last batch may be smaller than ``batch_size``; then the
 epoch's batch count is cut down to a multiple of ``world_size * accumulation`` by dropping batches from the *end*

@@ -78,11 +78,16 @@ def checkpoint_at(checkpoint_dir: str) -> ray.train.Checkpoint:
 def download(checkpoint_dir: str, local_dir: str) -> str:
     """The checkpoint's files copied into ``local_dir`` (returned), by Ray's ``Checkpoint.to_directory``.
 
-    That copy is pyarrow's ``copy_files``, whose GETs the S3 SDK retries (503s, resets: :mod:`rayflux.s3_objects`)
-    except one way: a body cut off while the SDK writes it into pyarrow's download stream can fail as
-    ``INTERNAL_FAILURE ... Failed to flush response stream``, which the SDK counts as its own error, not the
-    network's, and never retries (seen through tests/fault_proxy.py). So the whole copy is tried again here, up to
-    ``RAYFLUX_S3_ATTEMPTS`` times with the SDK's backoff; the last failure is raised, naming the checkpoint."""
+    That copy is pyarrow's ``copy_files``, whose requests the S3 SDK retries (503s, resets: :mod:`rayflux.s3_objects`)
+    except one way: pyarrow hands the SDK a buffer the size of the object for a GET's body, and an error reply whose
+    body is longer (S3's ``SlowDown`` XML against a small ``position.json`` or commit marker) overflows it. The SDK then
+    fails the GET as ``INTERNAL_FAILURE ... Failed to flush response stream (eof: 0, bad: 1)``, its own error, not the
+    server's, and never retries it (seen through tests/fault_proxy.py: every 503 on a GET of an object under its
+    160-byte body, none on larger ones). So the whole copy is tried again here, up to ``RAYFLUX_S3_ATTEMPTS`` times with
+    the SDK's backoff; the last failure is raised, naming the checkpoint. Trying again into the same directory is safe:
+    ``copy_files`` waits for all its file copies before it fails, and opens each destination truncated, so a finished
+    copy holds every file whole (25 downloads through 20% 503s and 12 bodies cut off, 19 of them tried again: all
+    byte-exact)."""
     tries = s3_objects.attempts()
     for n in range(tries):
         try:

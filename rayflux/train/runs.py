@@ -2,12 +2,13 @@
 
 Training reads each latent by byte range (:mod:`rayflux.cache.reads`), and ranges of one file that lie close together
 share one GET. A per-sample shuffle scatters a batch over the cache, so every sample costs its own GET. Here a
-bucket's samples are taken in storage order (file, then row: a shard keeps each bucket's rows together, see
-:mod:`rayflux.cache.writer`), cut into runs of at most ``k`` consecutive rows of one file, and the *runs* are shuffled
-(seeded per seed, epoch and bucket by the caller); batches are cut from the shuffled runs. A run's latents are then
-one GET: ``1/k`` latent requests per sample. This is the block shuffle of MosaicML Streaming and WebDataset at its
-smallest: what it trades is batch diversity (a batch of ``B`` holds ``B/k`` runs of storage neighbours, which are
-often images that were listed together) against requests. ``k = 1`` is a plain per-sample shuffle.
+bucket's samples are taken in storage order (each file's rows in row order: a shard keeps each bucket's rows together,
+see :mod:`rayflux.cache.writer`), cut into runs of at most ``k`` consecutive rows of one file, and the *runs* (listed by
+their first sample id, never by shard name: :func:`cut_runs`) are shuffled (seeded per seed, epoch and bucket by the
+caller); batches are cut from the shuffled runs. A run's latents are then one GET: ``1/k`` latent requests per
+sample. This is the block shuffle of MosaicML Streaming and WebDataset at its smallest: what it trades is batch
+diversity (a batch of ``B`` holds ``B/k`` runs of storage neighbours, which are often images that were listed
+together) against requests. ``k = 1`` is a plain per-sample shuffle.
 
 Repeats (``datasets.mix`` lists a repeated sample once per copy): runs are cut from the distinct samples, never
 mixing samples with different copy counts, and the copies of one run are dealt to consecutive batches, a run-sized
@@ -25,15 +26,21 @@ T = TypeVar("T")
 
 
 def cut_runs(refs: list, k: int) -> list[list]:
-    """Distinct ``refs`` (each with ``file``, ``row``, ``sample_id``) in storage order, cut into runs of at most ``k``
-    consecutive rows of one file. The order is (file, row, sample_id), so it does not depend on listing order."""
+    """Distinct ``refs`` (each with ``file``, ``row``, ``sample_id``) cut into runs of at most ``k`` consecutive rows
+    of one file (each file's rows in row order), the runs ordered by their first sample id.
+
+    Not by file name: two builds of the same images lay the samples out alike but name their shards apart (a name
+    carries its build's id and a random part, :func:`rayflux.cache.shards.new_shard_name`), so runs in file-name order
+    gave the seeded shuffle a different list, and a rebuilt cache (a clean run against one through S3 faults, say)
+    different batches, losses and LoRA. Sample ids are the same in every build; listing order never mattered."""
+    by_file: dict[str, list] = {}
+    for r in refs:
+        by_file.setdefault(r.file, []).append(r)
     runs: list[list] = []
-    for r in sorted(refs, key=lambda r: (r.file, r.row, r.sample_id)):
-        if runs and len(runs[-1]) < k and runs[-1][-1].file == r.file:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return runs
+    for rows in by_file.values():
+        rows.sort(key=lambda r: (r.row, r.sample_id))
+        runs.extend(rows[i : i + k] for i in range(0, len(rows), k))
+    return sorted(runs, key=lambda run: run[0].sample_id)
 
 
 def batch_sizes(n: int, batch_size: int) -> list[int]:
