@@ -137,13 +137,11 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
     t = w.cfg.train
     empty = captions.load_empty(w.lc.empty_caption) if t.caption_dropout > 0 else None
     progress = Progress(world_size=w.world)
-    first: dict = {}
 
     def total_steps() -> int:  # called by LoraTrainer after the model load
         row = ahead.get()
         if row is None:
             raise _NothingLeft
-        first.update(row)
         return optim.total_steps(int(row["total_steps"]), t.max_steps)
 
     trainer = LoraTrainer(
@@ -156,6 +154,7 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
         topology=sharding.Topology(w.world, w.local_world, w.node_rank),
         text_length=w.lc.text_length,
     )
+    first = ahead.get()  # read by now: total_steps() above waited for it
     resume_from = first["resume_from"]
     with commits.downloaded(resume_from) if resume_from else contextlib.nullcontext() as d:
         if d:
