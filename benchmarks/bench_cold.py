@@ -3,7 +3,7 @@ cache) and warm (the cache reused), and the wall time each extra training step a
 
     python benchmarks/bench_cold.py [--images 32] [--resolution 256] [--steps 40] [--rounds 3]
                                     [--code DIR ...] [--slope 8] [--from WORK_DIR]
-                                    [--simpletuner PYTHON] [--cold-only]
+                                    [--simpletuner PYTHON] [--cold-only] [--floor]
 
 The job as a user runs it with its defaults except: ``--images`` generated captioned images (the demo's shapes and
 sizes, repeated), ``data.resolution``, ``train.max_steps``, one worker, ``run.ray_address=local`` (its own Ray).
@@ -22,6 +22,11 @@ is configured alike: :mod:`simpletuner_side`), alternating with this tree within
 measure's median per side and the per-round ratio rayflux ÷ SimpleTuner. ``--cold-only`` skips the warm runs. Every
 run is measured by :mod:`proctree`: wall to exit, CPU seconds of the whole process tree (orphaned helpers reaped),
 terminal lines; cache bytes per image after the cold run. CI never runs the SimpleTuner side.
+
+``--floor`` also runs :mod:`ray_floor` in every round (Ray, with ``--cold`` one actor pool that imports an encoder's
+libraries, a ``TorchTrainer`` whose worker imports the train step's libraries and returns): no data, no weights, no
+steps. Its wall time bounds from below any job built on those parts, so ``floor ÷ SimpleTuner`` says which targets
+this design can reach on the machine.
 """
 
 from __future__ import annotations
@@ -169,6 +174,11 @@ def main() -> int:
     )
     ap.add_argument("--cold-only", action="store_true", help="no warm runs (with --simpletuner: the 200-image check)")
     ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run ray_floor.py (Ray, one actor pool, a no-op TorchTrainer) in every round, alternating",
+    )
+    ap.add_argument(
         "--from",
         dest="source",
         type=Path,
@@ -190,6 +200,7 @@ def main() -> int:
     codes = [ROOT, *[c.resolve() for c in args.code]]
     results: dict[str, dict[str, list[dict]]] = {str(c): {"cold": [], "warm": [], "short": []} for c in codes}
     st = None
+    floor: dict[str, list[dict]] = {"cold": [], "warm": []}
     if args.simpletuner:
         from simpletuner_side import SimpleTunerSide
 
@@ -200,10 +211,12 @@ def main() -> int:
         return report_from(args.source, codes, results, args, st)
     for r in range(args.rounds):
         print(f"round {r}: load average {os.getloadavg()}", flush=True)
-        sides = [*codes, *([st] if st else [])]
+        sides = [*codes, *([st] if st else []), *(["floor"] if args.floor else [])]
         for side in sides if r % 2 == 0 else sides[::-1]:
             if side is st:
                 st.run_round(f"r{r}", args.cold_only)
+            elif side == "floor":
+                run_floor(work, r, args.cold_only, floor)
             else:
                 run_round(side, codes.index(side), r, work, common, results[str(side)], args)
     report(codes, results, args)
@@ -211,6 +224,8 @@ def main() -> int:
         from simpletuner_side import side_by_side
 
         side_by_side(results[str(ROOT)], st.runs, args.images)
+    if args.floor:
+        floor_report(results[str(ROOT)], floor, st.runs if st else None)
     print(f"load average at the end: {os.getloadavg()}")
     return 0
 
@@ -230,6 +245,46 @@ def run_round(code: Path, c: int, r: int, work: Path, common: list[str], res: di
     shutil.rmtree(cache, ignore_errors=True)
     line = ", ".join(f"{k} {res[k][-1]['exit'] - res[k][-1]['launch']:.1f}s" for k, _ in kinds)
     print(f"round {r} {code}: {line}", flush=True)
+
+
+def run_floor(work: Path, r: int, cold_only: bool, floor: dict[str, list[dict]]) -> None:
+    """One round of ``ray_floor.py``: with an actor pool (the cold floor) and, unless ``cold_only``, without."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
+    for kind in ["cold"] + ([] if cold_only else ["warm"]):
+        argv = [sys.executable, str(ROOT / "benchmarks" / "ray_floor.py"), *(["--cold"] if kind == "cold" else [])]
+        m = run_measured(argv, env, ROOT, work / f"floor-{kind}-r{r}.log", timeout=600)
+        if m.returncode != 0:
+            raise SystemExit(f"ray_floor.py failed: {m.tail}")
+        phases = json.loads(m.tail.strip().splitlines()[-1])
+        floor[kind].append({"launch": m.launch, "exit": m.exit, "cpu": m.cpu, "phases": phases})
+        (work / f"floor-{kind}-r{r}.json").write_text(json.dumps(floor[kind][-1]))
+    print(
+        f"round {r} floor: " + ", ".join(f"{k} {v[-1]['exit'] - v[-1]['launch']:.1f}s" for k, v in floor.items() if v)
+    )
+
+
+def floor_report(
+    ours: dict[str, list[dict]], floor: dict[str, list[dict]], theirs: dict[str, list[dict]] | None
+) -> None:
+    """The floor's wall and CPU beside the job's and SimpleTuner's, as medians of per-round ratios."""
+    print("\n| run | measure | floor | floor's phases (median s) | job ÷ floor | floor ÷ SimpleTuner |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for kind, runs in floor.items():
+        if not runs:
+            continue
+        names = list(runs[0]["phases"])
+        phases = ", ".join(f"{n} {statistics.median(x['phases'][n] for x in runs):.1f}" for n in names)
+        for label, get in (("end to end (s)", lambda x: x["exit"] - x["launch"]), ("CPU seconds", lambda x: x["cpu"])):
+            job = [get(a) / get(b) for a, b in zip(ours[kind], runs)]
+            st = [get(b) / get(c) for b, c in zip(runs, (theirs or {}).get(kind, []))]
+            print(
+                f"| {kind} | {label} | {statistics.median(get(x) for x in runs):.1f} | "
+                f"{phases if label.startswith('end') else ''} | {_ratios(job)} | {_ratios(st)} |"
+            )
+
+
+def _ratios(values: list[float]) -> str:
+    return f"**{statistics.median(values):.2f}** ({', '.join(f'{v:.2f}' for v in values)})" if values else "-"
 
 
 def report_from(work: Path, codes: list[Path], results: dict, args, st=None) -> int:
@@ -254,6 +309,10 @@ def report_from(work: Path, codes: list[Path], results: dict, args, st=None) -> 
 
         st.load(work)
         side_by_side(results[str(ROOT)], st.runs, args.images)
+    if args.floor:
+        saved = {k: [work / f"floor-{k}-r{r}.json" for r in rounds] for k in ("cold", "warm")}
+        floor = {k: [json.loads(p.read_text()) for p in paths if p.exists()] for k, paths in saved.items()}
+        floor_report(results[str(ROOT)], floor, st.runs if st else None)
     return 0
 
 
