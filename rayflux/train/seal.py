@@ -67,7 +67,8 @@ def seal(output_dir: str, timeout: float) -> bool:
     path = _path(output_dir)
     if path is None:
         return False
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     with open(path, "a+b") as f:
         while True:
             try:
@@ -83,6 +84,8 @@ def seal(output_dir: str, timeout: float) -> bool:
         f.truncate(0)
         f.write(SEALED)
         f.flush()
+    if time.monotonic() - start > 1.0:
+        log.info("%s: sealed once its training processes ended, %.1fs later", output_dir, time.monotonic() - start)
     return True
 
 
