@@ -39,10 +39,11 @@ class Sealed(RuntimeError):
     """The run directory was sealed: the run it belonged to has ended, and its results were read."""
 
 
-def _path(output_dir: str) -> str | None:
+def _path(output_dir: str, create: bool = True) -> str | None:
     if storage.is_uri(output_dir):
         return None
-    os.makedirs(os.path.join(output_dir, LOCK_DIR), exist_ok=True)
+    if create:
+        os.makedirs(os.path.join(output_dir, LOCK_DIR), exist_ok=True)
     return os.path.join(output_dir, LOCK_DIR, LOCK_FILE)
 
 
@@ -91,7 +92,7 @@ def seal(output_dir: str, timeout: float) -> bool:
 
 def unseal(output_dir: str) -> None:
     """Let writers start in the run directory again (a sweep's trial that runs again)."""
-    path = _path(output_dir)
+    path = _path(output_dir, create=False)
     if path is not None and os.path.exists(path):
         with open(path, "r+b") as f:
             f.truncate(0)
