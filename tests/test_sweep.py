@@ -101,8 +101,15 @@ def test_results_table_and_best_lora(swept):
             for x in x.read_text().splitlines()
             if x.strip()
         ]
-        # the baseline (step 0, the base model) counts: a trial that only got worse keeps the untrained LoRA
-        assert r.best == min(s["eval_loss"] for s in steps if "eval_loss" in s)
+        # The best is the eval of the LoRA the row hands out, as that file records it with its tensors, and no eval
+        # the trial logged beats it: a stopped trial's workers, which Ray ends seconds after Tune stops the trial,
+        # logged nothing after the table was read. The baseline (step 0, the base model) counts: a trial that only
+        # got worse keeps the untrained LoRA. (The file may record one eval more than the log: a worker ended between
+        # writing its best LoRA and logging the step.)
+        assert (r.best_step, r.best) == lora_files.best_recorded(r.best_lora)
+        evals = {s["step"]: s["eval_loss"] for s in steps if "eval_loss" in s}
+        assert all(e >= r.best for e in evals.values()), (r, evals)
+        assert evals.get(r.best_step) == r.best or r.best_step > max(s["step"] for s in steps), (r, evals)
         if r.status == "stopped":  # ASHA stopped it at a rung: it says where, and kept its best LoRA
             assert r.stopped_at is not None and r.stopped_at < 6 and r.lora == r.best_lora
         else:

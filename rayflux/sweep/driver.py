@@ -21,6 +21,7 @@ from rayflux.sweep import results
 from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
 from rayflux.sweep.groups import release
 from rayflux.sweep.trial import TRIALS_DIR, run_trial, trial_dir
+from rayflux.train import seal
 
 log = logging.getLogger("rayflux")
 
@@ -119,9 +120,9 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
         max_concurrent=sweep.max_concurrent,
     )
     grid = _tuner(cfg, sweep, output).fit()
+    for r in grid:
+        _end(trial_dir(output, results.trial_id_of(r)), cfg.run.lease_seconds)
     rows = [results.row(r, cfg, output, sweep.metric) for r in grid]
-    for r in rows:  # again: a stopped trial's controller may have started a new worker group before it died
-        release(trial_dir(output, r.trial))
     for r in rows:
         trial = ledger.start(
             f"trial:{r.trial}",
@@ -147,6 +148,20 @@ def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> 
         first = next(r for r in rows if r.error)  # its error's last line, not Tune's whole remote traceback
         raise RuntimeError(f"every trial of the sweep failed; the first ({first.trial}): {first.error}")
     return out
+
+
+SEAL_SECONDS = 60.0
+"""How long the driver waits, at the least, for a stopped trial's training processes to end before it reads the
+trial's results anyway (with a warning); Ray usually ends them within seconds of Tune's stop."""
+
+
+def _end(out: str, lease_seconds: float) -> None:
+    """Make sure nothing of a trial still writes its run directory before its row is read. Tune reports a trial
+    stopped before Ray has ended its trainer: its rank 0 may train on for seconds, log more evals and rewrite its best
+    LoRA. So remove its placement groups (again: its controller may have started a new worker group before it died),
+    which ends its workers, and seal the directory, which waits until they are gone (:mod:`rayflux.train.seal`)."""
+    release(out)
+    seal.seal(out, timeout=max(SEAL_SECONDS, 4 * lease_seconds))
 
 
 def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):

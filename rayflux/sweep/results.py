@@ -1,7 +1,11 @@
 """The sweep's results: one row per trial, written as ``sweep/results.parquet`` and ``.csv``, and the best LoRA.
 
-Each row is read from the trial's run directory (its step log and ``trial.json``) and Tune's last result for it, so a
-sweep restored after an interruption tabulates every trial, the ones trained before the interruption included.
+Each row is read from the trial's run directory (its step log, best LoRA and ``trial.json``) and Tune's last result for
+it, so a sweep restored after an interruption tabulates every trial, the ones trained before the interruption
+included. The driver reads it only once nothing of the trial can write there any more (:mod:`rayflux.train.seal`).
+A trial's best eval loss is the one its best LoRA file records with its tensors: each new lowest eval writes that
+file before the step is logged, so no eval in the log beats it, and a worker ended in between (a stopped trial's
+are ended wherever they are) leaves an eval only that file records.
 """
 
 from __future__ import annotations
@@ -64,12 +68,17 @@ class Row:
         return d
 
 
+def trial_id_of(result) -> str:
+    """The trial id of a Tune ``Result``: the name of its trial folder (see ``trial_dirname_creator``)."""
+    return os.path.basename(str(result.path).rstrip("/"))
+
+
 def row(result, base, sweep_output: str, metric: str) -> Row:
     """The row of one Tune ``Result``: its run directory (named by the trial id, see ``trial_dirname_creator``)."""
     from rayflux.sweep.config import trial_job
     from rayflux.train import lora_files, metrics
 
-    trial_id = os.path.basename(str(result.path).rstrip("/"))
+    trial_id = trial_id_of(result)
     out = trial_mod.trial_dir(sweep_output, trial_id)
     settings = dict(result.config or {})
     info = trial_mod.read(out)
@@ -79,6 +88,9 @@ def row(result, base, sweep_output: str, metric: str) -> Row:
     best = min(scored, key=lambda r: r[metric]) if scored else None
     best_lora = storage.join(out, lora_files.LORA_DIR, lora_files.best_name(cfg))
     best_lora = best_lora if storage.exists(best_lora) else ""
+    recorded = lora_files.best_recorded(best_lora) if best_lora and metric == "eval_loss" else None
+    if recorded:  # the eval of the LoRA the trial hands out, which no eval in its log beats (written before each)
+        best = {"step": recorded[0], metric: recorded[1]}
     error = str(result.error).strip().splitlines()[-1] if result.error else ""
     status = "finished" if "finished" in info else "error" if result.error else "stopped"
     last = dict(result.metrics or {})

@@ -34,12 +34,14 @@ def run_trial(settings: dict, base: dict, sweep_output: str, metric: str) -> Non
     from rayflux.config import from_dict
     from rayflux.sweep.config import trial_job
     from rayflux.sweep.report import METRIC_ENV, TRIAL_DIR_ENV
+    from rayflux.train import seal
 
     out = trial_dir(sweep_output, tune.get_context().get_trial_id())
     os.environ[METRIC_ENV], os.environ[TRIAL_DIR_ENV] = metric, out
     cfg = trial_job(from_dict(base), settings, out)
     _write(out, {"settings": settings, "started": time.time()})
     _wait_for_lease(out, cfg.run.lease_seconds)
+    seal.unseal(out)  # sealed when an earlier run of the sweep tabulated this trial (one that failed, run again)
     summary = job.run(cfg)
     _write(
         out,

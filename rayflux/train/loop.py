@@ -284,8 +284,7 @@ class _Run:
             self.evals.run(record, self.progress, self.best_writer)
         if self.logs.tensorboard:
             self.logs.tensorboard.scalars(self.progress.step, record)
-        if due.checkpoint or due.report or due_eval:  # every eval reaches Ray Train (and a sweep's scheduler)
-            self.report(record, due.checkpoint)  # writes this step's LoRA file when it checkpoints
+        directory = self.save(record) if due.checkpoint else None  # writes this step's LoRA file
         if self.renders and due.images:
             _queue_render(
                 self.renders,
@@ -297,8 +296,12 @@ class _Run:
                 due.last,
                 self.w.lc.caption_tables,
             )
+        # Logged before it is reported: a worker that dies blocked in the report's barrier (a stopped sweep trial's
+        # workers do, once Ray ends its controller) has logged its eval, and the best LoRA file that eval wrote.
         if self.logs.steps:
             self.logs.steps.write(record)
+        if due.checkpoint or due.report or due_eval:  # every eval reaches Ray Train (and a sweep's scheduler)
+            self.report(record, directory)
         self.logs.bar.send(record, force=due.last or end_of_feed)
         if due.checkpoint or due.images or due_eval:
             self.window.restart()  # rates exclude the time spent rendering and checkpointing
@@ -343,20 +346,25 @@ class _Run:
         images = bool(last or (t.validation_every and step_ % t.validation_every == 0))
         return _Due(last, end_of_feed, bool(last or end_of_feed or every or preempted), report_due, images)
 
-    def report(self, record: dict, with_checkpoint: bool) -> None:
-        """``ray.train.report`` (a barrier of every rank) of ``record``, with a checkpoint when due; rank 0 then
-        commits it and prunes old ones."""
+    def save(self, record: dict) -> str:
+        """Write this step's checkpoint to a local folder (every rank; rank 0 also its LoRA file) and add the memory
+        facts to ``record``; returns the folder, for :meth:`report`."""
+        w = self.w
+        # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
+        record.update(collectives.worst_rank(memory.snapshot(w.start_rss), w.device, w.world))
+        directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
+        checkpoint.save(directory, self.trainer, w.rank, self.progress, self.t.output_format)
+        if w.rank == 0:
+            lora_files.keep_step(directory, w.cfg, w.lc.output_dir, record, w.lc.caption_tables)
+        return directory
+
+    def report(self, record: dict, directory: str | None) -> None:
+        """``ray.train.report`` (a barrier of every rank) of ``record``, with the checkpoint :meth:`save` wrote to
+        ``directory`` (None: none); rank 0 then commits it and prunes old ones."""
         import ray.train
         from ray.train import Checkpoint
 
-        w, directory = self.w, None
-        if with_checkpoint:
-            # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
-            record.update(collectives.worst_rank(memory.snapshot(w.start_rss), w.device, w.world))
-            directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
-            checkpoint.save(directory, self.trainer, w.rank, self.progress, self.t.output_format)
-            if w.rank == 0:
-                lora_files.keep_step(directory, w.cfg, w.lc.output_dir, record, w.lc.caption_tables)
+        w = self.w
         self.logs.flush()
         ray.train.report(
             record,

@@ -231,12 +231,40 @@ def keep_live_step(trainer, cfg: JobConfig, output_dir: str, record: dict, capti
     return dest
 
 
+BEST_STEP_KEY = "rayflux.best_step"
+BEST_EVAL_KEY = "rayflux.best_eval_loss"
+"""Safetensors metadata of the best file: the step and eval loss of the LoRA it holds, written with it in one atomic
+write, so they always describe that file's tensors (``-best.json`` is a second write, which a worker ended between
+the two leaves stale)."""
+
+
+def with_metadata(data: bytes, extra: dict[str, str]) -> bytes:
+    """A safetensors file's bytes with ``extra`` added to its header's metadata; the tensors' bytes as they are (their
+    offsets count from the header's end)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"] = {**header.get("__metadata__", {}), **extra}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
+    return len(raw).to_bytes(8, "little") + raw + data[8 + size :]
+
+
+def best_recorded(path: str) -> tuple[int, float] | None:
+    """(step, eval loss) of the LoRA a best file holds, from its own metadata (None: a file without it)."""
+    data = storage.read_bytes(path)
+    meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__", {})
+    return (int(meta[BEST_STEP_KEY]), float(meta[BEST_EVAL_KEY])) if BEST_STEP_KEY in meta else None
+
+
 def keep_best(trainer, cfg: JobConfig, output_dir: str, record: dict, caption_tables=()) -> str:
     """Write the live LoRA as ``<output_dir>/lora/<name>-best.safetensors`` (rank 0, when an eval loss is the lowest so
-    far), with ``<name>-best.json`` naming its step and eval loss. Written from the live weights at eval time, so no
-    checkpoint has to be kept for it: ``train.checkpoints_to_keep`` may prune every checkpoint of that step."""
+    far), its step and eval loss in its metadata (:func:`best_recorded`), and ``<name>-best.json`` naming them too.
+    Written from the live weights at eval time, so no checkpoint has to be kept for it: ``train.checkpoints_to_keep``
+    may prune every checkpoint of that step. Written before the step's record is logged: a worker ended in between
+    leaves an eval that only this file records."""
     step = int(record["step"])
-    data = _live_bytes(trainer, cfg, record, caption_tables)
+    best = {BEST_STEP_KEY: str(step), BEST_EVAL_KEY: repr(float(record["eval_loss"]))}
+    data = with_metadata(_live_bytes(trainer, cfg, record, caption_tables), best)
     dest = storage.join(output_dir, LORA_DIR, best_name(cfg))
     storage.write_bytes_atomic(dest, data)
     note = {"step": step, "eval_loss": record["eval_loss"], "file": best_name(cfg)}

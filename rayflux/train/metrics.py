@@ -25,6 +25,7 @@ import threading
 import time
 
 from rayflux import storage
+from rayflux.train import seal
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ REPORTED = (
     "requests_per_sample",
     "eval_loss",
 )
-STEPS_DIR = "metrics"
+STEPS_DIR = seal.LOCK_DIR
+"""``metrics``: the step log's folder under the run directory, which also holds the lock a sweep seals."""
 PART_BYTES = 8 << 20
 """An object-store step log starts a new part after this many bytes."""
 
@@ -98,6 +100,7 @@ class StepLog:
 
     def __init__(self, output_dir: str):
         self.remote = storage.join(output_dir, STEPS_DIR) if storage.is_uri(output_dir) else ""
+        self.hold = seal.hold(output_dir)  # held while this process may write the run directory: a sweep waits for it
         if self.remote:
             self.local_dir = tempfile.mkdtemp(prefix="rayflux-steps-")
             self._new_part()
@@ -145,6 +148,8 @@ class StepLog:
     def close(self) -> None:
         self.sync(wait=True)
         self.file.close()
+        if self.hold is not None:
+            self.hold.close()
 
 
 def _torn(path: str) -> bool:
