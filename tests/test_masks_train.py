@@ -21,8 +21,11 @@ from rayflux.cache import generations, index, masks, ranges, verify
 from rayflux.cache.manifest import Manifest
 from rayflux.train import batching, step
 
+# One train worker: masks weigh each batch's loss locally (no collective sees them), so a second rank's process and
+# model load (about a fifth of a tiny job's CPU, which CI spends on 2 cores) would check nothing more here.
 TRAIN = [
     "data.resolution=64",
+    "train.num_workers=1",
     "train.max_steps=2",
     "train.batch_size=1",
     "train.learning_rate=0.01",
