@@ -3,9 +3,11 @@
 A job takes the lease of its ``run.output_dir`` before it writes anything there, and the lease of a cache key around
 everything that may write to the key (building, discarding or retiring a generation). The lease is one small JSON
 object, ``lease.json`` in the directory it guards, naming its :class:`Holder`. A thread of the driver rewrites it
-every quarter of ``run.lease_seconds`` (one request per heartbeat, whatever the dataset's size); a lease whose
-holder stopped heartbeating (killed, its machine gone) expires ``run.lease_seconds`` after its last heartbeat, and
-the next job takes it over. A second job that finds a live lease refuses at once (:class:`LeaseHeld`, one line:
+every quarter of ``run.lease_seconds`` (one request per heartbeat, whatever the dataset's size). A holder that
+ran on this machine and is dead (killed, out of memory; :mod:`rayflux.liveness` tells it exactly, pid reuse and
+reboots included) loses its lease at once to the next job, so rerunning a crashed command just works; a holder
+elsewhere that stopped heartbeating (killed, its machine gone) loses it ``run.lease_seconds`` after its last
+heartbeat. A second job that finds a live lease refuses at once (:class:`LeaseHeld`, one line:
 who holds it, since when, and how to take over), or, for a cache key, waits until the holder lets go.
 
 Every change of the lease is conditional on the version its writer read, so of two jobs that try at once exactly one
@@ -14,7 +16,7 @@ wins:
 - local and shared filesystems: read, check and write under an exclusive ``flock`` of ``lease.json.lock`` (the kernel
   drops it when its process dies; NFSv4 and Lustre carry it between machines), the file itself replaced atomically;
 - S3 (and MinIO) through boto3: conditional PUTs, ``If-None-Match: *`` to create and ``If-Match: <ETag>`` to renew or
-  take over an expired lease, and a conditional DELETE to release;
+  take over a dead holder's lease, and a conditional DELETE to release;
 - other object stores: read, then write, which two jobs at the same instant can both pass (a warning says so).
 
 Expiry compares the holder's heartbeat time with the reader's clock: keep ``run.lease_seconds`` well above the
@@ -35,7 +37,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rayflux import s3_objects, storage
+from rayflux import liveness, s3_objects, storage
 
 log = logging.getLogger("rayflux")
 
@@ -48,6 +50,10 @@ class LeaseHeld(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """This job's lease expired and another job took it over: this job must stop writing."""
+
+
+def _required(field: dataclasses.Field) -> bool:
+    return field.default is dataclasses.MISSING
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,20 @@ class Holder:
     """The holder's last heartbeat (Unix seconds, by the holder's clock)."""
     seconds: float
     """How long after its last heartbeat the lease expires: the holder's ``run.lease_seconds``."""
+    host_id: str = ""
+    """The driver's kernel boot and pid namespace (:func:`rayflux.liveness.host_id`); "" in leases written before it
+    was recorded, or where ``/proc`` does not say. A job with the same one can see whether ``pid`` still runs."""
+    pid_start: int = 0
+    """When ``pid`` started, in clock ticks since boot: a reused pid started later is not the holder."""
 
     @property
     def expires(self) -> float:
         return self.heartbeat + self.seconds
+
+    def gone(self) -> str:
+        """Why this holder's process is certainly gone, when it ran on this machine in this boot and pid namespace
+        (:func:`rayflux.liveness.gone`); "" when it may still run, or ran elsewhere."""
+        return liveness.gone(self.host_id, self.pid, self.pid_start)
 
     def who(self) -> str:
         where = f"host {self.host}, pid {self.pid}"
@@ -86,7 +102,8 @@ class Holder:
         that expired long ago, so it can be taken over."""
         try:
             fields = json.loads(data)
-            return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls)})
+            # Fields with a default may be missing: a lease written by an older rayflux still names a live holder.
+            return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields or _required(f)})
         except (ValueError, TypeError, KeyError):
             return cls(token="", job="", host="unknown", pid=0, started=0.0, heartbeat=0.0, seconds=0.0)
 
@@ -203,6 +220,19 @@ def _store(path: str):
     return _PlainStore(path)
 
 
+def _vacant(current: Holder | None, now: float) -> str | None:
+    """None while ``current`` holds the lease; else why it may be taken: "" when nobody holds it, or what ended the
+    holder. A dead process on this machine is known at once; a holder elsewhere only by its missed heartbeats."""
+    if current is None:
+        return ""
+    gone = current.gone()
+    if gone:
+        return f"{gone} on this machine"
+    if current.expires <= now:
+        return f"its last heartbeat was at {_utc(current.heartbeat)}"
+    return None
+
+
 class Lease:
     """The lease of one directory (``<dir>/lease.json``), held by this process from :meth:`acquire` to
     :meth:`release`, renewed by a daemon thread in between. A context manager."""
@@ -221,14 +251,16 @@ class Lease:
         self._mutex = threading.Lock()
 
     def acquire(self, wait: bool = False) -> Lease:
-        """Take the lease: create it, or take over one that expired. A live holder's lease raises
-        :class:`LeaseHeld`, or with ``wait`` is waited for (checked every quarter of its expiry time)."""
+        """Take the lease: create it, or take over one whose holder is gone (it expired, or its process on this
+        machine is dead). A live holder's lease raises :class:`LeaseHeld`, or with ``wait`` is waited for (checked
+        every quarter of its expiry time)."""
         told = False
         while True:
             data, version = self._store.read()
             current = Holder.from_json(data) if data is not None else None
             now = time.time()
-            if current is None or current.expires <= now:
+            why = _vacant(current, now)
+            if why is not None:
                 me = Holder(
                     token=uuid.uuid4().hex,
                     job=submission_id(),
@@ -237,17 +269,15 @@ class Lease:
                     started=now,
                     heartbeat=now,
                     seconds=self.seconds,
+                    host_id=liveness.host_id(),
+                    pid_start=liveness.start_ticks(os.getpid()),
                 )
+                # Conditional on the version read: of two jobs taking over the same dead holder's lease, one wins.
                 new = self._store.put(me.to_json(), version)
                 if new is None:
                     continue  # another job changed it since it was read: look again
                 if current is not None:
-                    log.warning(
-                        "%s: took over the lease of %s, whose last heartbeat was at %s",
-                        self.what,
-                        current.who(),
-                        _utc(current.heartbeat),
-                    )
+                    log.warning("%s: took over the lease of %s: %s", self.what, current.who(), why)
                 self._holder, self._version = me, new
                 self._start_heartbeat()
                 return self

@@ -1,7 +1,9 @@
 """The run directory's lease between real processes, on local disk and on the loopback S3 server: two jobs starting
-at the same instant get exactly one lease, a live holder's heartbeat keeps it past its expiry time, and a holder
-killed with SIGKILL loses it once it expires."""
+at the same instant get exactly one lease, a live holder's heartbeat keeps it past its expiry time, a holder killed
+on this machine loses it at once (to exactly one of two racing reruns), and a holder that may run elsewhere loses it
+only once it expires."""
 
+import json
 import logging
 import os
 import signal
@@ -11,7 +13,7 @@ import time
 
 import pytest
 
-from rayflux import lease
+from rayflux import lease, liveness
 
 # A process that takes the lease of argv[1] at the instant argv[3], holds it for argv[4] seconds, then lets go.
 _HOLDER = """
@@ -62,26 +64,98 @@ def test_two_jobs_at_once_get_one_lease(where):
         pass
 
 
-def test_killed_holder_expires_and_is_taken_over(where, caplog):
-    holder = _holder(where, 1.5, 0.0, 120.0)
+def _dead_pid() -> int:
+    """The pid of a process that ran on this machine and has ended (reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _write_holder(where: str, **fields) -> None:
+    """Put a lease naming ``fields`` (over a live, fresh holder on this machine) where a job would find it; a field
+    given as None is left out of the file, as a lease written by an older rayflux lacks it."""
+    now = time.time()
+    me = dict(token="t", job="", host=os.uname().nodename, pid=os.getpid(), started=now, heartbeat=now, seconds=60.0)
+    me.update(host_id=liveness.host_id(), pid_start=liveness.start_ticks(os.getpid()))
+    record = {k: v for k, v in {**me, **fields}.items() if v is not None}
+    assert lease._store(f"{where}/{lease.FILE}").put(json.dumps(record).encode(), None) is not None
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_killed_holder_on_this_machine_is_taken_over_at_once(where, caplog, reaped):
+    """A 60 s lease whose holder was SIGKILLed a moment ago: the next job takes it at once, and says so."""
+    holder = _holder(where, 60.0, 0.0, 120.0)
     try:
         assert holder.stdout.readline().strip() == "acquired", holder.stderr.read()
     finally:
         holder.send_signal(signal.SIGKILL)
+        if reaped:
+            holder.wait()
+        else:  # killed but not yet reaped by its parent: still in /proc, as a zombie
+            while liveness.proc_stat(holder.pid).state != "Z":
+                time.sleep(0.01)
+    caplog.set_level(logging.WARNING, logger="rayflux")
+    try:
+        lease.Lease(where, "run.output_dir", 60.0).acquire().release()
+    finally:
         holder.wait()
-    killed = time.time()
-    with pytest.raises(lease.LeaseHeld, match=f"pid {holder.pid}.*run again after"):
-        lease.Lease(where, "run.output_dir", 1.5).acquire()
+    who = f"took over the lease of a job (host {os.uname().nodename}, pid {holder.pid})"
+    assert who in caplog.text and ("no longer runs on this machine" if reaped else "zombie") in caplog.text
+
+
+def test_live_holder_on_this_machine_is_refused(where):
+    _write_holder(where)  # this very process, its start time right
+    with pytest.raises(lease.LeaseHeld, match=f"pid {os.getpid()}.*run again after"):
+        lease.Lease(where, "run.output_dir", 60.0).acquire()
+
+
+def test_reused_pid_is_not_the_holder(where, caplog):
+    """The recorded pid runs, but started later than the holder did: another process got the pid."""
+    _write_holder(where, pid_start=liveness.start_ticks(os.getpid()) - 1)
+    caplog.set_level(logging.WARNING, logger="rayflux")
+    lease.Lease(where, "run.output_dir", 60.0).acquire().release()
+    assert "its pid now belongs to a process started later" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "elsewhere",
+    [
+        {"host": "other", "host_id": "0d6f2f1c-0000-0000-0000-000000000000/4026531836"},  # another machine
+        {"host_id": "rebooted" + liveness.host_id()[8:]},  # this machine's name, another boot
+        {"host_id": liveness.host_id().split("/")[0] + "/1"},  # this boot, another pid namespace (a container)
+        {"host_id": None, "pid_start": None},  # a lease written before the host was recorded
+    ],
+    ids=["other-host", "other-boot", "other-pid-namespace", "unrecorded"],
+)
+def test_holder_elsewhere_keeps_its_lease_until_it_expires(where, elsewhere, caplog):
+    """A holder that may run elsewhere (even under a dead pid here) is only taken over once its heartbeat is late."""
+    seconds, written = 1.5, time.time()
+    _write_holder(where, **{"pid": _dead_pid(), "pid_start": 1, "seconds": seconds, **elsewhere})
     caplog.set_level(logging.WARNING, logger="rayflux")
     while True:
         try:
-            took = lease.Lease(where, "run.output_dir", 1.5).acquire()
+            took = lease.Lease(where, "run.output_dir", seconds).acquire()
             break
         except lease.LeaseHeld:
-            assert time.time() - killed < 10, "the dead holder's lease never expired"
+            assert time.time() - written < 10, "the lease never expired"
             time.sleep(0.1)
-    try:
-        assert 0.5 < time.time() - killed < 3.0  # at its expiry, not before
-        assert f"took over the lease of a job (host {os.uname().nodename}, pid {holder.pid})" in caplog.text
-    finally:
-        took.release()
+    took.release()
+    assert seconds <= time.time() - written < 5.0  # at its expiry, not before
+    assert "its last heartbeat was at" in caplog.text
+
+
+def test_two_reruns_race_for_a_dead_holder_s_lease(where):
+    """Both see the dead holder at the same instant; the take-over is conditional, so exactly one wins."""
+    _write_holder(where, pid=_dead_pid())
+    start_at = time.time() + 2.0
+    procs = [_holder(where, 60.0, start_at, 2.0) for _ in range(2)]
+    lines = [p.stdout.readline().split(" ", 1)[0].strip() for p in procs]
+    for p in procs:
+        p.wait(timeout=30)
+    assert sorted(lines) == ["acquired", "refused:"], [p.stderr.read() for p in procs]
+
+
+def test_stat_line_with_parentheses_in_the_command_name():
+    line = "77 (a) (b c)) S 1 77 77 0 -1 4194304 9 0 0 0 0 0 0 0 20 0 1 0 123456 3133440 391 18446744073709551615"
+    assert liveness.parse_stat(line) == liveness.ProcStat(state="S", start_ticks=123456)
+    assert liveness.start_ticks(os.getpid()) == liveness.proc_stat(os.getpid()).start_ticks > 0

@@ -20,9 +20,9 @@ class RunConfig:
     dashboard; ``local`` always starts one)."""
     lease_seconds: float = field(default=60.0, metadata=UNTRACKED)
     """How long a job's lease on its run directory and cache keys outlives its last heartbeat (renewed every quarter
-    of this). A second job on the same ``output_dir`` refuses while the lease is live; once its holder is gone (killed,
-    its machine lost) the next job takes over this long after the last heartbeat. Keep it well above the clock skew
-    between machines sharing the directory."""
+    of this). A second job on the same ``output_dir`` refuses while the lease is live. A holder that died on the same
+    machine (killed, out of memory) is taken over at once; one on another machine (its node lost) this long after its
+    last heartbeat. Keep it well above the clock skew between machines sharing the directory."""
     wandb_project: str = field(default="", metadata=UNTRACKED)
     """Weights & Biases project to log to as well (rank 0: the scalars, eval losses and validation grids TensorBoard
     gets). Needs ``pip install 'rayflux[wandb]'``; ``WANDB_MODE``/``WANDB_DIR``/``WANDB_API_KEY`` apply as usual. A
