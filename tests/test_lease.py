@@ -103,6 +103,16 @@ def test_killed_holder_on_this_machine_is_taken_over_at_once(where, caplog, reap
     assert who in caplog.text and ("no longer runs on this machine" if reaped else "zombie") in caplog.text
 
 
+def test_cache_key_waiter_takes_a_dead_holder_s_lease_at_once(where, caplog):
+    """A cache key's lease is waited for (``wait=True``), not refused: a dead holder's is taken without waiting."""
+    _write_holder(where, pid=_dead_pid())
+    caplog.set_level(logging.WARNING, logger="rayflux")
+    began = time.monotonic()
+    lease.Lease(where, "cache key k", 60.0).acquire(wait=True).release()
+    assert time.monotonic() - began < 30  # not the holder's 60 s expiry
+    assert "cache key k: took over the lease" in caplog.text and "no longer runs on this machine" in caplog.text
+
+
 def test_live_holder_on_this_machine_is_refused(where):
     _write_holder(where)  # this very process, its start time right
     with pytest.raises(lease.LeaseHeld, match=f"pid {os.getpid()}.*run again after"):
