@@ -46,7 +46,7 @@ class GenerationStages:
     def _generation(self, g: int) -> dict:
         from rayflux.cache import generations, integrity
         from rayflux.cache.stage import build_generation, inputs_signature
-        from rayflux.discovery import distributed
+        from rayflux.cache import discover
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
         t0 = time.perf_counter()
@@ -57,7 +57,7 @@ class GenerationStages:
         present = set(generations.files_in(key_dir))
         previous, broken = generations.latest_intact(key_dir, present)
         phases.mark("discover_start")
-        discovery = distributed.discover(self.cfg, self.facts, seed, previous)
+        discovery = discover.discover(self.cfg, self.facts, seed, previous)
         phases.mark("discover_end")
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:

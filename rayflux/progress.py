@@ -114,16 +114,12 @@ class BoardSender:
 
 class TrainBar:
     """The training stage's bar, drawn by a driver thread from a :class:`ProgressBoard`. A context manager: the
-    board lives as long as the stage. It counts optimizer steps (``accumulation`` batches each), as rank 0's records
-    and ``train.max_steps`` do."""
+    board lives as long as the stage. It counts optimizer steps, as rank 0's records and ``train.max_steps`` do:
+    ``per_epoch`` per worker in each planned epoch (:func:`steps_per_epoch`), ``total`` in the whole run (the loop's
+    own cap, :func:`rayflux.train.optim.total_steps`)."""
 
-    def __init__(
-        self, counts: dict, world_size: int, accumulation: int, max_steps: int = 0, interactive: bool | None = None
-    ):
-        from rayflux.train.optim import total_steps  # the loop's own cap (its module brings torch: not at import)
-
-        self.per_epoch = steps_per_epoch(counts, world_size, accumulation)
-        self.total = total_steps(sum(self.per_epoch), max_steps)
+    def __init__(self, per_epoch: list[int], total: int, interactive: bool | None = None):
+        self.per_epoch, self.total = per_epoch, total
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.board = None
         self._stop = threading.Event()

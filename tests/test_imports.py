@@ -209,3 +209,36 @@ def test_the_cycle_finder_on_a_small_graph():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}, "f": {"a"}}
     assert sorted(map(tuple, find_cycles(graph))) == [("a", "b", "c", "a"), ("e", "e2", "e")]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with each of rayflux's folders (``rayflux.cache``, ``rayflux.train``, ...) counted as one unit
+    and each top-level module as its own: the layers the package is built in."""
+
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    units: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        units.setdefault(unit(module), set()).update(unit(d) for d in deps)
+    return {u: deps - {u} for u, deps in units.items()}
+
+
+def test_rayflux_packages_and_top_level_modules_have_no_import_cycle():
+    """Folders import each other one way only: ``cache`` builds on ``discovery``, ``train`` on ``cache`` and
+    ``models``, ``sweep`` on ``train`` and ``job`` (docs/layout.md, "Layers"). A function-level import counts."""
+    units = unit_graph(import_graph(PACKAGE))
+    assert {"rayflux.cache", "rayflux.discovery", "rayflux.train", "rayflux.sweep", "rayflux.job"} <= set(units)
+    assert {"rayflux.cache", "rayflux.models"} <= units["rayflux.train"]
+    assert find_cycles(units) == []
+
+
+def test_the_unit_check_sees_a_cycle_the_module_check_does_not(tmp_path):
+    """Discovery's draw importing the cache's manifest lazily makes no module cycle (nothing the manifest imports
+    reaches the draw), but it makes discovery and cache import each other, as discovery's sidecar table once did."""
+    copy = shutil.copytree(PACKAGE, tmp_path / "rayflux", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "discovery" / "subset.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from rayflux.cache import manifest\n")
+    graph = import_graph(copy)
+    assert find_cycles(graph) == []
+    assert find_cycles(unit_graph(graph)) == [["rayflux.cache", "rayflux.discovery", "rayflux.cache"]]

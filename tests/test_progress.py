@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rayflux import config, console, progress
-from rayflux.train import batching, elastic, stage
+from rayflux.train import batching, elastic, optim, stage
 
 COUNTS = {0: {"batches": 6}, 1: {"batches": 4}}
 
@@ -16,8 +16,6 @@ def test_training_progress_text():
     assert per_epoch == [3, 2]
     assert [progress.epoch_of(s, per_epoch) for s in range(1, 6)] == [1, 1, 1, 2, 2]
     assert progress.describe(4, {"loss": 0.123456}, per_epoch) == "train epoch 2/2 loss 0.1235"
-    assert progress.TrainBar(COUNTS, 2, 1, max_steps=4).total == 4
-    assert progress.TrainBar(COUNTS, 2, 1).total == 5
     line = progress.plain_line(120, 800, {"loss": 0.41}, [400, 400], rate=2.1)
     assert line == "train step 120/800 epoch 1/2 loss 0.4100 2.10 step/s ETA 5m"
     assert progress.plain_line(1, 5, {}, per_epoch, rate=0.0) == "train step 1/5 epoch 1/2"
@@ -37,7 +35,8 @@ def test_the_bar_counts_the_optimizer_steps_the_loop_trains(accumulation):
     rows = elastic.plan_rows(refs, 2, cfg.train.seed, (0, 3), 3, 2, accumulation)[0]  # rank 0's, as the loop reads
     steps = sorted({r["step"] for r in rows})
     assert len(rows) == len(steps) * accumulation  # the loop's optimizer steps, `accumulation` rows each
-    bar = progress.TrainBar(counts, 2, accumulation)
+    per_epoch = progress.steps_per_epoch(counts, 2, accumulation)
+    bar = progress.TrainBar(per_epoch, optim.total_steps(sum(per_epoch), 0))
     # 15 + 7 batches an epoch: 22 / 2 = 11 steps a worker, or 18 (the remainder rule's multiple of 6) / 6 = 3.
     assert bar.total == steps[-1] == rows[0]["total_steps"] == {1: 33, 3: 9}[accumulation]
     assert sum(progress.steps_per_epoch(counts, 2, accumulation)) == bar.total  # the plan line's figure
@@ -48,14 +47,14 @@ def test_the_bar_counts_the_optimizer_steps_the_loop_trains(accumulation):
     line = progress.plain_line(half, bar.total, {}, bar.per_epoch, rate=0.1)  # 10 s a step
     assert line.endswith(f"ETA {progress._duration(10 * (bar.total - half))}")
     # train.max_steps counts the optimizer steps the loop counts (the LR schedule's horizon, where the loop stops).
-    assert progress.TrainBar(counts, 2, accumulation, max_steps=5).total == 5
-    assert progress.TrainBar(counts, 2, accumulation, max_steps=100).total == bar.total
+    assert optim.total_steps(sum(per_epoch), max_steps=5) == 5
+    assert optim.total_steps(sum(per_epoch), max_steps=100) == bar.total
 
 
 def test_bar_reads_rank_zeros_updates_without_a_terminal(ray_session, caplog):
     """Plain lines when stdout is not a terminal; the last step always shows, however fast the steps came."""
     with caplog.at_level(logging.INFO, logger="rayflux"):
-        with progress.TrainBar(COUNTS, 2, 1, interactive=False) as bar:
+        with progress.TrainBar(progress.steps_per_epoch(COUNTS, 2, 1), 5, interactive=False) as bar:
             sender = progress.BoardSender(bar.board)
             for step in range(1, 6):
                 sender.send({"step": step, "loss": 1.0 / step}, force=step == 5)

@@ -31,6 +31,7 @@ from rayflux.cache import (
     prepare,
     reuse,
     shards,
+    sidecars,
     staging,
     stall,
     text_input,
@@ -40,7 +41,7 @@ from rayflux.cache import manifest as manifest_mod
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.keys import bucket_spec, bucket_specs, layout, store_dtype
 from rayflux.config import JobConfig
-from rayflux.discovery import discoveries, sidecars
+from rayflux.discovery import discoveries
 from rayflux.discovery.caption_hash import caption_id
 from rayflux.discovery.discoveries import Discovery
 from rayflux.models import ModelFacts
@@ -307,7 +308,7 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
             kind: sink.commit(gen_dir, encode_id)
             for kind, sink in (("samples", sample_index), ("captions", caption_index))
         }
-        if found.sidecars:  # the caption files read, for the next discovery (see discovery.sidecars)
+        if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
             files["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
         staged_bytes = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
         manifest.finish(files, {**times, "encoders": b.encoders}, text.unique, staged_bytes)

@@ -6,16 +6,16 @@ import collections
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rayflux import datasets, models, progress, storage
 from rayflux.cache import index, integrity
 from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, resource_map, worker_range
-from rayflux.config.base_dtype import refusal
-from rayflux.config.optimizer import refusal as optimizer_refusal
+from rayflux.config.placement import Cluster, place
 from rayflux.models import ModelFacts
-from rayflux.train import batching, commits, metrics, renderer
+from rayflux.train import batching, commits, metrics, optim, renderer
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
 from rayflux.train.loop import train_loop_per_worker
 from rayflux.train.loop_config import LOOP_KEY, LoopConfig
@@ -88,28 +88,6 @@ def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int)
     }
 
 
-def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
-    # An accelerator type names a GPU, so it implies GPU workers even before the autoscaler has started any.
-    auto = cluster_gpus or bool(cfg.train.accelerator_type)
-    return {"auto": auto, "true": True, "false": False}[cfg.train.use_gpu]
-
-
-def check_base_dtype(cfg: JobConfig, cluster_gpus: bool) -> None:
-    """Refuse ``train.base_dtype`` on the driver, before any cache or training work, when this cluster would train
-    on CPU (no GPU in it and no ``train.accelerator_type``); each worker checks its own GPU again as it loads."""
-    reason = refusal(cfg.train.base_dtype, gpu=_use_gpu(cfg, cluster_gpus), sharding=cfg.train.base_sharding)
-    if reason:
-        raise ValueError(reason)
-
-
-def check_optimizer(cfg: JobConfig, cluster_gpus: bool) -> None:
-    """Refuse a GPU-only ``train.optimizer`` on the driver, before any cache or training work, when this cluster
-    would train on CPU; each worker checks its own device and the optimizer's package again as it starts."""
-    reason = optimizer_refusal(cfg.train.optimizer, gpu=_use_gpu(cfg, cluster_gpus))
-    if reason:
-        raise ValueError(reason)
-
-
 def scaling_config(cfg: JobConfig, use_gpu: bool, gpu_left: float = 0.0):
     """Ray Train's ``ScalingConfig``: fixed or elastic (``num_workers: [min, max]``) and where workers may run.
     ``gpu_left``: the share of each worker's GPU left to the validation render actor."""
@@ -131,13 +109,11 @@ def scaling_config(cfg: JobConfig, use_gpu: bool, gpu_left: float = 0.0):
 
 def run_config(cfg: JobConfig, output_dir: str, callbacks: list):
     """Ray Train's ``RunConfig``. Its storage must be shared by every node (``s3://`` on a cloud cluster): restarts,
-    resizes and resumed jobs all load the latest checkpoint from it."""
+    resizes and resumed jobs all load the latest checkpoint from it. ``callbacks``: the trainer's callbacks (the
+    commit record's, and a sweep trial's Tune reports)."""
     import ray.train
 
-    from rayflux.sweep.report import tune_callbacks  # in a sweep's trial, eval reports also go to Tune
-
     storage_path, storage_fs = storage.for_ray_train(storage.join(output_dir, "checkpoints"))
-    callbacks = [*callbacks, *tune_callbacks()]
     return ray.train.RunConfig(
         name=cfg.run.name,
         storage_path=storage_path,
@@ -155,8 +131,11 @@ def train(
     output_dir: str,
     cluster_gpus: bool,
     epochs: tuple[int, int] | None = None,
+    *,
+    callbacks: Callable[[], list] | None = None,
 ) -> TrainResult:
-    """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
+    """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint.
+    ``callbacks``: makes extra Ray Train callbacks for the trainer (a sweep trial's Tune reports)."""
     manifest = Manifest.of(manifest)
     _, hi = worker_range(cfg.train.num_workers)
     refs = datasets.mix(
@@ -173,9 +152,11 @@ def train(
     _log_plan(cfg, counts, hi, first, end)
     run_storage = commits.run_storage(output_dir, cfg.run.name)
     before = commits.latest(run_storage)
-    with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
+    per_epoch = progress.steps_per_epoch(counts, hi, cfg.train.gradient_accumulation)
+    with progress.TrainBar(per_epoch, optim.total_steps(sum(per_epoch), cfg.train.max_steps)) as bar:
         try:
-            result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan)
+            extra = callbacks() if callbacks else []
+            result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan, extra)
         except Exception as exc:
             _raise_integrity(exc)
             raise
@@ -250,12 +231,13 @@ def _fit(
     epochs,
     board,
     eval_plan=(),
+    callbacks=(),
 ):
     import ray
     from ray.train.torch import TorchTrainer
 
     run_storage = commits.run_storage(output_dir, cfg.run.name)
-    use_gpu = _use_gpu(cfg, cluster_gpus)
+    use_gpu = place(cfg, Cluster(gpus=cluster_gpus)).training
     os.environ.setdefault(POLL_ENV, POLL_SECONDS)
     renders, gpu_left = None, 0.0
     if cfg.train.validation_prompts:
@@ -264,7 +246,18 @@ def _fit(
         renders = renderer.Renders(cfg, output_dir, resources, why)
     try:
         result = _trainer(
-            cfg, manifest, facts, output_dir, run_storage, (use_gpu, gpu_left), renders, refs, epochs, board, eval_plan
+            cfg,
+            manifest,
+            facts,
+            output_dir,
+            run_storage,
+            (use_gpu, gpu_left),
+            renders,
+            refs,
+            epochs,
+            board,
+            eval_plan,
+            callbacks,
         ).fit()
     finally:
         if renders:
@@ -284,6 +277,7 @@ def _trainer(
     epochs,
     board,
     eval_plan,
+    callbacks,
 ):
     """The ``TorchTrainer`` of one trainer run; ``gpus``: ``(use GPUs, share of each GPU left to the renderer)``."""
     from ray.train.torch import TorchTrainer
@@ -305,7 +299,7 @@ def _trainer(
             )
         },
         scaling_config=scaling_config(cfg, *gpus),
-        run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_storage)]),
+        run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_storage), *callbacks]),
         datasets={DATASET: index_dataset(refs)},
         dataset_config=PlannedDataConfig(
             cfg.train.batch_size,
