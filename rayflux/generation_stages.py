@@ -99,7 +99,9 @@ class GenerationStages:
         entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
         t0 = time.perf_counter()
         # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
-        manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
+        manifest = build_generation(
+            self.cfg, self.facts, discovery, gen_dir, g, seed, use_gpu=self.use_gpu, previous=previous
+        )
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
         self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)
         return manifest

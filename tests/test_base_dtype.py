@@ -178,7 +178,7 @@ def test_an_fp8_base_trains_the_lora_alone_and_saves_the_bf16_runs_file(tiny_mod
     batch = step.Batch(torch.randn(1, c, side, side), text, 0)
     cfg = config.load(None, ["train.sigma_sampling=uniform"]).train
     with torch.autocast("cpu", torch.bfloat16):
-        loss = step.flow_loss(fp8, batch, cfg, True, None, "cpu", torch.float32, family)
+        loss = step.flow_loss(fp8, batch, cfg, True, None, step.Runtime("cpu", torch.float32, family))
     loss.backward()
     assert torch.isfinite(loss)
     grads = {n: p.grad for n, p in fp8.named_parameters() if p.requires_grad}

@@ -242,3 +242,32 @@ def test_the_unit_check_sees_a_cycle_the_module_check_does_not(tmp_path):
     graph = import_graph(copy)
     assert find_cycles(graph) == []
     assert find_cycles(unit_graph(graph)) == [["rayflux.cache", "rayflux.discovery", "rayflux.cache"]]
+
+
+MAX_POSITIONAL = 6
+"""The most positional parameters a rayflux function may take (``self`` and ``cls`` not counted): past that a call is
+a row of values whose meaning hangs on their order; later ones go keyword-only, or into a record."""
+
+
+def positional_overruns(root: Path) -> list[str]:
+    """``path:line name(n)`` for every function under ``root`` with more than :data:`MAX_POSITIONAL` positional
+    parameters."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args]
+                n = len(names) - (names[:1] in (["self"], ["cls"]))
+                if n > MAX_POSITIONAL:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}({n})")
+    return found
+
+
+def test_no_function_takes_more_than_six_positional_parameters(tmp_path):
+    assert positional_overruns(PACKAGE) == []
+    planted = tmp_path / "rayflux" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text(
+        "class A:\n    def f(self, a, b, c, d, e, f, *, g):\n        pass\n\n\ndef g(a, b, c, d, e, f, g=1):\n    pass\n"
+    )
+    assert positional_overruns(planted.parent) == ["rayflux/planted.py:6 g(7)"]

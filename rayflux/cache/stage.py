@@ -258,6 +258,7 @@ def build_generation(
     gen_dir: str,
     generation: int,
     seed: int,
+    *,
     use_gpu: bool,
     previous: dict | None = None,
 ) -> dict:
@@ -272,10 +273,10 @@ def build_generation(
     :mod:`rayflux.allocator`).
     """
     with allocator.system_pool():
-        return _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu, previous)
+        return _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu=use_gpu, previous=previous)
 
 
-def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu, previous) -> dict:
+def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, use_gpu, previous) -> dict:
     if cfg.cache.strict and discovery.skips.num_rows:
         first = discovery.skips.slice(0, 1).to_pylist()[0]
         raise BadInputError(f"cache.strict: {first['source_uri']}: {first['reason']}")
@@ -303,7 +304,9 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
             layout(b.cfg, facts, use_gpu=use_gpu),
             b.previous.dir,
         )
-        manifest = manifest_mod.compose(build, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
+        manifest = manifest_mod.compose(
+            build, found, spec, specs, text_meta, sample_meta, samples=sample_index, captions=caption_index
+        )
         files = {
             kind: sink.commit(gen_dir, encode_id)
             for kind, sink in (("samples", sample_index), ("captions", caption_index))

@@ -164,6 +164,7 @@ def drop_text(text: dict, mask, empty: dict) -> dict:
 def eval_sigmas(
     n: int,
     method: str,
+    *,
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
     shift: float = 3.0,
