@@ -129,7 +129,8 @@ def raw_copy(gen_dir: str, dest: Path) -> str:
     (as rayflux wrote them before :mod:`rayflux.cache.codec`): its directory."""
     import shutil
 
-    from rayflux.testing.raw_text import rewrite_without_codecs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the rewrite is a test fixture
+    from raw_text import rewrite_without_codecs
 
     src = Path(gen_dir)
     gen = dest / src.parent.name / src.name

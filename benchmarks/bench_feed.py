@@ -50,6 +50,7 @@ def main() -> int:
     from rayflux.train import batching, lora
     from rayflux.train import step as train_step
     from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset, planned_rows
+    from rayflux.train.plan import FeedPlan
 
     work = Path(tempfile.mkdtemp(prefix="bench-feed-"))
     # A transformer wide enough that a step costs what a small real one would on CPU, not microseconds.
@@ -71,11 +72,13 @@ def main() -> int:
     DataContext.get_current().enable_progress_bars = False
     try:
         facts = models.model_facts(cfg.model)
-        manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, False)
+        manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, use_gpu=False)
         refs = batching.index_samples(manifest)
 
         def iterator(per_read: int):
-            feed = PlannedDataConfig(1, 0, (0, 1), 1, batches_per_read=per_read)
+            feed = PlannedDataConfig(
+                FeedPlan(batch_size=1, seed=0, epochs=(0, 1), total_epochs=1, batches_per_read=per_read)
+            )
             return feed.configure({DATASET: index_dataset(refs)}, 1, None, None)[0][DATASET]
 
         # A Ray Train worker on 0.5-1 CPU runs torch with one thread; so does this loop, leaving the other core to
@@ -90,7 +93,9 @@ def main() -> int:
 
         def step(item):
             batch = train_step.from_item(item)
-            loss = train_step.flow_loss(transformer, batch, cfg.train, guidance, None, "cpu", torch.float32, family)
+            loss = train_step.flow_loss(
+                transformer, batch, cfg.train, guidance, None, train_step.Runtime("cpu", torch.float32, family)
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()

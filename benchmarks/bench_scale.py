@@ -375,7 +375,7 @@ def _run(server: Server | None, args) -> None:
 
     from rayflux import config, generation_stages, job, models, progress
     from rayflux.ledger import Ledger
-    from rayflux.discovery import distributed
+    from rayflux.cache import discover
     from rayflux.testing.tiny import ensure_tiny_model
 
     n, bucket = args.images, f"s3://bench-{args.variant}-{os.getpid()}"
@@ -449,7 +449,7 @@ def _run(server: Server | None, args) -> None:
         return out, rec
 
     facts = models.model_facts(cfg.model)
-    phase("discover", lambda: distributed.discover(cfg, facts, cfg.cache.seed))
+    phase("discover", lambda: discover.discover(cfg, facts, cfg.cache.seed))
     if args.discover_only:
         if server is None:
             local.cleanup()

@@ -26,7 +26,8 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
+    """Keep transformers' and the hub's chatter and progress bars off the terminal (every command does this first)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> int:
-    _quiet_libraries()
+    quiet_libraries()
     args = _train_parser(prog).parse_args(argv)
     console.set_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
@@ -46,24 +47,25 @@ def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> in
     if cfg is None:
         return 2
     # Ray's C++ core writes to fd 2 itself; that goes to the run's logs, and sys.stderr to the terminal.
-    joined = _ray_connected()  # a Ray this process was already connected to (a caller's) is the caller's to leave
+    joined = ray_connected()  # a Ray this process was already connected to (a caller's) is the caller's to leave
     with console.terminal(console.driver_log_path(cfg.run.output_dir)):
         try:
             return _run_job(cfg, args.only or "")
         finally:
             if not joined:
-                _disconnect()
+                disconnect()
 
 
-def _ray_connected() -> bool:
+def ray_connected() -> bool:
+    """Whether this process is connected to a Ray (without importing Ray when nothing has)."""
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()
 
 
-def _disconnect() -> None:
+def disconnect() -> None:
     """Leave the Ray the job connected to while fd 2 still points at the log: what its shutdown prints (after Ctrl-C,
     say) belongs there."""
-    if _ray_connected():
+    if ray_connected():
         sys.modules["ray"].shutdown()
 
 

@@ -46,7 +46,7 @@ class GenerationStages:
     def _generation(self, g: int) -> dict:
         from rayflux.cache import generations, integrity
         from rayflux.cache.stage import build_generation, inputs_signature
-        from rayflux.discovery import distributed
+        from rayflux.cache import discover
 
         seed = refresh.generation_seed(self.cfg.cache.seed, g)
         t0 = time.perf_counter()
@@ -57,7 +57,7 @@ class GenerationStages:
         present = set(generations.files_in(key_dir))
         previous, broken = generations.latest_intact(key_dir, present)
         phases.mark("discover_start")
-        discovery = distributed.discover(self.cfg, self.facts, seed, previous)
+        discovery = discover.discover(self.cfg, self.facts, seed, previous)
         phases.mark("discover_end")
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:
@@ -99,7 +99,9 @@ class GenerationStages:
         entry = self.ledger.start(f"cache:g{g}", gen_dir, dir=gen_dir, seed=seed)
         t0 = time.perf_counter()
         # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
-        manifest = build_generation(self.cfg, self.facts, discovery, gen_dir, g, seed, self.use_gpu, previous)
+        manifest = build_generation(
+            self.cfg, self.facts, discovery, gen_dir, g, seed, use_gpu=self.use_gpu, previous=previous
+        )
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
         self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)
         return manifest

@@ -158,6 +158,7 @@ def estimate(
     pixels: int,
     batch: int,
     checkpointing: bool,
+    *,
     activation_bytes: int = 2,
     text: int | None = None,
     optimizer: str = "adamw",

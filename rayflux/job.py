@@ -12,10 +12,12 @@ import concurrent.futures
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from rayflux import console, datasets, families, lease, models, paths, phases, progress, refresh, storage
 from rayflux.connect import connect
 from rayflux.config import ConfigError, JobConfig, refresh_interval
+from rayflux.config.placement import Cluster, validate_for_cluster
 from rayflux.generation_stages import GenerationStages
 from rayflux.ledger import Ledger
 from rayflux.summary import Summary, account
@@ -70,8 +72,9 @@ def run_identity(cfg: JobConfig) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run(cfg: JobConfig, only: str = "") -> Summary:
-    """Run the job's stages. ``only="cache"`` stops after building the first cache generation."""
+def run(cfg: JobConfig, only: str = "", trainer_callbacks: Callable[[], list] | None = None) -> Summary:
+    """Run the job's stages. ``only="cache"`` stops after building the first cache generation.
+    ``trainer_callbacks``: makes extra Ray Train callbacks for each trainer run (a sweep's trial: its Tune reports)."""
     images, cache_root, output = resolve_dirs(cfg)
     cfg.data.images_dir = images
     # Refuse overlapping directories before any Ray work or any write.
@@ -87,12 +90,12 @@ def run(cfg: JobConfig, only: str = "") -> Summary:
     # One job at a time per run directory: a second one refuses here, before any Ray work or any other write.
     held = lease.Lease(output, f"run.output_dir {output}", cfg.run.lease_seconds).acquire()
     try:
-        return _run_stages(cfg, only, cache_root, output, held)
+        return _run_stages(cfg, only, cache_root, output, held, callbacks=trainer_callbacks)
     finally:
         held.release()
 
 
-def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: lease.Lease) -> Summary:
+def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: lease.Lease, *, callbacks) -> Summary:
     """:func:`run` once the run directory's lease is held (``held``)."""
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
@@ -114,7 +117,7 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
         return summary
     if first.cached == 0:
         raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
-    result, manifest = _train_segments(cfg, facts, stages, segs, pending, output)
+    result, manifest = _train_segments(cfg, facts, stages, segs, pending, output, callbacks=callbacks)
     _export(cfg, ledger, summary, output, result, manifest)
     return summary
 
@@ -132,10 +135,8 @@ def _start_ray(cfg: JobConfig, only: str, summary: Summary) -> bool:
     if only != "cache":
         # The training modules import torch: a cache-only run's driver never loads it (seconds of its start).
         from rayflux.train import wandb_log
-        from rayflux.train.stage import check_base_dtype, check_optimizer
 
-        check_base_dtype(cfg, gpus)
-        check_optimizer(cfg, gpus)
+        validate_for_cluster(cfg, Cluster(gpus=gpus))
         wandb_log.check(cfg.run.wandb_project)
     return gpus
 
@@ -167,7 +168,9 @@ def _pending(cfg: JobConfig, ledger: Ledger, segs: list, only: str) -> list:
     return pending
 
 
-def _train_segments(cfg: JobConfig, facts, stages: GenerationStages, segs: list, pending: list, output: str):
+def _train_segments(
+    cfg: JobConfig, facts, stages: GenerationStages, segs: list, pending: list, output: str, *, callbacks
+):
     """Train each pending segment on its generation, the next generation built meanwhile where the cluster has room,
     and each generation retired once every worker is done with it; ``(last result or None, last manifest)``."""
     from rayflux.train.stage import train
@@ -184,7 +187,8 @@ def _train_segments(cfg: JobConfig, facts, stages: GenerationStages, segs: list,
                 prebuild = pool.submit(stages.generation, nxt.generation)
             entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest.dir)
             t0 = time.perf_counter()
-            result = train(cfg, manifest, facts, output, stages.use_gpu, (seg.first_epoch, seg.end_epoch))
+            epochs = (seg.first_epoch, seg.end_epoch)
+            result = train(cfg, manifest, facts, output, stages.use_gpu, epochs, callbacks=callbacks)
             summary.stage_seconds[name] = time.perf_counter() - t0
             complete = bool(result.position.get("feed_done"))
             ledger.finish(

@@ -35,13 +35,6 @@ def quiet_operator_bars() -> None:
     DataContext.get_current().enable_operator_progress_bars = False
 
 
-def steps_per_epoch(counts: dict, world_size: int, accumulation: int) -> list[int]:
-    """Optimizer steps per worker in each planned epoch (``counts`` as from ``rayflux.train.stage.plan_counts``): each
-    step trains ``accumulation`` batches on every worker, and the remainder rule makes an epoch's batches a multiple of
-    ``world_size * accumulation``."""
-    return [counts[e]["batches"] // (world_size * accumulation) for e in sorted(counts)]
-
-
 def epoch_of(step: int, per_epoch: list[int]) -> int:
     """The 1-based epoch that global step ``step`` (1-based, per worker) falls in."""
     done = 0
@@ -114,16 +107,12 @@ class BoardSender:
 
 class TrainBar:
     """The training stage's bar, drawn by a driver thread from a :class:`ProgressBoard`. A context manager: the
-    board lives as long as the stage. It counts optimizer steps (``accumulation`` batches each), as rank 0's records
-    and ``train.max_steps`` do."""
+    board lives as long as the stage. It counts optimizer steps, as rank 0's records and ``train.max_steps`` do:
+    ``per_epoch`` per worker in each planned epoch, ``total`` in the whole run (the plan's
+    :attr:`~rayflux.train.plan.TrainPlan.steps_per_epoch` and :attr:`~rayflux.train.plan.TrainPlan.total_steps`)."""
 
-    def __init__(
-        self, counts: dict, world_size: int, accumulation: int, max_steps: int = 0, interactive: bool | None = None
-    ):
-        from rayflux.train.optim import total_steps  # the loop's own cap (its module brings torch: not at import)
-
-        self.per_epoch = steps_per_epoch(counts, world_size, accumulation)
-        self.total = total_steps(sum(self.per_epoch), max_steps)
+    def __init__(self, per_epoch: list[int], total: int, interactive: bool | None = None):
+        self.per_epoch, self.total = per_epoch, total
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.board = None
         self._stop = threading.Event()

@@ -148,7 +148,9 @@ def build(cfg, previous: dict | None = None, generation: int = 0, facts=None) ->
     discovery = discover(cfg.data, seed=cfg.cache.seed)
     key = cache_key(cfg, facts)
     gen_dir = generations.generation_dir(cfg.cache.dir, key, generation, inputs_signature(discovery))
-    manifest = build_generation(cfg, facts, discovery, gen_dir, generation, cfg.cache.seed, False, previous=previous)
+    manifest = build_generation(
+        cfg, facts, discovery, gen_dir, generation, cfg.cache.seed, use_gpu=False, previous=previous
+    )
     return gen_dir, manifest
 
 

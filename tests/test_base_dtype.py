@@ -11,8 +11,8 @@ import torch
 
 from rayflux import config, job, models
 from rayflux.config.base_dtype import refusal, shardable
+from rayflux.config.placement import Cluster, validate_for_cluster
 from rayflux.train import base_weights, lora
-from rayflux.train.stage import check_base_dtype
 from rayflux.train.trainer import LoraTrainer
 
 
@@ -50,10 +50,12 @@ def test_the_config_refuses_what_it_can_know(dtype):
 def test_the_driver_refuses_a_cluster_without_gpus(dtype):
     cfg = config.load(None, [f"train.base_dtype={dtype}"])
     with pytest.raises(ValueError, match=f"train.base_dtype={dtype} needs a CUDA GPU"):
-        check_base_dtype(cfg, cluster_gpus=False)
-    check_base_dtype(cfg, cluster_gpus=True)
+        validate_for_cluster(cfg, Cluster(gpus=False))
+    validate_for_cluster(cfg, Cluster(gpus=True))
     # An accelerator type asks for GPU workers before the autoscaler has started any.
-    check_base_dtype(config.load(None, [f"train.base_dtype={dtype}", "train.accelerator_type=H100"]), False)
+    validate_for_cluster(
+        config.load(None, [f"train.base_dtype={dtype}", "train.accelerator_type=H100"]), Cluster(False)
+    )
 
 
 @pytest.mark.parametrize("key, value", [("base_dtype", "nf4"), ("optimizer", "adamw8bit")])
@@ -176,7 +178,7 @@ def test_an_fp8_base_trains_the_lora_alone_and_saves_the_bf16_runs_file(tiny_mod
     batch = step.Batch(torch.randn(1, c, side, side), text, 0)
     cfg = config.load(None, ["train.sigma_sampling=uniform"]).train
     with torch.autocast("cpu", torch.bfloat16):
-        loss = step.flow_loss(fp8, batch, cfg, True, None, "cpu", torch.float32, family)
+        loss = step.flow_loss(fp8, batch, cfg, True, None, step.Runtime("cpu", torch.float32, family))
     loss.backward()
     assert torch.isfinite(loss)
     grads = {n: p.grad for n, p in fp8.named_parameters() if p.requires_grad}

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from raw_text import rewrite_without_codecs
 
 from rayflux.cache import codec, generations, index, tensors, verify
-from rayflux.testing.raw_text import rewrite_without_codecs
 from rayflux.train import batching
 from rayflux.train.captions import load_empty
 

@@ -16,7 +16,7 @@ import cache_sets
 import pyarrow.parquet as pq
 
 from rayflux.cache import generations, verify
-from rayflux.testing import faults
+from rayflux import faults
 
 # A driver of its own that joins the session's Ray with the kill point in its job's runtime_env (every worker of
 # that job inherits it), builds the cache, and prints where it went.

@@ -149,7 +149,7 @@ def test_the_cache_key_follows_what_shapes_tensors_not_caption_rules(tiny_model,
 
 
 def test_unchanged_caption_files_are_taken_from_the_generation_not_read(runs, ray_session):
-    from rayflux.discovery import distributed
+    from rayflux.cache import discover
 
     m = generations.load_manifest(runs["grown"].cache_dir)
     assert m["index"]["sidecars"]["rows"] == 5
@@ -161,8 +161,8 @@ def test_unchanged_caption_files_are_taken_from_the_generation_not_read(runs, ra
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     try:
         facts = models.model_facts(cfg.model)
-        kept = {s.rel_path: s.caption for s in distributed.discover(cfg, facts, cfg.cache.seed, m).sources}
-        read = {s.rel_path: s.caption for s in distributed.discover(cfg, facts, cfg.cache.seed).sources}
+        kept = {s.rel_path: s.caption for s in discover.discover(cfg, facts, cfg.cache.seed, m).sources}
+        read = {s.rel_path: s.caption for s in discover.discover(cfg, facts, cfg.cache.seed).sources}
     finally:
         path.write_text(CAPTIONS["d"])
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -195,7 +195,7 @@ def test_each_listed_part_finds_its_known_caption_files_in_a_few_row_groups(tmp_
 
     from rayflux.discovery import listing
     from rayflux.discovery import schemas, sidecar_spool
-    from rayflux.discovery import sidecars
+    from rayflux.cache import sidecars
 
     rng = random.Random(7)
     names = sorted({f"root/{rng.choice('abc')}/{rng.randrange(300):03d}.txt" for _ in range(400)})

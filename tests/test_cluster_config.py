@@ -14,7 +14,8 @@ import yaml
 from rayflux import config
 from rayflux.cache import fit
 from rayflux.cluster import spot_guard
-from rayflux.train.stage import _use_gpu, run_config, scaling_config
+from rayflux.config.placement import Cluster, place
+from rayflux.train.stage import run_config, scaling_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_ENVS = sorted((ROOT / "runtime_env").glob("*.yaml"))
@@ -97,7 +98,7 @@ def test_elastic_scaling_and_failure_config(tmp_path):
             "train.worker_resources={h100_node: 1}",
         ],
     )
-    use_gpu = _use_gpu(cfg, cluster_gpus=False)  # an accelerator type implies GPUs before any GPU node is up
+    use_gpu = place(cfg, Cluster(gpus=False)).training  # an accelerator type implies GPUs before any GPU node is up
     scaling = scaling_config(cfg, use_gpu)
     assert use_gpu and (scaling.min_workers, scaling.max_workers) == (2, 16)
     assert scaling.elastic_resize_monitor_interval_s == 30
@@ -135,7 +136,7 @@ def test_encoder_actors_can_target_another_node_type():
 
     def resources(*items: str) -> dict:
         cfg = config.load(None, list(items))
-        return fit.resources(cfg, fit.wants_gpu(cfg, cluster_has_gpus=False), head)
+        return fit.resources(cfg, place(cfg, Cluster(gpus=False)).encoders, head)
 
     assert resources() == {"num_cpus": 1.25}
     assert resources("cache.accelerator_type=L4") == {"num_gpus": 1.0, "num_cpus": 1.0, "accelerator_type": "L4"}

@@ -16,7 +16,8 @@ import pytest
 
 from rayflux import config, models
 
-from rayflux.discovery import caption_hash, distributed, settling, sidecars
+from rayflux.cache import discover, sidecars
+from rayflux.discovery import caption_hash, settling
 
 FOLDERS = 4
 SMALL, LARGE = 400, 2400
@@ -55,12 +56,12 @@ def _run(tmp_path, tiny_model, n: int) -> tuple[int, int]:
     root = _dataset(tmp_path / f"images{n}", n)
     cfg = config.load(None, [f"model.path={tiny_model}", f"data.images_dir={root}", "data.resolution=64"])
     facts = models.model_facts(cfg.model)
-    first, found = _peak(lambda: distributed.discover(cfg, facts, seed=3))
+    first, found = _peak(lambda: discover.discover(cfg, facts, seed=3))
     assert found.table.num_rows == n and found.skips.num_rows == 0 and found.sidecars.rows == n
     gen = tmp_path / f"gen{n}"
     gen.mkdir()
     previous = {"dir": str(gen), "index": {"sidecars": sidecars.write(str(gen), found.sidecars)}}
-    rerun, again = _peak(lambda: distributed.discover(cfg, facts, seed=3, previous=previous))
+    rerun, again = _peak(lambda: discover.discover(cfg, facts, seed=3, previous=previous))
     assert again.table.equals(found.table)  # the same sources and captions, with no caption file read
     return first, rerun
 

@@ -404,7 +404,11 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
         with torch.no_grad():
             guidance = bool(transformer.config.guidance_embeds)
             losses = [
-                float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
+                float(
+                    step.flow_loss(
+                        transformer, b, cfg.train, guidance, None, step.Runtime("cpu", torch.float32, family)
+                    )
+                )
                 for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))
             ]
         assert losses[0] != losses[1]

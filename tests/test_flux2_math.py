@@ -210,7 +210,9 @@ def test_flux2_forward_args_with_references_are_the_pipelines_transformer_inputs
     pixels = [klein.image_processor.preprocess(r, height=64, width=64, resize_mode="crop") for r in refs]
     cached = torch.stack([_encode(klein, x)[0] for x in pixels])[None]  # [B, k, C, h, w], the cache's ref_latent
     text = {"prompt_embeds": call["encoder_hidden_states"]}
-    args = for_class("Flux2KleinPipeline").forward_args(f2.pack(noise), text, call["timestep"], 4, 4, None, cached)
+    args = for_class("Flux2KleinPipeline").forward_args(
+        f2.pack(noise), text, call["timestep"], 4, 4, None, references=cached
+    )
     for key in ("hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "timestep"):
         assert torch.equal(args[key], call[key]), key
     assert args["hidden_states"].shape[1] == 16 * 3 and args["guidance"] is None
@@ -243,7 +245,7 @@ def test_kontext_forward_args_with_a_reference_are_the_pipelines_transformer_inp
     with torch.no_grad():
         cached = family.stored_latent(kontext.vae, kontext.vae.encode(pixels).latent_dist.mode())[:, None]
     text = {"t5": call["encoder_hidden_states"], "clip_pooled": call["pooled_projections"]}
-    args = family.forward_args(noise, text, call["timestep"], 8, 8, call["guidance"], cached)
+    args = family.forward_args(noise, text, call["timestep"], 8, 8, call["guidance"], references=cached)
     for key in (
         "hidden_states",
         "img_ids",
@@ -256,7 +258,7 @@ def test_kontext_forward_args_with_a_reference_are_the_pipelines_transformer_inp
         assert torch.equal(args[key], call[key]), key
     assert args["hidden_states"].shape[1] == 16 + 16 and args["img_ids"][16:, 0].unique().tolist() == [1.0]
     with pytest.raises(ValueError, match="one reference image per edit, got 2"):
-        family.forward_args(noise, text, call["timestep"], 8, 8, None, cached.expand(-1, 2, -1, -1, -1))
+        family.forward_args(noise, text, call["timestep"], 8, 8, None, references=cached.expand(-1, 2, -1, -1, -1))
     with pytest.raises(ValueError, match="edits one reference image, got 2"):
         family.reference_kwargs([image, image], 64, 64)
     with pytest.raises(ValueError, match="takes no reference images"):

@@ -209,3 +209,65 @@ def test_the_cycle_finder_on_a_small_graph():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}, "f": {"a"}}
     assert sorted(map(tuple, find_cycles(graph))) == [("a", "b", "c", "a"), ("e", "e2", "e")]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with each of rayflux's folders (``rayflux.cache``, ``rayflux.train``, ...) counted as one unit
+    and each top-level module as its own: the layers the package is built in."""
+
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    units: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        units.setdefault(unit(module), set()).update(unit(d) for d in deps)
+    return {u: deps - {u} for u, deps in units.items()}
+
+
+def test_rayflux_packages_and_top_level_modules_have_no_import_cycle():
+    """Folders import each other one way only: ``cache`` builds on ``discovery``, ``train`` on ``cache`` and
+    ``models``, ``sweep`` on ``train`` and ``job`` (docs/layout.md, "Layers"). A function-level import counts."""
+    units = unit_graph(import_graph(PACKAGE))
+    assert {"rayflux.cache", "rayflux.discovery", "rayflux.train", "rayflux.sweep", "rayflux.job"} <= set(units)
+    assert {"rayflux.cache", "rayflux.models"} <= units["rayflux.train"]
+    assert find_cycles(units) == []
+
+
+def test_the_unit_check_sees_a_cycle_the_module_check_does_not(tmp_path):
+    """Discovery's draw importing the cache's manifest lazily makes no module cycle (nothing the manifest imports
+    reaches the draw), but it makes discovery and cache import each other, as discovery's sidecar table once did."""
+    copy = shutil.copytree(PACKAGE, tmp_path / "rayflux", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "discovery" / "subset.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from rayflux.cache import manifest\n")
+    graph = import_graph(copy)
+    assert find_cycles(graph) == []
+    assert find_cycles(unit_graph(graph)) == [["rayflux.cache", "rayflux.discovery", "rayflux.cache"]]
+
+
+MAX_POSITIONAL = 6
+"""The most positional parameters a rayflux function may take (``self`` and ``cls`` not counted): past that a call is
+a row of values whose meaning hangs on their order; later ones go keyword-only, or into a record."""
+
+
+def positional_overruns(root: Path) -> list[str]:
+    """``path:line name(n)`` for every function under ``root`` with more than :data:`MAX_POSITIONAL` positional
+    parameters."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args]
+                n = len(names) - (names[:1] in (["self"], ["cls"]))
+                if n > MAX_POSITIONAL:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}({n})")
+    return found
+
+
+def test_no_function_takes_more_than_six_positional_parameters(tmp_path):
+    assert positional_overruns(PACKAGE) == []
+    planted = tmp_path / "rayflux" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text(
+        "class A:\n    def f(self, a, b, c, d, e, f, *, g):\n        pass\n\n\ndef g(a, b, c, d, e, f, g=1):\n    pass\n"
+    )
+    assert positional_overruns(planted.parent) == ["rayflux/planted.py:6 g(7)"]

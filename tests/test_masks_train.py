@@ -102,7 +102,11 @@ def _mask_changes_the_loss(cfg, summary):
         assert torch.equal(batch.masks[0], torch.from_numpy(want))
         with torch.no_grad():
             losses = [
-                float(step.flow_loss(transformer, b, cfg.train, guidance, None, "cpu", torch.float32, family))
+                float(
+                    step.flow_loss(
+                        transformer, b, cfg.train, guidance, None, step.Runtime("cpu", torch.float32, family)
+                    )
+                )
                 for b in (batch, step.Batch(batch.latents, batch.text, batch.seed))
             ]
         assert losses[0] != losses[1]

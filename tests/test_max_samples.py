@@ -9,7 +9,7 @@ import pytest
 
 from rayflux import config, models
 from rayflux.discovery import in_process, subset
-from rayflux.discovery import distributed
+from rayflux.cache import discover
 
 GOOD = 7
 BAD = {
@@ -37,7 +37,7 @@ def _cfg(tiny_model, root, *extra):
 
 @pytest.fixture
 def small_tasks(monkeypatch):
-    monkeypatch.setattr(distributed, "_IMAGES_PER_TASK", 3)  # several tasks, each drawing its own part
+    monkeypatch.setattr(discover, "_IMAGES_PER_TASK", 3)  # several tasks, each drawing its own part
 
 
 def _usable_order(root) -> list[str]:
@@ -49,7 +49,7 @@ def test_the_cap_is_exact_among_usable_images_and_stable(tmp_path, tiny_model, r
     root = _dataset(tmp_path / "images")
     cfg = _cfg(tiny_model, root, "data.max_samples=4")
     facts = models.model_facts(cfg.model)
-    first = distributed.discover(cfg, facts, seed=1)
+    first = discover.discover(cfg, facts, seed=1)
     picked = [s.rel_path for s in first.sources]
     assert picked == sorted(_usable_order(root)[:4])
     assert first.unsampled == {"images": GOOD - 4}
@@ -60,7 +60,7 @@ def test_the_cap_is_exact_among_usable_images_and_stable(tmp_path, tiny_model, r
     assert "truncated" in reasons["half.png"] or "decodable" in reasons["half.png"]
     assert first.discovered == 4 + len(BAD)
     # Another seed (a refresh generation) draws the same images; the captions were read from the sidecars.
-    again = distributed.discover(cfg, facts, seed=2)
+    again = discover.discover(cfg, facts, seed=2)
     assert [s.rel_path for s in again.sources] == picked
     assert all(
         s.caption in (f"good picture {n}", f"another caption of {n}") for s in first.sources for n in [s.rel_path[4:-4]]
@@ -70,7 +70,7 @@ def test_the_cap_is_exact_among_usable_images_and_stable(tmp_path, tiny_model, r
 def test_fewer_usable_than_asked_uses_all_and_says_so(tmp_path, tiny_model, ray_session, small_tasks):
     root = _dataset(tmp_path / "images")
     cfg = _cfg(tiny_model, root, "data.max_samples=20")
-    found = distributed.discover(cfg, models.model_facts(cfg.model), seed=0)
+    found = discover.discover(cfg, models.model_facts(cfg.model), seed=0)
     assert sorted(s.rel_path for s in found.sources) == sorted(_usable_order(root))
     assert not found.unsampled
     assert any("max_samples=20, but only 7" in p and f"({len(BAD)} skipped)" in p for p in found.problems)
@@ -82,7 +82,7 @@ def test_tasks_settle_captions_as_the_driver_would(tmp_path, tiny_model, ray_ses
     (root / "latin.png").write_bytes(cache_sets.encoded(cache_sets.picture(64, 64, 40), "PNG"))
     (root / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
     cfg = _cfg(tiny_model, root)
-    remote = distributed.discover(cfg, models.model_facts(cfg.model), seed=5)
+    remote = discover.discover(cfg, models.model_facts(cfg.model), seed=5)
     local = in_process.discover(cfg.data, seed=5)
     assert remote.sources == local.sources and len(remote.sources) == GOOD + len(BAD)
     assert remote.skipped == local.skipped

@@ -11,16 +11,21 @@ from rayflux.cache.layout import decode_planned
 from rayflux.train import batching, elastic
 from rayflux.train.checkpoint import Progress
 from rayflux.train.loop import grouped
+from rayflux.train.plan import FeedPlan
 
 
 def _refs(n: int, buckets: int) -> list[batching.SampleRef]:
     return [batching.SampleRef(f"s{i:03d}", f"b{i % buckets}", "f", i) for i in range(n)]
 
 
+def _feed(batch_size: int, epochs: int, accumulation: int = 1) -> FeedPlan:
+    return FeedPlan(batch_size=batch_size, seed=0, epochs=(0, epochs), total_epochs=epochs, accumulation=accumulation)
+
+
 def _run(refs, batch_size, epochs, accumulation, world, saved, steps_allowed):
     """One worker group, all ranks in lockstep, as the data feed plans (cut at ``saved``, a checkpoint's position
     record) and the training loop steps; returns the new position record and the steps' log records."""
-    per_rank = elastic.plan_rows(refs, batch_size, 0, (0, epochs), epochs, world, accumulation, saved)
+    per_rank = elastic.plan_rows(refs, _feed(batch_size, epochs, accumulation), world, saved)
     # What the feed's read adds to each planned row that the loop's digest records: the batch's sample ids.
     per_rank = [
         [{**r, "sample_ids": json.dumps([x.sample_id for x in decode_planned(r["refs"])])} for r in rows]
@@ -98,7 +103,7 @@ def test_growing_at_an_odd_position_skips_one_batch_to_keep_ranks_equal():
 def test_a_resumed_plan_holds_no_batch_before_the_checkpoint():
     refs = _refs(8, 1)
     saved = _steps(2, None, 3)
-    rows = elastic.plan_rows(refs, 1, 0, (0, 2), 2, 2, 1, saved)
+    rows = elastic.plan_rows(refs, _feed(1, 2), 2, saved)
     first = [(r["epoch"], r["index"]) for r in rows[0]][:1] + [(r["epoch"], r["index"]) for r in rows[1]][:1]
     assert first == [(0, 6), (0, 7)]  # nothing before the checkpoint's position is planned, so nothing is read
     assert [r["step"] for r in rows[0]] == [4, 5, 6, 7, 8] and {r["resume_step"] for r in rows[0]} == {3}

@@ -13,8 +13,8 @@ import train_data
 from rayflux import config, families, gpu_memory
 from rayflux.config import ConfigError
 from rayflux.config.optimizer import OPTIMIZERS
+from rayflux.config.placement import Cluster, validate_for_cluster
 from rayflux.train import checkpoint, lora, optim
-from rayflux.train.stage import check_optimizer
 from rayflux.train.trainer import LoraTrainer
 
 OPTIONS = ("train.gradient_accumulation=2", "train.lora_dropout=0.2")
@@ -104,8 +104,8 @@ def test_adamw8bit_is_refused_on_cpu_before_any_work():
     cfg = config.load(None, ["train.optimizer=AdamW8bit"])  # kohya's spelling
     assert cfg.train.optimizer == "adamw8bit"
     with pytest.raises(ValueError, match="adamw8bit needs a CUDA GPU"):
-        check_optimizer(cfg, cluster_gpus=False)  # the driver, before the cache stage
-    check_optimizer(cfg, cluster_gpus=True)
+        validate_for_cluster(cfg, Cluster(gpus=False))  # the driver, before the cache stage
+    validate_for_cluster(cfg, Cluster(gpus=True))
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         optim.check_worker("adamw8bit", "cpu")
 

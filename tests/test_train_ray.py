@@ -27,7 +27,8 @@ from rayflux.cache.layout import decode_planned
 from rayflux import config, datasets, job, models
 from rayflux.cache import generations
 from rayflux.testing.images import write_images
-from rayflux.train import batching, checkpoint, commits, elastic, kohya, lora, stage
+from rayflux.train import batching, checkpoint, commits, elastic, kohya, lora, plan, stage
+from rayflux.train.plan import FeedPlan
 
 # 64x64, 80x48, 48x80 and 96x48 buckets at data.resolution=64.
 SIZES = [(512, 512)] * 7 + [(640, 384)] * 5 + [(384, 640)] + [(768, 256)]
@@ -373,13 +374,13 @@ def evaluated(cache):
 def test_held_out_samples_are_listed_and_never_trained(cache, evaluated):
     _, base, manifest, _ = cache
     first, second, out = evaluated
-    listed = (out / stage.EVAL_FILE).read_text().splitlines()
+    listed = (out / plan.EVAL_FILE).read_text().splitlines()
     refs = datasets.mix(batching.index_samples(manifest), datasets.sample_weights(_cfg(base).data))
     assert len(listed) == 3 and set(listed) <= {r.source for r in refs} and second.eval_samples == 3
     # Rebuild each rank's digest of trained batches from a plan without the listed sources: it must be the one the
     # workers chained over every batch they trained, across the resume.
     train_refs = [r for r in refs if r.source not in listed]
-    rows = elastic.plan_rows(train_refs, 2, 0, (0, 2), 2, 2)
+    rows = elastic.plan_rows(train_refs, FeedPlan(batch_size=2, seed=0, epochs=(0, 2), total_epochs=2), 2)
     want = {}
     for rank, mine in enumerate(rows):
         digest = ""

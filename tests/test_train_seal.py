@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rayflux.train import metrics, seal
+from rayflux.sweep import seal
+from rayflux.train import metrics, writer_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def test_a_seal_waits_for_the_writer_to_die_and_then_no_writer_starts(tmp_path):
         proc.kill()
         proc.wait()
     final = (run_dir / metrics.STEPS_DIR / "steps.jsonl").read_text()
-    with pytest.raises(seal.Sealed):  # a worker group its controller starts after the seal writes nothing
+    with pytest.raises(writer_lock.Sealed):  # a worker group its controller starts after the seal writes nothing
         metrics.StepLog(str(run_dir))
     assert (run_dir / metrics.STEPS_DIR / "steps.jsonl").read_text() == final
     assert [json.loads(x)["step"] for x in final.splitlines() if x.strip()][-1] > 1

@@ -81,7 +81,7 @@ def _worker(rank: int, tiny_model: str) -> dict:
     empty = train_data.empty_caption()
     with LargestTensor() as watch:
         trainer = LoraTrainer(
-            cfg, "cpu", 2, rank, empty, topology=sharding.Topology(world=2, local_world=2, node_rank=0)
+            cfg, "cpu", 2, rank=rank, empty=empty, topology=sharding.Topology(world=2, local_world=2, node_rank=0)
         )
     base = [p for p in trainer.transformer.parameters() if not p.requires_grad]
     loss = trainer.train_step(train_data.groups(train_data.items(2, seed=rank), 2)[0]).loss

@@ -97,7 +97,7 @@ def test_dropped_captions_train_on_the_empty_embedding(tiny_model):
     # p = 0.999 with this batch's seed drops both samples (seeded, so not a matter of luck).
     dropped_cfg = dataclasses.replace(t, caption_dropout=0.999)
     with torch.no_grad():
-        args = ("cpu", torch.float32, trainer.family)
+        args = (step.Runtime("cpu", torch.float32, trainer.family),)
         dropped = step.flow_loss(trainer.model, batch, dropped_cfg, True, empty, *args)
         by_hand = step.Batch(batch.latents, {n: empty.text[n].expand_as(x) for n, x in batch.text.items()}, batch.seed)
         expected = step.flow_loss(trainer.model, by_hand, t, True, None, *args)

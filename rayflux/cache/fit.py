@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from rayflux.config import ConfigError, JobConfig, resource_map
 from rayflux.config.cache import actor_count, actor_cpus
+from rayflux.config.placement import Cluster, place
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,6 @@ def _autoscaler_max() -> dict | None:
     except Exception as exc:  # a private API: without it the check uses the cluster as it is now
         log.debug("autoscaler maximum unavailable: %s", exc)
         return None
-
-
-def wants_gpu(cfg: JobConfig, cluster_has_gpus: bool) -> bool:
-    """Encoders on GPUs: ``cache.use_gpu``, where ``auto`` means the cluster has GPUs or a GPU type is named."""
-    c = cfg.cache
-    return {"auto": cluster_has_gpus or bool(c.accelerator_type), "true": True, "false": False}[c.use_gpu]
 
 
 def _targets_other_nodes(cfg: JobConfig) -> bool:
@@ -254,7 +249,7 @@ def plan(cfg: JobConfig, cluster_has_gpus: bool, cap: Capacity | None = None) ->
     """Per-actor Ray options, the VAE and text pool sizes, and how they share this cluster; FitError when a pool
     cannot fit even alone."""
     cap = cap or Capacity.of_cluster()
-    res = resources(cfg, wants_gpu(cfg, cluster_has_gpus), cap)
+    res = resources(cfg, place(cfg, Cluster(gpus=cluster_has_gpus)).encoders, cap)
     vae = pool_size("cache.vae_actors", cfg.cache.vae_actors, res, cap)
     text = pool_size("cache.text_actors", cfg.cache.text_actors, res, cap)
     if actor_count("cache.text_actors", cfg.cache.text_actors) is None and "num_gpus" not in res:

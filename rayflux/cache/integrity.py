@@ -49,7 +49,7 @@ def verify_command(gen_dir: str) -> str:
     return f"python -m rayflux cache verify {gen_dir}"
 
 
-def mismatch(file: str, offset: int, length: int, what: str, got: int, want: int, gen_dir: str = "") -> str:
+def mismatch(file: str, offset: int, length: int, what: str, got: int, want: int, *, gen_dir: str = "") -> str:
     """One line naming the file, the tensor (``what``: its column and its sample or caption) and its byte range."""
     text = (
         f"{file} bytes {offset}..{offset + length} ({what}): checksum {got:08x}, the index recorded {want:08x} "
@@ -69,7 +69,7 @@ def check(data, want: int, file: str, offset: int, what: str, gen_dir: str = "")
     ``want``."""
     got = checksum(data)
     if got != want:
-        raise CacheIntegrityError(mismatch(file, offset, len(data), what, got, want, gen_dir))
+        raise CacheIntegrityError(mismatch(file, offset, len(data), what, got, want, gen_dir=gen_dir))
 
 
 _MARK = f"{__name__}.CacheIntegrityError: "

@@ -9,8 +9,9 @@ import json
 
 from rayflux import buckets, datasets, storage
 from rayflux.cache import layout as sample_layout
-from rayflux.cache import fit, shards
+from rayflux.cache import shards
 from rayflux.config import ConfigError, DatasetConfig, JobConfig, identity
+from rayflux.config.placement import Cluster, place
 from rayflux.models import ModelFacts
 
 
@@ -35,17 +36,12 @@ def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets
     return spec
 
 
-def encoders_on_gpu(cfg: JobConfig, use_gpu: bool) -> bool:
-    """Do the encoder actors ask for GPUs? ``use_gpu`` says whether the cluster has GPUs right now."""
-    return fit.wants_gpu(cfg, use_gpu)
-
-
 def store_dtype(cfg: JobConfig, use_gpu: bool = False) -> str:
     """``cache.dtype`` with ``auto`` resolved: bfloat16 when the encoders run on GPUs (where FLUX trains in bf16
-    anyway), float32 on CPU."""
+    anyway), float32 on CPU. ``use_gpu``: the cluster has GPUs right now."""
     if cfg.cache.dtype != "auto":
         return cfg.cache.dtype
-    return "bfloat16" if encoders_on_gpu(cfg, use_gpu) else "float32"
+    return "bfloat16" if place(cfg, Cluster(gpus=use_gpu)).encoders else "float32"
 
 
 def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", use_gpu: bool = False) -> shards.ShardLayout:

@@ -169,7 +169,7 @@ class Build:
     """The previous generation's directory whose rows the build may reference ("" when none)."""
 
 
-def compose(b: Build, found: Found, spec, specs, text_meta, sample_meta, samples, captions) -> Manifest:
+def compose(b: Build, found: Found, spec, specs, text_meta, sample_meta, *, samples, captions) -> Manifest:
     """The manifest of a finished build (without its index entries), after checking its accounting. ``samples`` and
     ``captions``: the build's :class:`rayflux.cache.index.Sink` of each kind."""
     skipped = sorted(

@@ -112,6 +112,7 @@ def prepare(
     plan: buckets.BucketPlan,
     cell: int,
     uri: str,
+    *,
     max_pixels: int,
     policy: MaskPolicy,
 ) -> tuple[bytes, str] | str:

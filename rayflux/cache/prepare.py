@@ -173,7 +173,9 @@ def prepare_row(
         if isinstance(got, str):
             return _skip(row, got)
         data = got
-    return _prepare_pixels(row, data, sha, ref_data, ref_shas, got_mask, spec, seed, max_pixels, mask)
+    return _prepare_pixels(
+        row, data, sha, ref_data, ref_shas, got_mask, spec=spec, seed=seed, max_pixels=max_pixels, policy=mask
+    )
 
 
 def _prepare_pixels(
@@ -183,6 +185,7 @@ def _prepare_pixels(
     ref_data: list[bytes],
     ref_shas: list[str],
     got_mask: masks.MaskInput | None,
+    *,
     spec: buckets.BucketSpec,
     seed: int,
     max_pixels: int,
@@ -202,7 +205,14 @@ def _prepare_pixels(
         return _skip(row, str(exc))
     if got_mask is not None:
         made = masks.prepare(
-            got_mask, alpha, (w, h), p, spec.vae_scale_factor, row.get("mask_uri") or row["uri"], max_pixels, policy
+            got_mask,
+            alpha,
+            (w, h),
+            p,
+            spec.vae_scale_factor,
+            row.get("mask_uri") or row["uri"],
+            max_pixels=max_pixels,
+            policy=policy,
         )
         if isinstance(made, str):
             return _skip(row, made)

@@ -65,7 +65,7 @@ def _fetch(wanted: dict[str, list[tuple[object, int, int]]], sizes: dict[str, in
     return data, fetched, requests
 
 
-def _array(data: bytes, dtype: str, shape, error, what: str, crc: int, at: tuple, stored: str = codec.RAW):
+def _array(data: bytes, dtype: str, shape, error, what: str, crc: int, *, at: tuple, stored: str = codec.RAW):
     """The tensor ``data``, stored by codec ``stored``, checked: a raw one's length for ``shape``, then the stored
     bytes' checksum against the index's ``crc`` (``at``: file, offset, tensor and generation, for the error), then
     a compressed one decoded to its raw size, then finite values."""
@@ -189,7 +189,7 @@ def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, di
                 raise error(f"{t.name} (the batch's)", "absent", "present")
             at = (s.file, rng.offset, f"{t.name} of sample {s.sample_id} ({s.source})", gen_dir)
             data = raw[(b, j, t.name)]
-            samples[t.name].append(_array(data, layout.dtype_of(t), shape, error, t.name, rng.crc32, at))
+            samples[t.name].append(_array(data, layout.dtype_of(t), shape, error, t.name, rng.crc32, at=at))
         for name, arr in _text_arrays(s, layout, raw, local, error, gen_dir).items():
             if text[name] and arr.shape != text[name][0].shape:
                 raise error(f"{name} shape", text[name][0].shape, arr.shape)
@@ -210,7 +210,7 @@ def _text_arrays(s: PlannedSample, layout, raw: dict, local: dict, error, gen_di
             what = f"{t.name} of caption {loc.caption_id}, used by sample {s.sample_id} ({s.source})"
             at = (loc.file, part.offset, what, gen_dir)
             data = raw[(cid, t.name)]
-            arrays[t.name] = _array(data, layout.dtype, part.shape, error, t.name, part.crc32, at, part.codec)
+            arrays[t.name] = _array(data, layout.dtype, part.shape, error, t.name, part.crc32, at=at, stored=part.codec)
         local[cid] = arrays
         _keep_text(cid, arrays)
     return local[cid]

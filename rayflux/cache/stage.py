@@ -31,6 +31,7 @@ from rayflux.cache import (
     prepare,
     reuse,
     shards,
+    sidecars,
     staging,
     stall,
     text_input,
@@ -40,7 +41,7 @@ from rayflux.cache import manifest as manifest_mod
 from rayflux.cache.encoders import TextEncoder, VaeEncoder
 from rayflux.cache.keys import bucket_spec, bucket_specs, layout, store_dtype
 from rayflux.config import JobConfig
-from rayflux.discovery import discoveries, sidecars
+from rayflux.discovery import discoveries
 from rayflux.discovery.caption_hash import caption_id
 from rayflux.discovery.discoveries import Discovery
 from rayflux.models import ModelFacts
@@ -257,6 +258,7 @@ def build_generation(
     gen_dir: str,
     generation: int,
     seed: int,
+    *,
     use_gpu: bool,
     previous: dict | None = None,
 ) -> dict:
@@ -271,10 +273,10 @@ def build_generation(
     :mod:`rayflux.allocator`).
     """
     with allocator.system_pool():
-        return _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu, previous)
+        return _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu=use_gpu, previous=previous)
 
 
-def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu, previous) -> dict:
+def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, use_gpu, previous) -> dict:
     if cfg.cache.strict and discovery.skips.num_rows:
         first = discovery.skips.slice(0, 1).to_pylist()[0]
         raise BadInputError(f"cache.strict: {first['source_uri']}: {first['reason']}")
@@ -302,12 +304,14 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu,
             layout(b.cfg, facts, use_gpu=use_gpu),
             b.previous.dir,
         )
-        manifest = manifest_mod.compose(build, found, spec, specs, text_meta, sample_meta, sample_index, caption_index)
+        manifest = manifest_mod.compose(
+            build, found, spec, specs, text_meta, sample_meta, samples=sample_index, captions=caption_index
+        )
         files = {
             kind: sink.commit(gen_dir, encode_id)
             for kind, sink in (("samples", sample_index), ("captions", caption_index))
         }
-        if found.sidecars:  # the caption files read, for the next discovery (see discovery.sidecars)
+        if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
             files["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
         staged_bytes = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
         manifest.finish(files, {**times, "encoders": b.encoders}, text.unique, staged_bytes)

@@ -17,7 +17,7 @@ import pyarrow as pa
 from rayflux import storage
 from rayflux.cache import codec, index, shards
 from rayflux.cache import layout as sample_layout
-from rayflux.testing.faults import kill_point
+from rayflux.faults import kill_point
 
 
 def _python_scalar(v):

@@ -1,5 +1,5 @@
 """Discovery in this process, dataset by dataset: for tools, tests and small uses. The job's cache stage settles in
-Ray tasks instead (:mod:`rayflux.discovery.distributed`)."""
+Ray tasks instead (:mod:`rayflux.cache.discover`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def discover_dataset(
 
 def discover(data: DataConfig, *, seed: int = 0) -> Discovery:
     """Discover every dataset of the job (``data.images_dir``, or each of ``data.datasets``), in config order, in
-    this process. The job's cache stage settles in its preparation tasks instead (:mod:`rayflux.discovery.distributed`)."""
+    this process. The job's cache stage settles in its preparation tasks instead (:mod:`rayflux.cache.discover`)."""
     found = Discovery()
     prefix = datasets.prefixes_paths(data)
     for ds in datasets.datasets_of(data):

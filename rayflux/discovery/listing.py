@@ -220,7 +220,9 @@ def list_dataset(ds: DatasetConfig, key: str = "", prefix: bool = False) -> List
     del listed
     parts, lone = [], [LONE.empty_table()]
     while todo:
-        rows, caps = _part_rows(todo.pop(0), base, ds, key, prefix, excluded, metadata, pairs, masks)
+        rows, caps = _part_rows(
+            todo.pop(0), base, ds, key, prefix, excluded, metadata=metadata, pairs=pairs, masks=masks
+        )
         parts.append(rows)
         lone.append(caps)
         trim()
@@ -241,6 +243,7 @@ def _part_rows(
     key: str,
     prefix: bool,
     excluded: pa.Array,
+    *,
     metadata,
     pairs: edit_pairs.Pairing,
     masks: pa.Table | None = None,

@@ -35,7 +35,7 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
     ``skip_reason`` and ``uncaptioned``. With ``usable`` (row -> skip reason, "" when the image can be cached),
     the image itself is checked too: the ``max_samples`` draw needs to know which images are usable.
 
-    A row whose ``sidecar_lines`` are already known (see :mod:`rayflux.discovery.sidecars`) is not read again; a caption
+    A row whose ``sidecar_lines`` are already known (see :mod:`rayflux.cache.sidecars`) is not read again; a caption
     file read here comes back with its lines in ``sidecar_lines``, for the generation's sidecar table."""
     fs = storage.resolve(ds.images_dir)[0] if ds.caption_strategy == "sidecar" else None
 

@@ -47,7 +47,7 @@ class Spool:
             os.close(fd)
             weakref.finalize(self, _remove, self.path)
             # Statistics on the path only: the next generation's discovery finds a listed part's rows by the paths'
-            # span in each row group (rayflux.discovery.sidecars.Known); the writer keeps every row group's statistics
+            # span in each row group (rayflux.cache.sidecars.Known); the writer keeps every row group's statistics
             # until it closes, so none for the stamps and lines. No dictionaries: paths and lines rarely repeat.
             self._writer = pq.ParquetWriter(
                 self.path, SIDECARS, compression="zstd", use_dictionary=False, write_statistics=["path"]

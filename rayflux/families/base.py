@@ -180,7 +180,7 @@ class Family(ABC):
         """Image tokens of a stored latent of ``height`` x ``width`` (drives ``flux_shift``)."""
 
     @abstractmethod
-    def forward_args(self, tokens, text: dict, sigmas, height: int, width: int, guidance, references=None) -> dict:
+    def forward_args(self, tokens, text: dict, sigmas, height: int, width: int, guidance, *, references=None) -> dict:
         """The transformer's keyword arguments for noisy ``tokens`` of a ``height`` x ``width`` latent, the batch's
         named text tensors (already on the device, in the weights' dtype), ``sigmas`` and ``guidance`` (None when
         the transformer embeds none). ``references``: an edit batch's cached reference latents ``[B, k, C, height,

@@ -209,7 +209,7 @@ class Flux1(Family):
     def seq_len(self, height, width):
         return (height // 2) * (width // 2)
 
-    def forward_args(self, tokens, text, sigmas, height, width, guidance, references=None):
+    def forward_args(self, tokens, text, sigmas, height, width, guidance, *, references=None):
         """References ride as Kontext's image-conditioning tokens (:mod:`.kontext_math`); FLUX.1 and Kontext share
         the transformer, and the job lets only a Kontext model train edit pairs (:attr:`max_references`)."""
         from rayflux.families import kontext_math

@@ -207,7 +207,7 @@ class Flux2(Family):
     def seq_len(self, height, width):
         return height * width
 
-    def forward_args(self, tokens, text, sigmas, height, width, guidance, references=None):
+    def forward_args(self, tokens, text, sigmas, height, width, guidance, *, references=None):
         from rayflux.families import flux2_math
         from rayflux.families.references import with_references
 

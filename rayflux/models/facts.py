@@ -66,12 +66,15 @@ def model_facts(cfg: ModelConfig) -> ModelFacts:
     return fam.facts(configs, identity, cfg.text_tokens)
 
 
+SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+"""The ``scheduler_config.json`` fields of FLUX's resolution-dependent shift (read by
+:func:`rayflux.train.flow.flux_mu`)."""
+
+
 def shift_config(cfg: ModelConfig) -> dict:
     """The model's own ``flux_shift`` constants from its ``scheduler/scheduler_config.json`` (the fields of
-    :data:`rayflux.train.flow.SHIFT_KEYS` that it sets)."""
+    :data:`SHIFT_KEYS` that it sets)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from rayflux.train.flow import SHIFT_KEYS
 
     config = FlowMatchEulerDiscreteScheduler.load_config(
         resolve_path(cfg), **{"subfolder": "scheduler", **revision_kw(cfg)}

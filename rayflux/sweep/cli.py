@@ -43,10 +43,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rayflux.cli import _disconnect, _quiet_libraries, _ray_connected, write_traceback
+    from rayflux.cli import disconnect, quiet_libraries, ray_connected, write_traceback
     from rayflux.sweep import config as sweep_config
 
-    _quiet_libraries()
+    quiet_libraries()
     args = _parser().parse_args(argv)
     console.set_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
@@ -55,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     except (config.ConfigError, OSError) as exc:
         print(f"rayflux: config error: {exc}", file=sys.stderr)
         return 2
-    joined = _ray_connected()
+    joined = ray_connected()
     try:
         return _run(sf, write_traceback)
     finally:
         if not joined:
-            _disconnect()
+            disconnect()
 
 
 def _run(sf, write_traceback) -> int:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from rayflux import job, lease, storage
 from rayflux.config import ConfigError, JobConfig, worker_range
+from rayflux.config.placement import Cluster, place
 from rayflux.ledger import Ledger
-from rayflux.sweep import results
+from rayflux.sweep import results, seal
 from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
 from rayflux.sweep.groups import release
 from rayflux.sweep.trial import TRIALS_DIR, run_trial, trial_dir
-from rayflux.train import seal
 
 log = logging.getLogger("rayflux")
 
@@ -68,13 +68,12 @@ def run(sf: SweepFile) -> Outcome:
 def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
     """Refuse a sweep whose single trial can never be scheduled (Tune would wait for it forever)."""
     from rayflux.cache.fit import Capacity
-    from rayflux.train.stage import _use_gpu
 
     cap = Capacity.of_cluster()
     budget = cap.budget(now=False)
     workers = worker_range(cfg.train.num_workers)[0]
     need = {"CPU": workers * cfg.train.cpus_per_worker + sweep.trial_cpus}
-    if _use_gpu(cfg, job.cluster_has_gpus()):
+    if place(cfg, Cluster(gpus=job.cluster_has_gpus())).training:
         need["GPU"] = float(workers)
     short = {k: v for k, v in need.items() if budget.get(k, 0.0) + 1e-9 < v}
     if short:
@@ -159,7 +158,7 @@ def _end(out: str, lease_seconds: float) -> None:
     """Make sure nothing of a trial still writes its run directory before its row is read. Tune reports a trial
     stopped before Ray has ended its trainer: its rank 0 may train on for seconds, log more evals and rewrite its best
     LoRA. So remove its placement groups (again: its controller may have started a new worker group before it died),
-    which ends its workers, and seal the directory, which waits until they are gone (:mod:`rayflux.train.seal`)."""
+    which ends its workers, and seal the directory, which waits until they are gone (:mod:`rayflux.sweep.seal`)."""
     release(out)
     seal.seal(out, timeout=max(SEAL_SECONDS, 4 * lease_seconds))
 

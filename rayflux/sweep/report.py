@@ -8,24 +8,11 @@ every result ASHA sees has it, and ``step`` is its time axis.
 
 from __future__ import annotations
 
-import os
-import sys
 
-METRIC_ENV = "RAYFLUX_SWEEP_METRIC"
-"""Set by the sweep's trial function for its trainer: the metric a record must carry to be forwarded to Tune."""
-TRIAL_DIR_ENV = "RAYFLUX_SWEEP_TRIAL_DIR"
-"""Set by the sweep's trial function: its run directory, where the trainer records its placement groups."""
-
-
-def tune_callbacks() -> list:
-    """Inside a Tune trial, ``[the Tune report callback, the placement-group record]``; else ``[]`` (a standalone
-    job)."""
-    if "ray.tune" not in sys.modules:  # a Tune trial's process has imported it; a standalone job need not pay for it
-        return []
-    from ray.tune.trainable.trainable_fn_utils import _in_tune_session
-
-    if not _in_tune_session():
-        return []
+def tune_callbacks(metric: str, trial_dir: str) -> list:
+    """The callbacks of a trial's trainers: ``[the Tune report callback, the placement-group record]``. Called by
+    :func:`rayflux.sweep.trial.run_trial` (inside its Tune session) once per trainer, through ``job.run``'s
+    ``trainer_callbacks``: the training stage takes callbacks and knows nothing of sweeps."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class MetricReports(TuneReportCallback):
@@ -43,4 +30,4 @@ def tune_callbacks() -> list:
 
     from rayflux.sweep.groups import record_groups
 
-    return [MetricReports(os.environ.get(METRIC_ENV, "eval_loss")), record_groups(os.environ[TRIAL_DIR_ENV])]
+    return [MetricReports(metric), record_groups(trial_dir)]

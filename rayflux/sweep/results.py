@@ -2,7 +2,7 @@
 
 Each row is read from the trial's run directory (its step log, best LoRA and ``trial.json``) and Tune's last result for
 it, so a sweep restored after an interruption tabulates every trial, the ones trained before the interruption
-included. The driver reads it only once nothing of the trial can write there any more (:mod:`rayflux.train.seal`).
+included. The driver reads it only once nothing of the trial can write there any more (:mod:`rayflux.sweep.seal`).
 A trial's best eval loss is the one its best LoRA file records with its tensors: each new lowest eval writes that
 file before the step is logged, so no eval in the log beats it, and a worker ended in between (a stopped trial's
 are ended wherever they are) leaves an eval only that file records.

@@ -9,8 +9,8 @@ its checkpoints exactly as a rerun job does, and the same settings as a standalo
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import time
 
 from rayflux import lease, storage
@@ -33,16 +33,15 @@ def run_trial(settings: dict, base: dict, sweep_output: str, metric: str) -> Non
     from rayflux import job
     from rayflux.config import from_dict
     from rayflux.sweep.config import trial_job
-    from rayflux.sweep.report import METRIC_ENV, TRIAL_DIR_ENV
-    from rayflux.train import seal
+    from rayflux.sweep import seal
+    from rayflux.sweep.report import tune_callbacks
 
     out = trial_dir(sweep_output, tune.get_context().get_trial_id())
-    os.environ[METRIC_ENV], os.environ[TRIAL_DIR_ENV] = metric, out
     cfg = trial_job(from_dict(base), settings, out)
     _write(out, {"settings": settings, "started": time.time()})
     _wait_for_lease(out, cfg.run.lease_seconds)
     seal.unseal(out)  # sealed when an earlier run of the sweep tabulated this trial (one that failed, run again)
-    summary = job.run(cfg)
+    summary = job.run(cfg, trainer_callbacks=functools.partial(tune_callbacks, metric, out))
     _write(
         out,
         {

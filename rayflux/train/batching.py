@@ -195,6 +195,7 @@ def plan_epoch(
     epoch: int,
     world_size: int,
     accumulation: int = 1,
+    *,
     read_run: int = 4,
 ) -> tuple[list[dict], int]:
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.

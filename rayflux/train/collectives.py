@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int, reads=(0, 0, 0)):
+def agree(loss: float, samples: int, report_due: bool, preempted: bool, device, world: int, *, reads=(0, 0, 0)):
     """One step's all-rank view: ``(mean loss, total samples, report due, preempted, reads)``, the flags true on every
     rank when true on any (rank 0 alone decides when a report is due), ``reads`` (bytes fetched, tensor bytes,
     requests) summed over ranks."""

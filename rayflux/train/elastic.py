@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 from rayflux.train import batching
+from rayflux.train.plan import FeedPlan
 
 log = logging.getLogger(__name__)
 
@@ -48,28 +49,21 @@ def resume_point(position: dict | None, world: int, accumulation: int) -> tuple[
     return int(position["epoch"]), _round_up(int(position["index"]), world * accumulation)
 
 
-def plan_rows(
-    refs: list,
-    batch_size: int,
-    seed: int,
-    epochs: tuple[int, int],
-    total_epochs: int,
-    world: int,
-    accumulation: int = 1,
-    position: dict | None = None,
-    read_run: int = 4,
-) -> list[list[dict]]:
-    """Each rank's planned rows for epochs ``[first, end)``, cut at the restored ``position`` (a checkpoint's
-    position record; None for a fresh start); ``read_run``: see :func:`rayflux.train.batching.plan_epoch`.
+def plan_rows(refs: list, feed: FeedPlan, world: int, position: dict | None = None) -> list[list[dict]]:
+    """Each rank's planned rows for the feed's epochs ``[first, end)``, cut for ``world`` workers at the restored
+    ``position`` (a checkpoint's position record; None for a fresh start).
 
     Every row carries its global optimizer ``step`` (continuing the restored count), the run's ``total_steps`` and
     ``resume_step`` (the restored step, 0 for none), so every rank derives the same schedule without talking."""
+    accumulation = feed.accumulation
     start = resume_point(position, world, accumulation)
     restored = int(position["step"]) if start else 0
     per_rank: list[list[dict]] = [[] for _ in range(world)]
     offset = None
-    for epoch in range(*epochs):
-        planned = batching.plan_epoch(refs, batch_size, seed, epoch, world, accumulation, read_run)[0]
+    for epoch in range(*feed.epochs):
+        planned = batching.plan_epoch(
+            refs, feed.batch_size, feed.seed, epoch, world, accumulation, read_run=feed.read_run
+        )[0]
         # The remainder rule makes each epoch's batch count a multiple of world * accumulation, so every rank gets
         # the same whole number of optimizer steps, each of `accumulation` consecutive batches.
         steps_per_epoch = len(planned) // (world * accumulation)
@@ -83,7 +77,7 @@ def plan_rows(
                 {
                     **b,
                     "step": step + offset,
-                    "total_steps": steps_per_epoch * total_epochs + offset,
+                    "total_steps": steps_per_epoch * feed.total_epochs + offset,
                     "resume_step": restored,
                 }
             )

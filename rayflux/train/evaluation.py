@@ -65,7 +65,7 @@ def score(trainer, batches: list[EvalBatch], world: int) -> dict:
     """The eval loss of ``trainer``'s current LoRA: ``eval_loss`` (mean over samples and σ values),
     ``eval_loss_sigmas`` (per grid index), ``eval_quantiles`` (the grid's quantiles of the training σ density),
     ``eval_time`` (seconds). Every rank must call it (one all-reduce)."""
-    t, device, dtype, family = trainer.cfg.train, trainer.device, trainer.dtype, trainer.family
+    t = trainer.cfg.train
     begin = time.perf_counter()
     k_count = t.eval_sigmas
     sums = torch.zeros(k_count + 1, dtype=torch.float64)  # per σ: sum of per-sample losses; last: samples
@@ -74,11 +74,11 @@ def score(trainer, batches: list[EvalBatch], world: int) -> dict:
     model.eval()  # LoRA dropout off
     try:
         for eb in batches:
-            _score_batch(trainer, model, eb, sums, t, device, dtype, family)
+            _score_batch(trainer, model, eb, sums)
     finally:
         model.train(was_training)
     if world > 1:
-        total = sums.to(device)
+        total = sums.to(trainer.device)
         torch.distributed.all_reduce(total)
         sums = total.cpu()
     per_sigma = (sums[:k_count] / sums[k_count].clamp(min=1)).tolist()
@@ -92,8 +92,10 @@ def score(trainer, batches: list[EvalBatch], world: int) -> dict:
     }
 
 
-def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor, t, device, dtype, family) -> None:
+def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor) -> None:
     """Add one batch's per-sample losses at every grid σ into ``sums`` (weighted by ``eb.live``)."""
+    t, device, dtype, family = trainer.cfg.train, trainer.device, trainer.dtype, trainer.family
+    rt = step.Runtime(device, dtype, family)
     batch = eb.batch
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
@@ -120,7 +122,7 @@ def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor, t, device, d
         ).to(device)
         sigmas = torch.full((b,), sigma, device=device)
         with autocast:
-            pred, target = step.predict(model, batch, latents, noise, sigmas, text, guidance, device, dtype, family)
+            pred, target = step.predict(model, batch, latents, noise, sigmas, text=text, guidance=guidance, rt=rt)
         per_sample = flow.per_sample_loss(pred, target, weights)
         sums[k] += float(per_sample.double().sum()) * eb.live
     sums[-1] += b * eb.live

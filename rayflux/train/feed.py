@@ -25,66 +25,36 @@ from collections.abc import Callable, Iterator
 from ray.train import DataConfig
 
 from rayflux.train import batching, commits, elastic
+from rayflux.train.plan import FeedPlan
 
 DATASET = "train"
 
 
 class PlannedDataConfig(DataConfig):
-    """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields.
+    """Plan-based sharding for the ``train`` dataset, whose rows are :class:`batching.SampleRef` fields, by the
+    trainer run's :class:`~rayflux.train.plan.FeedPlan` (its epochs, the whole run's epochs so every row knows the
+    global optimizer step it trains at, and the run's storage, where the checkpoints to resume from are)."""
 
-    ``epochs`` is the half-open range this trainer run covers (one refresh segment); ``total_epochs`` is the whole
-    run, so every row knows the global optimizer step it trains at and the run's total step count. ``run_storage`` is
-    Ray Train's directory of the run (``commits.run_storage``), where the checkpoints to resume from are.
-    """
-
-    def __init__(
-        self,
-        batch_size: int,
-        seed: int,
-        epochs: tuple[int, int],
-        total_epochs: int,
-        accumulation: int = 1,
-        read_cpus: float = 0.25,
-        batches_per_read: int = 8,
-        run_storage: str = "",
-        read_run: int = 4,
-    ):
+    def __init__(self, feed: FeedPlan):
         super().__init__(datasets_to_split=[])
-        self.run_storage = run_storage
-        self.batch_size = batch_size
-        self.seed = seed
-        self.epochs = epochs
-        self.total_epochs = total_epochs
-        self.accumulation = accumulation
-        self.read_cpus = read_cpus
-        self.batches_per_read = batches_per_read
-        self.read_run = read_run
+        self.feed = feed
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         import ray.data
 
         refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
-        resume_from = commits.latest(self.run_storage) if self.run_storage else ""
+        run_storage = self.feed.run_storage
+        resume_from = commits.latest(run_storage) if run_storage else ""
         position = commits.read_json(resume_from) if resume_from else None
-        per_rank = elastic.plan_rows(
-            refs,
-            self.batch_size,
-            self.seed,
-            self.epochs,
-            self.total_epochs,
-            world_size,
-            self.accumulation,
-            position,
-            self.read_run,
-        )
+        per_rank = elastic.plan_rows(refs, self.feed, world_size, position)
         per_rank = [[{**row, "resume_from": resume_from} for row in mine] for mine in per_rank]
         output = []
         for mine in per_rank:
             # One read task per `batches_per_read` consecutive planned batches: fewer, larger tasks cost the
             # consuming worker less scheduling per step (its executor runs beside the training step).
-            reads = max(1, min(-(-len(mine) // self.batches_per_read), 1000))
+            reads = max(1, min(-(-len(mine) // self.feed.batches_per_read), 1000))
             ds = ray.data.from_items(mine, override_num_blocks=reads)
-            ds = ds.map_batches(_load_batches, batch_size=None, batch_format="pyarrow", num_cpus=self.read_cpus)
+            ds = ds.map_batches(_load_batches, batch_size=None, batch_format="pyarrow", num_cpus=self.feed.read_cpus)
             options = copy.deepcopy(ds.context.execution_options)
             options.preserve_order = True  # a rank's batches arrive in plan order
             ds.context.execution_options = options

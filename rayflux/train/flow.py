@@ -17,18 +17,15 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
-"""The ``scheduler_config.json`` fields of FLUX's resolution-dependent shift (``rayflux.models.shift_config``)."""
-
-
 def flux_mu(seq_len: int, shift_config: dict | None = None) -> float:
     """FLUX's resolution-dependent shift exponent, linear in the token count (diffusers' ``calculate_shift``), with
-    the line's ends from the model's ``scheduler_config.json`` (diffusers' own defaults when not given)."""
+    the line's ends from the model's ``scheduler_config.json`` (diffusers' own defaults when not given).
+    ``shift_config``: :func:`rayflux.models.shift_config`'s fields (:data:`rayflux.models.facts.SHIFT_KEYS`)."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     c = shift_config or {}
     ends = {"base_image_seq_len": "base_seq_len", "max_image_seq_len": "max_seq_len"}
-    return calculate_shift(seq_len, **{ends.get(k, k): c[k] for k in SHIFT_KEYS if k in c})
+    return calculate_shift(seq_len, **{ends.get(k, k): v for k, v in c.items()})
 
 
 def time_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
@@ -167,6 +164,7 @@ def drop_text(text: dict, mask, empty: dict) -> dict:
 def eval_sigmas(
     n: int,
     method: str,
+    *,
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
     shift: float = 3.0,

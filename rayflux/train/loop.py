@@ -148,8 +148,8 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
         w.cfg,
         w.device,
         total_steps,
-        w.rank,
-        empty,
+        rank=w.rank,
+        empty=empty,
         wrap=ray.train.torch.prepare_model,
         topology=sharding.Topology(w.world, w.local_world, w.node_rank),
         text_length=w.lc.text_length,
@@ -176,7 +176,7 @@ class _Logs:
             metrics.TensorBoardLog(lc.output_dir, purge_step=start + 1 if start else None) if w.rank == 0 else None
         )
         if self.tensorboard and cfg.run.wandb_project:  # the same scalars and grids, to Weights & Biases as well
-            wandb = wandb_log.WandbLog(cfg.run.wandb_project, lc.checkpoints, cfg.run.name, lc.job)
+            wandb = wandb_log.WandbLog(cfg.run.wandb_project, lc.plan.feed.run_storage, cfg.run.name, lc.job)
             self.tensorboard = wandb_log.Both(self.tensorboard, wandb)
         self.steps = metrics.StepLog(lc.output_dir) if w.rank == 0 else None
         self.bar = progress_mod.BoardSender(lc.progress if w.rank == 0 else None)
@@ -199,7 +199,7 @@ class _Logs:
 
 
 def _queue_render(
-    renders, trainer, cfg, output_dir: str, record: dict, checkpointed: bool, last: bool, caption_tables
+    renders, trainer, cfg, output_dir: str, record: dict, *, checkpointed: bool, last: bool, caption_tables
 ) -> None:
     """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
     go on training. The LoRA is :meth:`LoraTrainer.eval_weights`' (the EMA, or schedule-free's average). A
@@ -241,7 +241,7 @@ class _Run:
         self.trainer, self.progress, self.total, resume_from, self.first = _restore(w, ahead)
         self.start = self.progress.step
         if w.rank == 0:
-            commits.record_restart(self.progress, w.lc.checkpoints, resume_from, _offered())
+            commits.record_restart(self.progress, w.lc.plan.feed.run_storage, resume_from, _offered())
         self.preemption, self.preempted_once = elastic.PreemptionNotice(), False
         self.logs = _Logs(w, self.start)
         self.clock, self.window, self.reads = (
@@ -249,9 +249,9 @@ class _Run:
             metrics.Throughput(),
             metrics.ReadTotals(),
         )
-        final = int(w.lc.epochs[1]) >= t.epochs
+        final = int(w.lc.plan.feed.epochs[1]) >= t.epochs
         self.evals = evaluation.Evaluator(
-            self.trainer, list(w.lc.eval_plan), w.rank, w.world, t.eval_every, final_segment=final
+            self.trainer, list(w.lc.plan.eval_plan), w.rank, w.world, t.eval_every, final_segment=final
         )
         renderer = w.lc.renderer if w.rank == 0 and t.validation_prompts else None
         self.renders = renderer_mod.Queue(renderer, t.validation_queue) if renderer else None
@@ -292,9 +292,9 @@ class _Run:
                 self.w.cfg,
                 self.w.lc.output_dir,
                 record,
-                due.checkpoint,
-                due.last,
-                self.w.lc.caption_tables,
+                checkpointed=due.checkpoint,
+                last=due.last,
+                caption_tables=self.w.lc.caption_tables,
             )
         # Logged before it is reported: a worker that dies blocked in the report's barrier (a stopped sweep trial's
         # workers do, once Ray ends its controller) has logged its eval, and the best LoRA file that eval wrote.
@@ -319,7 +319,7 @@ class _Run:
             self.preemption.local(),
             w.device,
             w.world,
-            metrics.batch_reads(group),
+            reads=metrics.batch_reads(group),
         )
         record = {
             "step": self.progress.step,
@@ -377,7 +377,7 @@ class _Run:
             collectives.barrier(w.device, w.world)
             if w.rank == 0:
                 commits.commit(ray.train.get_checkpoint())
-                commits.prune(w.lc.checkpoints)
+                commits.prune(w.lc.plan.feed.run_storage)
 
     def close(self) -> None:
         if self.progress.step == self.start and self.w.rank == 0:
@@ -403,7 +403,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     try:
         run = _Run(w, ahead)
     except _NothingLeft:  # known only once the model has loaded: a rerun past this segment's end, which is rare
-        log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.epochs)
+        log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.plan.feed.epochs)
         return
     first = run.first
     run.baseline()

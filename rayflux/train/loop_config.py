@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayflux.train.plan import TrainPlan
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -14,19 +16,16 @@ class LoopConfig:
     """The run's :class:`~rayflux.config.JobConfig` as a dict (rebuilt on the worker; Weights & Biases logs it)."""
     output_dir: str
     """``run.output_dir``: validation images, TensorBoard events, the step log and the LoRA files."""
-    checkpoints: str
-    """Ray Train's storage of this run (:func:`rayflux.train.commits.run_storage`): its checkpoints and commits."""
+    plan: TrainPlan
+    """The trainer run's plan without its sample list (:meth:`~rayflux.train.plan.TrainPlan.for_workers`): the epochs
+    it covers, the eval plan, the run's checkpoint storage (``plan.feed.run_storage``)."""
     empty_caption: dict
     """Where the empty caption's embeddings are (:meth:`rayflux.cache.manifest.Manifest.empty_caption`), for
     caption dropout: one ranged read."""
     caption_tables: tuple[str, ...]
     """The generation's caption index files: caption tag counts for kohya metadata."""
-    epochs: tuple[int, int]
-    """The half-open range of epochs this trainer run covers (one refresh segment)."""
     text_length: int
     """The model's padded text length (the driver read the model's configs once; workers need not)."""
-    eval_plan: tuple = ()
-    """The held-out samples' planned batches (small: ``data.eval_samples`` samples)."""
     progress: object = None
     """The driver's progress board actor: rank 0 tells the bar about each step."""
     renderer: object = None

@@ -25,7 +25,7 @@ import threading
 import time
 
 from rayflux import storage
-from rayflux.train import seal
+from rayflux.train import writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ REPORTED = (
     "requests_per_sample",
     "eval_loss",
 )
-STEPS_DIR = seal.LOCK_DIR
+STEPS_DIR = writer_lock.LOCK_DIR
 """``metrics``: the step log's folder under the run directory, which also holds the lock a sweep seals."""
 PART_BYTES = 8 << 20
 """An object-store step log starts a new part after this many bytes."""
@@ -100,7 +100,9 @@ class StepLog:
 
     def __init__(self, output_dir: str):
         self.remote = storage.join(output_dir, STEPS_DIR) if storage.is_uri(output_dir) else ""
-        self.hold = seal.hold(output_dir)  # held while this process may write the run directory: a sweep waits for it
+        self.hold = writer_lock.hold(
+            output_dir
+        )  # held while this process may write the run directory: a sweep waits for it
         if self.remote:
             self.local_dir = tempfile.mkdtemp(prefix="rayflux-steps-")
             self._new_part()

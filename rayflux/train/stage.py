@@ -1,21 +1,22 @@
-"""Launch the training stage: plan bucket-pure batches, build the Ray Data feed, run ``TorchTrainer``."""
+"""Launch the training stage: the trainer run's plan (:mod:`rayflux.train.plan`), the render actor and the bar
+around one ``TorchTrainer`` with the planned feed; its result read back."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rayflux import datasets, models, progress, storage
+from rayflux import progress, storage
 from rayflux.cache import index, integrity
 from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, resource_map, worker_range
-from rayflux.config.base_dtype import refusal
-from rayflux.config.optimizer import refusal as optimizer_refusal
+from rayflux.config.placement import Cluster, place
 from rayflux.models import ModelFacts
-from rayflux.train import batching, commits, metrics, renderer
+from rayflux.train import commits, metrics, renderer
+from rayflux.train import plan as plan_mod
 from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
 from rayflux.train.loop import train_loop_per_worker
 from rayflux.train.loop_config import LOOP_KEY, LoopConfig
@@ -59,56 +60,6 @@ paid by every run's end (the controller learns the workers finished at its next 
 reported checkpoint is not yet registered; a poll is one small call per worker. Ray Train propagates the driver's
 value to its controller when ``fit`` starts it."""
 
-EVAL_FILE = "eval_samples.txt"
-"""In the output directory: the source path of every held-out sample, one a line."""
-
-
-def held_out(cfg: JobConfig, refs: list[batching.SampleRef], output_dir: str) -> tuple[list, list[dict], str]:
-    """``(training refs, eval plan, eval file)``: hold out ``data.eval_samples`` samples (by sample id hash with
-    ``cache.seed``; see :func:`rayflux.train.batching.split_held_out`) and list their sources in ``EVAL_FILE``."""
-    n = cfg.data.eval_samples
-    if n <= 0:
-        return refs, [], ""
-    train_refs, held = batching.split_held_out(refs, n, cfg.cache.seed)
-    if len(held) < n:
-        raise ValueError(f"data.eval_samples={n}, but the cache holds only {len(held)} samples")
-    path = storage.join(output_dir, EVAL_FILE)
-    storage.write_bytes_atomic(path, "".join(f"{r.source}\n" for r in held).encode())
-    log.info("eval: %d samples held out of training (listed in %s)", len(held), path)
-    return train_refs, batching.plan_eval(held, cfg.train.batch_size), path
-
-
-def plan_counts(cfg: JobConfig, refs: list[batching.SampleRef], world_size: int) -> dict:
-    """Per-epoch sample accounting for a world size: what the data feed's plan holds, from bucket sizes alone."""
-    sizes = collections.Counter(batching.group(r) for r in refs)
-    t = cfg.train
-    return {
-        epoch: batching.epoch_counts(sizes, t.batch_size, t.seed, epoch, world_size, t.gradient_accumulation)
-        for epoch in range(t.epochs)
-    }
-
-
-def _use_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
-    # An accelerator type names a GPU, so it implies GPU workers even before the autoscaler has started any.
-    auto = cluster_gpus or bool(cfg.train.accelerator_type)
-    return {"auto": auto, "true": True, "false": False}[cfg.train.use_gpu]
-
-
-def check_base_dtype(cfg: JobConfig, cluster_gpus: bool) -> None:
-    """Refuse ``train.base_dtype`` on the driver, before any cache or training work, when this cluster would train
-    on CPU (no GPU in it and no ``train.accelerator_type``); each worker checks its own GPU again as it loads."""
-    reason = refusal(cfg.train.base_dtype, gpu=_use_gpu(cfg, cluster_gpus), sharding=cfg.train.base_sharding)
-    if reason:
-        raise ValueError(reason)
-
-
-def check_optimizer(cfg: JobConfig, cluster_gpus: bool) -> None:
-    """Refuse a GPU-only ``train.optimizer`` on the driver, before any cache or training work, when this cluster
-    would train on CPU; each worker checks its own device and the optimizer's package again as it starts."""
-    reason = optimizer_refusal(cfg.train.optimizer, gpu=_use_gpu(cfg, cluster_gpus))
-    if reason:
-        raise ValueError(reason)
-
 
 def scaling_config(cfg: JobConfig, use_gpu: bool, gpu_left: float = 0.0):
     """Ray Train's ``ScalingConfig``: fixed or elastic (``num_workers: [min, max]``) and where workers may run.
@@ -131,13 +82,11 @@ def scaling_config(cfg: JobConfig, use_gpu: bool, gpu_left: float = 0.0):
 
 def run_config(cfg: JobConfig, output_dir: str, callbacks: list):
     """Ray Train's ``RunConfig``. Its storage must be shared by every node (``s3://`` on a cloud cluster): restarts,
-    resizes and resumed jobs all load the latest checkpoint from it."""
+    resizes and resumed jobs all load the latest checkpoint from it. ``callbacks``: the trainer's callbacks (the
+    commit record's, and a sweep trial's Tune reports)."""
     import ray.train
 
-    from rayflux.sweep.report import tune_callbacks  # in a sweep's trial, eval reports also go to Tune
-
     storage_path, storage_fs = storage.for_ray_train(storage.join(output_dir, "checkpoints"))
-    callbacks = [*callbacks, *tune_callbacks()]
     return ray.train.RunConfig(
         name=cfg.run.name,
         storage_path=storage_path,
@@ -155,27 +104,26 @@ def train(
     output_dir: str,
     cluster_gpus: bool,
     epochs: tuple[int, int] | None = None,
+    *,
+    callbacks: Callable[[], list] | None = None,
 ) -> TrainResult:
-    """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint."""
+    """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint.
+    ``callbacks``: makes extra Ray Train callbacks for the trainer (a sweep trial's Tune reports)."""
     manifest = Manifest.of(manifest)
-    _, hi = worker_range(cfg.train.num_workers)
-    refs = datasets.mix(
-        batching.index_samples(manifest), datasets.sample_weights(cfg.data), datasets.mask_floors(cfg.data)
+    plan = plan_mod.build(cfg, manifest, output_dir, epochs)
+    plan.log()
+    launch = Launch(
+        output_dir=output_dir,
+        manifest=manifest,
+        text_length=facts.text_length,
+        use_gpu=place(cfg, Cluster(gpus=cluster_gpus)).training,
+        callbacks=callbacks() if callbacks else [],
     )
-    batching.check_references(refs, models.family(cfg.model))
-    refs, eval_plan, eval_file = held_out(cfg, refs, output_dir)
-    counts = plan_counts(cfg, refs, hi)
-    if counts[0]["batches"] == 0:
-        raise RuntimeError(
-            f"no full set of batches for {hi} workers: {manifest.cached} samples, batch_size {cfg.train.batch_size}"
-        )
-    first, end = epochs or (0, cfg.train.epochs)
-    _log_plan(cfg, counts, hi, first, end)
-    run_storage = commits.run_storage(output_dir, cfg.run.name)
+    run_storage = plan.feed.run_storage
     before = commits.latest(run_storage)
-    with progress.TrainBar(counts, hi, cfg.train.gradient_accumulation, cfg.train.max_steps) as bar:
+    with progress.TrainBar(plan.steps_per_epoch, plan.total_steps) as bar:
         try:
-            result = _fit(cfg, manifest, facts, output_dir, cluster_gpus, refs, epochs, bar.board, eval_plan)
+            result = _fit(cfg, plan, launch, bar.board)
         except Exception as exc:
             _raise_integrity(exc)
             raise
@@ -191,29 +139,30 @@ def train(
         log.info(
             "train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, train.max_steps=%d)",
             position["step"],
-            first + 1,
-            end,
+            plan.feed.epochs[0] + 1,
+            plan.feed.epochs[1],
             cfg.train.max_steps,
         )
-    return _result(cfg, output_dir, final, position, counts, result, eval_plan, eval_file)
+    return _result(cfg, plan, output_dir, final, position, result)
 
 
-def _log_plan(cfg: JobConfig, counts: dict, hi: int, first: int, end: int) -> None:
-    """One line: the epochs, workers and optimizer steps this trainer run plans, and what the remainder rule drops."""
-    dropped = [counts[e]["dropped"] for e in range(first, end)]
-    per_epoch = progress.steps_per_epoch(counts, hi, cfg.train.gradient_accumulation)  # optimizer steps, as the bar
-    log.info(
-        "train: epochs %d-%d on %d worker(s), %d planned steps per worker; the remainder rule drops %s samples "
-        "per epoch",
-        first + 1,
-        end,
-        hi,
-        sum(per_epoch[first:end]),
-        dropped[0] if len(set(dropped)) == 1 else "/".join(map(str, dropped)),
-    )
+@dataclass(frozen=True)
+class Launch:
+    """What a trainer run's launch needs besides the config and the :class:`~rayflux.train.plan.TrainPlan`."""
+
+    output_dir: str
+    """``run.output_dir``, resolved."""
+    manifest: Manifest
+    """The committed generation trained on: its empty caption and caption index."""
+    text_length: int
+    """The model's padded text length (read once here; the workers need not read the model's configs)."""
+    use_gpu: bool
+    """Whether the workers train on GPUs (:func:`rayflux.config.placement.place`)."""
+    callbacks: list = field(default_factory=list)
+    """Extra Ray Train callbacks (a sweep trial's Tune reports), beside the commit record's."""
 
 
-def _result(cfg: JobConfig, output_dir: str, final: str, position: dict, counts, result, eval_plan, eval_file):
+def _result(cfg: JobConfig, plan: plan_mod.TrainPlan, output_dir: str, final: str, position: dict, result):
     """The stage's :class:`TrainResult`: the final checkpoint downloaded, the step log read back."""
     local = commits.download(final, tempfile.mkdtemp(prefix="rayflux-final-"))
     history = metrics.read_steps(output_dir, last_step=int(position["step"]))
@@ -223,12 +172,12 @@ def _result(cfg: JobConfig, output_dir: str, final: str, position: dict, counts,
         history=history,
         checkpoint_path=final,
         checkpoint_dir=local,
-        epoch_counts=counts,
+        epoch_counts=plan.counts,
         metrics=dict(result.metrics or {}),
         position=position,
-        eval_samples=cfg.data.eval_samples if eval_plan else 0,
-        eval_file=eval_file,
-        evals=metrics.read_steps(output_dir, last_step=int(position["step"]), evals=True) if eval_plan else [],
+        eval_samples=cfg.data.eval_samples if plan.eval_plan else 0,
+        eval_file=plan.eval_file,
+        evals=metrics.read_steps(output_dir, last_step=int(position["step"]), evals=True) if plan.eval_plan else [],
     )
 
 
@@ -240,81 +189,43 @@ def _raise_integrity(error: BaseException) -> None:
         raise found from None
 
 
-def _fit(
-    cfg: JobConfig,
-    manifest: Manifest,
-    facts: ModelFacts,
-    output_dir: str,
-    cluster_gpus: bool,
-    refs,
-    epochs,
-    board,
-    eval_plan=(),
-):
+def _fit(cfg: JobConfig, plan: plan_mod.TrainPlan, launch: Launch, board):
+    """Start the render actor (when validation renders are asked for), run the trainer, finish the renders."""
     import ray
-    from ray.train.torch import TorchTrainer
 
-    run_storage = commits.run_storage(output_dir, cfg.run.name)
-    use_gpu = _use_gpu(cfg, cluster_gpus)
     os.environ.setdefault(POLL_ENV, POLL_SECONDS)
     renders, gpu_left = None, 0.0
     if cfg.train.validation_prompts:
-        resources, why = renderer.choose_resources(cfg, use_gpu, ray.cluster_resources())
-        gpu_left = renderer.gpu_share(resources) if use_gpu else 0.0
-        renders = renderer.Renders(cfg, output_dir, resources, why)
+        resources, why = renderer.choose_resources(cfg, launch.use_gpu, ray.cluster_resources())
+        gpu_left = renderer.gpu_share(resources) if launch.use_gpu else 0.0
+        renders = renderer.Renders(cfg, launch.output_dir, resources, why)
+    loop = LoopConfig(
+        job=cfg.to_dict(),
+        output_dir=launch.output_dir,
+        plan=plan.for_workers(),
+        empty_caption=launch.manifest.empty_caption(),
+        caption_tables=(index.caption_table(launch.manifest),),
+        text_length=launch.text_length,
+        progress=board,
+        renderer=renders.actor if renders else None,
+    )
     try:
-        result = _trainer(
-            cfg, manifest, facts, output_dir, run_storage, (use_gpu, gpu_left), renders, refs, epochs, board, eval_plan
-        ).fit()
+        return _trainer(cfg, plan, launch, loop, gpu_left).fit()
     finally:
         if renders:
             renders.finish()  # waits for the renders still due (bounded), then kills the actor
-    return result
 
 
-def _trainer(
-    cfg: JobConfig,
-    manifest: Manifest,
-    facts: ModelFacts,
-    output_dir: str,
-    run_storage: str,
-    gpus: tuple,
-    renders,
-    refs,
-    epochs,
-    board,
-    eval_plan,
-):
-    """The ``TorchTrainer`` of one trainer run; ``gpus``: ``(use GPUs, share of each GPU left to the renderer)``."""
+def _trainer(cfg: JobConfig, plan: plan_mod.TrainPlan, launch: Launch, loop: LoopConfig, gpu_left: float):
+    """The ``TorchTrainer`` of one trainer run; ``gpu_left``: the share of each GPU left to the render actor."""
     from ray.train.torch import TorchTrainer
 
+    run_storage = plan.feed.run_storage
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            LOOP_KEY: LoopConfig(
-                job=cfg.to_dict(),
-                output_dir=output_dir,
-                checkpoints=run_storage,
-                empty_caption=manifest.empty_caption(),
-                caption_tables=(index.caption_table(manifest),),
-                epochs=tuple(epochs or (0, cfg.train.epochs)),
-                text_length=facts.text_length,
-                eval_plan=tuple(eval_plan),
-                progress=board,
-                renderer=renders.actor if renders else None,
-            )
-        },
-        scaling_config=scaling_config(cfg, *gpus),
-        run_config=run_config(cfg, output_dir, [commits.CommitCallback(run_storage)]),
-        datasets={DATASET: index_dataset(refs)},
-        dataset_config=PlannedDataConfig(
-            cfg.train.batch_size,
-            cfg.train.seed,
-            epochs or (0, cfg.train.epochs),
-            cfg.train.epochs,
-            cfg.train.gradient_accumulation,
-            batches_per_read=cfg.train.batches_per_read,
-            read_run=cfg.train.read_run,
-            run_storage=run_storage,
-        ),
+        train_loop_config={LOOP_KEY: loop},
+        scaling_config=scaling_config(cfg, launch.use_gpu, gpu_left),
+        run_config=run_config(cfg, launch.output_dir, [commits.CommitCallback(run_storage), *launch.callbacks]),
+        datasets={DATASET: index_dataset(list(plan.refs))},
+        dataset_config=PlannedDataConfig(plan.feed),
     )

@@ -20,6 +20,17 @@ from rayflux.families.references import target_prediction
 from rayflux.train import flow
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """Where a worker runs the model and what model it is: what every forward pass needs beside the batch."""
+
+    device: torch.device | str
+    dtype: torch.dtype
+    """The weights' dtype: the model's inputs are cast to it."""
+    family: Family
+    """The model's family: packing, ids and forward arguments."""
+
+
 @dataclass
 class Batch:
     """One planned batch as float32 tensors: latents ``[B, C, H, W]`` and the named text tensors ``[B, ...]`` of the
@@ -76,14 +87,13 @@ def flow_loss(
     t: TrainConfig,
     guidance_embeds: bool,
     empty: EmptyCaption | None,
-    device,
-    dtype,
-    family: Family,
+    rt: Runtime,
+    *,
     shift_config: dict | None = None,
 ):
     """Noise the latents, predict ``ε - x`` and return the weighted loss (float32 scalar). ``shift_config``: the
-    model's ``flux_shift`` constants (:func:`rayflux.models.shift_config`); ``family``: the model's family (packing,
-    ids and forward arguments)."""
+    model's ``flux_shift`` constants (:func:`rayflux.models.shift_config`)."""
+    device, dtype, family = rt.device, rt.dtype, rt.family
     generator = torch.Generator().manual_seed(batch.seed)
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
@@ -108,7 +118,7 @@ def flow_loss(
             raise ValueError("train.caption_dropout needs the cached empty-caption embedding")
         mask = flow.caption_dropout_mask(b, t.caption_dropout, generator)
         text = flow.drop_text(text, mask, empty.text)
-    pred, target = predict(model, batch, latents, noise, sigmas, text, guidance, device, dtype, family)
+    pred, target = predict(model, batch, latents, noise, sigmas, text=text, guidance=guidance, rt=rt)
     weights = flow.loss_weights(sigmas, t.loss_weighting)
     if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
         weights = weights * batch.weights.to(weights.device, weights.dtype)
@@ -124,13 +134,14 @@ def token_weights(batch: Batch, family: Family) -> torch.Tensor | None:
     return flow.mask_weights(family.pack_mask(batch.masks), floors)
 
 
-def predict(model, batch: Batch, latents, noise, sigmas, text: dict, guidance, device, dtype, family: Family):
+def predict(model, batch: Batch, latents, noise, sigmas, *, text: dict, guidance, rt: Runtime):
     """The model's packed prediction of ``ε - x`` for ``latents`` noised to ``sigmas``, and the packed target."""
+    device, dtype, family = rt.device, rt.dtype, rt.family
     _, _, h, w = latents.shape
     # Noisy input and target stay float32; only the model input is cast to the weights' dtype.
     noisy = family.pack(flow.noisy_input(latents, noise, sigmas)).to(dtype)
     target = family.pack(flow.flow_target(latents, noise))
     # An edit's reference latents are clean context after the target's tokens; the loss sees the target's only.
     refs = None if batch.references is None else batch.references.to(device, dtype)
-    pred = model(**family.forward_args(noisy, text, sigmas, h, w, guidance, refs), return_dict=False)[0]
+    pred = model(**family.forward_args(noisy, text, sigmas, h, w, guidance, references=refs), return_dict=False)[0]
     return target_prediction(pred, noisy.shape[1]), target

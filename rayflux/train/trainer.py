@@ -64,6 +64,7 @@ class LoraTrainer:
         cfg: JobConfig,
         device,
         total_steps: int | Callable[[], int],
+        *,
         rank: int = 0,
         empty: EmptyCaption | None = None,
         wrap=None,
@@ -188,7 +189,7 @@ class LoraTrainer:
                 pixels,
                 t.batch_size,
                 c,
-                act_bytes,
+                activation_bytes=act_bytes,
                 text=self.text_length,
                 optimizer=t.optimizer,
                 rank=t.rank,
@@ -247,7 +248,7 @@ class LoraTrainer:
         phases.mark("step_start")
         t = self.cfg.train
         lr = optim.step_lr(self.optimizer, t)
-        step_args = (t, self.guidance_embeds, self.empty, self.device, self.dtype, self.family)
+        step_args = (t, self.guidance_embeds, self.empty, step.Runtime(self.device, self.dtype, self.family))
         losses = []
         for i, batch in enumerate(batches):
             # DDP all-reduces gradients only on the last batch of the group; earlier ones just accumulate.

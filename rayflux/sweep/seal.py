@@ -8,7 +8,8 @@ writing for seconds after Tune counts the trial as stopped, and a results table 
 that the trial's log then outdoes, or a best LoRA file that is then overwritten with another step's.
 
 So rank 0 holds a shared ``flock`` of ``<run dir>/metrics/writer.lock`` from opening its step log to closing it (the
-kernel drops it when the process dies, however it dies), and refuses to start in a sealed directory. :func:`seal`
+kernel drops it when the process dies, however it dies), and refuses to start in a sealed directory
+(:func:`rayflux.train.writer_lock.hold`, training's side of this protocol). :func:`seal`
 gets the exclusive lock only once every such writer is gone, and marks the directory sealed under it, so no writer
 starts after it either; :func:`unseal` (the trial running again) clears the mark. The lock file is only ever
 truncated, never replaced: a writer's lock and the sealer's must be on the same file. Local and shared filesystems
@@ -22,50 +23,16 @@ import fcntl
 import logging
 import os
 import time
-from typing import BinaryIO
 
-from rayflux import storage
+from rayflux.train.writer_lock import SEALED, lock_path
 
 log = logging.getLogger("rayflux")
-
-LOCK_FILE = "writer.lock"
-"""In a run directory's ``metrics/``: empty while writers may start, ``SEALED`` once sealed."""
-SEALED = b"sealed\n"
-LOCK_DIR = "metrics"
-"""The step log's folder (``rayflux.train.metrics.STEPS_DIR``), which rank 0 writes anyway."""
-
-
-class Sealed(RuntimeError):
-    """The run directory was sealed: the run it belonged to has ended, and its results were read."""
-
-
-def _path(output_dir: str, create: bool = True) -> str | None:
-    if storage.is_uri(output_dir):
-        return None
-    if create:
-        os.makedirs(os.path.join(output_dir, LOCK_DIR), exist_ok=True)
-    return os.path.join(output_dir, LOCK_DIR, LOCK_FILE)
-
-
-def hold(output_dir: str) -> BinaryIO | None:
-    """Rank 0, before it writes anything to a local run directory: the open, share-locked lock file (close it when
-    done writing); raises :class:`Sealed` in a sealed directory. None for an object-store directory."""
-    path = _path(output_dir)
-    if path is None:
-        return None
-    f = open(path, "a+b")
-    fcntl.flock(f, fcntl.LOCK_SH)  # waits only while a seal() marks the file
-    f.seek(0)
-    if f.read(len(SEALED)) == SEALED:
-        f.close()
-        raise Sealed(f"{output_dir} was sealed: its run has ended and its results were read; nothing more is written")
-    return f
 
 
 def seal(output_dir: str, timeout: float) -> bool:
     """Wait until no writer holds the run directory (every one closed its step log or died), then seal it. Returns
     False (and warns) when writers still held it after ``timeout`` seconds, or for an object-store directory."""
-    path = _path(output_dir)
+    path = lock_path(output_dir)
     if path is None:
         return False
     start = time.monotonic()
@@ -92,7 +59,7 @@ def seal(output_dir: str, timeout: float) -> bool:
 
 def unseal(output_dir: str) -> None:
     """Let writers start in the run directory again (a sweep's trial that runs again)."""
-    path = _path(output_dir, create=False)
+    path = lock_path(output_dir, create=False)
     if path is not None and os.path.exists(path):
         with open(path, "r+b") as f:
             f.truncate(0)

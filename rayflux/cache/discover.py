@@ -8,7 +8,7 @@ keeps only images that will really be cached. Each task keeps its own ``max_samp
 subset as one draw over the whole dataset. Bad images found on the way are recorded skips, like any other.
 
 A caption file the previous generation already read, listed unchanged, is not read again (see
-:mod:`rayflux.discovery.sidecars`): a dataset whose caption files are all known, and that has no ``max_samples``,
+:mod:`rayflux.cache.sidecars`): a dataset whose caption files are all known, and that has no ``max_samples``,
 settles on the driver without a single read.
 
 The driver holds each image about once. The listing is made a bounded part at a time (:mod:`rayflux.discovery.listing`);
@@ -27,10 +27,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayflux import allocator, datasets
-from rayflux.cache import fit, masks
+from rayflux.cache import fit, masks, sidecars
 from rayflux.cache.prepare import skip_reason
 from rayflux.config import JobConfig
-from rayflux.discovery import discoveries, listing, schemas, settling, sidecar_spool, sidecars, subset
+from rayflux.discovery import discoveries, listing, schemas, settling, sidecar_spool, subset
 from rayflux.models import ModelFacts
 
 # Images per settling task: as for preparation, hundreds, so the tasks spread over the cluster.
