@@ -48,7 +48,7 @@ def _lrs(opt, sched, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("name", optim.SCHEDULERS)
 def test_schedules_are_diffusers_own(name):
-    """Each ``train.lr_scheduler`` name gives what ``diffusers.optimization.get_scheduler`` gives for it."""
+    """Each ``train.optim.lr_scheduler`` name gives what ``diffusers.optimization.get_scheduler`` gives for it."""
     from diffusers.optimization import get_scheduler
 
     from rayflux import config
@@ -57,11 +57,11 @@ def test_schedules_are_diffusers_own(name):
     cfg = config.load(
         None,
         [
-            "train.learning_rate=0.01",
-            f"train.lr_scheduler={name}",
-            f"train.warmup_steps={warmup}",
-            "train.lr_cycles=2",
-            "train.lr_power=2",
+            "train.optim.learning_rate=0.01",
+            f"train.optim.lr_scheduler={name}",
+            f"train.optim.warmup_steps={warmup}",
+            "train.optim.lr_cycles=2",
+            "train.optim.lr_power=2",
         ],
     )
     ours = optim.build([torch.nn.Parameter(torch.zeros(1))], cfg.train, total_steps=16)

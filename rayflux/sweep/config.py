@@ -29,14 +29,14 @@ class SweepConfig:
     num_samples: int = 1
     """Tune's meaning: repeats of the grid; the samples drawn from random (choice, loguniform, uniform) keys."""
     max_concurrent: int = 2
-    """Trials that train at once. Each trial's workers are ``train.num_workers`` with ``train.cpus_per_worker``."""
+    """Trials that train at once. Each trial's workers are ``train.workers.num_workers`` with ``train.workers.cpus_per_worker``."""
     metric: str = "eval_loss"
     """The number trials are compared (and stopped) by, lowest best: ``eval_loss`` needs ``data.eval_samples``."""
     scheduler: str = "asha"
-    """``asha`` (stop trials whose metric lags at its rungs; reports come at every ``train.eval_every`` step) or
+    """``asha`` (stop trials whose metric lags at its rungs; reports come at every ``train.eval.every`` step) or
     ``fifo`` (every trial runs to its end)."""
     grace_period: int = 0
-    """ASHA: steps every trial trains before it may be stopped (0: ``train.eval_every``, else 1)."""
+    """ASHA: steps every trial trains before it may be stopped (0: ``train.eval.every``, else 1)."""
     reduction_factor: int = 2
     """ASHA: a rung keeps the best 1/reduction_factor of the trials that reached it."""
     trial_cpus: float = 0.01

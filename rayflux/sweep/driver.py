@@ -71,16 +71,16 @@ def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
 
     cap = Capacity.of_cluster()
     budget = cap.budget(now=False)
-    workers = worker_range(cfg.train.num_workers)[0]
-    need = {"CPU": workers * cfg.train.cpus_per_worker + sweep.trial_cpus}
+    workers = worker_range(cfg.train.workers.num_workers)[0]
+    need = {"CPU": workers * cfg.train.workers.cpus_per_worker + sweep.trial_cpus}
     if place(cfg, Cluster(gpus=job.cluster_has_gpus())).training:
         need["GPU"] = float(workers)
     short = {k: v for k, v in need.items() if budget.get(k, 0.0) + 1e-9 < v}
     if short:
         have = ", ".join(f"{k} {budget.get(k, 0.0):g}" for k in need)
         raise ConfigError(
-            f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.num_workers "
-            f"x train.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}"
+            f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.workers.num_workers "
+            f"x train.workers.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}"
         )
     per_trial = need["CPU"]
     log.info(
@@ -191,7 +191,7 @@ def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
             name=TUNE_NAME,
             storage_path=storage_path,
             storage_filesystem=storage_fs,
-            failure_config=tune.FailureConfig(max_failures=max(cfg.train.max_failures, 0)),
+            failure_config=tune.FailureConfig(max_failures=max(cfg.train.workers.max_failures, 0)),
             callbacks=[release_callback(output)],
             verbose=1,
         ),
@@ -207,7 +207,7 @@ def _scheduler(cfg: JobConfig, sweep: SweepConfig):
 
     if sweep.scheduler == "fifo":
         return FIFOScheduler()
-    grace = sweep.grace_period or cfg.train.eval_every or 1
+    grace = sweep.grace_period or cfg.train.eval.every or 1
     # ASHA stops a trial that reaches max_t; one past the last step lets a trial that trains to its end export.
     return ASHAScheduler(
         time_attr="step",
