@@ -58,9 +58,9 @@ def test_the_driver_refuses_a_cluster_without_gpus(dtype):
     )
 
 
-@pytest.mark.parametrize("key, value", [("base_dtype", "nf4"), ("optimizer", "adamw8bit")])
+@pytest.mark.parametrize("key, value", [("base_dtype", "nf4"), ("optim.name", "adamw8bit")])
 def test_the_job_refuses_before_any_cache_work(ray_session, job_config, key, value):
-    setattr(job_config.train, key, value)  # train.optim.name=adamw8bit: bitsandbytes' 8-bit kernels need CUDA too
+    config.apply(job_config, {"train": {key: value}})  # train.optim.name=adamw8bit: 8-bit kernels need CUDA too
     with pytest.raises(ValueError, match=f"train.{key}={value} needs a CUDA GPU"):
         job.run(job_config)
     cache = Path(job.resolve_dirs(job_config)[1])

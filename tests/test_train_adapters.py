@@ -280,7 +280,7 @@ def test_dora_diffusers_file_loads_in_the_pipeline_and_renders_the_trained_model
             ],
             "cannot hold",
         ),
-        (["train.adapter.kind=dora", "train.workers.base_fsdp=node"], "base_sharding"),
+        (["train.adapter.kind=dora", "train.workers.base_fsdp=node"], "base_fsdp"),
         (["train.adapter.kind=loha"], "train.adapter.kind must be one of lora, dora, lokr"),
         (["train.network_module=lycoris.kohya"], "say which LyCORIS algorithm"),  # dora or lokr: its args say
     ],

@@ -95,7 +95,7 @@ def test_dropped_captions_train_on_the_empty_embedding(tiny_model):
     trainer = LoraTrainer(train_data.job(tiny_model), "cpu", total_steps=1)
     t = trainer.cfg.train
     # p = 0.999 with this batch's seed drops both samples (seeded, so not a matter of luck).
-    dropped_cfg = dataclasses.replace(t, caption_dropout=0.999)
+    dropped_cfg = dataclasses.replace(t, flow=dataclasses.replace(t.flow, caption_dropout=0.999))
     with torch.no_grad():
         args = (step.Runtime("cpu", torch.float32, trainer.family),)
         dropped = step.flow_loss(trainer.model, batch, dropped_cfg, True, empty, *args)

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from rayflux.config import ConfigError, JobConfig, TrainConfig, apply, field_docs, parse_set, validate
-from rayflux.config.loader import ALIASES
+from rayflux.config.loader import canonical_key, leaves
 
 KINDS = ("grid", "choice", "loguniform", "uniform")
 """How a space key's values are given: ``{grid: [...]}`` (every value, times ``num_samples``), ``{choice: [...]}``
@@ -93,14 +93,15 @@ def parse(raw) -> SweepConfig:
 
 
 def _space(raw) -> dict:
-    """``{train.key: {kind: values}}`` with aliases resolved to their own names; anything else is refused."""
+    """``{train.key: {kind: values}}`` with aliases and old keys resolved to their paths (``train.learning_rate`` ->
+    ``train.optim.learning_rate``); anything else is refused."""
     if not isinstance(raw, dict) or not raw:
         raise ConfigError("sweep.space must map train.<key> to {grid|choice|loguniform|uniform: [...]}")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {path for path, _, _ in leaves(TrainConfig)}
     out = {}
     for key, spec in raw.items():
         section, _, name = str(key).partition(".")
-        name = ALIASES.get((section, name), name)
+        name = canonical_key(section, name)
         if section != "train" or name not in fields:
             raise ConfigError(
                 f"sweep.space key {key!r} is not a train.* setting; a sweep varies only train keys "

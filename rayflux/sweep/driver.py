@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from rayflux import job, lease, storage
 from rayflux.config import ConfigError, JobConfig, worker_range
 from rayflux.config.placement import Cluster, place
+from rayflux.config.loader import old_key
 from rayflux.ledger import Ledger
 from rayflux.sweep import results, seal
 from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
@@ -93,12 +94,20 @@ def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
 
 
 def _fingerprint(sweep: SweepConfig) -> str:
+    """What a sweep's ledger entry is checked against on a rerun. The space's keys are hashed under their keys from
+    before the config's sections (``train.learning_rate``), so a sweep started before them still continues."""
+    space = {_old_key(key): spec for key, spec in sweep.space.items()}
     blob = json.dumps(
-        {"space": sweep.space, "num_samples": sweep.num_samples, "metric": sweep.metric, "scheduler": sweep.scheduler},
+        {"space": space, "num_samples": sweep.num_samples, "metric": sweep.metric, "scheduler": sweep.scheduler},
         sort_keys=True,
         default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _old_key(key: str) -> str:
+    section, _, path = key.partition(".")
+    return f"{section}.{old_key(section, path)}"
 
 
 def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> Outcome:
