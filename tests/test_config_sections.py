@@ -90,7 +90,7 @@ def _identities(cfg: config.JobConfig) -> tuple:
         cfg.fingerprint(),
         cfg.fingerprint("data", "model", "cache"),
         cache_key(cfg, facts),
-        cache_key(cfg, facts, use_gpu=True),
+        cache_key(cfg, facts, cluster_gpus=True),
     )
 
 
