@@ -117,19 +117,19 @@ def apply(cfg: JobConfig, updates: dict, prefix: str = "") -> JobConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"config section {name!r} must be a mapping")
         section = getattr(cfg, name)
-        for path, raw in _resolve_aliases(name, _flatten(name, section, value)).items():
+        for path, raw in _resolve_aliases(name, _flatten(section, value)).items():
             _set(name, section, path, raw)
     return cfg
 
 
-def _flatten(where: str, obj, values: dict, prefix: str = "") -> dict:
+def _flatten(obj, values: dict, prefix: str = "") -> dict:
     """A section's mapping with its sub-sections' mappings as dotted keys (``{optim: {lr: 1}}`` -> ``{optim.lr: 1}``).
     A sub-section's name given a value that is not a mapping is an old key of the same name (``train.adapter``)."""
     subs = {f.name for f in dataclasses.fields(obj) if is_section(f)}
     out: dict = {}
     for key, raw in values.items():
         if key in subs and isinstance(raw, dict):
-            out.update(_flatten(f"{where}.{key}", getattr(obj, key), raw, f"{prefix}{key}."))
+            out.update(_flatten(getattr(obj, key), raw, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = raw
     return out
