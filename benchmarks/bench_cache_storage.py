@@ -256,7 +256,7 @@ def run_one(name: str, args, work: Path) -> dict:
     facts = models.model_facts(cfg.model)
     discovery = discover(cfg.data, seed=0)
     gen_dir = generations.generation_dir(cfg.cache.dir, cache_key(cfg, facts), 0, inputs_signature(discovery))
-    manifest = build_generation(cfg, facts, discovery, gen_dir, 0, 0, use_gpu=False)
+    manifest = build_generation(cfg, facts, discovery, gen_dir, 0, 0, cluster_gpus=False)
     result = measure(manifest)
     result["distinct_image_captions"] = distinct
     result["stored_as"] = compare(gen_dir, work / f"compare-{name}", args.rounds)

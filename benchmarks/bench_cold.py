@@ -193,7 +193,7 @@ def main() -> int:
     common = [
         f"data.images_dir={images}",
         f"data.resolution={args.resolution}",
-        "train.num_workers=1",
+        "train.workers.num_workers=1",
         f"train.epochs={epochs}",
         "run.ray_address=local",
     ]

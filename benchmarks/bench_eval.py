@@ -1,4 +1,4 @@
-"""Eval-loss cost: one eval (``data.eval_samples`` samples at ``train.eval_sigmas`` σ values) ÷ one training step.
+"""Eval-loss cost: one eval (``data.eval_samples`` samples at ``train.eval.sigmas`` σ values) ÷ one training step.
 
     python benchmarks/bench_eval.py [--resolution 256] [--eval-samples 2] [--steps 24] [--eval-every 4]
 
@@ -39,12 +39,12 @@ def main() -> None:
     _run_job(
         [],
         [
-            "train.num_workers=1",
+            "train.workers.num_workers=1",
             f"data.resolution={args.resolution}",
             f"train.epochs={epochs}",
             f"train.max_steps={args.steps}",
             f"data.eval_samples={args.eval_samples}",
-            f"train.eval_every={args.eval_every}",
+            f"train.eval.every={args.eval_every}",
             f"run.output_dir={out}",
             "run.ray_address=local",
         ],

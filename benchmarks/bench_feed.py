@@ -26,13 +26,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--resolution", type=int, default=512)
-    ap.add_argument("--prefetch", type=int, default=2, help="reads kept ahead (train.prefetch_reads)")
+    ap.add_argument("--prefetch", type=int, default=2, help="reads kept ahead (train.feed.prefetch_reads)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the training step")
     ap.add_argument(
         "--batches-per-read",
         type=lambda v: [int(x) for x in v.split(",")],
         default=[1, 8],
-        help="planned batches per read (train.batches_per_read); a comma list compares several",
+        help="planned batches per read (train.feed.batches_per_read); a comma list compares several",
     )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides; medians reported")
     args = ap.parse_args()

@@ -18,7 +18,7 @@
    encoder runs it), alone and as ``--vae-procs`` processes sharing the GPU (what ``cache.gpus_per_actor=0.25``
    gives four actors); T5-XXL + CLIP-L encoding captions of 512 and 77 tokens (captions/s, bf16).
 4. **The job** (``--skip-job`` leaves it out): ``jobs/train_flux.py`` itself (Ray Train, its feed, checkpoints) on one
-   worker with the job's defaults (``train.use_gpu=auto``, checkpointing ``auto``), 512 px, batch 1, on 8 square images.
+   worker with the job's defaults (``train.workers.on_gpu=auto``, checkpointing ``auto``), 512 px, batch 1, on 8 square images.
    A FLUX.1-shaped model directory is written with ``rayflux.testing.tiny`` (random weights, saved in bf16):
    FLUX.1-dev's transformer (24 heads x 128, 19 + 38 blocks; ``--job-blocks D,S`` for fewer), its real VAE, and shallow
    T5 and CLIP at width 4096, which only encode captions in the cache stage. The pooled projection is so 4096 wide, not
@@ -265,7 +265,7 @@ def lora_steps(
         cfg = config.load(
             None,
             [
-                "train.rank=16",
+                "train.adapter.rank=16",
                 f"train.gradient_checkpointing={str(ckpt).lower()}",
                 f"data.resolution={px}",
                 f"train.batch_size={batch}",
@@ -380,7 +380,7 @@ def _in_process(common: list[str], rows: list[dict], steps: int, device: torch.d
     batches = itertools.cycle([step.from_item(r) for r in rows])
     trainer = LoraTrainer(cfg, device, total_steps=2 * steps + 2)
     trainer_s = _timed(lambda: trainer.train_step([next(batches)]), steps, device)
-    bare_opt = torch.optim.AdamW(trainer.params, lr=cfg.train.learning_rate)
+    bare_opt = torch.optim.AdamW(trainer.params, lr=cfg.train.optim.learning_rate)
     bare_s = _timed(
         lambda: _bare_step(trainer.model, trainer.params, bare_opt, next(batches), device, dtype), steps, device
     )
@@ -429,7 +429,7 @@ def job_section(
             f"model.path={model}",
             f"data.images_dir={work / 'images'}",
             f"data.resolution={px}",
-            "train.num_workers=1",
+            "train.workers.num_workers=1",
             "train.batch_size=1",
             f"train.epochs={-(-long // JOB_IMAGES) + 1}",
             f"cache.dir={work / 'cache'}",
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda" and torch.cuda.device_count() > 1:
                 # One process drives one GPU here; a sharded base needs one Ray Train worker per GPU (the job itself).
                 results["skipped"] = [
-                    "flux2-dev with train.base_sharding=node: not measured by this one-process script"
+                    "flux2-dev with train.workers.base_fsdp=node: not measured by this one-process script"
                 ]
         elif section == "encoders":
             results["vae"] = [vae_encode(vae_cfg, device, vae_px, 8, steps, p) for p in (1, vae_procs)]

@@ -140,9 +140,9 @@ def whole_job(proxy, args) -> None:
         "data.crop=center",
         "train.epochs=1",
         f"train.batch_size={args.batch_size}",
-        "train.num_workers=1",
+        "train.workers.num_workers=1",
         "cache.refresh=never",
-        f"train.checkpoint_every={max(steps // 10, 1)}",
+        f"train.checkpoint.every={max(steps // 10, 1)}",
     ]
     loras, runs = {}, {}
     for name, rate in (("clean", 0.0), (f"{args.rate:.0%} 503s", args.rate)):

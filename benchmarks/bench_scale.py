@@ -234,7 +234,7 @@ def main(argv=None) -> None:
         "--read-run",
         type=int,
         default=0,
-        help="train.read_run of the training phases (0: its default); 1 is a per-sample shuffle",
+        help="train.feed.shuffle_block of the training phases (0: its default); 1 is a per-sample shuffle",
     )
     parser.add_argument(
         "--kill-at",
@@ -400,17 +400,17 @@ def _run(server: Server | None, args) -> None:
         "data.crop=center",
         "train.epochs=1",
         f"train.batch_size={args.batch_size}",
-        "train.num_workers=1",
+        "train.workers.num_workers=1",
         "cache.refresh=never",
     ]
     if args.variant == "metadata":
         sets.append("data.caption_strategy=metadata")
     if args.read_run:
-        sets.append(f"train.read_run={args.read_run}")
+        sets.append(f"train.feed.shuffle_block={args.read_run}")
     if args.masks:
         sets += ["data.mask=dir", f"data.mask_dir={bucket}/masks"]
     # A checkpoint every tenth of the epoch: the killed run leaves one near its end to resume from.
-    sets.append(f"train.checkpoint_every={max(-(-n // args.batch_size) // 10, 1)}")
+    sets.append(f"train.checkpoint.every={max(-(-n // args.batch_size) // 10, 1)}")
     cfg = config.load(None, sets)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     progress.quiet_operator_bars()
@@ -522,7 +522,7 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     from rayflux.train import commits
 
     steps = -(-args.images // args.batch_size)
-    every = cfg.train.checkpoint_every
+    every = cfg.train.checkpoint.every
     kill_after = max(int(steps * args.kill_at) // every * every, every)
     run_dir = commits.run_storage(cfg.run.output_dir, cfg.run.name)
     ray.shutdown()  # the killed run starts its own Ray, as a user's driver does

@@ -86,7 +86,7 @@ def sweep_arm(args, job: dict, work: Path) -> tuple[float, list[Path], list[Path
     out = work / "sweep"
     doc = {
         "sweep": {
-            "space": {"train.learning_rate": {"grid": rates}, "train.rank": {"grid": ranks}},
+            "space": {"train.optim.learning_rate": {"grid": rates}, "train.adapter.rank": {"grid": ranks}},
             "max_concurrent": args.concurrent,
             "scheduler": "fifo",
         },
@@ -105,7 +105,11 @@ def separate_arm(args, job: dict, work: Path, name: str, shared_cache: bool) -> 
     runs, wall = [], 0.0
     for i, (lr, rank) in enumerate((lr, rank) for lr in rates for rank in ranks):
         out = work / name / f"run{i}"
-        sets = _settings(job) + [f"run.output_dir={out}", f"train.learning_rate={lr}", f"train.rank={rank}"]
+        sets = _settings(job) + [
+            f"run.output_dir={out}",
+            f"train.optim.learning_rate={lr}",
+            f"train.adapter.rank={rank}",
+        ]
         if shared_cache:
             sets.append(f"cache.dir={work / name / 'cache'}")
         argv = [sys.executable, str(ROOT / "jobs" / "train_flux.py")]

@@ -10,7 +10,7 @@ Both runs share one cache, built before timing.
 Plain side: the same ``LoraTrainer`` steps on the same cached batches, read into memory first, in one process with
 torch's default threads (what a user would write), timed the same way: two loops of different lengths, each from a
 fresh trainer. Rounds alternate the two sides; medians are reported. The plain loop is also timed on one torch
-thread, the thread count a Ray Train worker that reserves less than two CPUs gets (``train.cpus_per_worker``), so
+thread, the thread count a Ray Train worker that reserves less than two CPUs gets (``train.workers.cpus_per_worker``), so
 the job's own overhead can be told apart from the thread count.
 """
 
@@ -61,7 +61,7 @@ def main() -> int:
     epochs = -(-args.long // 8) + 1  # the demo's 8 images are 8 steps per epoch on one worker
     # run.ray_address=local: every job starts its own Ray, never joining another head that runs on this machine.
     common = [
-        "train.num_workers=1",
+        "train.workers.num_workers=1",
         f"data.resolution={args.resolution}",
         f"train.epochs={epochs}",
         f"cache.dir={work / 'cache'}",

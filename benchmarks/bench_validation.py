@@ -54,16 +54,16 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="rayflux-bench-validation-"))
     epochs = -(-args.steps // 4) + 1  # the demo's 8 images are 4 steps per epoch on 2 workers
     common = [
-        "train.num_workers=2",
+        "train.workers.num_workers=2",
         f"data.resolution={args.resolution}",
         f"train.epochs={epochs}",
         f"cache.dir={work / 'cache'}",
         "run.ray_address=local",
     ]
     images = [
-        'train.validation_prompts=["a red circle", "a blue square"]',
-        f"train.validation_every={args.every}",
-        "train.validation_inference_steps=4",
+        'train.validation.prompts=["a red circle", "a blue square"]',
+        f"train.validation.every={args.every}",
+        "train.validation.inference_steps=4",
     ]
     run = tempfile.mkdtemp(prefix="run-", dir=work)
     per_step = {}

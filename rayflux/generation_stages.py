@@ -17,12 +17,12 @@ log = logging.getLogger("rayflux")
 class GenerationStages:
     """The cache generations of one job, each built, reused, discarded or retired as a stage recorded in the ledger."""
 
-    def __init__(self, cfg: JobConfig, facts, ledger: Ledger, cache_root: str, use_gpu: bool, summary: Summary):
+    def __init__(self, cfg: JobConfig, facts, ledger: Ledger, cache_root: str, cluster_gpus: bool, summary: Summary):
         from rayflux.cache.keys import cache_key
 
-        self.cfg, self.facts, self.ledger, self.use_gpu, self.summary = cfg, facts, ledger, use_gpu, summary
+        self.cfg, self.facts, self.ledger, self.cluster_gpus, self.summary = cfg, facts, ledger, cluster_gpus, summary
         self.cache_root = cache_root
-        self.key = cache_key(cfg, facts, use_gpu)
+        self.key = cache_key(cfg, facts, cluster_gpus)
         self.dirs: dict[int, str] = {}
         self.discoveries: dict = {}
         self.manifests: dict[int, dict] = {}
@@ -100,7 +100,7 @@ class GenerationStages:
         t0 = time.perf_counter()
         # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
         manifest = build_generation(
-            self.cfg, self.facts, discovery, gen_dir, g, seed, use_gpu=self.use_gpu, previous=previous
+            self.cfg, self.facts, discovery, gen_dir, g, seed, cluster_gpus=self.cluster_gpus, previous=previous
         )
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
         self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)
@@ -124,8 +124,8 @@ class GenerationStages:
         from rayflux.cache.fit import actor_cpus
 
         total = ray.cluster_resources()
-        workers = worker_range(self.cfg.train.num_workers)[1]
-        cpu_left = total.get("CPU", 0) - workers * self.cfg.train.cpus_per_worker
-        if self.use_gpu:
+        workers = worker_range(self.cfg.train.workers.num_workers)[1]
+        cpu_left = total.get("CPU", 0) - workers * self.cfg.train.workers.cpus_per_worker
+        if self.cluster_gpus:
             return total.get("GPU", 0) - workers >= self.cfg.cache.gpus_per_actor and cpu_left >= 2
         return cpu_left >= (actor_cpus(self.cfg.cache.actor_cpus) or 1.0) + 1

@@ -1,5 +1,5 @@
 """The GPU memory of one training process: the frozen base for each ``train.base_dtype`` and
-``train.base_sharding``, the LoRA with its ``train.optimizer`` state, and the activations with and without gradient
+``train.workers.base_fsdp``, the LoRA with its ``train.optim.name`` state, and the activations with and without gradient
 checkpointing.
 
 ``python -m rayflux plan`` prints these figures for a model's transformer config (:mod:`rayflux.plan`); every
@@ -18,13 +18,13 @@ training worker computes the same ones for its own run and turns ``train.gradien
 - ``base_sharding=node`` over W workers of a node: 1/W of the base, plus the blocks FSDP2 gathers whole while it
   computes: the running block and the prefetched next one (``GATHERED_BLOCKS`` x the largest block, model dtype).
 
-**The LoRA** is held in fp32 with its fp32 gradient (8 bytes a parameter) and the ``train.optimizer``'s state
+**The LoRA** is held in fp32 with its fp32 gradient (8 bytes a parameter) and the ``train.optim.name``'s state
 (``OPTIMIZER_STATE_BYTES``, counted from each package's ``step``): AdamW two fp32 moments (8); bitsandbytes' 8-bit
 AdamW two 1-byte moments plus an fp32 absmax per block of 256 (about 2); Prodigy ``exp_avg``, ``exp_avg_sq``, ``s``
 and ``p0`` (16, at its default ``slice_p=1``); schedule-free AdamW ``z`` and ``exp_avg_sq`` (8); Adafactor (no first
 moment at its default ``beta1=None``) a row and a column of second moments per matrix, ``(r + n) x 4`` bytes for an
 ``r x n`` LoRA matrix: about ``4 / rank`` a parameter (the LoRA's matrices are rank wide on one side). An EMA
-(``train.ema_decay``) adds its fp32 copy (``EMA_BYTES``, 4).
+(``train.optim.ema_decay``) adds its fp32 copy (``EMA_BYTES``, 4).
 
 **The activations** count, per token and per block, the tensors autograd keeps for the backward pass, in the autocast
 dtype (bf16 on GPU). A block keeps ``a*h + b*m`` elements a token, with ``h`` the hidden width (heads x head dim),
@@ -68,7 +68,7 @@ OPTIMIZER_STATE_BYTES = {
 }
 """Bytes of optimizer state per LoRA parameter (see the module docstring); Adafactor's depends on the rank."""
 EMA_BYTES = 4
-"""``train.ema_decay``: the fp32 moving average of every trainable parameter, on every worker's device."""
+"""``train.optim.ema_decay``: the fp32 moving average of every trainable parameter, on every worker's device."""
 
 
 def lora_bytes_per_param(optimizer: str = "adamw", rank: int = 4, ema: bool = False) -> float:

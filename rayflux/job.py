@@ -188,7 +188,7 @@ def _train_segments(
             entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest.dir)
             t0 = time.perf_counter()
             epochs = (seg.first_epoch, seg.end_epoch)
-            result = train(cfg, manifest, facts, output, stages.use_gpu, epochs, callbacks=callbacks)
+            result = train(cfg, manifest, facts, output, stages.cluster_gpus, epochs, callbacks=callbacks)
             summary.stage_seconds[name] = time.perf_counter() - t0
             complete = bool(result.position.get("feed_done"))
             ledger.finish(
@@ -214,7 +214,7 @@ def _export(cfg: JobConfig, ledger: Ledger, summary: Summary, output: str, resul
     from rayflux.train import lora_files
 
     # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
-    summary.validation_dir = storage.join(output, "validation") if cfg.train.validation_prompts else ""
+    summary.validation_dir = storage.join(output, "validation") if cfg.train.validation.prompts else ""
     summary.tensorboard_dir = storage.join(output, "tensorboard")
     if result is None:
         summary.lora_path = storage.join(output, lora_files.LORA_DIR, lora_files.final_name(cfg))
@@ -238,11 +238,11 @@ def _check_edit_pairs(cfg: JobConfig, family) -> None:
     if family.max_references != 0:
         return
     edits = [datasets.label(ds) for ds in datasets.datasets_of(cfg.data) if ds.reference_dir or ds.reference_column]
-    if edits or cfg.train.validation_references:
+    if edits or cfg.train.validation.references:
         what = (
             f"dataset {edits[0]} has edit pairs (reference_dir / reference_column)"
             if edits
-            else "train.validation_references is set"
+            else "train.validation.references is set"
         )
         raise ConfigError(
             f"{what}, but {', '.join(family.pipelines.values())} takes no reference images: edit pairs "

@@ -4,9 +4,9 @@
 transformer's ``config.json`` from ``model.path`` (a built-in configuration when ``model.path`` is empty, or the one
 ``--model`` names, e.g. ``flux2-dev``: :data:`rayflux.families.BUILT_IN`), so it needs no weights and no GPU. It
 counts the parameters of the family's own transformer built on the meta device (:func:`rayflux.models.
-meta_transformer`), and prints what weights, the LoRA with its ``train.optimizer`` state, and activations (with
+meta_transformer`), and prints what weights, the LoRA with its ``train.optim.name`` state, and activations (with
 and without gradient checkpointing) take on a GPU (:mod:`rayflux.gpu_memory`, the same figures every training
-worker computes for its run), ending with each ``train.base_sharding`` x ``train.base_dtype`` option's memory per GPU.
+worker computes for its run), ending with each ``train.workers.base_fsdp`` x ``train.base_dtype`` option's memory per GPU.
 
 A command like ``doctor``: nothing else of rayflux imports this module.
 """
@@ -36,7 +36,7 @@ def text_tokens(cfg: config.JobConfig) -> int:
 
 def count_parameters(tc: dict, targets: str, rank: int, adapter: str = "lora") -> tuple[int, int]:
     """(all transformer parameters, trainable adapter parameters) of ``targets`` at ``rank``, counted on peft's own
-    modules attached on the meta device (``train.adapter``: DoRA's magnitudes, LoKr's factors included)."""
+    modules attached on the meta device (``train.adapter.kind``: DoRA's magnitudes, LoKr's factors included)."""
     import torch
 
     from rayflux.models import meta_transformer
@@ -110,25 +110,27 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     float_bytes = 4 if cfg.model.dtype == "float32" else 2
     lines = [
         f"model: {name}; {tc['num_layers']} double + {tc['num_single_layers']} single blocks, "
-        f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; {t.adapter} rank {t.rank}"
+        f"width {gpu_memory.widths(tc)[0]}, {text} text tokens; {t.adapter.kind} rank {t.adapter.rank}"
     ]
     counts = {}
     for preset in lora.PRESETS:
-        counts[preset] = count_parameters(tc, preset, t.rank, t.adapter)
+        counts[preset] = count_parameters(tc, preset, t.adapter.rank, t.adapter.kind)
         total, trainable = counts[preset]
         lines.append(f"  targets={preset}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.3f}%)")
-    job_targets = t.targets if t.targets in counts else None
-    trainable = (counts[job_targets] if job_targets else count_parameters(tc, t.targets, t.rank, t.adapter))[1]
+    job_targets = t.adapter.targets if t.adapter.targets in counts else None
+    trainable = (
+        counts[job_targets] if job_targets else count_parameters(tc, t.adapter.targets, t.adapter.rank, t.adapter.kind)
+    )[1]
     base = base_counts(tc)
     weights = int(gpu_memory.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
-    ema = bool(t.ema_decay)
-    lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optimizer, t.rank, ema))
+    ema = bool(t.optim.ema_decay)
+    lora_bytes = int(trainable * gpu_memory.lora_bytes_per_param(t.optim.name, t.adapter.rank, ema))
     lines.append(
-        f"memory per GPU process (GiB) for targets={t.targets}, base_dtype={t.base_dtype}: weights "
-        f"{_gib(weights)}, LoRA + {t.optimizer}{' + EMA' if ema else ''} {_gib(lora_bytes)}"
+        f"memory per GPU process (GiB) for targets={t.adapter.targets}, base_dtype={t.base_dtype}: weights "
+        f"{_gib(weights)}, LoRA + {t.optim.name}{' + EMA' if ema else ''} {_gib(lora_bytes)}"
     )
     lines.append("  px    batch  activations (no ckpt / ckpt)  total (no ckpt / ckpt)")
-    opt = {"text": text, "optimizer": t.optimizer, "rank": t.rank, "ema": ema}
+    opt = {"text": text, "optimizer": t.optim.name, "rank": t.adapter.rank, "ema": ema}
     for px in (512, 1024):
         for batch in (1, 2, 3, 4):
             off, on = (gpu_memory.estimate(tc, weights, trainable, px, batch, c, **opt) for c in (False, True))
@@ -148,7 +150,7 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
     lines.append(
         f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "
         f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing}), base_dtype {t.base_dtype}, "
-        f"base_sharding {t.base_sharding}"
+        f"base_sharding {t.workers.base_fsdp}"
     )
     return lines
 

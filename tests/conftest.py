@@ -202,7 +202,7 @@ def job_config(tiny_model, demo_images, tmp_path):
             f"run.output_dir={tmp_path / 'run'}",
             "data.resolution=64",
             "train.epochs=1",
-            "train.num_workers=2",
+            "train.workers.num_workers=2",
         ],
     )
 

@@ -23,7 +23,7 @@ def test_the_refusal_reasons(dtype):
     extra = {"fp8": "rayflux[fp8]", "nf4": "rayflux[nf4]"}[dtype]
     missing = refusal(dtype, gpu=True, capability=(9, 0), installed=False)
     assert missing.startswith(f"train.base_dtype={dtype} needs ") and extra in missing
-    assert "train.base_sharding=node" in refusal(dtype, gpu=True, sharding="node")
+    assert "train.workers.base_fsdp=node" in refusal(dtype, gpu=True, sharding="node")
     assert refusal("bf16", gpu=False, sharding="node") == ""
     assert not shardable(dtype) and shardable("bf16")
     for reason in (refusal(dtype, gpu=False), missing):
@@ -40,9 +40,9 @@ def test_fp8_needs_compute_capability_8_9():
 @pytest.mark.parametrize("dtype", ["fp8", "nf4"])
 def test_the_config_refuses_what_it_can_know(dtype):
     with pytest.raises(config.ConfigError, match=f"train.base_dtype={dtype} needs a CUDA GPU"):
-        config.load(None, [f"train.base_dtype={dtype}", "train.use_gpu=false"])
-    with pytest.raises(config.ConfigError, match=f"train.base_dtype={dtype} with train.base_sharding=node"):
-        config.load(None, [f"train.base_dtype={dtype}", "train.base_sharding=node"])
+        config.load(None, [f"train.base_dtype={dtype}", "train.workers.on_gpu=false"])
+    with pytest.raises(config.ConfigError, match=f"train.base_dtype={dtype} with train.workers.base_fsdp=node"):
+        config.load(None, [f"train.base_dtype={dtype}", "train.workers.base_fsdp=node"])
     assert config.load(None, [f"train.base_dtype={dtype}"]).train.base_dtype == dtype  # GPUs may still come
 
 
@@ -54,13 +54,13 @@ def test_the_driver_refuses_a_cluster_without_gpus(dtype):
     validate_for_cluster(cfg, Cluster(gpus=True))
     # An accelerator type asks for GPU workers before the autoscaler has started any.
     validate_for_cluster(
-        config.load(None, [f"train.base_dtype={dtype}", "train.accelerator_type=H100"]), Cluster(False)
+        config.load(None, [f"train.base_dtype={dtype}", "train.workers.accelerator_type=H100"]), Cluster(False)
     )
 
 
-@pytest.mark.parametrize("key, value", [("base_dtype", "nf4"), ("optimizer", "adamw8bit")])
+@pytest.mark.parametrize("key, value", [("base_dtype", "nf4"), ("optim.name", "adamw8bit")])
 def test_the_job_refuses_before_any_cache_work(ray_session, job_config, key, value):
-    setattr(job_config.train, key, value)  # train.optimizer=adamw8bit: bitsandbytes' 8-bit kernels need CUDA too
+    config.apply(job_config, {"train": {key: value}})  # train.optim.name=adamw8bit: 8-bit kernels need CUDA too
     with pytest.raises(ValueError, match=f"train.{key}={value} needs a CUDA GPU"):
         job.run(job_config)
     cache = Path(job.resolve_dirs(job_config)[1])
@@ -152,7 +152,7 @@ def test_the_job_prints_its_base_dtype_at_start(tiny_model, caplog):
     with caplog.at_level(logging.INFO, logger="rayflux.train.trainer"):
         LoraTrainer(cfg, "cpu", total_steps=1)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("frozen base:"))
-    assert "train.base_dtype=bf16 (4.00 bytes a parameter" in line and "train.base_sharding=none" in line
+    assert "train.base_dtype=bf16 (4.00 bytes a parameter" in line and "train.workers.base_fsdp=none" in line
 
 
 def test_an_fp8_base_trains_the_lora_alone_and_saves_the_bf16_runs_file(tiny_model, tmp_path):
@@ -176,7 +176,7 @@ def test_an_fp8_base_trains_the_lora_alone_and_saves_the_bf16_runs_file(tiny_mod
     family, (c, side) = families.of_transformer(fp8), (4, 8)
     text = {"t5": torch.randn(1, 512, 32), "clip_pooled": torch.randn(1, 32)}
     batch = step.Batch(torch.randn(1, c, side, side), text, 0)
-    cfg = config.load(None, ["train.sigma_sampling=uniform"]).train
+    cfg = config.load(None, ["train.flow.sigma_sampling=uniform"]).train
     with torch.autocast("cpu", torch.bfloat16):
         loss = step.flow_loss(fp8, batch, cfg, True, None, step.Runtime("cpu", torch.float32, family))
     loss.backward()

@@ -112,8 +112,8 @@ def test_a_run_stops_at_a_damaged_tensor_and_the_next_run_reencodes_exactly_it(b
         "data.missing_caption=filename",
         "train.epochs=1",
         "train.batch_size=1",
-        "train.num_workers=1",
-        "train.max_failures=0",
+        "train.workers.num_workers=1",
+        "train.workers.max_failures=0",
     ]
     assert cli.main_train([a for s in sets for a in ("--set", s)]) == 1
     err = capsys.readouterr().err

@@ -6,7 +6,7 @@ any step can have been reported (rank 1 sleeps 2 s before each step, so step 2 c
 and resumes it only after worker node B is killed. A stopped controller cannot register anything, so B dies after
 rank 0's commit marker and before the registration every time, whatever the poll interval. The restarted worker
 group must resume from that committed checkpoint (Ray offers none), record the restart with its cause, and leave no
-checkpoint directory beyond ``train.checkpoints_to_keep``.
+checkpoint directory beyond ``train.checkpoint.keep``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ def test_a_node_lost_before_ray_registers_a_checkpoint_resumes_from_it(cluster, 
         f"run.output_dir={out}",
         "data.resolution=64",
         "train.epochs=1",
-        "train.num_workers=[1, 2]",
-        "train.worker_resources={trainer: 1}",
-        "train.checkpoint_every=2",
-        "train.checkpoints_to_keep=1",
-        "train.resize_check_seconds=1000",
+        "train.workers.num_workers=[1, 2]",
+        "train.workers.worker_resources={trainer: 1}",
+        "train.checkpoint.every=2",
+        "train.checkpoint.keep=1",
+        "train.workers.resize_check_seconds=1000",
         "train.report_seconds=1000000",
         "run.debug_slow_rank=1:2",
     )

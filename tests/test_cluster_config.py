@@ -91,11 +91,11 @@ def test_elastic_scaling_and_failure_config(tmp_path):
     cfg = config.load(
         None,
         [
-            "train.num_workers=[2, 16]",
-            "train.accelerator_type=H100",
-            "train.max_failures=5",
-            "train.resize_check_seconds=30",
-            "train.worker_resources={h100_node: 1}",
+            "train.workers.num_workers=[2, 16]",
+            "train.workers.accelerator_type=H100",
+            "train.workers.max_failures=5",
+            "train.workers.resize_check_seconds=30",
+            "train.workers.worker_resources={h100_node: 1}",
         ],
     )
     use_gpu = place(cfg, Cluster(gpus=False)).training  # an accelerator type implies GPUs before any GPU node is up
@@ -107,28 +107,28 @@ def test_elastic_scaling_and_failure_config(tmp_path):
     assert type(create_scaling_policy(scaling)).__name__ == "ElasticScalingPolicy"
     run = run_config(cfg, str(tmp_path), callbacks=[])
     assert run.failure_config.max_failures == 5 and run.storage_path == str(tmp_path / "checkpoints")
-    fixed = scaling_config(config.load(None, ["train.num_workers=4"]), False)
+    fixed = scaling_config(config.load(None, ["train.workers.num_workers=4"]), False)
     assert fixed.num_workers == 4 and not fixed.use_gpu
 
 
 def test_a_rerun_may_change_placement_but_not_training():
     from rayflux.job import run_identity
 
-    base = config.load(None, ["train.num_workers=2"])
+    base = config.load(None, ["train.workers.num_workers=2"])
     moved = config.load(
         None,
         [
-            "train.num_workers=[4, 16]",
-            "train.accelerator_type=H100",
-            "train.max_failures=9",
-            "train.resize_check_seconds=7",
-            "train.worker_resources={h100: 1}",
+            "train.workers.num_workers=[4, 16]",
+            "train.workers.accelerator_type=H100",
+            "train.workers.max_failures=9",
+            "train.workers.resize_check_seconds=7",
+            "train.workers.worker_resources={h100: 1}",
             "cache.accelerator_type=L4",
             "cache.actor_resources={encode: 1}",
         ],
     )
     assert run_identity(moved) == run_identity(base)
-    assert run_identity(config.load(None, ["train.learning_rate=0.5"])) != run_identity(base)
+    assert run_identity(config.load(None, ["train.optim.learning_rate=0.5"])) != run_identity(base)
 
 
 def test_encoder_actors_can_target_another_node_type():
@@ -140,19 +140,19 @@ def test_encoder_actors_can_target_another_node_type():
 
     assert resources() == {"num_cpus": 1.25}
     assert resources("cache.accelerator_type=L4") == {"num_gpus": 1.0, "num_cpus": 1.0, "accelerator_type": "L4"}
-    custom = resources("cache.actor_resources={encode_node: 1}", "cache.use_gpu=true")
+    custom = resources("cache.actor_resources={encode_node: 1}", "cache.encoders_on_gpu=true")
     assert custom == {"num_gpus": 1.0, "num_cpus": 1.0, "resources": {"encode_node": 1.0}}
 
 
 @pytest.mark.parametrize(
     "item, message",
     [
-        ("train.worker_resources={GPU: 2}", "through its own key"),
-        ("train.worker_resources={trainer: 0}", "must be a positive number"),
+        ("train.workers.worker_resources={GPU: 2}", "through its own key"),
+        ("train.workers.worker_resources={trainer: 0}", "must be a positive number"),
         ("cache.actor_resources=encode", "must be a mapping"),
-        ("train.max_failures=-2", "train.max_failures"),
-        ("train.resize_check_seconds=-1", "train.resize_check_seconds"),
-        ("cache.use_gpu=maybe", "cache.use_gpu must be one of"),
+        ("train.workers.max_failures=-2", "train.workers.max_failures"),
+        ("train.workers.resize_check_seconds=-1", "train.workers.resize_check_seconds"),
+        ("cache.encoders_on_gpu=maybe", "cache.encoders_on_gpu must be one of"),
     ],
 )
 def test_bad_cluster_values_name_the_key(item, message):

@@ -173,10 +173,10 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
         f"run.output_dir={out}",
         "data.resolution=64",
         f"train.epochs={EPOCHS}",
-        "train.num_workers=[1, 2]",
-        "train.worker_resources={trainer: 1}",
-        "train.checkpoint_every=4",
-        "train.resize_check_seconds=2",
+        "train.workers.num_workers=[1, 2]",
+        "train.workers.worker_resources={trainer: 1}",
+        "train.checkpoint.every=4",
+        "train.workers.resize_check_seconds=2",
         "train.report_seconds=1000000",
     )
     with open(tmp_path / "job.log", "wb") as log:

@@ -8,25 +8,26 @@ from pathlib import Path
 import pytest
 
 from rayflux import config
+from rayflux.config.loader import leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_validate():
     cfg = config.load()
-    assert cfg.train.num_workers == 2 and cfg.cache.refresh == "never"
+    assert cfg.train.workers.num_workers == 2 and cfg.cache.refresh == "never"
 
 
 def test_yaml_then_set_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  epochs: 5\n  learning_rate: 0.001\ndata:\n  images_dir: /data/x\n")
-    cfg = config.load(str(f), ["train.epochs=3", "train.num_workers=[1, 4]", "cache.strict=true"])
+    cfg = config.load(str(f), ["train.epochs=3", "train.workers.num_workers=[1, 4]", "cache.strict=true"])
     assert cfg.train.epochs == 3
-    assert cfg.train.learning_rate == 0.001
+    assert cfg.train.optim.learning_rate == 0.001
     assert cfg.data.images_dir == "/data/x"
-    assert cfg.train.num_workers == [1, 4]
+    assert cfg.train.workers.num_workers == [1, 4]
     assert cfg.cache.strict is True
-    assert config.worker_range(cfg.train.num_workers) == (1, 4)
+    assert config.worker_range(cfg.train.workers.num_workers) == (1, 4)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,7 @@ def test_yaml_then_set_overrides(tmp_path):
         ("train.epochs=0", "train.epochs must be positive"),
         ("data.crop=diagonal", "data.crop must be one of"),
         ("cache.refresh=sometimes", "cache.refresh must be"),
-        ("train.num_workers=[3, 1]", "min <= max"),
+        ("train.workers.num_workers=[3, 1]", "min <= max"),
         ("cache.strict=maybe", "cache.strict: expected bool"),
         ("train.epochs", "KEY=VALUE"),
     ],
@@ -49,11 +50,11 @@ def test_bad_values_name_the_key(item, message):
 
 
 def test_every_field_has_a_docstring():
-    for section in ("data", "model", "cache", "train", "run"):
-        cls = type(getattr(config.JobConfig(), section))
-        docs = config.field_docs(cls)
-        for f in dataclasses.fields(cls):
-            assert docs.get(f.name), f"{section}.{f.name} has no docstring"
+    for section, cls in config.SECTIONS.items():
+        for path, f, owner in leaves(cls):
+            assert config.field_docs(owner).get(f.name), f"{section}.{path} has no docstring"
+    for f in dataclasses.fields(config.TrainConfig):  # the sub-sections themselves too
+        assert config.field_docs(config.TrainConfig).get(f.name), f"train.{f.name} has no docstring"
 
 
 def test_refresh_interval():
@@ -79,13 +80,13 @@ def test_cli_help_lists_every_key_with_default():
         "model.path",
         "train.epochs",
         "train.max_steps",
-        "train.num_workers",
+        "train.workers.num_workers",
         "train.batch_size",
         "cache.refresh",
         "cache.strict",
     ):
         assert key in out
-    assert "train.num_workers = 2" in out
+    assert "train.workers.num_workers = 2" in out
     assert "--only" in out
 
 
@@ -128,15 +129,14 @@ def test_kohya_and_simpletuner_names_are_aliases(tmp_path):
         "data: {bucket_reso_steps: 32}\n"
     )
     cfg = config.load(str(f), ["train.checkpointing_steps=50"])
-    assert (cfg.train.rank, cfg.train.alpha, cfg.train.warmup_steps) == (16, 8.0, 5)
-    assert (cfg.data.bucket_step, cfg.train.checkpoint_every) == (32, 50)
-    with pytest.raises(config.ConfigError, match="train.rank and train.lora_rank both set train.rank"):
-        config.apply(config.JobConfig(), {"train": {"rank": 4, "lora_rank": 8}})
+    assert (cfg.train.adapter.rank, cfg.train.adapter.alpha, cfg.train.optim.warmup_steps) == (16, 8.0, 5)
+    assert (cfg.data.bucket_step, cfg.train.checkpoint.every) == (32, 50)
+    with pytest.raises(config.ConfigError, match="train.adapter.rank and train.lora_rank both set train.adapter.rank"):
+        config.apply(config.JobConfig(), {"train": {"adapter": {"rank": 4}, "lora_rank": 8}})
     assert all(
-        own in {f.name for f in dataclasses.fields(config.SECTIONS[section])}
-        for (section, _), own in config.ALIASES.items()
+        own in {path for path, _, _ in leaves(config.SECTIONS[section])} for (section, _), own in config.ALIASES.items()
     )
-    assert "train.network_dim -> train.rank" in config.help_text()
+    assert "train.network_dim -> train.adapter.rank" in config.help_text()
 
 
 def test_every_config_field_declares_its_identity():
@@ -145,8 +145,8 @@ def test_every_config_field_declares_its_identity():
     from rayflux.config import identity
 
     for section, cls in config.SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            assert identity.kind(f) in identity.KINDS, f"{section}.{f.name} declares no identity (field metadata)"
+        for path, f, _ in leaves(cls):
+            assert identity.kind(f) in identity.KINDS, f"{section}.{path} declares no identity (field metadata)"
     # The declarations are what the identities are made of: a caption setting changes the run, not the cache key's
     # dataset identity; a bucket knob changes both; a resource neither.
     from rayflux import datasets
@@ -156,7 +156,7 @@ def test_every_config_field_declares_its_identity():
     for sets, cached, run in (
         (["data.caption_ext=.caption"], False, True),
         (["data.crop=random"], True, True),
-        (["train.num_workers=4"], False, False),
+        (["train.workers.num_workers=4"], False, False),
     ):
         cfg = config.load(None, sets)
         ident = [datasets.cache_identity(c.data, "/x") for c in (base, cfg)]

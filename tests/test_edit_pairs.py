@@ -299,14 +299,14 @@ def test_a_model_without_references_refuses_edit_pairs_and_reference_dirs_may_no
         job.run(cfg)  # the default model is the tiny FLUX.1
     renders = _cfg(
         f"data.images_dir={images}",
-        'train.validation_prompts=["x"]',
-        f'train.validation_references=["{refs / "a.png"}"]',
+        'train.validation.prompts=["x"]',
+        f'train.validation.references=["{refs / "a.png"}"]',
         f"run.output_dir={tmp_path / 'run'}",
     )
     with pytest.raises(config.ConfigError, match="validation_references is set, but"):
         job.run(renders)
     with pytest.raises(config.ConfigError, match="one reference image .* per validation prompt"):
-        _cfg('train.validation_prompts=["x", "y"]', f'train.validation_references=["{refs / "a.png"}"]')
+        _cfg('train.validation.prompts=["x", "y"]', f'train.validation.references=["{refs / "a.png"}"]')
     inside = _cfg(
         f"data.images_dir={images}",
         f"data.reference_dir={tmp_path / 'run' / 'refs'}",
@@ -374,10 +374,10 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
         "data.resolution=64",
         "train.max_steps=2",
         "cache.batch_size=8",
-        'train.validation_prompts=["make the boxes red"]',
-        f'train.validation_references=["{refs / "a.png"}"]',
-        "train.validation_inference_steps=2",
-        "train.learning_rate=0.01",
+        'train.validation.prompts=["make the boxes red"]',
+        f'train.validation.references=["{refs / "a.png"}"]',
+        "train.validation.inference_steps=2",
+        "train.optim.learning_rate=0.01",
     )
     summary = job.run(cfg)
     assert (summary.cached, summary.steps) == (2, 2)

@@ -103,8 +103,8 @@ def test_klein_renders_validation_as_its_kind_is_meant_to_run(variant, steps, gu
         [
             f"model.path={path}",
             f"data.resolution={SIZE}",
-            f'train.validation_prompts=["{CAPTION}"]',
-            "train.validation_inference_steps=2",
+            f'train.validation.prompts=["{CAPTION}"]',
+            "train.validation.inference_steps=2",
         ],
     )
     assert models.family(cfg.model).validation_settings(path, {}) == (steps, guidance)
@@ -152,11 +152,11 @@ def trained(klein, image_latent, tmp_path_factory):
         None,
         [
             f"model.path={klein}",
-            "train.rank=8",
-            "train.alpha=8",
-            "train.learning_rate=0.01",
-            "train.targets=all",
-            "train.sigma_sampling=uniform",
+            "train.adapter.rank=8",
+            "train.adapter.alpha=8",
+            "train.optim.learning_rate=0.01",
+            "train.adapter.targets=all",
+            "train.flow.sigma_sampling=uniform",
         ],
     )
     family, facts = models.family(cfg.model), models.model_facts(cfg.model)
@@ -254,8 +254,8 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(
             f"data.images_dir={root}",
             "data.caption_strategy=metadata",
             "data.reference_column=source",
-            f'train.validation_references=[["{root / "in2a.png"}", "{root / "in2b.png"}"]]',
-            "train.learning_rate=0.01",
+            f'train.validation.references=[["{root / "in2a.png"}", "{root / "in2b.png"}"]]',
+            "train.optim.learning_rate=0.01",
         ]  # two images, two steps: a rate that moves the tiny model visibly
         renders = {"image": [Image.open(root / n).convert("RGB") for n in ("in2a.png", "in2b.png")]}
     cfg = config.load(
@@ -266,9 +266,9 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(
             f"run.output_dir={out}",
             "data.resolution=64",
             "train.max_steps=2",
-            f"train.output_format={fmt}",
-            f'train.validation_prompts=["{CAPTION}"]',
-            "train.validation_inference_steps=2",
+            f"train.checkpoint.output_format={fmt}",
+            f'train.validation.prompts=["{CAPTION}"]',
+            "train.validation.inference_steps=2",
             "cache.batch_size=8",
             f"model.text_tokens={tokens}",
         ],
@@ -284,7 +284,7 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(
         meta = _metadata(summary.lora_path)
         assert meta["ss_base_model_version"] == "flux2" and meta["modelspec.architecture"] == "flux-2-klein/lora"
         assert meta["ss_network_module"] == "networks.lora_flux_2"
-        assert json.loads(meta["ss_network_dim"]) == cfg.train.rank
+        assert json.loads(meta["ss_network_dim"]) == cfg.train.adapter.rank
     pipe = _pipe(path)
     base = _render(pipe, steps=2, **renders)
     pipe.load_lora_weights(str(out / "lora"), weight_name=summary.lora_path.rsplit("/", 1)[-1])

@@ -34,7 +34,7 @@ def finished_run(ray_session, tiny_model, demo_images, tmp_path_factory):
             f"run.output_dir={out}",
             "data.resolution=64",
             "train.epochs=2",
-            "train.num_workers=2",
+            "train.workers.num_workers=2",
             "cache.batch_size=8",
         ],
     )

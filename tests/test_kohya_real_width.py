@@ -85,7 +85,7 @@ def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model,
 
 @pytest.mark.parametrize("model", sorted(families.BUILT_IN))
 def test_every_preset_passes_the_trainers_kohya_check_at_real_widths(model):
-    """The check the trainer runs with ``train.output_format=kohya``, on each family's real transformer built as
+    """The check the trainer runs with ``train.checkpoint.output_format=kohya``, on each family's real transformer built as
     ``plan`` builds it (meta device): every preset's modules have kohya names. At these widths every preset targets
     20 modules or more, where peft shortens ``target_modules`` to suffixes that name no module (``to_q``)."""
     tc, _ = families.BUILT_IN[model]

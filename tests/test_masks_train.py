@@ -25,10 +25,10 @@ from rayflux.train import batching, step
 # model load (about a fifth of a tiny job's CPU, which CI spends on 2 cores) would check nothing more here.
 TRAIN = [
     "data.resolution=64",
-    "train.num_workers=1",
+    "train.workers.num_workers=1",
     "train.max_steps=2",
     "train.batch_size=1",
-    "train.learning_rate=0.01",
+    "train.optim.learning_rate=0.01",
     "cache.batch_size=8",
 ]
 

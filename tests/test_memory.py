@@ -37,12 +37,12 @@ def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
             f"run.output_dir={tmp_path / 'run'}",
             "data.resolution=64",
             "train.epochs=1",
-            "train.num_workers=2",
-            "train.checkpoint_every=2",
+            "train.workers.num_workers=2",
+            "train.checkpoint.every=2",
             # Validation on: its prompts are encoded by the render actor, never by a training worker.
-            'train.validation_prompts=["a red circle"]',
-            "train.validation_every=2",
-            "train.validation_inference_steps=1",
+            'train.validation.prompts=["a red circle"]',
+            "train.validation.every=2",
+            "train.validation.inference_steps=1",
         ],
     )
     summary = job.run(cfg)

@@ -85,7 +85,7 @@ def test_memory_estimate_matches_the_hand_count():
 
 
 def test_the_plan_command_prints_the_jobs_figures(capsys):
-    assert plan.main(["--set", "train.rank=16", "--set", "data.resolution=1024"]) == 0
+    assert plan.main(["--set", "train.adapter.rank=16", "--set", "data.resolution=1024"]) == 0
     out = capsys.readouterr().out
     assert "targets=attention: 26,148,864 trainable of 11,901,408,320" in out
     assert f"targets=all: {_trainable('all', 16):,} trainable" in out
@@ -175,7 +175,7 @@ def test_base_dtype_and_sharding_bytes():
 
 
 def test_the_plan_prints_every_option_for_flux2(capsys):
-    assert plan.main(["--model", "flux2-klein-9b", "--gpus-per-node", "4", "--set", "train.rank=16"]) == 0
+    assert plan.main(["--model", "flux2-klein-9b", "--gpus-per-node", "4", "--set", "train.adapter.rank=16"]) == 0
     out = capsys.readouterr().out
     assert "FLUX.2 [klein] 9B" in out and "node: 4 workers a node" in out
     rows = {tuple(line.split()[:3]): line for line in out.splitlines() if line.startswith(("  none ", "  node "))}
@@ -198,13 +198,13 @@ def test_the_plan_prints_every_option_for_flux2(capsys):
 
 
 def test_the_plan_counts_the_ema():
-    """``train.ema_decay``: 4 more bytes a trainable parameter in the LoRA line and in every total."""
-    ema = plan.report(config.load(None, ["train.rank=16", "train.ema_decay=0.999"]))
-    plain = plan.report(config.load(None, ["train.rank=16"]))
+    """``train.optim.ema_decay``: 4 more bytes a trainable parameter in the LoRA line and in every total."""
+    ema = plan.report(config.load(None, ["train.adapter.rank=16", "train.optim.ema_decay=0.999"]))
+    plain = plan.report(config.load(None, ["train.adapter.rank=16"]))
     trainable = 26_148_864  # FLUX.1-dev's attention preset at rank 16 (the plan command's test)
     assert any(f"LoRA + adamw + EMA {trainable * 20 / gpu_memory.GIB:.1f}" in line for line in ema)
     assert any(f"LoRA + adamw {trainable * 16 / gpu_memory.GIB:.1f}" in line for line in plain)
-    job = config.load(None, ["train.rank=16", "train.ema_decay=0.999"])
+    job = config.load(None, ["train.adapter.rank=16", "train.optim.ema_decay=0.999"])
     tc = plan.transformer_config(job)[0]
     with_ema, without = (gpu_memory.estimate(tc, 0, trainable, 512, 1, False, ema=e) for e in (True, False))
     assert with_ema.total - without.total == 4 * trainable

@@ -52,7 +52,7 @@ def _settings(tiny_model, demo_images, out, *extra) -> list[str]:
         # Square targets from non-square images leave room for the random crop to move.
         "data.max_aspect=1.0",
         "data.crop=random",
-        "train.num_workers=2",
+        "train.workers.num_workers=2",
         "cache.refresh=every_epoch",
         *extra,
     ]
@@ -183,7 +183,7 @@ def test_changed_config_is_refused(ray_session, tiny_model, demo_images, tmp_pat
     out = tmp_path / "run"
     job.run(_cfg(tiny_model, demo_images, out, "train.epochs=1", "cache.refresh=never"), only="cache")
     with pytest.raises(ConfigChanged, match="different training config"):
-        job.run(_cfg(tiny_model, demo_images, out, "train.epochs=1", "train.learning_rate=0.5"), only="cache")
+        job.run(_cfg(tiny_model, demo_images, out, "train.epochs=1", "train.optim.learning_rate=0.5"), only="cache")
 
 
 def _job_cmd(out: Path, tiny_model, demo_images, *extra: str) -> list[str]:

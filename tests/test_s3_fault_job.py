@@ -107,8 +107,8 @@ def test_the_whole_job_through_503s_and_resets_ends_as_the_clean_run(
         f"model.path={tiny_model}",
         f"data.images_dir={bucket}/photos",
         "data.resolution=64",
-        "train.num_workers=1",
-        "train.checkpoint_every=4",
+        "train.workers.num_workers=1",
+        "train.checkpoint.every=4",
         "cache.batch_size=4",
     ]
     clean, _ = _phases(config.load(None, settings + [f"run.output_dir={bucket}/clean"]))

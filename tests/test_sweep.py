@@ -44,7 +44,7 @@ def shared_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def swept(ray_session, tiny_model, demo_images, shared_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
-    space = {"train.learning_rate": {"grid": [1.0e-4, 3.0e-3]}, "train.rank": {"grid": [2, 4]}}
+    space = {"train.optim.learning_rate": {"grid": [1.0e-4, 3.0e-3]}, "train.adapter.rank": {"grid": [2, 4]}}
     path = _write(
         root / "sweep.yaml",
         {"space": space, "max_concurrent": 2, "scheduler": "asha"},
@@ -67,7 +67,7 @@ def _ledger(run_dir) -> list[dict]:
 def test_four_trials_share_one_cache_build(swept, shared_cache):
     outcome, _, out = swept
     assert len(outcome.rows) == 4
-    assert {(r.settings["train.learning_rate"], r.settings["train.rank"]) for r in outcome.rows} == {
+    assert {(r.settings["train.optim.learning_rate"], r.settings["train.adapter.rank"]) for r in outcome.rows} == {
         (1e-4, 2),
         (1e-4, 4),
         (3e-3, 2),
@@ -143,9 +143,9 @@ def test_a_trial_rerun_standalone_trains_the_same_lora(swept, ray_session, tmp_p
 
 def test_sweep_keys_are_checked(tiny_model, demo_images, tmp_path):
     for sweep, fragment in [
-        ({"space": {"train.rank": {"grid": [2]}}, "shceduler": "asha"}, "unknown sweep key sweep.shceduler"),
+        ({"space": {"train.adapter.rank": {"grid": [2]}}, "shceduler": "asha"}, "unknown sweep key sweep.shceduler"),
         ({"space": {"data.resolution": {"grid": [64]}}}, "is not a train.* setting"),
-        ({"space": {"train.rank": {"range": [2, 4]}}}, "must be one of"),
+        ({"space": {"train.adapter.rank": {"range": [2, 4]}}}, "must be one of"),
     ]:
         path = _write(tmp_path / "s.yaml", sweep, tiny_model, demo_images, tmp_path / "o", tmp_path / "c")
         with pytest.raises(ConfigError, match=fragment.replace("*", r"\*")):
@@ -156,7 +156,7 @@ def test_killed_sweep_continues_where_it_stopped(swept, ray_session, tiny_model,
     """Kill the sweep's driver while its second trial trains (after a checkpoint): the rerun keeps the finished trial
     and resumes the other from its checkpoint."""
     out = tmp_path / "out"
-    space = {"train.learning_rate": {"grid": [1.0e-4, 3.0e-3]}}
+    space = {"train.optim.learning_rate": {"grid": [1.0e-4, 3.0e-3]}}
     path = _write(
         tmp_path / "sweep.yaml",
         {"space": space, "max_concurrent": 1, "scheduler": "fifo"},
@@ -206,7 +206,7 @@ def test_a_sweep_whose_every_trial_fails_raises_the_first_error(
     missing = [str(tmp_path / "missing-a.safetensors"), str(tmp_path / "missing-b.safetensors")]
     path = _write(
         tmp_path / "sweep.yaml",
-        {"space": {"train.init_lora": {"grid": missing}}, "max_concurrent": 2, "scheduler": "fifo"},
+        {"space": {"train.adapter.init_lora": {"grid": missing}}, "max_concurrent": 2, "scheduler": "fifo"},
         tiny_model,
         demo_images,
         out,

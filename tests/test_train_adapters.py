@@ -1,4 +1,4 @@
-"""DoRA and LoKr (``train.adapter``): the diffusers DoRA file in the FLUX.1 pipeline, the kohya/LyCORIS files
+"""DoRA and LoKr (``train.adapter.kind``): the diffusers DoRA file in the FLUX.1 pipeline, the kohya/LyCORIS files
 checked against ComfyUI's loading rules, what is refused before training, the plan's counts and exact resume.
 
 ComfyUI's rules, as its ``comfy/lora.py`` and ``comfy/weight_adapter/`` read them: a key's module is
@@ -267,11 +267,21 @@ def test_dora_diffusers_file_loads_in_the_pipeline_and_renders_the_trained_model
 @pytest.mark.parametrize(
     ("settings", "reason"),
     [
-        (["train.adapter=lokr"], "no diffusers format"),
-        (["train.adapter=lokr", "train.output_format=kohya", "train.lora_dropout=0.1"], "no input dropout"),
-        (["train.adapter=lokr", "train.output_format=kohya", "train.init_lora=a.safetensors"], "cannot hold"),
-        (["train.adapter=dora", "train.base_sharding=node"], "base_sharding"),
-        (["train.adapter=loha"], "train.adapter must be one of lora, dora, lokr"),
+        (["train.adapter.kind=lokr"], "no diffusers format"),
+        (
+            ["train.adapter.kind=lokr", "train.checkpoint.output_format=kohya", "train.adapter.lora_dropout=0.1"],
+            "no input dropout",
+        ),
+        (
+            [
+                "train.adapter.kind=lokr",
+                "train.checkpoint.output_format=kohya",
+                "train.adapter.init_lora=a.safetensors",
+            ],
+            "cannot hold",
+        ),
+        (["train.adapter.kind=dora", "train.workers.base_fsdp=node"], "base_fsdp"),
+        (["train.adapter.kind=loha"], "train.adapter.kind must be one of lora, dora, lokr"),
         (["train.network_module=lycoris.kohya"], "say which LyCORIS algorithm"),  # dora or lokr: its args say
     ],
 )
@@ -281,9 +291,9 @@ def test_combinations_that_cannot_be_used_are_refused_before_training(settings, 
 
 
 def test_kohyas_network_module_names_the_adapter():
-    assert config.load(None, ["train.network_module=networks.lora_flux"]).train.adapter == "lora"
-    assert config.load(None, ["train.network_module=dora"]).train.adapter == "dora"
-    assert "train.network_module -> train.adapter" in config.help_text()
+    assert config.load(None, ["train.network_module=networks.lora_flux"]).train.adapter.kind == "lora"
+    assert config.load(None, ["train.network_module=dora"]).train.adapter.kind == "dora"
+    assert "train.network_module -> train.adapter.kind" in config.help_text()
 
 
 def test_plan_counts_dora_and_lokr_parameters():
@@ -318,7 +328,12 @@ def test_the_kept_kohya_file_names_lycoris_and_keeps_the_tensors(tiny_model, tmp
     written = load_file(kohya.save(t, tmp_path, lora.scale(t)))
     cfg = config.load(
         None,
-        [f"model.path={tiny_model}", f"train.adapter={adapter}", "train.output_format=kohya", "train.output_name=mine"],
+        [
+            f"model.path={tiny_model}",
+            f"train.adapter.kind={adapter}",
+            "train.checkpoint.output_format=kohya",
+            "train.checkpoint.output_name=mine",
+        ],
     )
     path = lora_files.keep_step(str(tmp_path), cfg, str(tmp_path / "run"), {"step": 3, "epoch": 0})
     with safe_open(path, "pt") as f:
@@ -334,10 +349,10 @@ def test_resume_continues_exactly(tiny_model, tmp_path, adapter):
     """4 steps straight == 2 steps, checkpoint, a fresh trainer restored from it, 2 more steps."""
     cfg = train_data.job(
         tiny_model,
-        f"train.adapter={adapter}",
-        "train.output_format=kohya",
-        "train.targets=all",
-        "train.learning_rate=0.01",
+        f"train.adapter.kind={adapter}",
+        "train.checkpoint.output_format=kohya",
+        "train.adapter.targets=all",
+        "train.optim.learning_rate=0.01",
         "train.gradient_accumulation=2",
     )
     groups = train_data.groups(train_data.items(8), 2)
@@ -424,5 +439,5 @@ def test_a_lokr_file_loads_in_diffusers_flux2_pipeline_and_renders_the_trained_m
 
 def test_help_documents_the_adapter_with_kohyas_names():
     text = config.help_text()
-    entry = text[text.index("train.adapter = 'lora'") :].split("\n    train.", 1)[0]
+    entry = text[text.index("train.adapter.kind = 'lora'") :].split("\n    train.", 1)[0]
     assert all(word in entry for word in ("dora", "lokr", "lycoris.kohya", "algo=lokr", "networks.lora"))

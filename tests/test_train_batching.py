@@ -103,7 +103,7 @@ def test_repeats_are_spread_so_no_batch_holds_a_sample_twice(unique, repeats, ba
 
 def test_read_run_one_is_a_per_sample_shuffle_of_the_sample_ids():
     refs = _refs([9])
-    plan, _ = batching.plan_epoch(refs, 4, 3, 0, world_size=1, read_run=1)
+    plan, _ = batching.plan_epoch(refs, 4, 3, 0, world_size=1, shuffle_block=1)
     members = sorted(refs, key=lambda r: r.sample_id)  # not storage order: shard names differ per build
     batching._rng(3, 0, refs[0].bucket).shuffle(members)
     cut = [[r.sample_id for r in members[i : i + 4]] for i in range(0, 9, 4)]

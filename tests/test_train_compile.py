@@ -19,7 +19,7 @@ from rayflux.train.trainer import LoraTrainer
 def _lora_after_4_steps(tiny_model, compiled: bool) -> dict:
     cfg = train_data.job(
         tiny_model,
-        "train.learning_rate=0.01",
+        "train.optim.learning_rate=0.01",
         "train.gradient_checkpointing=true",
         f"train.compile={str(compiled).lower()}",
     )
@@ -54,4 +54,4 @@ def test_compiled_blocks_train_the_lora_as_eager_does(tiny_model, fresh_dynamo):
 def test_compile_needs_the_whole_base_and_takes_kohyas_name():
     assert config.load(None, ["train.torch_compile=true"]).train.compile is True
     with pytest.raises(ConfigError, match="train.compile needs the whole base"):
-        config.load(None, ["train.compile=true", "train.base_sharding=auto"])
+        config.load(None, ["train.compile=true", "train.workers.base_fsdp=auto"])

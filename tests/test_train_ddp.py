@@ -19,7 +19,7 @@ PERTURBED = "transformer_blocks.0.attn.to_q.base_layer.weight"  # a frozen weigh
 
 def _worker(rank: int, tiny_model: str) -> dict:
     torch.manual_seed(0)
-    cfg = train_data.job(tiny_model, "train.learning_rate=0.01")
+    cfg = train_data.job(tiny_model, "train.optim.learning_rate=0.01")
 
     def wrap(module):
         params = dict(module.named_parameters())

@@ -1,4 +1,4 @@
-"""``train.ema_decay`` in-process (no Ray): the EMA resumes bitwise, is exported beside the plain LoRA in both formats
+"""``train.optim.ema_decay`` in-process (no Ray): the EMA resumes bitwise, is exported beside the plain LoRA in both formats
 (the diffusers file loads with ``load_lora_weights``), and the eval loss and the best file use it while the training
 weights come back exactly; its config names and its memory."""
 
@@ -14,11 +14,11 @@ from rayflux.train.trainer import LoraTrainer
 
 # A fast decay, so that 4 steps leave the average clearly apart from the weights; dropout draws from the saved RNGs.
 EMA = (
-    "train.ema_decay=0.5",
-    "train.learning_rate=0.01",
-    "train.lr_scheduler=cosine",
+    "train.optim.ema_decay=0.5",
+    "train.optim.learning_rate=0.01",
+    "train.optim.lr_scheduler=cosine",
     "train.gradient_accumulation=2",
-    "train.lora_dropout=0.2",
+    "train.adapter.lora_dropout=0.2",
 )
 
 
@@ -39,7 +39,7 @@ def _run(trainer, groups) -> None:
 def test_ema_resumes_bitwise_and_is_exported_beside_the_lora(tiny_model, tmp_path):
     """4 steps straight == 2 steps, checkpoint, a fresh trainer restored from it, 2 more: bitwise equal LoRA and EMA.
     The checkpoint's ``ema/`` files (diffusers and kohya) hold the average, and become the ``-ema`` step file."""
-    cfg = train_data.job(tiny_model, *EMA, "train.output_format=kohya", "run.name=e")
+    cfg = train_data.job(tiny_model, *EMA, "train.checkpoint.output_format=kohya", "run.name=e")
     groups = train_data.groups(train_data.items(8), 2)
 
     def fresh():
@@ -93,7 +93,9 @@ def _deltas(transformer, adapter: str) -> dict:
 def test_the_exported_ema_loads_in_diffusers_as_the_average(tiny_model, tmp_path):
     from diffusers import FluxPipeline
 
-    cfg = train_data.job(tiny_model, *EMA, "train.alpha=8", "run.name=e")  # alpha != rank: the scale is baked in
+    cfg = train_data.job(
+        tiny_model, *EMA, "train.adapter.alpha=8", "run.name=e"
+    )  # alpha != rank: the scale is baked in
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
     _run(trainer, train_data.groups(train_data.items(4), 2))
     checkpoint.save(str(tmp_path), trainer, 0, checkpoint.Progress(step=2, world_size=1), "diffusers")
@@ -112,7 +114,7 @@ def test_the_exported_ema_loads_in_diffusers_as_the_average(tiny_model, tmp_path
 
 
 def test_eval_loss_and_best_file_use_the_ema_and_training_goes_on_unchanged(tiny_model):
-    cfg = train_data.job(tiny_model, *EMA, "train.eval_sigmas=2")
+    cfg = train_data.job(tiny_model, *EMA, "train.eval.sigmas=2")
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
     _run(trainer, train_data.groups(train_data.items(4), 2))
     rows = train_data.items(2, seed=7)
@@ -135,18 +137,22 @@ def test_eval_loss_and_best_file_use_the_ema_and_training_goes_on_unchanged(tiny
 
 
 def test_ema_config_names_refusals_and_memory():
-    assert config.load(None, ["train.use_ema=true"]).train.ema_decay == 0.995  # SimpleTuner's default
-    assert config.load(None, ["train.use_ema=true", "train.ema_decay=0.999"]).train.ema_decay == 0.999
-    assert config.load(None, ["train.ema_decay=0.9", "train.use_ema=false"]).train.ema_decay == 0
+    assert config.load(None, ["train.use_ema=true"]).train.optim.ema_decay == 0.995  # SimpleTuner's default
+    assert config.load(None, ["train.use_ema=true", "train.optim.ema_decay=0.999"]).train.optim.ema_decay == 0.999
+    assert config.load(None, ["train.optim.ema_decay=0.9", "train.use_ema=false"]).train.optim.ema_decay == 0
     with pytest.raises(ConfigError, match=r"ema_decay must be in \[0, 1\)"):
-        config.load(None, ["train.ema_decay=1"])
+        config.load(None, ["train.optim.ema_decay=1"])
     with pytest.raises(ConfigError, match="already evaluates and exports an average"):
         config.load(
             None,
-            ["train.ema_decay=0.9", "train.optimizer=schedulefree_adamw", "train.lr_scheduler=constant_with_warmup"],
+            [
+                "train.optim.ema_decay=0.9",
+                "train.optim.name=schedulefree_adamw",
+                "train.optim.lr_scheduler=constant_with_warmup",
+            ],
         )
     text = config.help_text()
-    assert "train.ema_decay = 0.0" in text and "train.use_ema: true -> train.ema_decay=0.995" in text
+    assert "train.optim.ema_decay = 0.0" in text and "train.use_ema: true -> train.optim.ema_decay=0.995" in text
     assert gpu_memory.lora_bytes_per_param("adamw", ema=True) == gpu_memory.lora_bytes_per_param("adamw") + 4
     tc = families.BUILT_IN[families.DEFAULT_BUILT_IN][0]
     assert gpu_memory.estimate(tc, 0, 1000, 512, 1, True, ema=True).lora_optimizer == 20000

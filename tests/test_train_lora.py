@@ -161,7 +161,7 @@ def test_init_refuses_a_lora_of_another_rank(tiny_model, tmp_path):
     path = lora.save_diffusers(source, tmp_path)
     target = adapter_values.transformer(tiny_model)
     lora.add_lora(target, rank=4, alpha=4.0, targets="attention")
-    with pytest.raises(ValueError, match="train.rank"):
+    with pytest.raises(ValueError, match="train.adapter.rank"):
         lora.init_from_file(target, str(path))
 
 
@@ -187,10 +187,10 @@ def test_kohya_step_file_is_named_and_carries_training_metadata(tiny_model, tmp_
         None,
         [
             f"model.path={tiny_model}",
-            "train.output_format=kohya",
-            "train.rank=4",
-            "train.alpha=8",
-            "train.output_name=my-lora",
+            "train.checkpoint.output_format=kohya",
+            "train.adapter.rank=4",
+            "train.adapter.alpha=8",
+            "train.checkpoint.output_name=my-lora",
             "train.epochs=3",
         ],
     )
@@ -209,4 +209,4 @@ def test_kohya_step_file_is_named_and_carries_training_metadata(tiny_model, tmp_
 
 def test_output_name_must_be_a_file_name():
     with pytest.raises(config.ConfigError, match="output_name"):
-        config.load(None, ["train.output_name=a/b"])
+        config.load(None, ["train.checkpoint.output_name=a/b"])

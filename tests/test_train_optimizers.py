@@ -1,4 +1,4 @@
-"""``train.optimizer`` in-process (no Ray): exact resume for every optimizer that runs on CPU, schedule-free's
+"""``train.optim.name`` in-process (no Ray): exact resume for every optimizer that runs on CPU, schedule-free's
 eval/train swap, the refusals (GPU-only on CPU, a missing package) and the memory model.
 
 prodigyopt and schedulefree come from the ``test`` extra; without them their cases are skipped.
@@ -17,13 +17,13 @@ from rayflux.config.placement import Cluster, validate_for_cluster
 from rayflux.train import checkpoint, lora, optim
 from rayflux.train.trainer import LoraTrainer
 
-OPTIONS = ("train.gradient_accumulation=2", "train.lora_dropout=0.2")
-SCHEDULE_FREE = ("train.lr_scheduler=constant_with_warmup", "train.warmup_steps=1")  # its own warmup
+OPTIONS = ("train.gradient_accumulation=2", "train.adapter.lora_dropout=0.2")
+SCHEDULE_FREE = ("train.optim.lr_scheduler=constant_with_warmup", "train.optim.warmup_steps=1")  # its own warmup
 SETTINGS = {
-    "adamw": ("train.learning_rate=0.01", "train.lr_scheduler=cosine"),
-    "prodigy": ("train.learning_rate=1.0", "train.lr_scheduler=cosine"),
-    "adafactor": ("train.learning_rate=0.01", "train.lr_scheduler=cosine"),
-    "schedulefree_adamw": ("train.learning_rate=0.01", *SCHEDULE_FREE),
+    "adamw": ("train.optim.learning_rate=0.01", "train.optim.lr_scheduler=cosine"),
+    "prodigy": ("train.optim.learning_rate=1.0", "train.optim.lr_scheduler=cosine"),
+    "adafactor": ("train.optim.learning_rate=0.01", "train.optim.lr_scheduler=cosine"),
+    "schedulefree_adamw": ("train.optim.learning_rate=0.01", *SCHEDULE_FREE),
 }
 
 
@@ -44,7 +44,7 @@ def _run(trainer, groups) -> None:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(n)) for n in SETTINGS])
 def test_each_optimizer_resumes_bitwise(name, tiny_model, tmp_path):
     """4 steps straight == 2 steps, checkpoint, a fresh trainer restored from it, 2 more: bitwise equal LoRA."""
-    cfg = train_data.job(tiny_model, *OPTIONS, f"train.optimizer={name}", *SETTINGS[name])
+    cfg = train_data.job(tiny_model, *OPTIONS, f"train.optim.name={name}", *SETTINGS[name])
     groups = train_data.groups(train_data.items(8), 2)
 
     def fresh():
@@ -76,7 +76,7 @@ def test_each_optimizer_resumes_bitwise(name, tiny_model, tmp_path):
 def test_schedulefree_evaluates_and_exports_its_average_and_trains_on_unchanged(tiny_model, tmp_path):
     """optimizer_eval swaps schedule-free's averaged weights in (what renders and checkpoints' LoRA files get) and
     puts the exact training weights back; a checkpoint's LoRA file holds the average."""
-    cfg = train_data.job(tiny_model, *OPTIONS, "train.optimizer=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
+    cfg = train_data.job(tiny_model, *OPTIONS, "train.optim.name=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
     groups = train_data.groups(train_data.items(4), 2)
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
     _run(trainer, groups)
@@ -100,9 +100,9 @@ def test_schedulefree_evaluates_and_exports_its_average_and_trains_on_unchanged(
 
 def test_adamw8bit_is_refused_on_cpu_before_any_work():
     with pytest.raises(ConfigError, match="adamw8bit needs a CUDA GPU"):
-        config.load(None, ["train.optimizer=adamw8bit", "train.use_gpu=false"])
-    cfg = config.load(None, ["train.optimizer=AdamW8bit"])  # kohya's spelling
-    assert cfg.train.optimizer == "adamw8bit"
+        config.load(None, ["train.optim.name=adamw8bit", "train.workers.on_gpu=false"])
+    cfg = config.load(None, ["train.optim.name=AdamW8bit"])  # kohya's spelling
+    assert cfg.train.optim.name == "adamw8bit"
     with pytest.raises(ValueError, match="adamw8bit needs a CUDA GPU"):
         validate_for_cluster(cfg, Cluster(gpus=False))  # the driver, before the cache stage
     validate_for_cluster(cfg, Cluster(gpus=True))
@@ -112,8 +112,8 @@ def test_adamw8bit_is_refused_on_cpu_before_any_work():
 
 def test_a_worker_refuses_before_loading_the_model(tmp_path):
     # A model.path that does not exist: loading first would fail on it; the refusal comes before any load.
-    cfg = config.load(None, [f"model.path={tmp_path / 'absent'}", "train.optimizer=adamw8bit"])
-    with pytest.raises(RuntimeError, match="^train.optimizer=adamw8bit needs a CUDA GPU"):
+    cfg = config.load(None, [f"model.path={tmp_path / 'absent'}", "train.optim.name=adamw8bit"])
+    with pytest.raises(RuntimeError, match="^train.optim.name=adamw8bit needs a CUDA GPU"):
         LoraTrainer(cfg, "cpu", total_steps=1)
 
 
@@ -124,16 +124,16 @@ def test_a_missing_optimizer_package_names_its_extra():
 
 
 def test_optimizer_config_names_and_rules():
-    cfg = config.load(None, ["train.optimizer_type=AdamWScheduleFree", "train.lr_scheduler=constant_with_warmup"])
-    assert cfg.train.optimizer == "schedulefree_adamw"
-    assert config.load(None, ["train.optimizer=prodigyopt.Prodigy"]).train.optimizer == "prodigy"
+    cfg = config.load(None, ["train.optimizer_type=AdamWScheduleFree", "train.optim.lr_scheduler=constant_with_warmup"])
+    assert cfg.train.optim.name == "schedulefree_adamw"
+    assert config.load(None, ["train.optim.name=prodigyopt.Prodigy"]).train.optim.name == "prodigy"
     with pytest.raises(ConfigError, match="replaces the LR schedule"):
-        config.load(None, ["train.optimizer=schedulefree_adamw", "train.lr_scheduler=cosine"])
-    with pytest.raises(ConfigError, match="train.optimizer must be one of"):
-        config.load(None, ["train.optimizer=lion"])
+        config.load(None, ["train.optim.name=schedulefree_adamw", "train.optim.lr_scheduler=cosine"])
+    with pytest.raises(ConfigError, match="train.optim.name must be one of"):
+        config.load(None, ["train.optim.name=lion"])
     text = config.help_text()
-    assert "train.optimizer = 'adamw'" in text and "1.0 by its convention" in text
-    assert "train.optimizer_type -> train.optimizer" in text and "adamwschedulefree -> schedulefree_adamw" in text
+    assert "train.optim.name = 'adamw'" in text and "1.0 by its convention" in text
+    assert "train.optimizer_type -> train.optim.name" in text and "adamwschedulefree -> schedulefree_adamw" in text
 
 
 def test_the_memory_model_counts_each_optimizers_state():
@@ -151,7 +151,7 @@ def test_schedulefree_eval_loss_scores_its_average_and_training_goes_on_unchange
     interpolation it trains at; the training weights come back exactly."""
     from rayflux.train import evaluation
 
-    cfg = train_data.job(tiny_model, *OPTIONS, "train.optimizer=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
+    cfg = train_data.job(tiny_model, *OPTIONS, "train.optim.name=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
     groups = train_data.groups(train_data.items(4), 2)
     trainer = LoraTrainer(cfg, "cpu", total_steps=2, empty=train_data.empty_caption())
     _run(trainer, groups)

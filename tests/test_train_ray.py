@@ -37,22 +37,22 @@ OPTIMIZER = "schedulefree_adamw" if importlib.util.find_spec("schedulefree") els
 WANDB = importlib.util.find_spec("wandb") is not None  # with the test extra; offline (tests/conftest.py)
 COMMON = [
     "data.resolution=64",
-    "train.num_workers=2",
+    "train.workers.num_workers=2",
     "train.epochs=2",
     "train.batch_size=2",
     "train.gradient_accumulation=2",
-    "train.lr_scheduler=constant_with_warmup",
-    "train.warmup_steps=3",  # the resume lands inside warmup: the scheduler (or optimizer) state must come back too
-    f"train.optimizer={OPTIMIZER}",
-    "train.learning_rate=0.01",
-    "train.lora_dropout=0.1",  # draws from the global RNG: the saved RNG states must come back too
-    "train.caption_dropout=0.3",
-    "train.guidance_max=4.0",
-    "train.sigma_sampling=flux_shift",
-    "train.loss_weighting=cosmap",
-    "train.checkpoint_every=1",
-    "train.checkpoints_to_keep=2",
-    "train.targets=all",  # 20 modules on the tiny model: peft shortens its target_modules from there on
+    "train.optim.lr_scheduler=constant_with_warmup",
+    "train.optim.warmup_steps=3",  # the resume lands inside warmup: the scheduler (or optimizer) state must come back too
+    f"train.optim.name={OPTIMIZER}",
+    "train.optim.learning_rate=0.01",
+    "train.adapter.lora_dropout=0.1",  # draws from the global RNG: the saved RNG states must come back too
+    "train.flow.caption_dropout=0.3",
+    "train.flow.guidance_max=4.0",
+    "train.flow.sigma_sampling=flux_shift",
+    "train.flow.loss_weighting=cosmap",
+    "train.checkpoint.every=1",
+    "train.checkpoint.keep=2",
+    "train.adapter.targets=all",  # 20 modules on the tiny model: peft shortens its target_modules from there on
 ]
 
 
@@ -90,10 +90,10 @@ def full_run(cache):
     cfg = _cfg(
         base,
         "run.name=full",
-        "train.validation_every=2",
-        "train.validation_inference_steps=2",
-        f"train.validation_prompts={json.dumps(PROMPTS)}",
-        "train.output_format=kohya",
+        "train.validation.every=2",
+        "train.validation.inference_steps=2",
+        f"train.validation.prompts={json.dumps(PROMPTS)}",
+        "train.checkpoint.output_format=kohya",
     )
     logger, handler = logging.getLogger("rayflux"), _Lines()
     level = logger.level
@@ -118,7 +118,7 @@ def resumed(cache):
     (``checkpoints_to_keep=1``), so the run's four saves also show the step LoRAs outliving pruned checkpoints."""
     root, base, manifest, facts = cache
     out = root / "resumed"
-    keep_one = ("run.name=resumed", "train.checkpoints_to_keep=1")
+    keep_one = ("run.name=resumed", "train.checkpoint.keep=1")
     first = stage.train(_cfg(base, *keep_one, "train.max_steps=1"), manifest, facts, str(out), False)
     second = stage.train(_cfg(base, *keep_one), manifest, facts, str(out), False)
     return first, second
@@ -218,13 +218,13 @@ def test_validation_grids_are_the_in_process_render_of_each_step_lora(full, cach
     cfg = _cfg(
         base,
         "run.name=full",
-        "train.validation_inference_steps=2",
-        f"train.validation_prompts={PROMPTS}",
-        "train.output_format=kohya",
+        "train.validation.inference_steps=2",
+        f"train.validation.prompts={PROMPTS}",
+        "train.checkpoint.output_format=kohya",
     )
     t = cfg.train
     transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
-    lora.add_lora(transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+    lora.add_lora(transformer, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout)
     transformer.eval()
     for step in (2, 4):
         lora.load_into(transformer, out / "validation" / f"step-{step:06d}.safetensors")  # kohya run: beside it
@@ -247,9 +247,9 @@ def test_a_killed_renderer_never_stops_training(cache):
     cfg = _cfg(
         base,
         "run.name=killed",
-        "train.validation_every=1",
-        "train.validation_inference_steps=2",
-        f"train.validation_prompts={json.dumps(PROMPTS)}",
+        "train.validation.every=1",
+        "train.validation.inference_steps=2",
+        f"train.validation.prompts={json.dumps(PROMPTS)}",
         "run.debug_slow_rank=0:1.5",
     )
     killed: list[float] = []
@@ -354,8 +354,8 @@ def test_step_loras_outlive_pruned_checkpoints(cache, resumed, tiny_model):
 EVAL = (
     "train.gradient_accumulation=1",
     "data.eval_samples=3",
-    "train.eval_every=2",
-    "train.checkpoint_every=2",
+    "train.eval.every=2",
+    "train.checkpoint.every=2",
     *(["run.wandb_project=rayflux-test"] if WANDB else []),
 )
 
@@ -479,7 +479,7 @@ def test_best_lora_is_the_lowest_eval_across_the_resume(evaluated):
 
 
 def test_an_ema_run_evaluates_renders_and_exports_its_average(cache):
-    """``train.ema_decay`` through the real loop on 2 workers: each rank scores its share of the eval loss with its
+    """``train.optim.ema_decay`` through the real loop on 2 workers: each rank scores its share of the eval loss with its
     own EMA (the ranks' averages agree without communication), the best file is the EMA at the best step, every
     checkpoint leaves an ``-ema`` step file, and the validation render reads the step's EMA file."""
     root, base, manifest, facts = cache
@@ -487,16 +487,16 @@ def test_an_ema_run_evaluates_renders_and_exports_its_average(cache):
     cfg = _cfg(
         base,
         "run.name=ema",
-        "train.optimizer=adamw",
-        "train.ema_decay=0.5",
+        "train.optim.name=adamw",
+        "train.optim.ema_decay=0.5",
         "train.max_steps=2",
         "train.gradient_accumulation=1",
-        "train.lr_scheduler=constant",
-        "train.warmup_steps=0",
+        "train.optim.lr_scheduler=constant",
+        "train.optim.warmup_steps=0",
         "data.eval_samples=3",
-        "train.eval_sigmas=2",
-        "train.validation_inference_steps=1",
-        f"train.validation_prompts={json.dumps(PROMPTS[:1])}",
+        "train.eval.sigmas=2",
+        "train.validation.inference_steps=1",
+        f"train.validation.prompts={json.dumps(PROMPTS[:1])}",
     )
     result = stage.train(cfg, manifest, facts, str(out), False)
     assert result.steps == 2 and [e["step"] for e in result.evals] == [0, 2]

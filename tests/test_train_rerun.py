@@ -18,7 +18,7 @@ def _cfg(tiny_model, demo_images, out, max_steps: int) -> config.JobConfig:
             f"run.output_dir={out}",
             "data.resolution=64",
             "train.epochs=2",
-            "train.num_workers=1",
+            "train.workers.num_workers=1",
             f"train.max_steps={max_steps}",
         ],
     )

@@ -43,7 +43,7 @@ def _pieces(batch: list[tuple[str, int]], rows_of: dict) -> int:
 )
 def test_runs_are_storage_neighbours_and_every_sample_is_trained_once(per_file, batch_size, k, epoch, every):
     refs = _refs(per_file, every=every)
-    plan, dropped = batching.plan_epoch(refs, batch_size, 5, epoch, world_size=1, read_run=k)
+    plan, dropped = batching.plan_epoch(refs, batch_size, 5, epoch, world_size=1, shuffle_block=k)
     assert dropped == 0
     batches = _batches(plan)
     trained = [s for b in batches for s in b]
@@ -70,9 +70,9 @@ def test_the_plan_is_identical_across_calls_and_listing_orders_and_differs_per_e
     refs = _refs([40, 25]) + _refs([17], bucket="80x48")
     shuffled = refs[:]
     random.Random(1).shuffle(shuffled)
-    a, _ = batching.plan_epoch(refs, 8, 11, 1, 2, 2, read_run=4)
-    assert a == batching.plan_epoch(shuffled, 8, 11, 1, 2, 2, read_run=4)[0]
-    other = batching.plan_epoch(refs, 8, 11, 2, 2, 2, read_run=4)[0]
+    a, _ = batching.plan_epoch(refs, 8, 11, 1, 2, 2, shuffle_block=4)
+    assert a == batching.plan_epoch(shuffled, 8, 11, 1, 2, 2, shuffle_block=4)[0]
+    other = batching.plan_epoch(refs, 8, 11, 2, 2, 2, shuffle_block=4)[0]
     assert [x["refs"] for x in other] != [x["refs"] for x in a]
 
 
@@ -85,8 +85,8 @@ def test_the_plan_does_not_depend_on_the_names_a_build_gave_its_shards():
     renamed = {f: f"samples-{9 - int(f.split('-')[1][0])}-{f}" for f in {r.file for r in refs}}
     rebuilt = [dataclasses.replace(r, file=renamed[r.file]) for r in refs]
     for k in (1, 4):
-        a = batching.plan_epoch(refs, 8, 11, 1, 2, 2, read_run=k)[0]
-        b = batching.plan_epoch(rebuilt, 8, 11, 1, 2, 2, read_run=k)[0]
+        a = batching.plan_epoch(refs, 8, 11, 1, 2, 2, shuffle_block=k)[0]
+        b = batching.plan_epoch(rebuilt, 8, 11, 1, 2, 2, shuffle_block=k)[0]
         assert [[r.sample_id for r in decode_planned(x["refs"])] for x in a] == [
             [r.sample_id for r in decode_planned(x["refs"])] for x in b
         ]
@@ -95,8 +95,8 @@ def test_the_plan_does_not_depend_on_the_names_a_build_gave_its_shards():
 def test_runs_shuffle_which_neighbours_share_a_batch():
     """Runs are shuffled as whole runs: two epochs cut the same runs but put them in different batches."""
     refs = _refs([64])
-    first = _batches(batching.plan_epoch(refs, 8, 0, 0, 1, read_run=4)[0])
-    second = _batches(batching.plan_epoch(refs, 8, 0, 1, 1, read_run=4)[0])
+    first = _batches(batching.plan_epoch(refs, 8, 0, 0, 1, shuffle_block=4)[0])
+    second = _batches(batching.plan_epoch(refs, 8, 0, 1, 1, shuffle_block=4)[0])
     assert sorted(map(sorted, first)) != sorted(map(sorted, second))
     for batches in (first, second):
         for b in batches:  # 8 samples = two runs of 4 consecutive rows
@@ -119,7 +119,7 @@ def test_repeats_are_spread_over_batches(plain, repeated, repeats, batch_size, k
     once = _refs([plain]) if plain else []
     many = [batching.SampleRef(f"r-{i}", "64x64", "shard-r.parquet", i) for i in range(repeated)]
     refs = once + [r for r in many for _ in range(repeats)]
-    plan, dropped = batching.plan_epoch(refs, batch_size, 7, epoch, world_size=1, read_run=k)
+    plan, dropped = batching.plan_epoch(refs, batch_size, 7, epoch, world_size=1, shuffle_block=k)
     batches = [[ref.sample_id for ref in decode_planned(b["refs"])] for b in plan]
     assert sorted(s for b in batches for s in b) == sorted(r.sample_id for r in refs) and dropped == 0
     if len(batches) >= repeats + 1:

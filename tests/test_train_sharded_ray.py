@@ -1,11 +1,11 @@
-"""``train.base_sharding=node`` on real local Ray with 2 workers (gloo, half a CPU each).
+"""``train.workers.base_fsdp=node`` on real local Ray with 2 workers (gloo, half a CPU each).
 
 - equivalence: ``node`` trains the same LoRA as ``none`` on the tiny FLUX.1 and the tiny FLUX.2 [klein]: losses to
   ``rel=1e-5`` and final LoRA weights to ``rtol=1e-3, atol=1e-4`` (1% of one step at lr 0.01) after 3 AdamW steps
   (fp32). FSDP all-gathers the exact weights, but into its own buffers, so a matmul may round its last bit
   differently; AdamW's ``g / sqrt(v)`` lifts such a difference in a near-zero gradient element to a visible share of
   a step (seen: one element of 128, off by 1.4e-5);
-- exact resume: a worker SIGKILLed after a sharded run's first checkpoint fails the run (``train.max_failures=0``);
+- exact resume: a worker SIGKILLed after a sharded run's first checkpoint fails the run (``train.workers.max_failures=0``);
   the same call again resumes from that checkpoint and ends with the uninterrupted sharded run's LoRA.
 """
 
@@ -25,12 +25,12 @@ from rayflux.train import commits, lora, stage
 
 COMMON = [
     "data.resolution=64",
-    "train.num_workers=2",
+    "train.workers.num_workers=2",
     "train.batch_size=1",
     "train.max_steps=3",
-    "train.learning_rate=0.01",
-    "train.lora_dropout=0.1",  # global RNG draws: they must line up in both modes
-    "train.checkpoint_every=1",
+    "train.optim.learning_rate=0.01",
+    "train.adapter.lora_dropout=0.1",  # global RNG draws: they must line up in both modes
+    "train.checkpoint.every=1",
 ]
 
 
@@ -53,7 +53,7 @@ def _train(cache, out: Path, name: str, *overrides: str):
 def flux1(ray_session, tiny_model, demo_images, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-flux1")
     cache = _cache(root, tiny_model, demo_images)
-    runs = {mode: _train(cache, root / mode, mode, f"train.base_sharding={mode}") for mode in ("none", "node")}
+    runs = {mode: _train(cache, root / mode, mode, f"train.workers.base_fsdp={mode}") for mode in ("none", "node")}
     return root, cache, runs
 
 
@@ -61,7 +61,7 @@ def flux1(ray_session, tiny_model, demo_images, tmp_path_factory):
 def flux2(ray_session, tiny_flux2_klein, demo_images, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-flux2")
     cache = _cache(root, tiny_flux2_klein, demo_images)
-    return {mode: _train(cache, root / mode, mode, f"train.base_sharding={mode}") for mode in ("none", "node")}
+    return {mode: _train(cache, root / mode, mode, f"train.workers.base_fsdp={mode}") for mode in ("none", "node")}
 
 
 def _lora(result) -> dict:
@@ -109,7 +109,7 @@ def test_sigkilled_sharded_run_resumes_to_the_same_lora(flux1, ray_dashboard):
     root, cache, runs = flux1
     out, name = root / "killed", "killed"
     # Rank 1 sleeps before each step, so steps 2 and 3 are still to come when the first checkpoint is committed.
-    same_command = ("train.base_sharding=node", "train.max_failures=0", "run.debug_slow_rank=1:2")
+    same_command = ("train.workers.base_fsdp=node", "train.workers.max_failures=0", "run.debug_slow_rank=1:2")
     done, killed, errors = threading.Event(), [], []
 
     def first_attempt():

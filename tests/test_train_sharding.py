@@ -1,4 +1,4 @@
-"""``train.base_sharding``: the frozen base sharded with FSDP2 while the LoRA trains whole on every worker.
+"""``train.workers.base_fsdp``: the frozen base sharded with FSDP2 while the LoRA trains whole on every worker.
 
 - pure rules: ``auto``'s choice, the device mesh for a placement of workers, FSDP2's row split;
 - memory: two real processes (gloo) build the trainer with a sharded base, watched by a dispatch mode that records
@@ -73,9 +73,9 @@ class LargestTensor(TorchDispatchMode):
 def _worker(rank: int, tiny_model: str) -> dict:
     cfg = train_data.job(
         tiny_model,
-        "train.base_sharding=node",
-        'train.validation_prompts=["a red circle"]',
-        "train.validation_inference_steps=1",
+        "train.workers.base_fsdp=node",
+        'train.validation.prompts=["a red circle"]',
+        "train.validation.inference_steps=1",
         "data.resolution=64",
     )
     empty = train_data.empty_caption()

@@ -48,7 +48,7 @@ def _lrs(opt, sched, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("name", optim.SCHEDULERS)
 def test_schedules_are_diffusers_own(name):
-    """Each ``train.lr_scheduler`` name gives what ``diffusers.optimization.get_scheduler`` gives for it."""
+    """Each ``train.optim.lr_scheduler`` name gives what ``diffusers.optimization.get_scheduler`` gives for it."""
     from diffusers.optimization import get_scheduler
 
     from rayflux import config
@@ -57,11 +57,11 @@ def test_schedules_are_diffusers_own(name):
     cfg = config.load(
         None,
         [
-            "train.learning_rate=0.01",
-            f"train.lr_scheduler={name}",
-            f"train.warmup_steps={warmup}",
-            "train.lr_cycles=2",
-            "train.lr_power=2",
+            "train.optim.learning_rate=0.01",
+            f"train.optim.lr_scheduler={name}",
+            f"train.optim.warmup_steps={warmup}",
+            "train.optim.lr_cycles=2",
+            "train.optim.lr_power=2",
         ],
     )
     ours = optim.build([torch.nn.Parameter(torch.zeros(1))], cfg.train, total_steps=16)
@@ -75,8 +75,10 @@ def test_schedules_are_diffusers_own(name):
 def test_schedule_state_survives_a_weights_only_round_trip(tmp_path):
     """Checkpoint resume: the scheduler's state loads with weights_only=True and continues the same curve."""
     from rayflux.config import TrainConfig
+    from rayflux.config.train import OptimConfig
 
-    t = TrainConfig(learning_rate=0.01, warmup_steps=2, lr_scheduler="cosine_with_restarts", lr_cycles=2)
+    schedule = OptimConfig(learning_rate=0.01, warmup_steps=2, lr_scheduler="cosine_with_restarts", lr_cycles=2)
+    t = TrainConfig(optim=schedule)
     opt, sched = optim.build([torch.nn.Parameter(torch.zeros(1))], t, total_steps=10)
     first = _lrs(opt, sched, 4)
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp_path / "state.pt")

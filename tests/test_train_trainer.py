@@ -18,14 +18,14 @@ from rayflux.train.trainer import LoraTrainer
 
 FULL = (
     "train.gradient_accumulation=2",
-    "train.lr_scheduler=cosine",
-    "train.warmup_steps=1",
-    "train.learning_rate=0.01",
-    "train.lora_dropout=0.2",
-    "train.caption_dropout=0.5",
-    "train.guidance_max=4.0",
-    "train.sigma_sampling=flux_shift",
-    "train.loss_weighting=cosmap",
+    "train.optim.lr_scheduler=cosine",
+    "train.optim.warmup_steps=1",
+    "train.optim.learning_rate=0.01",
+    "train.adapter.lora_dropout=0.2",
+    "train.flow.caption_dropout=0.5",
+    "train.flow.guidance_max=4.0",
+    "train.flow.sigma_sampling=flux_shift",
+    "train.flow.loss_weighting=cosmap",
 )
 
 
@@ -95,7 +95,7 @@ def test_dropped_captions_train_on_the_empty_embedding(tiny_model):
     trainer = LoraTrainer(train_data.job(tiny_model), "cpu", total_steps=1)
     t = trainer.cfg.train
     # p = 0.999 with this batch's seed drops both samples (seeded, so not a matter of luck).
-    dropped_cfg = dataclasses.replace(t, caption_dropout=0.999)
+    dropped_cfg = dataclasses.replace(t, flow=dataclasses.replace(t.flow, caption_dropout=0.999))
     with torch.no_grad():
         args = (step.Runtime("cpu", torch.float32, trainer.family),)
         dropped = step.flow_loss(trainer.model, batch, dropped_cfg, True, empty, *args)
@@ -151,7 +151,7 @@ def test_models_without_guidance_embedding_train_without_guidance(tmp_path):
     from rayflux.testing.tiny import TinySpec, ensure_tiny_model
 
     schnell = ensure_tiny_model(tmp_path / "tiny-schnell", TinySpec(guidance_embeds=False))
-    trainer = LoraTrainer(train_data.job(schnell, "train.guidance_max=4.0"), "cpu", total_steps=1)
+    trainer = LoraTrainer(train_data.job(schnell, "train.flow.guidance_max=4.0"), "cpu", total_steps=1)
     assert not trainer.guidance_embeds
     assert torch.isfinite(torch.tensor(_run(trainer, train_data.groups(train_data.items(2), 2)))).all()
 
@@ -186,7 +186,7 @@ def test_the_model_loads_while_the_first_batch_is_still_being_read(tiny_model, t
         yield {"total_steps": 3}
 
     ahead = FirstRow(rows())
-    cfg = train_data.job(tiny_model, "train.lr_scheduler=linear")
+    cfg = train_data.job(tiny_model, "train.optim.lr_scheduler=linear")
     trainer = LoraTrainer(cfg, "cpu", total_steps=lambda: ahead.get()["total_steps"])
     order = [json.loads(x)["phase"] for x in marks.read_text().splitlines()]
     assert order == ["model_load_start", "model_load_end", "first_read_end"]

@@ -22,8 +22,8 @@ def test_text_encoders_load_once_and_renders_match_the_full_pipeline(tiny_model,
         [
             f"model.path={model}",
             "data.resolution=64",
-            "train.validation_inference_steps=2",
-            f"train.validation_prompts={PROMPTS}",
+            "train.validation.inference_steps=2",
+            f"train.validation.prompts={PROMPTS}",
         ],
     )
     transformer = models.load_transformer(cfg.model, "cpu", torch.float32)
@@ -38,7 +38,7 @@ def test_text_encoders_load_once_and_renders_match_the_full_pipeline(tiny_model,
     pipe = FluxPipeline.from_pretrained(str(tiny_model), transformer=transformer, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     facts = models.model_facts(cfg.model)
-    assert cfg.train.validation_guidance == 0  # FLUX.1 renders with its own 3.5
+    assert cfg.train.validation.guidance == 0  # FLUX.1 renders with its own 3.5
     for i, prompt in enumerate(PROMPTS):
         full = pipe(
             prompt,
@@ -71,8 +71,8 @@ def test_reference_images_are_decoded_as_the_cache_decodes_them_and_read_once(tm
         None,
         [
             "data.resolution=32",
-            'train.validation_prompts=["make it green"]',
-            f'train.validation_references=[["{rotated}", "{clear}"]]',
+            'train.validation.prompts=["make it green"]',
+            f'train.validation.references=[["{rotated}", "{clear}"]]',
         ],
     )
 
@@ -93,7 +93,7 @@ def test_the_render_actor_goes_where_the_cluster_has_room():
     from rayflux.train import renderer
 
     def choose(use_gpu, gpus, *sets):
-        cfg = config.load(None, ["train.num_workers=2", *sets])
+        cfg = config.load(None, ["train.workers.num_workers=2", *sets])
         resources, _ = renderer.choose_resources(cfg, use_gpu, {"CPU": 16, "GPU": gpus})
         return resources, renderer.gpu_share(resources)
 
@@ -101,4 +101,4 @@ def test_the_render_actor_goes_where_the_cluster_has_room():
     assert choose(True, 2, "cache.accelerator_type=L4") == ({"CPU": 1, "GPU": 1, "accelerator_type:L4": 0.001}, 0.0)
     assert choose(True, 3) == ({"CPU": 1, "GPU": 1}, 0.0)  # a spare GPU beside the 2 workers'
     assert choose(True, 2) == ({"CPU": 1, "GPU": 0.25}, 0.25)  # no room: a quarter of each training GPU
-    assert choose(True, 2, 'train.validation_resources={"CPU": 0.5}') == ({"CPU": 0.5}, 0.0)
+    assert choose(True, 2, 'train.validation.resources={"CPU": 0.5}') == ({"CPU": 0.5}, 0.0)

@@ -36,16 +36,16 @@ def bucket_spec(source: JobConfig | DatasetConfig, facts: ModelFacts) -> buckets
     return spec
 
 
-def store_dtype(cfg: JobConfig, use_gpu: bool = False) -> str:
+def store_dtype(cfg: JobConfig, cluster_gpus: bool = False) -> str:
     """``cache.dtype`` with ``auto`` resolved: bfloat16 when the encoders run on GPUs (where FLUX trains in bf16
-    anyway), float32 on CPU. ``use_gpu``: the cluster has GPUs right now."""
+    anyway), float32 on CPU. ``cluster_gpus``: the cluster has GPUs right now."""
     if cfg.cache.dtype != "auto":
         return cfg.cache.dtype
-    return "bfloat16" if place(cfg, Cluster(gpus=use_gpu)).encoders else "float32"
+    return "bfloat16" if place(cfg, Cluster(gpus=cluster_gpus)).encoders else "float32"
 
 
-def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", use_gpu: bool = False) -> shards.ShardLayout:
-    dtype = store_dtype(cfg, use_gpu)
+def layout(cfg: JobConfig, facts: ModelFacts, kind: str = "samples", cluster_gpus: bool = False) -> shards.ShardLayout:
+    dtype = store_dtype(cfg, cluster_gpus)
     return shards.ShardLayout(kind, dtype, facts.latent_channels, facts.vae_scale_factor, facts.text)
 
 
@@ -54,7 +54,7 @@ def bucket_specs(cfg: JobConfig, facts: ModelFacts) -> dict[str, buckets.BucketS
     return {datasets.key(cfg.data, ds): bucket_spec(ds, facts) for ds in datasets.datasets_of(cfg.data)}
 
 
-def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
+def cache_key(cfg: JobConfig, facts: ModelFacts, cluster_gpus: bool = False) -> str:
     """A cache's identity: the encoders (the model's identity, from its files), the shard schema and its declared
     per-sample tensors, and every config field that declares itself part of it (``CACHED``,
     :mod:`rayflux.config.identity`): each dataset's, the data section's own, and the cache section's with
@@ -64,7 +64,7 @@ def cache_key(cfg: JobConfig, facts: ModelFacts, use_gpu: bool = False) -> str:
     ]
     own = set(identity.names(DatasetConfig)) | {"datasets"}  # each dataset's are in its identity above
     data = {k: v for k, v in identity.values(cfg.data, "cache").items() if k not in own}
-    cache = identity.values(dataclasses.replace(cfg.cache, dtype=store_dtype(cfg, use_gpu)), "cache")
+    cache = identity.values(dataclasses.replace(cfg.cache, dtype=store_dtype(cfg, cluster_gpus)), "cache")
     blob = json.dumps(
         {
             "schema": shards.SCHEMA_VERSION,

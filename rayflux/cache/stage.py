@@ -53,12 +53,12 @@ class BadInputError(ValueError):
     """``cache.strict`` is on and an input could not be cached."""
 
 
-def _fit_encoders(cfg: JobConfig, use_gpu: bool) -> tuple[JobConfig, fit.Plan]:
+def _fit_encoders(cfg: JobConfig, cluster_gpus: bool) -> tuple[JobConfig, fit.Plan]:
     """Pre-flight: size the encoder pools to the cluster and refuse, at once, a request that can never fit. Returns
     the config with ``cache.vae_actors``/``text_actors`` resolved to pool sizes, and the plan."""
     from ray.data import DataContext
 
-    plan = fit.plan(cfg, use_gpu)
+    plan = fit.plan(cfg, cluster_gpus)
     DataContext.get_current().set_config(stall.STALL_CONFIG, cfg.cache.stall_seconds)
     cache = dataclasses.replace(cfg.cache, vae_actors=plan.vae, text_actors=plan.text)
     return dataclasses.replace(cfg, cache=cache), plan
@@ -78,7 +78,7 @@ class _Build:
     file it writes (see :func:`rayflux.cache.generations.commit`)."""
     resources: dict
     """Ray resources of one encoder actor."""
-    use_gpu: bool
+    cluster_gpus: bool
     """Whether the cluster has GPUs (decides ``cache.dtype: auto``)."""
     previous: reuse.Previous
     """What an earlier generation of the same cache key can lend."""
@@ -162,7 +162,7 @@ def _build_text(
         TextEncoder,
         fn_constructor_kwargs={
             "model": b.cfg.model,
-            "store_dtype": store_dtype(b.cfg, b.use_gpu),
+            "store_dtype": store_dtype(b.cfg, b.cluster_gpus),
             "facts": b.facts,
             "encode_id": b.encode_id,
         },
@@ -172,7 +172,7 @@ def _build_text(
     )
     out = {
         "out_dir": b.gen_dir,
-        "layout": layout(b.cfg, b.facts, "text", b.use_gpu),
+        "layout": layout(b.cfg, b.facts, "text", b.cluster_gpus),
         "generation": b.generation,
         "build": b.encode_id,
     }
@@ -210,7 +210,7 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
         VaeEncoder,
         fn_constructor_kwargs={
             "model": b.cfg.model,
-            "store_dtype": store_dtype(b.cfg, b.use_gpu),
+            "store_dtype": store_dtype(b.cfg, b.cluster_gpus),
             "encode_id": b.encode_id,
         },
         batch_size=c.batch_size,
@@ -221,7 +221,7 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
         writer.write_samples,
         fn_kwargs={
             "out_dir": b.gen_dir,
-            "layout": layout(b.cfg, b.facts, use_gpu=b.use_gpu),
+            "layout": layout(b.cfg, b.facts, cluster_gpus=b.cluster_gpus),
             "generation": b.generation,
             "build": b.encode_id,
         },
@@ -259,7 +259,7 @@ def build_generation(
     generation: int,
     seed: int,
     *,
-    use_gpu: bool,
+    cluster_gpus: bool,
     previous: dict | None = None,
 ) -> dict:
     """Run the Ray Data pipelines for one generation and commit its manifest. Returns the manifest.
@@ -273,10 +273,12 @@ def build_generation(
     :mod:`rayflux.allocator`).
     """
     with allocator.system_pool():
-        return _build_generation(cfg, facts, discovery, gen_dir, generation, seed, use_gpu=use_gpu, previous=previous)
+        return _build_generation(
+            cfg, facts, discovery, gen_dir, generation, seed, cluster_gpus=cluster_gpus, previous=previous
+        )
 
 
-def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, use_gpu, previous) -> dict:
+def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, cluster_gpus, previous) -> dict:
     if cfg.cache.strict and discovery.skips.num_rows:
         first = discovery.skips.slice(0, 1).to_pylist()[0]
         raise BadInputError(f"cache.strict: {first['source_uri']}: {first['reason']}")
@@ -284,10 +286,10 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, use_g
     specs = bucket_specs(cfg, facts)
     prev = reuse.load(previous)
     encode_id = uuid.uuid4().hex[:16]
-    run_cfg, plan = _fit_encoders(cfg, use_gpu)  # fails here, before any Ray Data work, when it cannot fit
-    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, use_gpu, prev, plan.encoders)
+    run_cfg, plan = _fit_encoders(cfg, cluster_gpus)  # fails here, before any Ray Data work, when it cannot fit
+    b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, cluster_gpus, prev, plan.encoders)
 
-    samples = layout(cfg, facts, use_gpu=use_gpu).samples
+    samples = layout(cfg, facts, cluster_gpus=cluster_gpus).samples
     sample_index, caption_index = index.Sink("samples", samples=samples), index.Sink("captions", facts.text)
     found = manifest_mod.Found(
         discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows
@@ -301,7 +303,7 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, use_g
             encode_id,
             b.cfg.fingerprint("data", "model", "cache"),
             facts,
-            layout(b.cfg, facts, use_gpu=use_gpu),
+            layout(b.cfg, facts, cluster_gpus=cluster_gpus),
             b.previous.dir,
         )
         manifest = manifest_mod.compose(

@@ -1,6 +1,6 @@
 """Where ``train.base_dtype`` can run: the one-line reasons a lower-precision frozen base is refused.
 
-Pure rules, shared by the config check (``train.use_gpu=false``, ``train.base_sharding=node``: known before any
+Pure rules, shared by the config check (``train.workers.on_gpu=false``, ``train.workers.base_fsdp=node``: known before any
 work), the driver once it has seen the cluster (no GPU in it), and each worker as it loads the model (its GPU's
 compute capability, the package it needs).
 """
@@ -16,15 +16,15 @@ MIN_CAPABILITY = {"fp8": (8, 9)}
 """Lowest CUDA compute capability per base_dtype: fp8 tensor cores start with Ada (8.9) and Hopper (9.0)."""
 NODE_SHARDING = {
     "fp8": "torchao's float8 layers would have to be swapped in before FSDP2 shards the base, and the sharded "
-    "loader shards plain bf16 weights; use train.base_sharding=none with fp8, or bf16 with node",
-    "nf4": "bitsandbytes' packed 4-bit weights are not tensors FSDP2 can shard; use train.base_sharding=none "
+    "loader shards plain bf16 weights; use train.workers.base_fsdp=none with fp8, or bf16 with node",
+    "nf4": "bitsandbytes' packed 4-bit weights are not tensors FSDP2 can shard; use train.workers.base_fsdp=none "
     "(an NF4 base is a quarter of bf16), or bf16 with node",
 }
-"""Why each lower-precision base does not combine with ``train.base_sharding=node``."""
+"""Why each lower-precision base does not combine with ``train.workers.base_fsdp=node``."""
 
 
 def shardable(base_dtype: str) -> bool:
-    """Whether ``train.base_sharding`` may shard this base (``auto`` must keep ``none`` where it may not)."""
+    """Whether ``train.workers.base_fsdp`` may shard this base (``auto`` must keep ``none`` where it may not)."""
     return base_dtype not in NODE_SHARDING
 
 
@@ -43,10 +43,10 @@ def refusal(
     key = f"train.base_dtype={base_dtype}"
     package, extra, what = NEEDS[base_dtype]
     if sharding == "node" and not shardable(base_dtype):
-        return f"{key} with train.base_sharding=node: {NODE_SHARDING[base_dtype]}"
+        return f"{key} with train.workers.base_fsdp=node: {NODE_SHARDING[base_dtype]}"
     if not gpu:
         return (
-            f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.use_gpu=false, no GPU in the "
+            f"{key} needs a CUDA GPU ({what}); this run trains on CPU (train.workers.on_gpu=false, no GPU in the "
             "cluster, or none on this worker)"
         )
     least = MIN_CAPABILITY.get(base_dtype)

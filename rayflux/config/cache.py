@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayflux.config.identity import CACHED, TRAINED, UNTRACKED
+from rayflux.config.identity import CACHED, TRAINED, UNTRACKED, moved
 from rayflux.config.values import ConfigError
 
 
@@ -45,9 +45,10 @@ class CacheConfig:
     """Fail the job on the first bad input instead of skipping it with a recorded reason."""
     seed: int = field(default=0, metadata=TRAINED)
     """Seed for random crops and caption choice; each generation derives its own from it."""
-    use_gpu: str = field(default="auto", metadata=UNTRACKED)
+    encoders_on_gpu: str = field(default="auto", metadata=moved(UNTRACKED, "use_gpu"))
     """Encoder actors on GPUs: ``auto`` (when the cluster has GPUs or ``cache.accelerator_type`` is set), ``true`` or
-    ``false``. Set ``true`` on an autoscaling cluster whose GPU nodes are not up yet when the job starts."""
+    ``false``. Set ``true`` on an autoscaling cluster whose GPU nodes are not up yet when the job starts. (Was
+    ``cache.use_gpu``.)"""
     accelerator_type: str = field(default="", metadata=UNTRACKED)
     """GPU type each encoder actor needs (e.g. ``L4``, ``A10G``), so encoding runs on cheaper GPU nodes than training.
     Empty: any GPU. Implies GPU encoders."""

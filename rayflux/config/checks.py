@@ -15,11 +15,11 @@ _CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("model", "vae_dtype"): ("", "auto", "bfloat16", "float16", "float32"),
     ("cache", "dtype"): ("auto", "float32", "float16", "bfloat16"),
-    ("train", "use_gpu"): ("auto", "true", "false"),
-    ("cache", "use_gpu"): ("auto", "true", "false"),
-    ("train", "sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
-    ("train", "loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
-    ("train", "lr_scheduler"): (
+    ("train", "workers.on_gpu"): ("auto", "true", "false"),
+    ("cache", "encoders_on_gpu"): ("auto", "true", "false"),
+    ("train", "flow.sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
+    ("train", "flow.loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
+    ("train", "optim.lr_scheduler"): (
         "constant",
         "constant_with_warmup",
         "linear",
@@ -28,11 +28,11 @@ _CHOICES = {
         "polynomial",
     ),
     ("train", "mixed_precision"): ("auto", "bf16", "fp32"),
-    ("train", "output_format"): ("diffusers", "kohya"),
-    ("train", "adapter"): ("lora", "dora", "lokr"),
-    ("train", "base_sharding"): ("none", "node", "auto"),
+    ("train", "checkpoint.output_format"): ("diffusers", "kohya"),
+    ("train", "adapter.kind"): ("lora", "dora", "lokr"),
+    ("train", "workers.base_fsdp"): ("none", "node", "auto"),
     ("train", "base_dtype"): ("bf16", "fp8", "nf4"),
-    ("train", "optimizer"): tuple(OPTIMIZERS),
+    ("train", "optim.name"): tuple(OPTIMIZERS),
 }
 _POSITIVE = {
     ("data", "max_image_pixels"),
@@ -41,54 +41,54 @@ _POSITIVE = {
     ("cache", "rows_per_shard"),
     ("train", "epochs"),
     ("train", "batch_size"),
-    ("train", "rank"),
-    ("train", "alpha"),
-    ("train", "learning_rate"),
-    ("train", "lr_cycles"),
-    ("train", "lr_power"),
+    ("train", "adapter.rank"),
+    ("train", "adapter.alpha"),
+    ("train", "optim.learning_rate"),
+    ("train", "optim.lr_cycles"),
+    ("train", "optim.lr_power"),
     ("train", "gradient_accumulation"),
-    ("train", "batches_per_read"),
-    ("train", "read_run"),
+    ("train", "feed.batches_per_read"),
+    ("train", "feed.shuffle_block"),
     ("train", "log_every"),
-    ("train", "checkpoints_to_keep"),
+    ("train", "checkpoint.keep"),
     ("run", "lease_seconds"),
 }
 
 
 def _check_optimizer(cfg: JobConfig) -> None:
     """An optimizer CPU training cannot run, and schedule-free with a decaying schedule (it replaces the schedule)."""
-    refused = optimizer_refusal(cfg.train.optimizer, gpu=cfg.train.use_gpu != "false")
+    refused = optimizer_refusal(cfg.train.optim.name, gpu=cfg.train.workers.on_gpu != "false")
     if refused:
         raise ConfigError(refused)
-    if cfg.train.optimizer == "schedulefree_adamw" and cfg.train.lr_scheduler not in (
+    if cfg.train.optim.name == "schedulefree_adamw" and cfg.train.optim.lr_scheduler not in (
         "constant",
         "constant_with_warmup",
     ):
         raise ConfigError(
-            f"train.optimizer=schedulefree_adamw replaces the LR schedule (train.lr_scheduler="
-            f"{cfg.train.lr_scheduler}); use constant_with_warmup, with train.warmup_steps as its own "
+            f"train.optim.name=schedulefree_adamw replaces the LR schedule (train.optim.lr_scheduler="
+            f"{cfg.train.optim.lr_scheduler}); use constant_with_warmup, with train.optim.warmup_steps as its own "
             "warmup"
         )
 
 
 ADAPTER_SPELLINGS = {"networks.lora": "lora", "networks.lora_flux": "lora"}
-"""kohya's ``network_module`` values (its alias of ``train.adapter``) that name one adapter on their own."""
+"""kohya's ``network_module`` values (its alias of ``train.adapter.kind``) that name one adapter on their own."""
 
 
 def _adapter(value: str) -> str:
-    """``train.adapter`` in rayflux's spelling; LyCORIS's module needs its ``network_args`` to say which."""
+    """``train.adapter.kind`` in rayflux's spelling; LyCORIS's module needs its ``network_args`` to say which."""
     if value == "lycoris.kohya":
         raise ConfigError(
-            "train.adapter (network_module) lycoris.kohya: say which LyCORIS algorithm: "
-            "train.adapter=dora (algo=lora with dora_wd=True) or train.adapter=lokr (algo=lokr)"
+            "train.adapter.kind (network_module) lycoris.kohya: say which LyCORIS algorithm: "
+            "train.adapter.kind=dora (algo=lora with dora_wd=True) or train.adapter.kind=lokr (algo=lokr)"
         )
     return ADAPTER_SPELLINGS.get(value, value)
 
 
 def validate(cfg: JobConfig) -> None:
     """Check value ranges and choices; raise ConfigError naming the first bad key."""
-    cfg.train.optimizer = canonical(cfg.train.optimizer)
-    cfg.train.adapter = _adapter(cfg.train.adapter)
+    cfg.train.optim.name = canonical(cfg.train.optim.name)
+    cfg.train.adapter.kind = _adapter(cfg.train.adapter.kind)
     _check_ranges(cfg)
     _check_validation(cfg)
     _check_run(cfg)
@@ -98,15 +98,17 @@ def validate(cfg: JobConfig) -> None:
             "model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "
             "(model.vae_dtype=float16 runs the VAE alone in fp16)"
         )
-    if cfg.train.validation_inference_steps < 0 or cfg.train.validation_guidance < 0:
+    if cfg.train.validation.inference_steps < 0 or cfg.train.validation.guidance < 0:
         raise ConfigError(
-            "train.validation_inference_steps and train.validation_guidance must be >= 0 (0: the model's own)"
+            "train.validation.inference_steps and train.validation.guidance must be >= 0 (0: the model's own)"
         )
     if cfg.model.text_tokens < 0:
         raise ConfigError(f"model.text_tokens must be >= 0 (0: the model's default), got {cfg.model.text_tokens}")
     check_pools(cfg.cache)
     # What is known before any work: CPU training by setting, or a sharding it cannot combine with.
-    refused = refusal(cfg.train.base_dtype, gpu=cfg.train.use_gpu != "false", sharding=cfg.train.base_sharding)
+    refused = refusal(
+        cfg.train.base_dtype, gpu=cfg.train.workers.on_gpu != "false", sharding=cfg.train.workers.base_fsdp
+    )
     if refused:
         raise ConfigError(refused)
     _check_optimizer(cfg)
@@ -121,44 +123,52 @@ def validate(cfg: JobConfig) -> None:
 def _check_ranges(cfg: JobConfig) -> None:
     """Choices, positive values and ranges of single keys."""
     for (section, key), choices in _CHOICES.items():
-        value = getattr(getattr(cfg, section), key)
+        value = _value(cfg, section, key)
         if value not in choices:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(choices)}; got {value!r}")
     for section, key in _POSITIVE:
-        value = getattr(getattr(cfg, section), key)
+        value = _value(cfg, section, key)
         if value <= 0:
             raise ConfigError(f"{section}.{key} must be positive, got {value}")
     if cfg.data.alignment < 0:
         raise ConfigError(f"data.alignment must be 0 (the model's) or positive, got {cfg.data.alignment}")
     for key in (
         "max_steps",
-        "warmup_steps",
-        "checkpoint_every",
-        "validation_every",
-        "max_grad_norm",
-        "prefetch_reads",
+        "optim.warmup_steps",
+        "checkpoint.every",
+        "validation.every",
+        "optim.max_grad_norm",
+        "feed.prefetch_reads",
         "report_seconds",
-        "eval_every",
+        "eval.every",
     ):
-        if getattr(cfg.train, key) < 0:
+        if _value(cfg, "train", key) < 0:
             raise ConfigError(f"train.{key} must be >= 0")
     if cfg.data.eval_samples < 0:
         raise ConfigError(f"data.eval_samples must be >= 0 (0: no eval loss), got {cfg.data.eval_samples}")
-    if cfg.train.eval_sigmas < 1:
-        raise ConfigError(f"train.eval_sigmas must be positive, got {cfg.train.eval_sigmas}")
-    for key in ("lora_dropout", "caption_dropout"):
-        if not 0 <= getattr(cfg.train, key) < 1:
-            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
-    if cfg.train.guidance_max and cfg.train.guidance_max < cfg.train.guidance:
-        raise ConfigError("train.guidance_max must be 0 (constant guidance) or >= train.guidance")
+    if cfg.train.eval.sigmas < 1:
+        raise ConfigError(f"train.eval.sigmas must be positive, got {cfg.train.eval.sigmas}")
+    for key in ("adapter.lora_dropout", "flow.caption_dropout"):
+        if not 0 <= _value(cfg, "train", key) < 1:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {_value(cfg, 'train', key)}")
+    if cfg.train.flow.guidance_max and cfg.train.flow.guidance_max < cfg.train.flow.guidance:
+        raise ConfigError("train.flow.guidance_max must be 0 (constant guidance) or >= train.flow.guidance")
+
+
+def _value(cfg: JobConfig, section: str, path: str):
+    """The value of key ``path`` (dotted within its section: ``optim.learning_rate``) of ``section``."""
+    obj = getattr(cfg, section)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _check_validation(cfg: JobConfig) -> None:
     """Validation prompts and their reference images."""
-    prompts = cfg.train.validation_prompts
+    prompts = cfg.train.validation.prompts
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise ConfigError(f"train.validation_prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
-    refs = cfg.train.validation_references
+        raise ConfigError(f"train.validation.prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")
+    refs = cfg.train.validation.references
     if refs and (
         not isinstance(refs, list)
         or len(refs) != len(prompts)
@@ -167,80 +177,80 @@ def _check_validation(cfg: JobConfig) -> None:
         )
     ):
         raise ConfigError(
-            "train.validation_references must list one reference image (or a list of them) per "
+            "train.validation.references must list one reference image (or a list of them) per "
             f"validation prompt; got {refs!r} for {len(prompts)} prompt(s)"
         )
 
 
 def _check_run(cfg: JobConfig) -> None:
     """The schedule, the output's name, the workers and the refresh interval."""
-    if cfg.train.lr_scheduler == "constant" and cfg.train.warmup_steps:
+    if cfg.train.optim.lr_scheduler == "constant" and cfg.train.optim.warmup_steps:
         raise ConfigError(
-            "train.lr_scheduler=constant has no warmup (as in diffusers); for train.warmup_steps="
-            f"{cfg.train.warmup_steps} use constant_with_warmup"
+            "train.optim.lr_scheduler=constant has no warmup (as in diffusers); for train.optim.warmup_steps="
+            f"{cfg.train.optim.warmup_steps} use constant_with_warmup"
         )
-    stem = cfg.train.output_name or cfg.run.name
+    stem = cfg.train.checkpoint.output_name or cfg.run.name
     if not stem or any(c in stem for c in '/\\:*?"<>|') or stem.startswith("."):
-        raise ConfigError(f"train.output_name (else run.name) must be a plain file-name stem; got {stem!r}")
-    if cfg.train.cpus_per_worker <= 0:
-        raise ConfigError("train.cpus_per_worker must be positive")
+        raise ConfigError(f"train.checkpoint.output_name (else run.name) must be a plain file-name stem; got {stem!r}")
+    if cfg.train.workers.cpus_per_worker <= 0:
+        raise ConfigError("train.workers.cpus_per_worker must be positive")
     refresh_interval(cfg.cache.refresh)
-    worker_range(cfg.train.num_workers)
-    if cfg.train.max_failures < -1:
-        raise ConfigError("train.max_failures must be -1 (no limit) or >= 0")
-    if cfg.train.resize_check_seconds < 0:
-        raise ConfigError("train.resize_check_seconds must be >= 0")
+    worker_range(cfg.train.workers.num_workers)
+    if cfg.train.workers.max_failures < -1:
+        raise ConfigError("train.workers.max_failures must be -1 (no limit) or >= 0")
+    if cfg.train.workers.resize_check_seconds < 0:
+        raise ConfigError("train.workers.resize_check_seconds must be >= 0")
 
 
 def _check_resources(cfg: JobConfig) -> None:
     """Ray resources asked for by the train workers, the cache's actors and the render actor."""
-    resource_map("train.worker_resources", cfg.train.worker_resources)
+    resource_map("train.workers.worker_resources", cfg.train.workers.worker_resources)
     resource_map("cache.actor_resources", cfg.cache.actor_resources)
     custom = (
-        {k: v for k, v in cfg.train.validation_resources.items() if k not in ("CPU", "GPU")}
-        if isinstance(cfg.train.validation_resources, dict)
-        else cfg.train.validation_resources
+        {k: v for k, v in cfg.train.validation.resources.items() if k not in ("CPU", "GPU")}
+        if isinstance(cfg.train.validation.resources, dict)
+        else cfg.train.validation.resources
     )
-    resource_map("train.validation_resources", custom)
-    if cfg.train.validation_queue < 1 or cfg.train.validation_wait_seconds < 0:
-        raise ConfigError("train.validation_queue must be >= 1 and train.validation_wait_seconds >= 0")
+    resource_map("train.validation.resources", custom)
+    if cfg.train.validation.queue < 1 or cfg.train.validation.wait_seconds < 0:
+        raise ConfigError("train.validation.queue must be >= 1 and train.validation.wait_seconds >= 0")
 
 
 def _check_ema_compile(cfg: JobConfig) -> None:
-    """``train.ema_decay``'s range and the combinations of it and ``train.compile`` that are refused."""
+    """``train.optim.ema_decay``'s range and the combinations of it and ``train.compile`` that are refused."""
     t = cfg.train
-    if not 0 <= t.ema_decay < 1:
-        raise ConfigError(f"train.ema_decay must be in [0, 1) (0: no EMA), got {t.ema_decay}")
-    if t.ema_decay and t.optimizer == "schedulefree_adamw":
+    if not 0 <= t.optim.ema_decay < 1:
+        raise ConfigError(f"train.optim.ema_decay must be in [0, 1) (0: no EMA), got {t.optim.ema_decay}")
+    if t.optim.ema_decay and t.optim.name == "schedulefree_adamw":
         raise ConfigError(
-            "train.ema_decay: schedulefree_adamw already evaluates and exports an average of its "
-            "iterates; an EMA on top of it is not supported (set train.ema_decay=0)"
+            "train.optim.ema_decay: schedulefree_adamw already evaluates and exports an average of its "
+            "iterates; an EMA on top of it is not supported (set train.optim.ema_decay=0)"
         )
-    if t.compile and t.base_sharding != "none":
+    if t.compile and t.workers.base_fsdp != "none":
         # FSDP2's per-block gathers would have to be traced into the compiled blocks; untested, so refused.
         raise ConfigError(
-            f"train.compile needs the whole base on every worker (train.base_sharding: none), got "
-            f"train.base_sharding={t.base_sharding}"
+            f"train.compile needs the whole base on every worker (train.workers.base_fsdp: none), got "
+            f"train.workers.base_fsdp={t.workers.base_fsdp}"
         )
 
 
 def adapter_refusal(cfg: JobConfig) -> None:
-    """``train.adapter`` combinations that could not be used or loaded, refused before any work with the reason."""
+    """``train.adapter.kind`` combinations that could not be used or loaded, refused before any work with the reason."""
     t = cfg.train
-    if t.adapter == "lora":
+    if t.adapter.kind == "lora":
         return
-    if t.adapter == "lokr":
-        if t.output_format != "kohya":
+    if t.adapter.kind == "lokr":
+        if t.checkpoint.output_format != "kohya":
             raise ConfigError(
-                "train.adapter=lokr has no diffusers format (diffusers' FLUX.1 pipelines load no LoKr); "
-                "set train.output_format=kohya (LyCORIS lokr_w1/lokr_w2 keys, which ComfyUI loads)"
+                "train.adapter.kind=lokr has no diffusers format (diffusers' FLUX.1 pipelines load no LoKr); "
+                "set train.checkpoint.output_format=kohya (LyCORIS lokr_w1/lokr_w2 keys, which ComfyUI loads)"
             )
-        if t.lora_dropout:
-            raise ConfigError("train.adapter=lokr has no input dropout; set train.lora_dropout=0")
-        if t.init_lora:
-            raise ConfigError("train.init_lora starts a LoRA or DoRA from a LoRA file; a LoKr cannot hold one")
-    if t.base_sharding == "node":
+        if t.adapter.lora_dropout:
+            raise ConfigError("train.adapter.kind=lokr has no input dropout; set train.adapter.lora_dropout=0")
+        if t.adapter.init_lora:
+            raise ConfigError("train.adapter.init_lora starts a LoRA or DoRA from a LoRA file; a LoKr cannot hold one")
+    if t.workers.base_fsdp == "node":
         raise ConfigError(
-            f"train.adapter={t.adapter} needs the whole base on every worker (train.base_sharding: "
+            f"train.adapter.kind={t.adapter.kind} needs the whole base on every worker (train.workers.base_fsdp: "
             "none); a sharded base is supported with lora only"
         )

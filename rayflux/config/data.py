@@ -115,7 +115,7 @@ class DataConfig(DatasetConfig):
     reg_loss_weight: float = field(default=1.0, metadata=TRAINED)
     """Loss weight of samples from regularisation datasets (1.0: weighted like any other sample)."""
     eval_samples: int = field(default=0, metadata=TRAINED)
-    """Hold out this many cached samples for the eval loss (``train.eval_every``): a stable choice by sample id hash
+    """Hold out this many cached samples for the eval loss (``train.eval.every``): a stable choice by sample id hash
     (the same for every world size, cache generation and rerun), never trained on, named in ``<output_dir>/
     eval_samples.txt``. 0: no eval loss."""
     max_image_pixels: int = field(default=178_956_970, metadata=CACHED)

@@ -9,6 +9,7 @@ from these declarations, never from key lists kept elsewhere. A field that decla
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from types import MappingProxyType
 
@@ -27,7 +28,21 @@ UNTRACKED = MappingProxyType({IDENTITY: "none"})
 """Resources, feed tuning, run length and what is written beside the weights: may change between reruns of the
 same run without changing what is being trained or cached."""
 
-KINDS = ("cache", "captions", "run", "none")
+SECTION = MappingProxyType({IDENTITY: "section"})
+"""A sub-section (``train.optim``): a dataclass whose own fields declare their identities. Its fields count as
+fields of the section that holds it, under their old names (:func:`moved`)."""
+
+KINDS = ("cache", "captions", "run", "none", "section")
+
+OLD_KEY = "old_key"
+"""The metadata key naming the field's key before it moved (into a sub-section, or to a clearer name)."""
+
+
+def moved(kind: MappingProxyType, old: str) -> MappingProxyType:
+    """``kind``'s declaration, plus the key the field had in its top-level section before it moved or was renamed
+    (``train.optim.name`` was ``train.optimizer``). The loader takes the old key as an alias; the identities hash the
+    field under the old key, so that moving a field changes no cache key or run identity."""
+    return MappingProxyType({**kind, OLD_KEY: old})
 
 
 def kind(f: dataclasses.Field) -> str | None:
@@ -35,12 +50,39 @@ def kind(f: dataclasses.Field) -> str | None:
     return f.metadata.get(IDENTITY)
 
 
+def is_section(f: dataclasses.Field) -> bool:
+    """Whether the field holds a sub-section rather than a value."""
+    return kind(f) == "section"
+
+
+def old_key(f: dataclasses.Field, path: str = "") -> str:
+    """The key a field is hashed under: its old key when it moved, else its dotted path in its top-level section."""
+    return f.metadata.get(OLD_KEY) or f"{path}{f.name}"
+
+
 def names(cls, *kinds: str) -> list[str]:
     """The fields of config dataclass ``cls`` (an instance or a class) that declare one of ``kinds``."""
     return [f.name for f in dataclasses.fields(cls) if kind(f) in kinds]
 
 
-def values(obj, *kinds: str) -> dict:
-    """``{field: value}`` of the fields of ``obj`` that declare one of ``kinds`` (values as ``asdict`` gives them)."""
-    d = dataclasses.asdict(obj)
-    return {n: d[n] for n in names(obj, *kinds)}
+def values(obj, *kinds: str, path: str = "") -> dict:
+    """``{key: value}`` of the fields of ``obj`` that declare one of ``kinds`` (values as ``asdict`` gives them), its
+    sub-sections' fields included, each under :func:`old_key`."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        if is_section(f):
+            out.update(values(getattr(obj, f.name), *kinds, path=f"{path}{f.name}."))
+        elif kind(f) in kinds:
+            out[old_key(f, path)] = _plain(getattr(obj, f.name))
+    return out
+
+
+def flat(obj) -> dict:
+    """Every field of config section ``obj`` as one flat ``{key: value}``, sub-sections included, each under
+    :func:`old_key`: the section as it was before sub-sections existed, for fingerprints that must not change."""
+    return values(obj, *KINDS)
+
+
+def _plain(value):
+    """A field's value as ``dataclasses.asdict`` gives it (lists and dicts copied, dataclasses as dicts)."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)

@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from rayflux.config.identity import flat
 from rayflux.config.cache import CacheConfig
 from rayflux.config.data import DataConfig
 from rayflux.config.model import ModelConfig
@@ -28,9 +29,11 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self, *sections: str) -> str:
-        """A short stable hash of the named sections (all when none are named)."""
-        d = self.to_dict()
-        chosen = {k: d[k] for k in (sections or d)}
+        """A short stable hash of the named sections (all when none are named). Each section is hashed flat, its
+        fields under their keys from before sub-sections (:func:`rayflux.config.identity.flat`), so the hash of a
+        config is what it was before the split."""
+        names = sections or [f.name for f in dataclasses.fields(self)]
+        chosen = {k: flat(getattr(self, k)) for k in names}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -1,7 +1,7 @@
-"""``train.optimizer``: the choices, the package and ``rayflux[...]`` extra each needs, and the one-line reason one is
+"""``train.optim.name``: the choices, the package and ``rayflux[...]`` extra each needs, and the one-line reason one is
 refused where it cannot run.
 
-Pure rules (no imports of the optimizers' packages), shared by the config check (``train.use_gpu=false``: known
+Pure rules (no imports of the optimizers' packages), shared by the config check (``train.workers.on_gpu=false``: known
 before any work), the driver once it has seen the cluster (no GPU in it: refused before the cache stage) and each
 worker as it builds the optimizer (:mod:`rayflux.train.optim`: the package must import there).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """What one ``train.optimizer`` value needs."""
+    """What one ``train.optim.name`` value needs."""
 
     package: str
     """The module it imports (only when chosen)."""
@@ -34,7 +34,7 @@ OPTIMIZERS = {
     "adafactor": OptimizerSpec("transformers", "", "transformers.optimization.Adafactor"),
     "schedulefree_adamw": OptimizerSpec("schedulefree", "schedulefree", "schedulefree.AdamWScheduleFree"),
 }
-"""``train.optimizer`` values and what each needs. ``adamw8bit`` takes the same bitsandbytes as the ``nf4`` extra;
+"""``train.optim.name`` values and what each needs. ``adamw8bit`` takes the same bitsandbytes as the ``nf4`` extra;
 transformers is a core dependency (diffusers' text encoders)."""
 
 
@@ -49,7 +49,7 @@ SPELLINGS = {
 
 
 def canonical(optimizer: str) -> str:
-    """``train.optimizer`` in rayflux's spelling (see :data:`SPELLINGS`); unknown names come back as given."""
+    """``train.optim.name`` in rayflux's spelling (see :data:`SPELLINGS`); unknown names come back as given."""
     low = str(optimizer).strip().lower()
     return SPELLINGS.get(low, low if low in OPTIMIZERS else optimizer)
 
@@ -60,10 +60,10 @@ def refusal(optimizer: str, *, gpu: bool, installed: bool = True) -> str:
     spec = OPTIMIZERS.get(optimizer)
     if spec is None:
         return ""  # an unknown name is the choice check's to report
-    key = f"train.optimizer={optimizer}"
+    key = f"train.optim.name={optimizer}"
     if spec.gpu_only and not gpu:
         return (
-            f"{key} needs a CUDA GPU ({spec.gpu_only}); this run trains on CPU (train.use_gpu=false, no GPU in "
+            f"{key} needs a CUDA GPU ({spec.gpu_only}); this run trains on CPU (train.workers.on_gpu=false, no GPU in "
             "the cluster, or none on this worker); use adamw"
         )
     if not installed:

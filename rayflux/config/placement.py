@@ -30,9 +30,9 @@ class Placement:
     """Which parts of the job run on GPUs."""
 
     encoders: bool
-    """The cache's encoder actors ask for GPUs (``cache.use_gpu``, ``cache.accelerator_type``)."""
+    """The cache's encoder actors ask for GPUs (``cache.encoders_on_gpu``, ``cache.accelerator_type``)."""
     training: bool
-    """The training workers ask for GPUs (``train.use_gpu``, ``train.accelerator_type``)."""
+    """The training workers ask for GPUs (``train.workers.on_gpu``, ``train.workers.accelerator_type``)."""
 
 
 def _choose(setting: str, cluster_gpus: bool, accelerator_type: str) -> bool:
@@ -42,19 +42,19 @@ def _choose(setting: str, cluster_gpus: bool, accelerator_type: str) -> bool:
 def place(cfg: JobConfig, cluster: Cluster) -> Placement:
     """The job's placement on ``cluster``."""
     return Placement(
-        encoders=_choose(cfg.cache.use_gpu, cluster.gpus, cfg.cache.accelerator_type),
-        training=_choose(cfg.train.use_gpu, cluster.gpus, cfg.train.accelerator_type),
+        encoders=_choose(cfg.cache.encoders_on_gpu, cluster.gpus, cfg.cache.accelerator_type),
+        training=_choose(cfg.train.workers.on_gpu, cluster.gpus, cfg.train.workers.accelerator_type),
     )
 
 
 def validate_for_cluster(cfg: JobConfig, cluster: Cluster) -> None:
     """Refuse, on the driver before any cache or training work, what this cluster cannot train: a lower-precision
-    ``train.base_dtype`` or a GPU-only ``train.optimizer`` when the workers would train on CPU. Each worker checks its
+    ``train.base_dtype`` or a GPU-only ``train.optim.name`` when the workers would train on CPU. Each worker checks its
     own GPU (and the packages) again as it starts."""
     gpu = place(cfg, cluster).training
     for reason in (
-        base_dtype_refusal(cfg.train.base_dtype, gpu=gpu, sharding=cfg.train.base_sharding),
-        optimizer_refusal(cfg.train.optimizer, gpu=gpu),
+        base_dtype_refusal(cfg.train.base_dtype, gpu=gpu, sharding=cfg.train.workers.base_fsdp),
+        optimizer_refusal(cfg.train.optim.name, gpu=gpu),
     ):
         if reason:
             raise ValueError(reason)

@@ -51,7 +51,9 @@ def resource_map(key: str, value: Any) -> dict[str, float]:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{key}: resource names must be non-empty strings, got {name!r}")
         if name in ("CPU", "GPU"):
-            raise ConfigError(f"{key}: set {name} through its own key (cpus_per_worker, actor_cpus, use_gpu)")
+            raise ConfigError(
+                f"{key}: set {name} through its own key (cpus_per_worker, actor_cpus, on_gpu, encoders_on_gpu)"
+            )
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
             raise ConfigError(f"{key}.{name} must be a positive number, got {amount!r}")
         out[name] = float(amount)

@@ -77,7 +77,7 @@ class Family(ABC):
     parts: tuple[str, ...]
     """Files and folders a local model directory of this family must hold."""
     lora_presets: dict[str, list[str]]
-    """``train.targets`` presets: module-name suffixes inside the transformer's blocks."""
+    """``train.adapter.targets`` presets: module-name suffixes inside the transformer's blocks."""
     lora_blocks: tuple[str, ...]
     """Module-name prefixes of the transformer's blocks, where presets apply."""
     base_model_version: str
@@ -205,7 +205,7 @@ class Family(ABC):
 
     def validation_settings(self, path: str, kw: dict) -> tuple[int, float]:
         """``(denoising steps, guidance scale)`` a validation render of the model at ``path`` takes when
-        ``train.validation_inference_steps`` / ``train.validation_guidance`` are 0 (``kw``: ``from_pretrained``'s
+        ``train.validation.inference_steps`` / ``train.validation.guidance`` are 0 (``kw``: ``from_pretrained``'s
         revision)."""
         return 20, 3.5
 

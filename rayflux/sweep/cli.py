@@ -15,8 +15,8 @@ Rerunning the same command continues an interrupted sweep. Example sweep.yaml:
 
   sweep:
     space:
-      train.learning_rate: {grid: [1.0e-4, 1.0e-3]}   # or {loguniform: [1.0e-5, 1.0e-3]}, {choice: [...]}
-      train.rank: {grid: [4, 8]}
+      train.optim.learning_rate: {grid: [1.0e-4, 1.0e-3]}   # or {loguniform: [1.0e-5, 1.0e-3]}, {choice: [...]}
+      train.adapter.rank: {grid: [4, 8]}
     num_samples: 1
     max_concurrent: 2
     metric: eval_loss

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from rayflux.config import ConfigError, JobConfig, TrainConfig, apply, field_docs, parse_set, validate
-from rayflux.config.loader import ALIASES
+from rayflux.config.loader import canonical_key, leaves
 
 KINDS = ("grid", "choice", "loguniform", "uniform")
 """How a space key's values are given: ``{grid: [...]}`` (every value, times ``num_samples``), ``{choice: [...]}``
@@ -29,14 +29,14 @@ class SweepConfig:
     num_samples: int = 1
     """Tune's meaning: repeats of the grid; the samples drawn from random (choice, loguniform, uniform) keys."""
     max_concurrent: int = 2
-    """Trials that train at once. Each trial's workers are ``train.num_workers`` with ``train.cpus_per_worker``."""
+    """Trials that train at once. Each trial's workers are ``train.workers.num_workers`` with ``train.workers.cpus_per_worker``."""
     metric: str = "eval_loss"
     """The number trials are compared (and stopped) by, lowest best: ``eval_loss`` needs ``data.eval_samples``."""
     scheduler: str = "asha"
-    """``asha`` (stop trials whose metric lags at its rungs; reports come at every ``train.eval_every`` step) or
+    """``asha`` (stop trials whose metric lags at its rungs; reports come at every ``train.eval.every`` step) or
     ``fifo`` (every trial runs to its end)."""
     grace_period: int = 0
-    """ASHA: steps every trial trains before it may be stopped (0: ``train.eval_every``, else 1)."""
+    """ASHA: steps every trial trains before it may be stopped (0: ``train.eval.every``, else 1)."""
     reduction_factor: int = 2
     """ASHA: a rung keeps the best 1/reduction_factor of the trials that reached it."""
     trial_cpus: float = 0.01
@@ -93,14 +93,15 @@ def parse(raw) -> SweepConfig:
 
 
 def _space(raw) -> dict:
-    """``{train.key: {kind: values}}`` with aliases resolved to their own names; anything else is refused."""
+    """``{train.key: {kind: values}}`` with aliases and old keys resolved to their paths (``train.learning_rate`` ->
+    ``train.optim.learning_rate``); anything else is refused."""
     if not isinstance(raw, dict) or not raw:
         raise ConfigError("sweep.space must map train.<key> to {grid|choice|loguniform|uniform: [...]}")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {path for path, _, _ in leaves(TrainConfig)}
     out = {}
     for key, spec in raw.items():
         section, _, name = str(key).partition(".")
-        name = ALIASES.get((section, name), name)
+        name = canonical_key(section, name)
         if section != "train" or name not in fields:
             raise ConfigError(
                 f"sweep.space key {key!r} is not a train.* setting; a sweep varies only train keys "

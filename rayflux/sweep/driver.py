@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from rayflux import job, lease, storage
 from rayflux.config import ConfigError, JobConfig, worker_range
 from rayflux.config.placement import Cluster, place
+from rayflux.config.loader import old_key
 from rayflux.ledger import Ledger
 from rayflux.sweep import results, seal
 from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
@@ -71,16 +72,16 @@ def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
 
     cap = Capacity.of_cluster()
     budget = cap.budget(now=False)
-    workers = worker_range(cfg.train.num_workers)[0]
-    need = {"CPU": workers * cfg.train.cpus_per_worker + sweep.trial_cpus}
+    workers = worker_range(cfg.train.workers.num_workers)[0]
+    need = {"CPU": workers * cfg.train.workers.cpus_per_worker + sweep.trial_cpus}
     if place(cfg, Cluster(gpus=job.cluster_has_gpus())).training:
         need["GPU"] = float(workers)
     short = {k: v for k, v in need.items() if budget.get(k, 0.0) + 1e-9 < v}
     if short:
         have = ", ".join(f"{k} {budget.get(k, 0.0):g}" for k in need)
         raise ConfigError(
-            f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.num_workers "
-            f"x train.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}"
+            f"one trial needs {', '.join(f'{k} {v:g}' for k, v in need.items())} (train.workers.num_workers "
+            f"x train.workers.cpus_per_worker, plus sweep.trial_cpus), but the cluster has {have}"
         )
     per_trial = need["CPU"]
     log.info(
@@ -93,12 +94,20 @@ def preflight(cfg: JobConfig, sweep: SweepConfig) -> None:
 
 
 def _fingerprint(sweep: SweepConfig) -> str:
+    """What a sweep's ledger entry is checked against on a rerun. The space's keys are hashed under their keys from
+    before the config's sections (``train.learning_rate``), so a sweep started before them still continues."""
+    space = {_old_key(key): spec for key, spec in sweep.space.items()}
     blob = json.dumps(
-        {"space": sweep.space, "num_samples": sweep.num_samples, "metric": sweep.metric, "scheduler": sweep.scheduler},
+        {"space": space, "num_samples": sweep.num_samples, "metric": sweep.metric, "scheduler": sweep.scheduler},
         sort_keys=True,
         default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _old_key(key: str) -> str:
+    section, _, path = key.partition(".")
+    return f"{section}.{old_key(section, path)}"
 
 
 def _trials(cfg: JobConfig, sweep: SweepConfig, output: str, ledger: Ledger) -> Outcome:
@@ -191,7 +200,7 @@ def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
             name=TUNE_NAME,
             storage_path=storage_path,
             storage_filesystem=storage_fs,
-            failure_config=tune.FailureConfig(max_failures=max(cfg.train.max_failures, 0)),
+            failure_config=tune.FailureConfig(max_failures=max(cfg.train.workers.max_failures, 0)),
             callbacks=[release_callback(output)],
             verbose=1,
         ),
@@ -207,7 +216,7 @@ def _scheduler(cfg: JobConfig, sweep: SweepConfig):
 
     if sweep.scheduler == "fifo":
         return FIFOScheduler()
-    grace = sweep.grace_period or cfg.train.eval_every or 1
+    grace = sweep.grace_period or cfg.train.eval.every or 1
     # ASHA stops a trial that reaches max_t; one past the last step lets a trial that trains to its end export.
     return ASHAScheduler(
         time_attr="step",

@@ -196,11 +196,11 @@ def plan_epoch(
     world_size: int,
     accumulation: int = 1,
     *,
-    read_run: int = 4,
+    shuffle_block: int = 4,
 ) -> tuple[list[dict], int]:
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
 
-    A bucket's batches are filled with shuffled runs of up to ``read_run`` storage neighbours (``train.read_run``;
+    A bucket's batches are filled with shuffled runs of up to ``shuffle_block`` storage neighbours (``train.feed.shuffle_block``;
     see :mod:`rayflux.train.runs`). Each batch carries its own noise ``seed``, so its noise and σ do not depend on
     which rank trains it.
     """
@@ -209,7 +209,7 @@ def plan_epoch(
         by_bucket.setdefault(group(r), []).append(r)
     batches: list[list[SampleRef]] = []
     for bucket in sorted(by_bucket, key=_order):
-        batches.extend(runs.fill(by_bucket[bucket], batch_size, read_run, _rng(seed, epoch, _base(bucket))))
+        batches.extend(runs.fill(by_bucket[bucket], batch_size, shuffle_block, _rng(seed, epoch, _base(bucket))))
     _rng(seed, epoch, "order").shuffle(batches)
     keep = len(batches) - len(batches) % (world_size * accumulation)
     dropped = sum(len(b) for b in batches[keep:])

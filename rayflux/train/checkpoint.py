@@ -3,7 +3,7 @@
 Every rank reports the same checkpoint directory (Ray Train merges the ranks' files), each with different names:
 
 - rank 0: ``pytorch_lora_weights.safetensors`` (the LoRA, also the resume source), the kohya file when
-  ``output_format=kohya`` (both as :meth:`LoraTrainer.optimizer_eval` gives them), with ``train.ema_decay`` the same
+  ``output_format=kohya`` (both as :meth:`LoraTrainer.optimizer_eval` gives them), with ``train.optim.ema_decay`` the same
   files of the EMA's weights in ``ema/``, ``train_state.pt`` (optimizer and LR scheduler, a schedule-free optimizer's
   training weights, the EMA's state) and ``position.json``;
 - every rank ``r``: ``rng-rank<r>.pt`` (torch CPU RNG, the worker's own accelerator RNG, Python and numpy: LoRA

@@ -15,7 +15,7 @@ offers; the data feed (:mod:`rayflux.train.feed`) plans from that checkpoint's p
 row, so the loop restores exactly the checkpoint the plan was cut for. Failures the controller sees are written under
 ``<run storage>/restarts/`` (:class:`CommitCallback.after_exception`) and become the cause of the next restart's
 record. :func:`prune` deletes every checkpoint directory that Ray never registered and that is older than the newest
-one it holds, so orphans never outlive ``train.checkpoints_to_keep``; registered ones are Ray's to prune.
+one it holds, so orphans never outlive ``train.checkpoint.keep``; registered ones are Ray's to prune.
 """
 
 from __future__ import annotations

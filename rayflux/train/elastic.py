@@ -18,7 +18,7 @@ anything is read: a resumed run reads no batch it already trained. So across res
 one is missed only where the remainder rule of the world size in force cuts it or a restart's rounding skips it.
 Optimizer steps keep counting from the restored step; the planned steps of the new plan are shifted by the
 difference, the LR schedule's horizon included. Steps trained after the latest committed checkpoint are lost and
-redone; ``train.checkpoint_every`` bounds them.
+redone; ``train.checkpoint.every`` bounds them.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def plan_rows(refs: list, feed: FeedPlan, world: int, position: dict | None = No
     offset = None
     for epoch in range(*feed.epochs):
         planned = batching.plan_epoch(
-            refs, feed.batch_size, feed.seed, epoch, world, accumulation, read_run=feed.read_run
+            refs, feed.batch_size, feed.seed, epoch, world, accumulation, shuffle_block=feed.shuffle_block
         )[0]
         # The remainder rule makes each epoch's batch count a multiple of world * accumulation, so every rank gets
         # the same whole number of optimizer steps, each of `accumulation` consecutive batches.

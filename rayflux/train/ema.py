@@ -1,7 +1,7 @@
-"""``train.ema_decay``: an exponential moving average of the adapter's trainable parameters, through diffusers'
+"""``train.optim.ema_decay``: an exponential moving average of the adapter's trainable parameters, through diffusers'
 ``training_utils.EMAModel``.
 
-Settings: ``decay=train.ema_decay`` with EMAModel's default warmup (``use_ema_warmup=False``): the decay of optimizer
+Settings: ``decay=train.optim.ema_decay`` with EMAModel's default warmup (``use_ema_warmup=False``): the decay of optimizer
 step ``n`` is ``min(ema_decay, n / (n + 9))``, 0 at step 1. That is SimpleTuner's EMA, where ``use_ema`` and
 ``ema_decay`` come from, so the number means there what it means here. The average is kept in fp32 on the
 parameters' device (``foreach`` updates: one kernel per step for all the adapter's tensors, not one per tensor).

@@ -1,13 +1,13 @@
 """The eval loss: a fixed, reproducible score of the current LoRA on the held-out samples (``data.eval_samples``).
 
 The training loss is too noisy to compare checkpoints: every step draws its own σ and noise. The eval loss scores
-every held-out sample at a fixed grid of ``train.eval_sigmas`` noise levels (the quantiles of the training σ density,
+every held-out sample at a fixed grid of ``train.eval.sigmas`` noise levels (the quantiles of the training σ density,
 :func:`rayflux.train.flow.eval_sigmas`), each with noise seeded by the sample id and the grid index alone, so the
 same LoRA on the same cached data gives the same number in every eval, at every step and in every run (bitwise with
 one worker; across world sizes to float tolerance, since only the order of the final sum differs). It is the plain
 mean of ``(pred - target)²`` over samples, tokens and σ values (a sample with a loss mask: its mask-weighted mean over
 tokens, as it trains, :func:`rayflux.train.flow.per_sample_loss`): no loss weighting, no per-dataset weight, no
-caption dropout, guidance fixed at ``train.guidance``.
+caption dropout, guidance fixed at ``train.flow.guidance``.
 
 Every training rank scores its share of the eval plan (batches ``r, r + W, ...``; :func:`rayflux.train.batching.
 plan_eval`) without gradients and with LoRA dropout off, then one all-reduce of ``eval_sigmas + 1`` numbers gives the
@@ -67,7 +67,7 @@ def score(trainer, batches: list[EvalBatch], world: int) -> dict:
     ``eval_time`` (seconds). Every rank must call it (one all-reduce)."""
     t = trainer.cfg.train
     begin = time.perf_counter()
-    k_count = t.eval_sigmas
+    k_count = t.eval.sigmas
     sums = torch.zeros(k_count + 1, dtype=torch.float64)  # per σ: sum of per-sample losses; last: samples
     model = trainer.transformer
     was_training = model.training
@@ -100,16 +100,16 @@ def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor) -> None:
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
     grid = flow.eval_sigmas(
-        t.eval_sigmas,
-        t.sigma_sampling,
-        logit_mean=t.logit_mean,
-        logit_std=t.logit_std,
-        shift=t.shift,
+        t.eval.sigmas,
+        t.flow.sigma_sampling,
+        logit_mean=t.flow.logit_mean,
+        logit_std=t.flow.logit_std,
+        shift=t.flow.shift,
         seq_len=family.seq_len(h, w),
         shift_config=trainer.shift_config,
     )
     text = {n: x.to(device, dtype) for n, x in batch.text.items()}
-    guidance = torch.full((b,), float(t.guidance), device=device, dtype=dtype) if trainer.guidance_embeds else None
+    guidance = torch.full((b,), float(t.flow.guidance), device=device, dtype=dtype) if trainer.guidance_embeds else None
     autocast = torch.autocast(device.type, trainer.autocast or torch.float32, enabled=bool(trainer.autocast))
     weights = step.token_weights(batch, family)  # a masked sample scores on its mask, as it trains
     for k, sigma in enumerate(grid.tolist()):
@@ -144,7 +144,7 @@ class Evaluator:
         return self.batches is not None
 
     def due(self, step: int, last: bool, end_of_feed: bool) -> bool:
-        """At ``train.eval_every`` steps and at the run's end (its last step, or the last segment's last batch)."""
+        """At ``train.eval.every`` steps and at the run's end (its last step, or the last segment's last batch)."""
         if not self.active:
             return False
         return bool(last or (end_of_feed and self.final_segment) or (self.every and step % self.every == 0))

@@ -11,12 +11,12 @@ and splits it back into per-part LoRAs of the original rank.
 ``alpha / rank`` is baked into ``lora_up`` and each ``alpha`` is written equal to its rank (strength 1), so a
 loader that ignores ``alpha`` still gets the right strength.
 
-DoRA (``train.adapter=dora``) adds LyCORIS's ``dora_scale`` per kohya module: peft's magnitudes, one per output
+DoRA (``train.adapter.kind=dora``) adds LyCORIS's ``dora_scale`` per kohya module: peft's magnitudes, one per output
 row, as an ``(out, 1)`` column (the output-axis form ComfyUI's ``weight_decompose`` tells apart by its first
 dimension; a 1-D vector would broadcast wrongly there). A row's magnitude only scales that row, so a fused layer's
 is its parts' magnitudes stacked, and an untrained part's rows get their base weight's norms (no change).
 
-LoKr (``train.adapter=lokr``) writes LyCORIS's ``lokr_w1`` and ``lokr_w2`` (or ``lokr_w2_a``/``lokr_w2_b``) with
+LoKr (``train.adapter.kind=lokr``) writes LyCORIS's ``lokr_w1`` and ``lokr_w2`` (or ``lokr_w2_a``/``lokr_w2_b``) with
 ``alpha / rank`` baked into ``lokr_w1`` and ``alpha`` equal to the rank (ComfyUI and diffusers scale a factored
 ``w2`` by ``alpha / rank`` and a whole one not at all). A Kronecker product cannot be stacked with another, so no
 fused kohya layer can hold a LoKr per part: every module keeps its diffusers name under LyCORIS's prefix
@@ -58,7 +58,9 @@ def check_targets(modules: list[str], blocks: dict) -> None:
         except (KeyError, ValueError):
             unmapped.append(m)
     if unmapped:
-        raise ValueError(f"train.output_format=kohya: no kohya name for {unmapped[:5]}; use diffusers or other targets")
+        raise ValueError(
+            f"train.checkpoint.output_format=kohya: no kohya name for {unmapped[:5]}; use diffusers or other targets"
+        )
 
 
 def check_adapter(transformer) -> None:

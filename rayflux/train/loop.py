@@ -10,7 +10,7 @@ epochs (a cache-refresh segment); its last step always checkpoints, so the next 
 never touches a text encoder or the VAE: everything is in the cached shards, and validation images are rendered by
 a separate actor from the step's LoRA file (:mod:`rayflux.train.renderer`) while training goes on. With
 ``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
-``train.eval_every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
+``train.eval.every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
     import ray.train.torch
 
     t = w.cfg.train
-    empty = captions.load_empty(w.lc.empty_caption) if t.caption_dropout > 0 else None
+    empty = captions.load_empty(w.lc.empty_caption) if t.flow.caption_dropout > 0 else None
     progress = Progress(world_size=w.world)
 
     def total_steps() -> int:  # called by LoraTrainer after the model load
@@ -207,7 +207,7 @@ def _queue_render(
     file; otherwise (kohya output, or an EMA at a step without a checkpoint) beside the grid
     (``validation/step-<step>.safetensors``)."""
     step, ema = record["step"], trainer.ema is not None
-    diffusers = cfg.train.output_format != "kohya"
+    diffusers = cfg.train.checkpoint.output_format != "kohya"
     if diffusers and checkpointed:
         path = storage.join(output_dir, lora_files.LORA_DIR, lora_files.step_name(cfg, step, ema=ema))
     elif diffusers and not ema:
@@ -251,10 +251,10 @@ class _Run:
         )
         final = int(w.lc.plan.feed.epochs[1]) >= t.epochs
         self.evals = evaluation.Evaluator(
-            self.trainer, list(w.lc.plan.eval_plan), w.rank, w.world, t.eval_every, final_segment=final
+            self.trainer, list(w.lc.plan.eval_plan), w.rank, w.world, t.eval.every, final_segment=final
         )
-        renderer = w.lc.renderer if w.rank == 0 and t.validation_prompts else None
-        self.renders = renderer_mod.Queue(renderer, t.validation_queue) if renderer else None
+        renderer = w.lc.renderer if w.rank == 0 and t.validation.prompts else None
+        self.renders = renderer_mod.Queue(renderer, t.validation.queue) if renderer else None
 
     def keep_best(self, record: dict) -> None:
         lora_files.keep_best(self.trainer, self.w.cfg, self.w.lc.output_dir, record, self.w.lc.caption_tables)
@@ -338,12 +338,12 @@ class _Run:
     def _due(self, record: dict, end_of_feed: bool, report_due: bool, preempted: bool) -> _Due:
         step_, t = self.progress.step, self.t
         last = step_ >= self.total
-        every = t.checkpoint_every and step_ % t.checkpoint_every == 0
+        every = t.checkpoint.every and step_ % t.checkpoint.every == 0
         preempted, self.preempted_once = preempted and not self.preempted_once, self.preempted_once or preempted
         if preempted:
             record["preempted"] = True
         self.progress.feed_done = end_of_feed
-        images = bool(last or (t.validation_every and step_ % t.validation_every == 0))
+        images = bool(last or (t.validation.every and step_ % t.validation.every == 0))
         return _Due(last, end_of_feed, bool(last or end_of_feed or every or preempted), report_due, images)
 
     def save(self, record: dict) -> str:
@@ -353,7 +353,7 @@ class _Run:
         # Checkpoints carry memory facts (worst rank): encoders must never be alive in a training worker.
         record.update(collectives.worst_rank(memory.snapshot(w.start_rss), w.device, w.world))
         directory = tempfile.mkdtemp(prefix="rayflux-ckpt-")
-        checkpoint.save(directory, self.trainer, w.rank, self.progress, self.t.output_format)
+        checkpoint.save(directory, self.trainer, w.rank, self.progress, self.t.checkpoint.output_format)
         if w.rank == 0:
             lora_files.keep_step(directory, w.cfg, w.lc.output_dir, record, w.lc.caption_tables)
         return directory
@@ -398,7 +398,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     phases.mark("worker_start")
     lc: LoopConfig = loop_config[LOOP_KEY]
     w = _worker(lc)
-    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.prefetch_reads))
+    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.feed.prefetch_reads))
     ahead = FirstRow(rows, on_read=lambda: phases.mark("first_read_end"))  # read while the model loads
     try:
         run = _Run(w, ahead)

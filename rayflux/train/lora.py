@@ -1,7 +1,7 @@
 """LoRA adapters through peft (``add_adapter``): target presets, saving and loading in diffusers' format, through
 the model family's pipeline (the family is the transformer's, see :func:`rayflux.families.of_transformer`).
 
-``train.adapter`` picks the kind: ``lora``, ``dora`` (peft's ``use_dora``: a LoRA plus one magnitude per output row
+``train.adapter.kind`` picks the kind: ``lora``, ``dora`` (peft's ``use_dora``: a LoRA plus one magnitude per output row
 of each target) or ``lokr`` (peft's ``LoKrConfig``: ``alpha / rank * kron(w1, w2)`` per target). All three are
 attached, saved and restored here; LoKr has no diffusers format for users (:mod:`rayflux.config.checks` refuses it),
 so its ``pytorch_lora_weights.safetensors`` is the checkpoint's own copy, written and read without diffusers.
@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PRESETS = ("attention", "attention+ffs", "all")
-"""``train.targets`` presets; each model family says which modules of its blocks they hold
+"""``train.adapter.targets`` presets; each model family says which modules of its blocks they hold
 (:attr:`rayflux.families.base.Family.lora_presets`)."""
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 ADAPTER = "default"
@@ -46,15 +46,17 @@ def resolve_targets(transformer, spec: str) -> list[str]:
         suffixes, pool = [s.strip() for s in spec.split(",") if s.strip()], linear
         missing = [s for s in suffixes if not any(_matches(n, s) for n in pool)]
         if missing:
-            raise ValueError(f"train.targets: no Linear module matches {missing}; presets: {', '.join(PRESETS)}")
+            raise ValueError(
+                f"train.adapter.targets: no Linear module matches {missing}; presets: {', '.join(PRESETS)}"
+            )
     chosen = [n for n in pool if any(_matches(n, s) for s in suffixes)]
     if not chosen:
-        raise ValueError(f"train.targets {spec!r} matched no module of the transformer")
+        raise ValueError(f"train.adapter.targets {spec!r} matched no module of the transformer")
     return chosen
 
 
 def adapter_config(adapter: str, rank: int, alpha: float, targets: list[str], dropout: float = 0.0):
-    """peft's config for ``train.adapter`` over the full module names ``targets``."""
+    """peft's config for ``train.adapter.kind`` over the full module names ``targets``."""
     if adapter == "lokr":
         from peft import LoKrConfig
 
@@ -82,7 +84,7 @@ def kind(transformer) -> str:
 
 
 def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float = 0.0, adapter: str = "lora") -> list:
-    """Freeze the transformer, attach the adapter (``train.adapter``), and return its trainable parameters (kept in
+    """Freeze the transformer, attach the adapter (``train.adapter.kind``), and return its trainable parameters (kept in
     fp32)."""
     import torch
 
@@ -203,7 +205,9 @@ def set_state(transformer, state: dict, source: str) -> None:
     try:
         result = set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER)
     except RuntimeError as exc:  # size mismatch: another rank, or a fused layout this adapter cannot hold
-        raise ValueError(f"{source}: LoRA shapes do not fit the adapter (train.rank, train.targets): {exc}") from None
+        raise ValueError(
+            f"{source}: LoRA shapes do not fit the adapter (train.adapter.rank, train.adapter.targets): {exc}"
+        ) from None
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
         raise ValueError(f"{source}: LoRA keys do not match the adapter, e.g. {unexpected[:3]}")
@@ -250,7 +254,7 @@ def init_from_file(transformer, path: str) -> int:
     meta = metadata or {}  # diffusers flattens it to "transformer.<LoraConfig field>"
     alpha, r = meta.get("transformer.lora_alpha"), meta.get("transformer.r")
     if meta.get("transformer.alpha_pattern") or meta.get("transformer.rank_pattern"):
-        raise ValueError(f"{path}: per-module alpha or rank patterns are not supported for train.init_lora")
+        raise ValueError(f"{path}: per-module alpha or rank patterns are not supported for train.adapter.init_lora")
     file_scale = alpha / r if alpha and r else 1.0
     factor = file_scale / scale(transformer)
     ours = {

@@ -1,7 +1,7 @@
 """The LoRA files a run leaves for its users: one per checkpoint, the final one, and their training metadata.
 
 Every checkpoint's LoRA is also written as ``<output_dir>/lora/<name>-step00000500.safetensors`` in the chosen
-format, outside Ray Train's checkpoint directories, so pruning old checkpoints (``train.checkpoints_to_keep``) never
+format, outside Ray Train's checkpoint directories, so pruning old checkpoints (``train.checkpoint.keep``) never
 removes them and users can pick the best step by eye, as with kohya's sd-scripts, SimpleTuner or ai-toolkit.
 
 kohya files carry sd-scripts' ``ss_*`` training metadata and the Stability ``modelspec.*`` keys, which LoRA browsers
@@ -33,14 +33,14 @@ MAX_TAGS = 1000
 
 
 def output_name(cfg: JobConfig) -> str:
-    """The stem of every exported LoRA file: ``train.output_name``, else ``run.name``."""
-    return cfg.train.output_name or cfg.run.name
+    """The stem of every exported LoRA file: ``train.checkpoint.output_name``, else ``run.name``."""
+    return cfg.train.checkpoint.output_name or cfg.run.name
 
 
 def final_name(cfg: JobConfig) -> str:
     """The final LoRA's file name: ``<name>.safetensors`` for kohya; diffusers' default name, which
     ``load_lora_weights(<dir>)`` finds without a ``weight_name``, for diffusers."""
-    return f"{output_name(cfg)}.safetensors" if cfg.train.output_format == "kohya" else lora.WEIGHT_NAME
+    return f"{output_name(cfg)}.safetensors" if cfg.train.checkpoint.output_format == "kohya" else lora.WEIGHT_NAME
 
 
 def step_name(cfg: JobConfig, step: int, ema: bool = False) -> str:
@@ -48,12 +48,12 @@ def step_name(cfg: JobConfig, step: int, ema: bool = False) -> str:
 
 
 def ema_name(cfg: JobConfig) -> str:
-    """The final EMA LoRA's file name (``train.ema_decay``), in ``train.output_format``, beside the plain one."""
+    """The final EMA LoRA's file name (``train.optim.ema_decay``), in ``train.checkpoint.output_format``, beside the plain one."""
     return f"{output_name(cfg)}{EMA_SUFFIX}.safetensors"
 
 
 def _checkpoint_file(cfg: JobConfig) -> str:
-    return kohya.KOHYA_NAME if cfg.train.output_format == "kohya" else lora.WEIGHT_NAME
+    return kohya.KOHYA_NAME if cfg.train.checkpoint.output_format == "kohya" else lora.WEIGHT_NAME
 
 
 @cache
@@ -96,7 +96,7 @@ magnitude on the output axis as peft trains it, LoKr with LyCORIS's and peft's d
 
 
 def network(adapter: str, family_module: str) -> dict:
-    """``ss_network_module`` (and ``ss_network_args``) of a kohya file of ``train.adapter``: the family's LoRA module,
+    """``ss_network_module`` (and ``ss_network_args``) of a kohya file of ``train.adapter.kind``: the family's LoRA module,
     else ``lycoris.kohya`` with its algorithm."""
     if adapter not in LYCORIS_ARGS:
         return {"ss_network_module": family_module}
@@ -118,29 +118,29 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
         "ss_output_name": output_name(cfg),
         "ss_base_model_version": version,
         "ss_sd_model_name": os.path.basename(base.rstrip("/")) or base,
-        **network(t.adapter, network_module),
-        "ss_network_dim": t.rank,
+        **network(t.adapter.kind, network_module),
+        "ss_network_dim": t.adapter.rank,
         # The training alpha; the file's own alpha tensors equal their rank because alpha/rank is baked into up.
-        "ss_network_alpha": t.alpha,
-        "ss_network_dropout": t.lora_dropout,
-        "ss_training_comment": f"alpha/rank is baked into {'lokr_w1' if t.adapter == 'lokr' else 'lora_up'}; "
+        "ss_network_alpha": t.adapter.alpha,
+        "ss_network_dropout": t.adapter.lora_dropout,
+        "ss_training_comment": f"alpha/rank is baked into {'lokr_w1' if t.adapter.kind == 'lokr' else 'lora_up'}; "
         "alpha tensors equal their rank (strength 1)",
         "ss_resolution": f"({d.resolution}, {d.resolution})",
         "ss_enable_bucket": True,
-        "ss_learning_rate": t.learning_rate,
-        "ss_unet_lr": t.learning_rate,
-        "ss_lr_scheduler": t.lr_scheduler,
-        "ss_lr_warmup_steps": t.warmup_steps,
-        "ss_optimizer": OPTIMIZERS[t.optimizer].cls,
-        "ss_max_grad_norm": t.max_grad_norm,
+        "ss_learning_rate": t.optim.learning_rate,
+        "ss_unet_lr": t.optim.learning_rate,
+        "ss_lr_scheduler": t.optim.lr_scheduler,
+        "ss_lr_warmup_steps": t.optim.warmup_steps,
+        "ss_optimizer": OPTIMIZERS[t.optim.name].cls,
+        "ss_max_grad_norm": t.optim.max_grad_norm,
         "ss_seed": t.seed,
         "ss_gradient_accumulation_steps": t.gradient_accumulation,
         "ss_gradient_checkpointing": t.gradient_checkpointing,
         "ss_mixed_precision": t.mixed_precision,
-        "ss_caption_dropout_rate": t.caption_dropout,
+        "ss_caption_dropout_rate": t.flow.caption_dropout,
         "ss_cache_latents": True,
-        "ss_timestep_sampling": t.sigma_sampling,
-        "ss_guidance_scale": t.guidance,
+        "ss_timestep_sampling": t.flow.sigma_sampling,
+        "ss_guidance_scale": t.flow.guidance,
         "ss_num_epochs": t.epochs,
         "ss_max_train_steps": t.max_steps,
         "ss_steps": step,
@@ -160,7 +160,7 @@ def kohya_metadata(cfg: JobConfig, step: int, epoch: int, tags: dict[str, int]) 
 
 def _file_bytes(checkpoint_dir: str, cfg: JobConfig, step: int, epoch: int, caption_tables: tuple[str, ...]) -> bytes:
     src = os.path.join(checkpoint_dir, _checkpoint_file(cfg))
-    if cfg.train.output_format != "kohya":
+    if cfg.train.checkpoint.output_format != "kohya":
         with open(src, "rb") as f:
             return f.read()
     from safetensors.torch import load_file, save
@@ -183,7 +183,7 @@ def keep_step(checkpoint_dir: str, cfg: JobConfig, output_dir: str, record: dict
 
 
 def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, caption_tables=()) -> str:
-    """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``, and its EMA's (``train.ema_decay``)
+    """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``, and its EMA's (``train.optim.ema_decay``)
     as ``<output_dir>/lora/<ema_name>``. Returns the plain file's path."""
     from rayflux.train.commits import POSITION_FILE
 
@@ -213,12 +213,12 @@ def diffusers_bytes(trainer) -> bytes:
 
 
 def _live_bytes(trainer, cfg: JobConfig, record: dict, caption_tables=()) -> bytes:
-    """The live LoRA as the bytes of an exported file in ``train.output_format`` (with kohya metadata)."""
+    """The live LoRA as the bytes of an exported file in ``train.checkpoint.output_format`` (with kohya metadata)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rayflux-live-") as tmp:
         lora.save_diffusers(trainer.transformer, tmp)
-        if cfg.train.output_format == "kohya":
+        if cfg.train.checkpoint.output_format == "kohya":
             kohya.save(trainer.transformer, tmp, lora.scale(trainer.transformer))
         return _file_bytes(tmp, cfg, int(record["step"]), int(record.get("epoch", 0)), tuple(caption_tables))
 
@@ -259,7 +259,7 @@ def best_recorded(path: str) -> tuple[int, float] | None:
 def keep_best(trainer, cfg: JobConfig, output_dir: str, record: dict, caption_tables=()) -> str:
     """Write the live LoRA as ``<output_dir>/lora/<name>-best.safetensors`` (rank 0, when an eval loss is the lowest so
     far), its step and eval loss in its metadata (:func:`best_recorded`), and ``<name>-best.json`` naming them too.
-    Written from the live weights at eval time, so no checkpoint has to be kept for it: ``train.checkpoints_to_keep``
+    Written from the live weights at eval time, so no checkpoint has to be kept for it: ``train.checkpoint.keep``
     may prune every checkpoint of that step. Written before the step's record is logged: a worker ended in between
     leaves an eval that only this file records."""
     step = int(record["step"])

@@ -1,4 +1,4 @@
-"""The ``train.optimizer`` (each from its own package, imported only when chosen) with one of diffusers'
+"""The ``train.optim.name`` (each from its own package, imported only when chosen) with one of diffusers'
 learning-rate schedules (the names every diffusers-based trainer accepts), and the mixed-precision choice."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rayflux.config.optimizer import OPTIMIZERS, refusal
 log = logging.getLogger(__name__)
 
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-"""``train.lr_scheduler`` values: diffusers' ``get_scheduler`` names, with diffusers' meanings (``constant`` has no
+"""``train.optim.lr_scheduler`` values: diffusers' ``get_scheduler`` names, with diffusers' meanings (``constant`` has no
 warmup; warmups rise linearly from 0)."""
 
 
@@ -33,9 +33,9 @@ def check_worker(name: str, device) -> object:
 
 
 def make_optimizer(params: list, t: TrainConfig, device) -> torch.optim.Optimizer:
-    """``train.optimizer`` over ``params`` with ``train.learning_rate`` and ``train.weight_decay``; every other
+    """``train.optim.name`` over ``params`` with ``train.optim.learning_rate`` and ``train.optim.weight_decay``; every other
     setting is its package's default (Adafactor: a fixed learning rate, as kohya and SimpleTuner run it)."""
-    name, lr, wd = t.optimizer, t.learning_rate, t.weight_decay
+    name, lr, wd = t.optim.name, t.optim.learning_rate, t.optim.weight_decay
     module = check_worker(name, device)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
@@ -44,7 +44,7 @@ def make_optimizer(params: list, t: TrainConfig, device) -> torch.optim.Optimize
     if name == "prodigy":
         if lr < 0.1:
             log.warning(
-                "train.optimizer=prodigy with train.learning_rate=%g: Prodigy estimates its own step size and "
+                "train.optim.name=prodigy with train.optim.learning_rate=%g: Prodigy estimates its own step size and "
                 "the learning rate scales it, 1.0 by its convention",
                 lr,
             )
@@ -55,10 +55,10 @@ def make_optimizer(params: list, t: TrainConfig, device) -> torch.optim.Optimize
         return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False, warmup_init=False)
     if name == "schedulefree_adamw":
         # Its own warmup replaces the schedule's (the config check allows only constant schedules with it).
-        optimizer = module.AdamWScheduleFree(params, lr=lr, weight_decay=wd, warmup_steps=t.warmup_steps)
+        optimizer = module.AdamWScheduleFree(params, lr=lr, weight_decay=wd, warmup_steps=t.optim.warmup_steps)
         optimizer.train()  # it starts in eval mode, and refuses to step there
         return optimizer
-    raise ValueError(f"unknown train.optimizer {name!r}")
+    raise ValueError(f"unknown train.optim.name {name!r}")
 
 
 def has_modes(optimizer) -> bool:
@@ -69,7 +69,7 @@ def has_modes(optimizer) -> bool:
 
 
 def build(params: list, t: TrainConfig, total_steps: int, device="cpu"):
-    """``train.optimizer`` over the LoRA parameters and diffusers' ``get_scheduler(t.lr_scheduler)`` over
+    """``train.optim.name`` over the LoRA parameters and diffusers' ``get_scheduler(t.optim.lr_scheduler)`` over
     ``total_steps`` steps (schedule-free: a constant one; its warmup is the optimizer's own).
 
     diffusers' schedules are ``LambdaLR`` over plain functions, so their ``state_dict`` holds only the step count:
@@ -78,14 +78,14 @@ def build(params: list, t: TrainConfig, total_steps: int, device="cpu"):
     from diffusers.optimization import get_scheduler
 
     optimizer = make_optimizer(params, t, device)
-    schedule_free = t.optimizer == "schedulefree_adamw"
+    schedule_free = t.optim.name == "schedulefree_adamw"
     scheduler = get_scheduler(
-        "constant" if schedule_free else t.lr_scheduler,
+        "constant" if schedule_free else t.optim.lr_scheduler,
         optimizer,
-        num_warmup_steps=t.warmup_steps,
+        num_warmup_steps=t.optim.warmup_steps,
         num_training_steps=total_steps,
-        num_cycles=t.lr_cycles,
-        power=t.lr_power,
+        num_cycles=t.optim.lr_cycles,
+        power=t.optim.lr_power,
     )
     return optimizer, scheduler
 
@@ -93,8 +93,8 @@ def build(params: list, t: TrainConfig, total_steps: int, device="cpu"):
 def step_lr(optimizer, t: TrainConfig) -> float:
     """The learning rate the next step uses: the schedule's, or for schedule-free its own warmup's."""
     group = optimizer.param_groups[0]
-    if t.optimizer == "schedulefree_adamw" and group["k"] < t.warmup_steps:
-        return group["lr"] * (group["k"] + 1) / t.warmup_steps
+    if t.optim.name == "schedulefree_adamw" and group["k"] < t.optim.warmup_steps:
+        return group["lr"] * (group["k"] + 1) / t.optim.warmup_steps
     return group["lr"]
 
 

@@ -42,10 +42,10 @@ class FeedPlan:
     """``train.epochs``: the whole run, so every row knows its global optimizer step and the run's total."""
     accumulation: int = 1
     """``train.gradient_accumulation``: planned batches per optimizer step on each rank."""
-    read_run: int = 4
-    """``train.read_run``: storage neighbours read together (:mod:`rayflux.train.runs`)."""
+    shuffle_block: int = 4
+    """``train.feed.shuffle_block``: storage neighbours read together (:mod:`rayflux.train.runs`)."""
     batches_per_read: int = 8
-    """``train.batches_per_read``: consecutive planned batches per read task."""
+    """``train.feed.batches_per_read``: consecutive planned batches per read task."""
     read_cpus: float = 0.25
     """CPUs each read task reserves."""
     run_storage: str = ""
@@ -66,7 +66,7 @@ class TrainPlan:
     eval_file: str = ""
     """Where the held-out samples' source paths are listed ("" without eval)."""
     world_size: int = 1
-    """The largest world size (``train.num_workers``'s maximum): what the counts and the bar plan for."""
+    """The largest world size (``train.workers.num_workers``'s maximum): what the counts and the bar plan for."""
     counts: dict = field(default_factory=dict)
     """Epoch -> samples, dropped samples and batches of that epoch's plan for ``world_size``."""
     max_steps: int = 0
@@ -116,7 +116,7 @@ def build(cfg: JobConfig, manifest: Manifest, output_dir: str, epochs: tuple[int
     )
     batching.check_references(refs, models.family(cfg.model))
     refs, eval_plan, eval_file = held_out(cfg, refs, output_dir)
-    _, hi = worker_range(t.num_workers)
+    _, hi = worker_range(t.workers.num_workers)
     feed = feed_plan(cfg, output_dir, epochs)
     counts = plan_counts(feed, refs, hi)
     if counts[0]["batches"] == 0:
@@ -143,8 +143,8 @@ def feed_plan(cfg: JobConfig, output_dir: str, epochs: tuple[int, int] | None = 
         epochs=tuple(epochs or (0, t.epochs)),
         total_epochs=t.epochs,
         accumulation=t.gradient_accumulation,
-        read_run=t.read_run,
-        batches_per_read=t.batches_per_read,
+        shuffle_block=t.feed.shuffle_block,
+        batches_per_read=t.feed.batches_per_read,
         run_storage=commits.run_storage(output_dir, cfg.run.name),
     )
 

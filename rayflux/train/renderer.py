@@ -7,8 +7,8 @@ queues a fire-and-forget call. The actor loads the base once (the transformer wi
 prompts' embeddings, the reference images), applies each file with :func:`rayflux.train.lora.load_into` (the
 checkpoint-resume loader) and renders with :func:`rayflux.train.validation.render`, so its grid is the one an
 in-process render of that file draws. Training never waits for it: a render that fails is logged with its reason, a
-step due while ``train.validation_queue`` renders are still pending is skipped with a log line (the last step's
-render is always queued), and the driver waits at most ``train.validation_wait_seconds`` for the renders still due
+step due while ``train.validation.queue`` renders are still pending is skipped with a log line (the last step's
+render is always queued), and the driver waits at most ``train.validation.wait_seconds`` for the renders still due
 after the last step (:meth:`Renders.finish`), then kills the actor. No training worker ever loads a text encoder:
 the actor encodes the prompts.
 """
@@ -53,7 +53,9 @@ class Renderer:
             dtype = models.torch_dtype(self.cfg.model.dtype, device.type)
             with torch.random.fork_rng(devices=[]):  # add_lora's init draws; the file replaces what it drew
                 self.transformer = models.load_transformer(self.cfg.model, str(device), dtype)
-                lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout)
+                lora.add_lora(
+                    self.transformer, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout
+                )
             self.transformer.eval()
         return self.transformer
 
@@ -107,18 +109,18 @@ def _apply(transformer, path: str) -> None:
 
 
 def choose_resources(cfg, use_gpu: bool, cluster: dict) -> tuple[dict, str]:
-    """``(Ray resources for the render actor, why)``: ``train.validation_resources`` when set; on a CPU cluster a
+    """``(Ray resources for the render actor, why)``: ``train.validation.resources`` when set; on a CPU cluster a
     CPU share; else a GPU of ``cache.accelerator_type`` (the cheaper type the encoders use), else a spare GPU when
     the cluster has more than the workers take, else a share of a training GPU (:func:`gpu_share`)."""
     t = cfg.train
-    if t.validation_resources:
-        return dict(t.validation_resources), "train.validation_resources"
+    if t.validation.resources:
+        return dict(t.validation.resources), "train.validation.resources"
     if not use_gpu:
-        return {"CPU": min(0.5, t.cpus_per_worker)}, "CPU training: a CPU actor"
+        return {"CPU": min(0.5, t.workers.cpus_per_worker)}, "CPU training: a CPU actor"
     if cfg.cache.accelerator_type:
         kind = cfg.cache.accelerator_type
         return {"CPU": 1, "GPU": 1, f"accelerator_type:{kind}": 0.001}, f"a {kind} GPU (cache.accelerator_type)"
-    _, hi = config_mod.worker_range(t.num_workers)
+    _, hi = config_mod.worker_range(t.workers.num_workers)
     if cluster.get("GPU", 0) > hi:
         return {"CPU": 1, "GPU": 1}, "a spare GPU beside the training workers'"
     return {"CPU": 1, "GPU": GPU_SHARE}, f"{GPU_SHARE:g} of a training node's GPU (workers take {1 - GPU_SHARE:g})"
@@ -140,7 +142,7 @@ class Renders:
     def __init__(self, cfg, output_dir: str, resources: dict, why: str):
         import ray
 
-        self.wait_seconds = cfg.train.validation_wait_seconds
+        self.wait_seconds = cfg.train.validation.wait_seconds
         self.name = f"rayflux-renderer-{uuid.uuid4().hex[:8]}"
         cpus = float(resources.get("CPU", 0))
         custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
@@ -158,7 +160,7 @@ class Renders:
         log.info("validation renders: actor %s with %s (%s); training does not wait for it", self.name, resources, why)
 
     def finish(self) -> list[dict]:
-        """Wait up to ``train.validation_wait_seconds`` for the renders still due, log each failure, kill the actor.
+        """Wait up to ``train.validation.wait_seconds`` for the renders still due, log each failure, kill the actor.
         Returns the renders' results (empty when the actor died or did not finish in time)."""
         import ray
 
@@ -167,7 +169,7 @@ class Renders:
             results = ray.get(self.actor.drain.remote(), timeout=self.wait_seconds)
         except ray.exceptions.GetTimeoutError:
             log.warning(
-                "validation renders still due after %gs (train.validation_wait_seconds): abandoned", self.wait_seconds
+                "validation renders still due after %gs (train.validation.wait_seconds): abandoned", self.wait_seconds
             )
         except ray.exceptions.RayActorError as exc:
             log.warning("validation renderer died; its pending renders are lost: %s", str(exc).splitlines()[0])
@@ -204,7 +206,7 @@ class Queue:
             self._settle()
         if len(self.pending) >= self.limit and not last:
             log.warning(
-                "validation render for step %d skipped: %d renders still pending (train.validation_queue)",
+                "validation render for step %d skipped: %d renders still pending (train.validation.queue)",
                 step,
                 len(self.pending),
             )

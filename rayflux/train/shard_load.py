@@ -58,7 +58,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
 
 def load(cfg: ModelConfig, device, dtype, mesh, meta=None) -> torch.nn.Module:
     """The transformer sharded over ``mesh``, each rank holding only its rows of every parameter. ``meta``: the
-    :func:`meta_transformer` this worker already built (``train.base_sharding=auto`` counts it first), used in place."""
+    :func:`meta_transformer` this worker already built (``train.workers.base_fsdp=auto`` counts it first), used in place."""
     transformer = meta if meta is not None else meta_transformer(cfg, dtype)
     sharding.shard(transformer, mesh)
     transformer.to_empty(device=device)

@@ -1,4 +1,4 @@
-"""``train.base_sharding``: the frozen transformer sharded with FSDP2 across the workers of a node, replicated across
+"""``train.workers.base_fsdp``: the frozen transformer sharded with FSDP2 across the workers of a node, replicated across
 nodes (HSDP), while the LoRA stays a plain, whole module on every worker.
 
 Only the frozen base is FSDP's: the adapter is attached after ``fully_shard``, so its parameters and AdamW state are
@@ -43,7 +43,7 @@ class Layout:
 
 
 def choose(mode: str, on_gpu: bool, workers_per_node: int, needed_bytes: int, device_bytes: int) -> str:
-    """``none`` or ``node`` for a ``train.base_sharding`` setting. ``auto`` is ``node`` only on GPU, with more than
+    """``none`` or ``node`` for a ``train.workers.base_fsdp`` setting. ``auto`` is ``node`` only on GPU, with more than
     one worker on the node, when one process's whole-base estimate (weights, LoRA + AdamW, activations) exceeds
     :data:`BUDGET` of the device's memory; on CPU it is always ``none``."""
     if mode != "auto":

@@ -66,17 +66,17 @@ def scaling_config(cfg: JobConfig, use_gpu: bool, gpu_left: float = 0.0):
     ``gpu_left``: the share of each worker's GPU left to the validation render actor."""
     import ray.train
 
-    lo, hi = worker_range(cfg.train.num_workers)
-    resources = {"CPU": cfg.train.cpus_per_worker}
-    resources.update(resource_map("train.worker_resources", cfg.train.worker_resources))
+    lo, hi = worker_range(cfg.train.workers.num_workers)
+    resources = {"CPU": cfg.train.workers.cpus_per_worker}
+    resources.update(resource_map("train.workers.worker_resources", cfg.train.workers.worker_resources))
     if use_gpu:
         resources["GPU"] = 1 - gpu_left
     return ray.train.ScalingConfig(
         num_workers=hi if lo == hi else (lo, hi),
         use_gpu=use_gpu,
         resources_per_worker=resources,
-        accelerator_type=cfg.train.accelerator_type or None,
-        elastic_resize_monitor_interval_s=cfg.train.resize_check_seconds,
+        accelerator_type=cfg.train.workers.accelerator_type or None,
+        elastic_resize_monitor_interval_s=cfg.train.workers.resize_check_seconds,
     )
 
 
@@ -92,8 +92,8 @@ def run_config(cfg: JobConfig, output_dir: str, callbacks: list):
         storage_path=storage_path,
         storage_filesystem=storage_fs,
         callbacks=callbacks,
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.checkpoints_to_keep),
-        failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.checkpoint.keep),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.train.workers.max_failures),
     )
 
 
@@ -195,7 +195,7 @@ def _fit(cfg: JobConfig, plan: plan_mod.TrainPlan, launch: Launch, board):
 
     os.environ.setdefault(POLL_ENV, POLL_SECONDS)
     renders, gpu_left = None, 0.0
-    if cfg.train.validation_prompts:
+    if cfg.train.validation.prompts:
         resources, why = renderer.choose_resources(cfg, launch.use_gpu, ray.cluster_resources())
         gpu_left = renderer.gpu_share(resources) if launch.use_gpu else 0.0
         renders = renderer.Renders(cfg, launch.output_dir, resources, why)

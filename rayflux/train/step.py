@@ -101,25 +101,25 @@ def flow_loss(
     noise = torch.randn(latents.shape, generator=generator).to(device)
     sigmas = flow.sample_sigmas(
         b,
-        t.sigma_sampling,
+        t.flow.sigma_sampling,
         generator,
-        logit_mean=t.logit_mean,
-        logit_std=t.logit_std,
-        shift=t.shift,
+        logit_mean=t.flow.logit_mean,
+        logit_std=t.flow.logit_std,
+        shift=t.flow.shift,
         seq_len=family.seq_len(h, w),
         shift_config=shift_config,
     ).to(device)
     guidance = None
     if guidance_embeds:
-        guidance = flow.sample_guidance(b, t.guidance, t.guidance_max, generator).to(device, dtype)
+        guidance = flow.sample_guidance(b, t.flow.guidance, t.flow.guidance_max, generator).to(device, dtype)
     text = {n: x.to(device, dtype) for n, x in batch.text.items()}
-    if t.caption_dropout > 0:
+    if t.flow.caption_dropout > 0:
         if empty is None:
-            raise ValueError("train.caption_dropout needs the cached empty-caption embedding")
-        mask = flow.caption_dropout_mask(b, t.caption_dropout, generator)
+            raise ValueError("train.flow.caption_dropout needs the cached empty-caption embedding")
+        mask = flow.caption_dropout_mask(b, t.flow.caption_dropout, generator)
         text = flow.drop_text(text, mask, empty.text)
     pred, target = predict(model, batch, latents, noise, sigmas, text=text, guidance=guidance, rt=rt)
-    weights = flow.loss_weights(sigmas, t.loss_weighting)
+    weights = flow.loss_weights(sigmas, t.flow.loss_weighting)
     if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
         weights = weights * batch.weights.to(weights.device, weights.dtype)
     return flow.flow_loss(pred, target, weights, token_weights(batch, family))

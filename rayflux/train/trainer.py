@@ -47,13 +47,13 @@ def worker_seed(seed: int, rank: int) -> int:
 
 
 class LoraTrainer:
-    """The transformer with its LoRA adapter, ``train.optimizer`` and the LR schedule over ``total_steps`` optimizer
+    """The transformer with its LoRA adapter, ``train.optim.name`` and the LR schedule over ``total_steps`` optimizer
     steps.
 
     ``wrap`` turns the transformer into the module the forward pass goes through (Ray Train's ``prepare_model``,
     i.e. DDP with several workers); in-process it is the transformer itself. ``transformer``, when given, is used
     instead of loading ``model.path`` (already on ``device`` in the weight dtype). ``topology`` (Ray Train's view of
-    the workers) lets ``train.base_sharding`` shard the frozen base; without it every process holds all of it.
+    the workers) lets ``train.workers.base_fsdp`` shard the frozen base; without it every process holds all of it.
     ``text_length``: the model's text tokens per sample (the driver's ``ModelFacts``); read from ``model.path``'s
     configs when not given. ``total_steps`` may be a callable, called once the base is loaded (the training loop
     reads its first batch, which knows the planned step count, while the model loads).
@@ -80,7 +80,7 @@ class LoraTrainer:
         # The same seed on every rank gives every rank the same fresh adapter (DDP also broadcasts rank 0's).
         torch.manual_seed(t.seed)
         base_weights.check_worker(t.base_dtype, self.device)  # before any load: CUDA, compute capability, package
-        optim.check_worker(t.optimizer, self.device)  # likewise: CUDA for 8-bit AdamW, the optimizer's package
+        optim.check_worker(t.optim.name, self.device)  # likewise: CUDA for 8-bit AdamW, the optimizer's package
         attention.exclude_faulting_kernels(self.device)
         self.text_length = text_length or models.model_facts(cfg.model).text_length
         # A transformer built elsewhere (benchmarks at real widths with random weights) skips model.path.
@@ -91,12 +91,14 @@ class LoraTrainer:
             phases.mark("model_load_end")
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
-        self.params = lora.add_lora(self.transformer, t.rank, t.alpha, t.targets, t.lora_dropout, t.adapter)
+        self.params = lora.add_lora(
+            self.transformer, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout, t.adapter.kind
+        )
         base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
-        if t.output_format == "kohya":
+        if t.checkpoint.output_format == "kohya":
             kohya.check_adapter(self.transformer)  # before training, not at export
-        if t.init_lora:
-            lora.init_from_file(self.transformer, t.init_lora)
+        if t.adapter.init_lora:
+            lora.init_from_file(self.transformer, t.adapter.init_lora)
         self.checkpointing = self._plan_memory(rank)
         if self.checkpointing:
             self.transformer.enable_gradient_checkpointing()
@@ -115,14 +117,14 @@ class LoraTrainer:
         self.model = wrap(self.transformer) if wrap else self.transformer
         self.model.train()
         # After the wrap, which broadcasts rank 0's adapter: every rank's average starts from the same weights.
-        self.ema = ema.AdapterEma(self.params, t.ema_decay) if t.ema_decay else None
+        self.ema = ema.AdapterEma(self.params, t.optim.ema_decay) if t.optim.ema_decay else None
         seed_everything(worker_seed(t.seed, rank))
 
     def _load_base(self, rank: int, topology: sharding.Topology | None):
-        """The frozen transformer, whole or sharded as ``train.base_sharding`` decides; logs the choice (rank 0)."""
+        """The frozen transformer, whole or sharded as ``train.workers.base_fsdp`` decides; logs the choice (rank 0)."""
         t, m = self.cfg.train, self.cfg.model
-        mode = t.base_sharding if topology and topology.world > 1 else "none"  # one worker: nothing to shard
-        if mode == "auto" and (not base_dtype_rules.shardable(t.base_dtype) or t.adapter != "lora"):
+        mode = t.workers.base_fsdp if topology and topology.world > 1 else "none"  # one worker: nothing to shard
+        if mode == "auto" and (not base_dtype_rules.shardable(t.base_dtype) or t.adapter.kind != "lora"):
             # An fp8 or nf4 base is not FSDP2's to shard (see rayflux.config.base_dtype), nor a DoRA's or LoKr's.
             mode = "none"
         meta = None
@@ -130,7 +132,7 @@ class LoraTrainer:
             # Built once: counted here, and sharded and filled in place below when the choice is node.
             meta = shard_load.meta_transformer(m, self.dtype)
             whole = self._weight_bytes(base_weights.counts(meta), None)
-            trainable = lora.trainable_count(meta, t.rank, t.targets, t.adapter)
+            trainable = lora.trainable_count(meta, t.adapter.rank, t.adapter.targets, t.adapter.kind)
             without, with_, on, device_bytes = self._estimates(dict(meta.config), whole, trainable)
             mode = sharding.choose(
                 mode, self.device.type == "cuda", topology.local_world, (with_ if on else without).total, device_bytes
@@ -143,8 +145,8 @@ class LoraTrainer:
             )
             if rank == 0:
                 log.info(
-                    "base sharding: none (train.base_sharding=%s); the whole base, %.2f GiB, on every worker",
-                    t.base_sharding,
+                    "base sharding: none (train.workers.base_fsdp=%s); the whole base, %.2f GiB, on every worker",
+                    t.workers.base_fsdp,
                     sharding.whole_bytes(transformer) / GIB,
                 )
             return transformer
@@ -154,8 +156,8 @@ class LoraTrainer:
         if rank == 0:
             whole, mine = sharding.whole_bytes(transformer) / GIB, sharding.local_bytes(transformer) / GIB
             log.info(
-                "base sharding: node (train.base_sharding=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
-                t.base_sharding,
+                "base sharding: node (train.workers.base_fsdp=%s), mesh %s (%s); base %.2f GiB, %.2f GiB a worker",
+                t.workers.base_fsdp,
                 "x".join(map(str, self.layout.shape)),
                 self.layout.reason,
                 whole,
@@ -191,9 +193,9 @@ class LoraTrainer:
                 c,
                 activation_bytes=act_bytes,
                 text=self.text_length,
-                optimizer=t.optimizer,
-                rank=t.rank,
-                ema=bool(t.ema_decay),
+                optimizer=t.optim.name,
+                rank=t.adapter.rank,
+                ema=bool(t.optim.ema_decay),
             )
             for c in (False, True)
         )
@@ -218,7 +220,7 @@ class LoraTrainer:
                 pixels,
                 t.batch_size,
                 used.weights / GIB,
-                t.optimizer + (" + EMA" if t.ema_decay else ""),
+                t.optim.name + (" + EMA" if t.optim.ema_decay else ""),
                 used.lora_optimizer / GIB,
                 used.activations / GIB,
                 without.activations / GIB,
@@ -234,11 +236,11 @@ class LoraTrainer:
                 else "whole on every worker"
             )
             log.info(
-                "frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.base_sharding=%s (%s)",
+                "frozen base: train.base_dtype=%s (%.2f bytes a parameter, %.1f GiB), train.workers.base_fsdp=%s (%s)",
                 t.base_dtype,
                 whole / counts.total,
                 whole / GIB,
-                t.base_sharding,
+                t.workers.base_fsdp,
                 share,
             )
         return on
@@ -263,7 +265,7 @@ class LoraTrainer:
         if self.layout:
             sharding.all_reduce_mean(self.params)  # what DDP's reducer does after the last batch
         # With clipping off, an infinite limit still returns the norm and leaves the gradients alone.
-        limit = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+        limit = t.optim.max_grad_norm if t.optim.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, limit))
         self.optimizer.step()
         self.scheduler.step()
@@ -296,7 +298,7 @@ class LoraTrainer:
     @contextlib.contextmanager
     def eval_weights(self):
         """The LoRA that eval loss, the best-LoRA file and validation renders use, for the length of the block: the
-        EMA (``train.ema_decay``) when there is one, else :meth:`optimizer_eval`'s. The exact training weights are
+        EMA (``train.optim.ema_decay``) when there is one, else :meth:`optimizer_eval`'s. The exact training weights are
         back after it."""
         if self.ema is None:
             with self.optimizer_eval():
@@ -308,7 +310,7 @@ class LoraTrainer:
     def state_dict(self) -> dict:
         """Optimizer and scheduler state (the LoRA weights are saved as a LoRA file beside it, in the
         :meth:`optimizer_eval` form); a schedule-free optimizer's training weights too, in parameter order; the
-        EMA's state (``train.ema_decay``)."""
+        EMA's state (``train.optim.ema_decay``)."""
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if optim.has_modes(self.optimizer):
             state["train_weights"] = [p.detach().clone() for p in self.params]
@@ -328,8 +330,8 @@ class LoraTrainer:
         if self.ema and "ema" in state:
             self.ema.load_state_dict(state["ema"], self.params)
         elif self.ema:  # ema_decay set on the resume of a run without one: the average starts here
-            log.warning("train.ema_decay: the checkpoint holds no EMA; the average starts from its weights")
-            self.ema = ema.AdapterEma(self.params, self.cfg.train.ema_decay)
+            log.warning("train.optim.ema_decay: the checkpoint holds no EMA; the average starts from its weights")
+            self.ema = ema.AdapterEma(self.params, self.cfg.train.optim.ema_decay)
 
 
 def exclude_frozen_from_ddp(module) -> list[str]:

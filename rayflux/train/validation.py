@@ -6,7 +6,7 @@ later renders reuse the embeddings. The small VAE is loaded for each render and 
 under a forked RNG, so it never shifts the random stream of the process that renders.
 :func:`render_trained` renders a live trainer's LoRA in-process (used by tests to compare layouts).
 
-With ``train.validation_references`` each prompt is an edit instruction: its reference images, read once per run and
+With ``train.validation.references`` each prompt is an edit instruction: its reference images, read once per run and
 decoded by the cache's decoder (upright by their EXIF orientation, any mode to RGB), cut to the render's square
 size, go to the pipeline's ``image=`` the way the family's pipeline takes them
 (:meth:`~rayflux.families.base.Family.reference_kwargs`).
@@ -59,11 +59,11 @@ def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     t = cfg.train
     facts = models.model_facts(cfg.model)
     path = models.resolve_path(cfg.model)
-    key = (path, cfg.model.revision, tuple(t.validation_prompts), str(device), str(dtype), facts.text_length)
+    key = (path, cfg.model.revision, tuple(t.validation.prompts), str(device), str(dtype), facts.text_length)
     if key not in _PREPARED:
         family = models.family(cfg.model)
         embeds = family.prompt_embeddings(
-            path, models.revision_kw(cfg.model), list(t.validation_prompts), facts, device, dtype
+            path, models.revision_kw(cfg.model), list(t.validation.prompts), facts, device, dtype
         )
         gc.collect()
         if device.type == "cuda":
@@ -88,7 +88,7 @@ def reference_images(entry, size: int, max_pixels: int) -> list:
         try:
             img = decode(storage.read_bytes(uri), max_pixels)
         except BadImage as exc:
-            raise ValueError(f"train.validation_references: {uri}: {exc}") from None
+            raise ValueError(f"train.validation.references: {uri}: {exc}") from None
         out.append(ImageOps.fit(img, (size, size), Image.Resampling.LANCZOS))
     return out
 
@@ -96,7 +96,7 @@ def reference_images(entry, size: int, max_pixels: int) -> list:
 def _references(cfg: JobConfig, size: int) -> list[list]:
     """Every validation prompt's reference images (:func:`reference_images`), read once per run: later renders
     reuse them instead of reading the files again."""
-    refs = cfg.train.validation_references
+    refs = cfg.train.validation.references
     key = (repr(refs), size, cfg.data.max_image_pixels)
     if key not in _REFERENCES:
         _REFERENCES.clear()
@@ -134,8 +134,8 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
                     **(edits[i] if edits else {}),
                     height=size,
                     width=size,
-                    num_inference_steps=t.validation_inference_steps or own_steps,
-                    guidance_scale=t.validation_guidance or own_guidance,
+                    num_inference_steps=t.validation.inference_steps or own_steps,
+                    guidance_scale=t.validation.guidance or own_guidance,
                     generator=torch.Generator().manual_seed(t.seed + i),
                 ).images[0]
                 for i, prompt in enumerate(embeds)
@@ -157,14 +157,14 @@ def whole_copy(trainer, cfg: JobConfig, device):
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):  # add_lora's init draws
         whole = models.load_transformer(cfg.model, str(device), trainer.dtype)
-        lora.add_lora(whole, t.rank, t.alpha, t.targets, t.lora_dropout, t.adapter)
+        lora.add_lora(whole, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout, t.adapter.kind)
     adapter = lora.lora_state_dict(trainer.transformer)
     lora.set_state(whole, {k: v.to(device) for k, v in adapter.items()}, "the trained adapter")
     return whole
 
 
 def render_trained(trainer, cfg: JobConfig, device) -> list:
-    """:func:`render` with the trainer's LoRA. A sharded base (``train.base_sharding``) cannot run on rank 0 alone:
+    """:func:`render` with the trainer's LoRA. A sharded base (``train.workers.base_fsdp``) cannot run on rank 0 alone:
     each block's forward is an all-gather that every rank must join. Rank 0 instead loads a whole copy from
     ``model.path`` (node-local files) with the adapter's current weights (:func:`whole_copy`), renders and frees it.
     Gathering the shards instead would stall every rank in collectives for the render's length and hold each
