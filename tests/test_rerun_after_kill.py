@@ -26,10 +26,10 @@ def _settings(tiny_model, demo_images, tmp_path, out: Path) -> list[str]:
         f"cache.dir={tmp_path / 'cache'}",
         f"run.output_dir={out}",
         "data.resolution=64",
-        "train.num_workers=1",
+        "train.workers.num_workers=1",
         "train.max_steps=4",
-        "train.checkpoint_every=1",
-        "train.learning_rate=0.01",
+        "train.checkpoint.every=1",
+        "train.optim.learning_rate=0.01",
         # run.lease_seconds stays the default 60 s: the rerun must not wait for it.
     ]
 
