@@ -321,11 +321,13 @@ def test_plan_groups_edits_by_reference_count_and_a_batch_row_carries_its_refere
 
     from rayflux.train import batching, step
 
-    refs = [batching.SampleRef(f"s{i}", "64x64", "f", i, ref_count=i % 3) for i in range(12)]
+    refs = [batching.SampleRef(f"s{i}", "64x64", "f", i, counts={"ref_count": i % 3}) for i in range(12)]
     plan, dropped = batching.plan_epoch(refs, 4, seed=1, epoch=0, world_size=1)
     assert dropped == 0 and len(plan) == 3
     for b in plan:
-        assert len({r.ref_count for r in decode_planned(b["refs"])}) == 1  # one reference count per batch
+        assert (
+            len({r.counts.get("ref_count", 0) for r in decode_planned(b["refs"])}) == 1
+        )  # one reference count per batch
     counts = batching.epoch_counts({"64x64": 4, "64x64+1ref": 4, "64x64+2ref": 4}, 4, 1, 0, 1)
     assert counts == {"samples": 12, "dropped": 0, "batches": 3}
     lat = [np.full((4, 2, 2), i, np.float32) for i in range(2)]
@@ -343,8 +345,8 @@ def test_an_edit_with_more_references_than_the_family_takes_is_refused():
     from rayflux.train import batching
 
     two = [
-        batching.SampleRef("a", "64x64", "f", 0, ref_count=1),
-        batching.SampleRef("b", "64x64", "f", 1, ref_count=2, source="/data/b.png"),
+        batching.SampleRef("a", "64x64", "f", 0, counts={"ref_count": 1}),
+        batching.SampleRef("b", "64x64", "f", 1, counts={"ref_count": 2}, source="/data/b.png"),
     ]
     with pytest.raises(ValueError, match="/data/b.png has 2 reference images, but FLUX.1 Kontext .* at most 1"):
         batching.check_references(two, families.for_class("FluxKontextPipeline"))
@@ -387,7 +389,7 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
     manifest = generations.load_manifest(summary.cache_dir)
     samples = batching.index_samples(manifest)
     assert all(
-        r.ref_count == 1 and 0 <= r.range("ref_latent").offset - sum(r.range("latent")[:2]) <= ranges.HOLE
+        r.count("ref_count") == 1 and 0 <= r.range("ref_latent").offset - sum(r.range("latent")[:2]) <= ranges.HOLE
         for r in samples
     )
     plan, _ = batching.plan_epoch(samples, 1, seed=0, epoch=0, world_size=1)

@@ -48,8 +48,9 @@ def sample_index(samples=None) -> pa.Schema:
     return pa.schema(
         [
             *_SAMPLE_FIELDS,
+            *[(h, pa.string()) for h in sample_layout.hash_columns(samples)],
             *_LOCATION,
-            *[(c, pa.int32()) for c in sample_layout.COUNT_COLUMNS],
+            *[(c, pa.int32()) for c in sample_layout.count_columns(samples)],
             *ranges,
             ("generation", pa.int32()),
             ("encode_id", pa.string()),
@@ -72,9 +73,9 @@ _SAMPLE_FIELDS = [
     ("source_mtime_ns", pa.int64()),
     ("orig_w", pa.int32()),
     ("orig_h", pa.int32()),
-    ("mask_sha256", pa.string()),
 ]
-"""What a sample is and which generation's use of it the row describes (not where its tensors are)."""
+"""What a sample is and which generation's use of it the row describes (not where its tensors are); its declared
+tensors' content hashes follow (:func:`rayflux.cache.layout.hash_columns`)."""
 
 SAMPLE_INDEX = sample_index()
 """The sample index's columns with the current declarations (:data:`rayflux.cache.layout.SAMPLE_TENSORS`)."""
@@ -88,7 +89,7 @@ def borrowed_columns(samples) -> list[str]:
         "latent_h",
         "latent_w",
         *(n for n, _ in _LOCATION),
-        *sample_layout.COUNT_COLUMNS,
+        *sample_layout.count_columns(samples),
         *(c for t in samples for c in t.columns()),
         "generation",
         "encode_id",

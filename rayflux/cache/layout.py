@@ -6,7 +6,9 @@ the rule for its shape (from the row's bucket and the row's own count columns), 
 lack it (its bytes are then empty), the prefix of its ``offset``/``length``/``crc32`` columns in the generation
 index, and where it lands in the step's :class:`~rayflux.train.step.Batch`. Adding a per-sample tensor costs a
 declaration here, a producer (a stage that puts the tensor's bytes into the row under its name, or the
-declaration's own ``produce``) and a consumer (whatever reads ``Batch.tensors[name]``).
+declaration's own ``produce``) and a consumer (whatever reads ``Batch.tensors[name]``). A declaration also names
+the row's columns that go with its tensor: the count its shape names (``ref_count``) and its content hash
+(``hash``); the shard and index schemas, the planned samples and the training refs carry them from here.
 
 The tensor columns are the last columns of a sample shard, in declaration order, so a row's tensors lie back to
 back in its row group and one ranged read fetches all of them (:mod:`rayflux.cache.ranges` merges close ranges).
@@ -49,6 +51,11 @@ class SampleTensor:
     batch: str = ""
     """The step's :class:`~rayflux.train.step.Batch` attribute it lands on (``latents``, ``references``); empty:
     ``Batch.tensors[name]``."""
+    hash: str = ""
+    """Its content-hash column (a string, comma-joined per item for a counted tensor), in the sample shards and the
+    sample index: what the tensor was made from, so a rerun knows whether a cached row's tensor is current. Empty:
+    none. Code, like the other columns of a row: not written into layouts; a layout read back takes the current
+    declaration's (:func:`as_tensor`)."""
     produce: Callable[[dict], bytes] | None = field(default=None, compare=False, repr=False)
     """Optional producer run by the writer on each freshly encoded row that lacks the column: the row as a dict in,
     the tensor's stored bytes out. Not part of the layout written to manifests and shards."""
@@ -61,10 +68,11 @@ class SampleTensor:
         return tuple(a for a in self.shape if isinstance(a, str) and a not in LATENT_AXES)
 
     def shape_of(self, latent: tuple[int, int, int], row) -> tuple[int, ...]:
-        """Its shape in a row of latent shape ``latent``; ``row`` gives the count columns (a dict or an object)."""
+        """Its shape in a row of latent shape ``latent``; ``row`` gives the count columns (a dict or an object; a count
+        it lacks is 0)."""
         axes = dict(zip(LATENT_AXES, latent))
-        get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
-        return tuple(a if isinstance(a, int) else axes[a] if a in axes else int(get(a)) for a in self.shape)
+        get = row.get if isinstance(row, dict) else lambda k: getattr(row, k, 0)
+        return tuple(a if isinstance(a, int) else axes[a] if a in axes else int(get(a) or 0) for a in self.shape)
 
     def nbytes(self, latent: tuple[int, int, int], row, layout_dtype: str) -> int:
         return tensors.nbytes(self.shape_of(latent, row), self.dtype or layout_dtype)
@@ -88,22 +96,38 @@ SAMPLE_TENSORS: tuple[SampleTensor, ...] = (
     SampleTensor("latent", ("c", "h", "w"), key="", batch="latents"),
     # Edit pairs: ``ref_count`` reference latents of the row's own latent shape, back to back (empty for a plain
     # sample); their content hashes are ``ref_sha256``, comma-joined in the same order (part of the sample id).
-    SampleTensor("ref_latent", ("ref_count", "c", "h", "w"), key="ref_", optional=True, batch="references"),
+    SampleTensor(
+        "ref_latent", ("ref_count", "c", "h", "w"), key="ref_", optional=True, batch="references", hash="ref_sha256"
+    ),
     # Loss masks (docs/masks.md): the mask on the latent grid, float16 in [0, 1] (rayflux.cache.masks), produced by
     # preparation (cache/prepare.py), empty for a dataset without masks; its content hash is the index's
     # ``mask_sha256`` (not part of the sample id: batch order and noise must not depend on it).
-    SampleTensor("mask", ("h", "w"), key="mask_", dtype="float16", optional=True, batch="masks"),
+    SampleTensor("mask", ("h", "w"), key="mask_", dtype="float16", optional=True, batch="masks", hash="mask_sha256"),
 )
 """The per-sample tensors every new layout declares, in column order. A layout read back from a manifest or a
 shard carries its own list (:attr:`rayflux.cache.shards.ShardLayout.samples`)."""
 
-COUNT_COLUMNS = ("ref_count",)
-"""Count columns a declaration's shape may name: int32 columns of both the sample shards and the sample index."""
+
+def count_columns(samples: tuple[SampleTensor, ...] | None = None) -> tuple[str, ...]:
+    """The count columns the declarations' shapes name (int32 columns of both the sample shards and the sample
+    index), in declaration order."""
+    samples = SAMPLE_TENSORS if samples is None else samples
+    return tuple(dict.fromkeys(c for t in samples for c in t.counts()))
+
+
+def hash_columns(samples: tuple[SampleTensor, ...] | None = None) -> tuple[str, ...]:
+    """The declarations' content-hash columns (strings of both the sample shards and the sample index)."""
+    samples = SAMPLE_TENSORS if samples is None else samples
+    return tuple(t.hash for t in samples if t.hash)
 
 
 def as_tensor(t) -> SampleTensor:
-    """A declaration, from itself or from its JSON form (a manifest's or a shard's layout)."""
-    return t if isinstance(t, SampleTensor) else SampleTensor(**t)
+    """A declaration, from itself or from its JSON form (a manifest's or a shard's layout), with the current
+    declaration's hash column (which layouts do not record)."""
+    if isinstance(t, SampleTensor):
+        return t
+    current = declared(t["name"])
+    return SampleTensor(**{"hash": current.hash if current else "", **t})
 
 
 def declared(name: str) -> SampleTensor | None:
@@ -133,15 +157,13 @@ class PlannedSample(NamedTuple):
     source: str
     text: str
     """The caption's :class:`TextLocator` as JSON."""
-    ref_count: int
+    counts: dict
+    """The row's count columns (:func:`count_columns`) by name."""
     ranges: list
     """One :class:`TensorRange` per declared sample tensor, in the layout's order."""
 
     def range(self, i: int) -> TensorRange:
         return TensorRange(*self.ranges[i])
-
-    def counts(self) -> dict[str, int]:
-        return {"ref_count": self.ref_count}
 
 
 def encode_planned(samples: list[PlannedSample]) -> str:
@@ -194,7 +216,7 @@ def _tensor(name: str) -> pa.Field:
     return pa.field(name, pa.binary(), nullable=False)
 
 
-_SAMPLE_COLUMNS = [
+_SAMPLE_HEAD = [
     ("sample_id", pa.string()),
     ("source_uri", pa.string()),
     ("rel_path", pa.string()),
@@ -215,21 +237,23 @@ _SAMPLE_COLUMNS = [
     ("latent_h", pa.int32()),
     ("latent_w", pa.int32()),
     ("latent_dtype", pa.string()),
-    # Edit pairs: the reference images' count and content hashes, comma-joined in order (part of the sample id).
-    *[(c, pa.int32()) for c in COUNT_COLUMNS],
-    ("ref_sha256", pa.string()),
-    # Loss masks: the mask's content hash (rayflux.cache.masks; "" without masks), decides whether the row is current.
-    ("mask_sha256", pa.string()),
-    ("generation", pa.int32()),
-    ("encode_id", pa.string()),
 ]
+"""A sample row's description, before its declared tensors' count and hash columns (:func:`sample_columns`)."""
+_SAMPLE_TAIL = [("generation", pa.int32()), ("encode_id", pa.string())]
+
+
+def sample_columns(samples: tuple[SampleTensor, ...] | None = None) -> list[tuple[str, pa.DataType]]:
+    """A sample row's columns before its tensors: its description, the declarations' count and hash columns, and
+    the build that wrote it."""
+    counts = [(c, pa.int32()) for c in count_columns(samples)]
+    return [*_SAMPLE_HEAD, *counts, *((h, pa.string()) for h in hash_columns(samples)), *_SAMPLE_TAIL]
 
 
 def sample_schema(samples: tuple[SampleTensor, ...] | None = None) -> pa.Schema:
     """A sample shard's columns: the row's description, then one binary column per declared per-sample tensor,
     last and in order, so a row's tensors lie back to back (one ranged read)."""
     samples = SAMPLE_TENSORS if samples is None else samples
-    return pa.schema([*_SAMPLE_COLUMNS, *(_tensor(t.name) for t in samples)])
+    return pa.schema([*sample_columns(samples), *(_tensor(t.name) for t in samples)])
 
 
 SAMPLE_SCHEMA = sample_schema()

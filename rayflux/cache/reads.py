@@ -175,11 +175,11 @@ def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, di
         got = tuple(int(x) for x in s.latent_shape.split(","))
         if got != want:
             raise error("latent shape", want, got)
-        if s.ref_count != first.ref_count:
-            raise error("reference count (the batch's)", first.ref_count, s.ref_count)
+        if s.counts != first.counts:
+            raise error("counts (the batch's)", first.counts, s.counts)
         for t in layout.samples:
             rng = TensorRange(*s.ranges[t.name])
-            shape = t.shape_of(want, s.counts())
+            shape = t.shape_of(want, s.counts)
             if t.optional and (not rng.length or not tensors.nbytes(shape, layout.dtype_of(t))):
                 if samples[t.name]:
                     raise error(f"{t.name} (the batch's)", "present", "absent")

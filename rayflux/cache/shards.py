@@ -35,7 +35,6 @@ import pyarrow.parquet as pq
 from rayflux import storage
 from rayflux.cache import codec, integrity, tensors
 from rayflux.cache.layout import (
-    _SAMPLE_COLUMNS,
     SAMPLE_SCHEMA,
     SCHEMA_VERSION,
     ShardLayout,
@@ -45,7 +44,7 @@ from rayflux.cache.layout import (
 )
 
 # The only columns worth a dictionary or statistics; on tensor columns both would store each tensor again.
-_STRING_COLUMNS = sorted({n for n, t in _SAMPLE_COLUMNS if t == pa.string()} | {"text_dtype"})
+_STRING_COLUMNS = sorted({f.name for f in SAMPLE_SCHEMA if f.type == pa.string()} | {"text_dtype"})
 _STATS_COLUMNS = ["sample_id", "caption_id"]
 
 
@@ -102,10 +101,11 @@ def check_row(row: dict, layout: ShardLayout, bucket: str | None = None, values:
         raise error("latent shape", want, got)
     if row["latent_dtype"] != layout.dtype:
         raise error("latent dtype", layout.dtype, row["latent_dtype"])
-    refs = int(row["ref_count"])
-    hashes = [h for h in (row["ref_sha256"] or "").split(",") if h]
-    if refs < 0 or len(hashes) != refs:
-        raise error("reference hashes for ref_count", refs, len(hashes))
+    for t in layout.samples:
+        for count in t.counts() if t.hash else ():  # a counted tensor has one content hash per item
+            n, hashes = int(row[count]), [h for h in (row[t.hash] or "").split(",") if h]
+            if n < 0 or len(hashes) != n:
+                raise error(f"{t.hash} for {count}", n, len(hashes))
     for t in layout.samples:
         if t.optional and not t.counts() and not row.get(t.name):
             continue  # a row may lack it

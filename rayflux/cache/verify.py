@@ -190,8 +190,9 @@ class _Checker:
                         f"{where}: bucket {e['bucket']}: {t.name} of latent shape {got} and {length} bytes, "
                         f"expected {want} and {nbytes}"
                     )
-            if e.get("mask_sha256") and not e.get("mask_length"):
-                self.problem(f"{where}: mask {e['mask_sha256'][:12]} recorded but no mask bytes")
+            for t in self.layout.samples:  # an uncounted tensor's hash names bytes the row must hold
+                if t.hash and not t.counts() and e.get(t.hash) and not e.get(t.columns()[1]):
+                    self.problem(f"{where}: {t.name} {e[t.hash][:12]} recorded but no {t.name} bytes")
             by_file.setdefault(e["file"], []).append(e)
         for c in captions:
             by_file.setdefault(c["file"], []).append(c)

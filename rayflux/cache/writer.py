@@ -102,8 +102,10 @@ def _compress_text(rows: list[dict], layout: shards.ShardLayout) -> list[dict[st
     return codecs
 
 
-def _index_row(batch: dict, i: int) -> dict:
+def _index_row(batch: dict, i: int, samples) -> dict:
     """The index fields of input ``i`` that describe this generation's use of it (not where its latent is)."""
+    # A reused row's hashes are its previous one's (prepare_row reuses only a row whose tensors are current).
+    hashes = {h: str(batch[h][i]) if h in batch else "" for h in sample_layout.hash_columns(samples)}
     return {
         "sample_id": str(batch["sample_id"][i]),
         "dataset": str(batch["dataset"][i]),
@@ -116,8 +118,7 @@ def _index_row(batch: dict, i: int) -> dict:
         "source_mtime_ns": int(batch["mtime_ns"][i]),
         "orig_w": int(batch["orig_w"][i]),
         "orig_h": int(batch["orig_h"][i]),
-        # A reused row's is its previous one's (prepare_row reuses only a row whose mask is current).
-        "mask_sha256": str(batch["mask_sha256"][i]) if "mask_sha256" in batch else "",
+        **hashes,
     }
 
 
@@ -161,10 +162,10 @@ def _fresh_rows(batch: dict, fresh: list[int], layout: shards.ShardLayout, gener
 def _fresh_entries(batch, fresh, rows, layout, written: tuple[str, int, dict], generation: int) -> list[dict]:
     """The index rows of the freshly written ``rows``: where each declared tensor's bytes are in the new shard."""
     file, nbytes, ranges = written
-    counts = ("latent_c", "latent_h", "latent_w", *sample_layout.COUNT_COLUMNS, "encode_id")
+    counts = ("latent_c", "latent_h", "latent_w", *sample_layout.count_columns(layout.samples), "encode_id")
     entries = []
     for j, (i, row) in enumerate(zip(fresh, rows)):
-        entry = {**_index_row(batch, i), **{k: row[k] for k in counts}}
+        entry = {**_index_row(batch, i, layout.samples), **{k: row[k] for k in counts}}
         entry.update(file=file, file_bytes=nbytes, row=j, generation=generation)
         for t in layout.samples:
             entry.update(zip(t.columns(), ranges[t.name][j]))
@@ -189,9 +190,10 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
     ]
     # A bucket's rows lie together in the shard (in input order), so the runs of neighbouring rows that training
     # batches are filled with (rayflux.train.runs) hold no other bucket's latents between them: one short read each.
+    counted = [c for c in sample_layout.count_columns(layout.samples) if c in batch]
     fresh = sorted(
         (i for i in kept if not batch["reuse"][i]),
-        key=lambda i: (str(batch["bucket"][i]), int(batch["ref_count"][i]) if "ref_count" in batch else 0),
+        key=lambda i: (str(batch["bucket"][i]), *(int(batch[c][i]) for c in counted)),
     )
     rows = _fresh_rows(batch, fresh, layout, generation)
     borrowed = index.borrowed_columns(layout.samples)
@@ -199,7 +201,7 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
     for i in kept:
         if batch["reuse"][i]:
             prev = json.loads(batch["prev"][i])
-            entries.append({**_index_row(batch, i), **{k: prev[k] for k in borrowed}})
+            entries.append({**_index_row(batch, i, layout.samples), **{k: prev[k] for k in borrowed}})
     # Counted from the encoder's own stamp on the batch, not from the reuse decision.
     encoded = sum(1 for i in kept if batch["encode_id"][i])
     extra = {"skipped": json.dumps(skipped), "buckets": "{}", "encoded": encoded, "reused": len(entries)}

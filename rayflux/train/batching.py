@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayflux import storage
-from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, TextPart, encode_planned
+from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, TextPart, count_columns, encode_planned
 from rayflux.train import runs
 
 
@@ -56,14 +56,25 @@ class SampleRef:
     """The generation being read: a read task checks once that it is committed and not retired."""
     layout: str = ""
     """The generation's :class:`~rayflux.cache.shards.ShardLayout` as JSON: what every row must look like."""
-    ref_count: int = 0
-    """Edit pairs: reference latents stored beside the latent (0 for a plain sample)."""
+    counts: str = "{}"
+    """The row's count columns (:func:`rayflux.cache.layout.count_columns`, e.g. an edit pair's ``ref_count``
+    reference latents stored beside the latent), as JSON ``{name: n}`` of those not 0; a dict given here is stored
+    as its JSON."""
     lacks: str = ""
     """The optional, uncounted declared tensors this row lacks, comma-joined (a batch stacks rows that lack the
     same ones, see :func:`group`)."""
     ranges: str = "{}"
     """Where each declared per-sample tensor's bytes are in ``file`` (:mod:`rayflux.cache.layout`): JSON
     ``{name: [offset, length, crc32]}``, checked on every read; an optional tensor the row lacks has length 0."""
+
+    def __post_init__(self):
+        if isinstance(self.counts, dict):
+            counted = {c: int(n) for c, n in self.counts.items() if n}
+            object.__setattr__(self, "counts", json.dumps(counted, sort_keys=True))
+
+    def count(self, name: str) -> int:
+        """The count column ``name`` (0 when the row has none)."""
+        return int(json.loads(self.counts).get(name, 0))
 
     def range(self, name: str) -> TensorRange:
         """The byte range and checksum of the declared tensor ``name``."""
@@ -78,16 +89,18 @@ class SampleRef:
             self.latent_shape,
             self.source,
             self.text,
-            self.ref_count,
+            json.loads(self.counts),
             json.loads(self.ranges),
         )
 
 
 def group(ref: SampleRef) -> str:
-    """What a batch must share: its bucket, and for edit pairs their reference count too (the references' tokens
-    join the target's in the transformer's sequence, so a batch stacks only edits with as many references), and
-    the optional tensors it lacks (a batch stacks each declared tensor for every sample or for none)."""
-    key = ref.bucket if not ref.ref_count else f"{ref.bucket}+{ref.ref_count}ref"
+    """What a batch must share: its bucket, its counts (a counted tensor stacks only rows with as many items: an edit
+    pair's references join the target's tokens in the transformer's sequence), and the optional tensors it lacks (a
+    batch stacks each declared tensor for every sample or for none)."""
+    key = ref.bucket
+    if ref.counts != "{}":  # most rows count nothing: no JSON to read
+        key += "".join(f"+{n}{c.removesuffix('_count')}" for c, n in sorted(json.loads(ref.counts).items()) if n)
     return f"{key}+no-{ref.lacks}" if ref.lacks else key
 
 
@@ -143,7 +156,7 @@ def index_samples(manifest: dict) -> list[SampleRef]:
         "latent_w",
         "source_uri",
         "caption_id",
-        "ref_count",
+        *count_columns(layout.samples),
         *(c for t in layout.samples for c in t.columns()),
     ]
     refs = []
@@ -163,7 +176,7 @@ def index_samples(manifest: dict) -> list[SampleRef]:
                 text=text[r["caption_id"]],
                 gen_dir=gen_dir,
                 layout=layout_json,
-                ref_count=r["ref_count"],
+                counts={c: r[c] for c in count_columns(layout.samples)},
                 ranges=json.dumps(ranges),
                 lacks=lacks,
             )
@@ -171,14 +184,18 @@ def index_samples(manifest: dict) -> list[SampleRef]:
     return refs
 
 
+REFERENCES = "ref_count"
+"""The count column of an edit pair's reference latents (the ``ref_latent`` declaration's)."""
+
+
 def check_references(refs: list[SampleRef], family) -> None:
     """Refuse an edit pair with more reference images than the model's family takes (its ``max_references``), before
     any worker starts: one line naming the image."""
-    worst = max(refs, key=lambda r: r.ref_count, default=None)
+    worst = max(refs, key=lambda r: r.count(REFERENCES), default=None)
     limit = family.max_references
-    if worst is not None and limit is not None and worst.ref_count > limit:
+    if worst is not None and limit is not None and worst.count(REFERENCES) > limit:
         raise ValueError(
-            f"{worst.source} has {worst.ref_count} reference images, but "
+            f"{worst.source} has {worst.count(REFERENCES)} reference images, but "
             f"{', '.join(family.pipelines.values())} takes at most {limit}"
         )
 
