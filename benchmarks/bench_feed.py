@@ -72,7 +72,7 @@ def main() -> int:
     DataContext.get_current().enable_progress_bars = False
     try:
         facts = models.model_facts(cfg.model)
-        manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, use_gpu=False)
+        manifest = build_generation(cfg, facts, discover(cfg.data), str(work / "cache"), 0, 0, cluster_gpus=False)
         refs = batching.index_samples(manifest)
 
         def iterator(per_read: int):

@@ -149,7 +149,7 @@ def build(cfg, previous: dict | None = None, generation: int = 0, facts=None) ->
     key = cache_key(cfg, facts)
     gen_dir = generations.generation_dir(cfg.cache.dir, key, generation, inputs_signature(discovery))
     manifest = build_generation(
-        cfg, facts, discovery, gen_dir, generation, cfg.cache.seed, use_gpu=False, previous=previous
+        cfg, facts, discovery, gen_dir, generation, cfg.cache.seed, cluster_gpus=False, previous=previous
     )
     return gen_dir, manifest
 
