@@ -45,7 +45,8 @@ ROWS: dict[str, tuple[list[str], str, str]] = {
     "sigma_shift": (["train.sigma_sampling=shift"], "lora", "plain"),
     "sigma_flux_shift": (["train.sigma_sampling=flux_shift"], "lora", "plain"),
     "caption_dropout": (["train.caption_dropout=0.1"], "lora", "plain"),
-    "lr0": (["train.learning_rate=0"], "lora", "plain"),
+    # A broken learner, the control every row must beat: the job refuses learning_rate=0, so 1e-12.
+    "lr_1e-12": (["train.learning_rate=1e-12"], "lora", "plain"),
 }
 SKIPPED = {
     "lokr": "LoKr exports only kohya/LyCORIS keys (train.output_format=kohya); the scorer reads diffusers files",
@@ -165,8 +166,8 @@ def main() -> int:
     begin = time.perf_counter()
     base = world_base.world_base()
     sets = {"concept": world_score.held_out(base, "shape", 16), "prior": world_score.held_out(base, "prior", 16)}
-    concept = concept_rows(args, work, sets) if args.rows else []
     edits = edit_rows(args, work) if args.edit else []
+    concept = concept_rows(args, work, sets) if args.rows else []
     print(
         f"\nbench_quality.py {' '.join(sys.argv[1:])}: {platform.node()}, {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - begin:.0f} s, load {os.getloadavg()[0]:.1f}"
