@@ -26,6 +26,7 @@ SLOWEST_FIRST = [
     "test_family_flux2.py",
     "test_s3_fault_job.py",
     "test_edit_pairs.py",
+    "test_quality.py",
     "test_rerun_after_kill.py",
     "test_cache_fit.py",
     "test_memory.py",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
@@ -24,19 +25,23 @@ _RGB = {
     "black": (15, 15, 15),
 }
 _SHAPES = ["circle", "square", "triangle", "stripe", "ring", "cross"]
+# What :func:`draw` can draw: the demo's colours and shapes plus the world's held-back ones
+# (:mod:`rayflux.testing.world`). The demo folder keeps drawing from the lists above, so its images do not change.
+RGB = {**_RGB, "pink": (250, 130, 200)}
+SHAPES = [*_SHAPES, "star"]
 
 
 def draw(width: int, height: int, colour: str, shape: str, background: str, seed: int = 0):
     """One PIL image of a coloured shape on a plain background."""
     from PIL import Image, ImageDraw
 
-    img = Image.new("RGB", (width, height), _RGB[background])
+    img = Image.new("RGB", (width, height), RGB[background])
     d = ImageDraw.Draw(img)
     rng = random.Random(seed)
     s = min(width, height)
     cx, cy = width // 2 + rng.randint(-s // 8, s // 8), height // 2 + rng.randint(-s // 8, s // 8)
     r = s // 3
-    fill = _RGB[colour]
+    fill = RGB[colour]
     if shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
     elif shape == "square":
@@ -45,12 +50,24 @@ def draw(width: int, height: int, colour: str, shape: str, background: str, seed
         d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
     elif shape == "stripe":
         d.rectangle([0, cy - r // 3, width, cy + r // 3], fill=fill)
+    elif shape == "star":
+        d.polygon(_star(cx, cy, r), fill=fill)
     elif shape == "ring":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fill, width=max(2, r // 3))
     else:
         d.rectangle([cx - r, cy - r // 4, cx + r, cy + r // 4], fill=fill)
         d.rectangle([cx - r // 4, cy - r, cx + r // 4, cy + r], fill=fill)
     return img
+
+
+def _star(cx: int, cy: int, r: int) -> list[tuple[float, float]]:
+    """A five-pointed star's outline: outer points at radius ``r``, inner corners at ``0.4 r``."""
+    pts = []
+    for k in range(10):
+        rad = r if k % 2 == 0 else 0.4 * r
+        a = math.pi * (k / 5 - 0.5)
+        pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
+    return pts
 
 
 def write_images(path: str | Path, sizes=DEMO_SIZES, seed: int = 0, ext: str = ".png") -> list[Path]:

@@ -1,0 +1,125 @@
+"""The shipped world base (:mod:`rayflux.testing.world_pretrain` made it): where it is, and its Kontext twin.
+
+The weights live in the package (``rayflux/testing/world_base/``, a few MB of fp16 safetensors), so a ``pip install``
+carries them and nothing is trained or downloaded at run time. Jobs on it keep ``model.text_tokens`` at
+:data:`WORLD_TEXT_TOKENS`, the length it was pretrained with.
+
+FLUX.1 Kontext shares FLUX.1's transformer, VAE and text encoders; only the pipeline class differs. So the Kontext
+world base (for edit pairs) is the same weights under ``FluxKontextPipeline``'s ``model_index.json``, written once
+under the rayflux home with links to the shipped files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rayflux.testing.tiny import default_home
+
+WORLD_BASE = Path(__file__).resolve().parent / "world_base"
+WORLD_TEXT_TOKENS = 32
+"""T5 tokens per caption the world base was pretrained with."""
+
+
+def world_base() -> Path:
+    """The shipped FLUX.1 world base directory; a clear error when the package was installed without it."""
+    if not (WORLD_BASE / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{WORLD_BASE} holds no world base: this rayflux was installed without its package data; rebuild it with "
+            "python -m rayflux.testing.world_pretrain --out rayflux/testing/world_base"
+        )
+    return WORLD_BASE
+
+
+def write_once(path: Path, stamp: str, write) -> Path:
+    """``path`` as ``write(tmp)`` fills it, written once: into a temp directory beside it, stamped, then renamed
+    into place; kept while its stamp (``.complete``) still reads ``stamp``."""
+    marker = path / ".complete"
+    if marker.is_file() and marker.read_text() == stamp:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        write(tmp)
+        (tmp / ".complete").write_text(stamp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def world_kontext(path: str | Path | None = None) -> Path:
+    """The world base as a ``FluxKontextPipeline`` directory (written once: the shipped parts linked, the index
+    rewritten), for edit-pair jobs."""
+    base = world_base()
+    record = json.loads((base / "world_base.json").read_text())
+
+    def write(tmp: Path) -> None:
+        for part in base.iterdir():
+            if part.name != "model_index.json":
+                os.symlink(part, tmp / part.name)
+        index = json.loads((base / "model_index.json").read_text())
+        index["_class_name"] = "FluxKontextPipeline"
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=1))
+
+    path = Path(path) if path else default_home() / "world-kontext"
+    return write_once(path, f"{base}:{record['seed']}:{record['seconds']}", write)
+
+
+def job_sets(images_dir: str | Path, output_dir: str | Path, steps: int, model: str | Path | None = None) -> list[str]:
+    """``--set`` values of a small LoRA job on the world base: 128 px, the base's text length, one worker, ``steps``
+    optimizer steps of batch 4 at the learning rate the quality bench measured with; eval samples held out."""
+    return [
+        f"model.path={model or world_base()}",
+        f"model.text_tokens={WORLD_TEXT_TOKENS}",
+        f"data.images_dir={images_dir}",
+        f"run.output_dir={output_dir}",
+        "data.resolution=128",
+        "data.bucket_step=16",
+        "data.eval_samples=8",
+        "train.num_workers=1",
+        "train.cpus_per_worker=1",
+        f"train.max_steps={steps}",
+        "train.epochs=1000",
+        "train.batch_size=4",
+        "train.learning_rate=0.001",
+        "train.rank=8",
+        "train.alpha=8",
+        "cache.batch_size=16",
+    ]
+
+
+DEMO_VERSION = "1"
+DEMO_STEPS = 60
+DEMO_PROMPTS = [
+    "a yellow sks star on a blue background",
+    "a white sks star on a black background",
+    "a green circle on a white background",
+]
+"""Two prompts of the held-back concept (its grid cells turn into stars as the LoRA learns) and one of the world the
+base already knew (its cell should stay a green circle)."""
+
+
+def demo_images(path: str | Path | None = None) -> Path:
+    """The demo's training folder: 24 captioned pictures of the held-back ``sks star``, written once (atomically)
+    under the rayflux home."""
+    from rayflux.testing import world
+
+    path = Path(path) if path else default_home() / f"world-star-v{DEMO_VERSION}"
+    return write_once(path, DEMO_VERSION, lambda tmp: world.write_concept(tmp, "shape", 24, seed=0))
+
+
+def demo_sets() -> list[str]:
+    """What ``python jobs/train_flux.py`` with no arguments runs: a LoRA of the held-back ``sks star`` on the world
+    base, with validation grids every 20 steps (``runs/demo/validation/``)."""
+    return [
+        *job_sets(demo_images(), "runs/demo", DEMO_STEPS),
+        f"train.validation_prompts={json.dumps(DEMO_PROMPTS)}",
+        "train.validation_every=20",
+        "train.validation_inference_steps=20",
+    ]
