@@ -1,5 +1,5 @@
 """The quality bench: LoRAs trained by the real job on the shipped world base, one row per technique, scored on
-held-out sets at fixed noise and σ (rayflux.testing.world_score).
+held-out sets at fixed noise and σ (rayflux.quality.score).
 
     python benchmarks/bench_quality.py [--steps 40] [--seeds 0,1,2] [--rows plain,ema,...] [--work DIR]
 
@@ -31,25 +31,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rayflux import config, job  # noqa: E402
-from rayflux.testing import world, world_base, world_score  # noqa: E402
+from rayflux.quality import score as world_score  # noqa: E402
+from rayflux.testing import world, world_base  # noqa: E402
 
 # Row name -> (extra --set values, adapter the scorer rebuilds, which exported file it scores).
 ROWS: dict[str, tuple[list[str], str, str]] = {
     "plain": ([], "lora", "plain"),
-    "ema": (["train.ema_decay=0.9"], "lora", "ema"),
-    "dora": (["train.adapter=dora"], "dora", "plain"),
-    "adafactor": (["train.optimizer=adafactor"], "lora", "plain"),
-    "prodigy": (["train.optimizer=prodigy", "train.learning_rate=1.0"], "lora", "plain"),
-    "schedulefree": (["train.optimizer=schedulefree_adamw"], "lora", "plain"),
-    "sigma_uniform": (["train.sigma_sampling=uniform"], "lora", "plain"),
-    "sigma_shift": (["train.sigma_sampling=shift"], "lora", "plain"),
-    "sigma_flux_shift": (["train.sigma_sampling=flux_shift"], "lora", "plain"),
-    "caption_dropout": (["train.caption_dropout=0.1"], "lora", "plain"),
+    "ema": (["train.optim.ema_decay=0.9"], "lora", "ema"),
+    "dora": (["train.adapter.kind=dora"], "dora", "plain"),
+    "adafactor": (["train.optim.name=adafactor"], "lora", "plain"),
+    "prodigy": (["train.optim.name=prodigy", "train.optim.learning_rate=1.0"], "lora", "plain"),
+    "schedulefree": (["train.optim.name=schedulefree_adamw"], "lora", "plain"),
+    "sigma_uniform": (["train.flow.sigma_sampling=uniform"], "lora", "plain"),
+    "sigma_shift": (["train.flow.sigma_sampling=shift"], "lora", "plain"),
+    "sigma_flux_shift": (["train.flow.sigma_sampling=flux_shift"], "lora", "plain"),
+    "caption_dropout": (["train.flow.caption_dropout=0.1"], "lora", "plain"),
     # A broken learner, the control every row must beat: the job refuses learning_rate=0, so 1e-12.
-    "lr_1e-12": (["train.learning_rate=1e-12"], "lora", "plain"),
+    "lr_1e-12": (["train.optim.learning_rate=1e-12"], "lora", "plain"),
 }
 SKIPPED = {
-    "lokr": "LoKr exports only kohya/LyCORIS keys (train.output_format=kohya); the scorer reads diffusers files",
+    "lokr": "LoKr exports only kohya/LyCORIS keys (train.checkpoint.output_format=kohya); the scorer reads diffusers files",
     "adamw8bit": "bitsandbytes' 8-bit AdamW runs on CUDA GPUs only",
     "masks": "not measured yet (noisy-background images with masks): see docs/quality.md",
 }

@@ -2,7 +2,7 @@
 was never shown (the trigger-word shape ``sks star``), scored on held-out images at fixed noise and σ.
 
 The threshold comes from benchmarks/bench_quality.py's measured spread (docs/quality.md): see ``CONCEPT_RATIO``.
-With the learning broken (``train.learning_rate=1e-12``; the job refuses 0) the ratio is 1.0, and the test fails
+With the learning broken (``train.optim.learning_rate=1e-12``; the job refuses 0) the ratio is 1.0, and the test fails
 (docs/quality.md).
 One job of 40 steps at 128 px on the 1.7 MB base (measured: 377 s on 2 cores shared at load average 40 to 55;
 the same job with its cache already built took 124 s in the bench).
@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from rayflux import config, job
-from rayflux.testing import world, world_base, world_score
+from rayflux.quality import score as world_score
+from rayflux.testing import world, world_base
 
 STEPS = 40
 # Held-out concept eval loss, LoRA / base, after STEPS steps of batch 4 (world_base.job_sets), on the same 16

@@ -1,4 +1,4 @@
-"""The shipped world base (:mod:`rayflux.testing.world_pretrain` made it): where it is, and its Kontext twin.
+"""The shipped world base (:mod:`rayflux.quality.pretrain` made it): where it is, and its Kontext twin.
 
 The weights live in the package (``rayflux/testing/world_base/``, a few MB of fp16 safetensors), so a ``pip install``
 carries them and nothing is trained or downloaded at run time. Jobs on it keep ``model.text_tokens`` at
@@ -29,7 +29,7 @@ def world_base() -> Path:
     if not (WORLD_BASE / "model_index.json").is_file():
         raise FileNotFoundError(
             f"{WORLD_BASE} holds no world base: this rayflux was installed without its package data; rebuild it with "
-            "python -m rayflux.testing.world_pretrain --out rayflux/testing/world_base"
+            "python -m rayflux.quality.pretrain --out rayflux/testing/world_base"
         )
     return WORLD_BASE
 
@@ -82,14 +82,14 @@ def job_sets(images_dir: str | Path, output_dir: str | Path, steps: int, model: 
         "data.resolution=128",
         "data.bucket_step=16",
         "data.eval_samples=8",
-        "train.num_workers=1",
-        "train.cpus_per_worker=1",
+        "train.workers.num_workers=1",
+        "train.workers.cpus_per_worker=1",
         f"train.max_steps={steps}",
         "train.epochs=1000",
         "train.batch_size=4",
-        "train.learning_rate=0.001",
-        "train.rank=8",
-        "train.alpha=8",
+        "train.optim.learning_rate=0.001",
+        "train.adapter.rank=8",
+        "train.adapter.alpha=8",
         "cache.batch_size=16",
     ]
 
@@ -119,7 +119,7 @@ def demo_sets() -> list[str]:
     base, with validation grids every 20 steps (``runs/demo/validation/``)."""
     return [
         *job_sets(demo_images(), "runs/demo", DEMO_STEPS),
-        f"train.validation_prompts={json.dumps(DEMO_PROMPTS)}",
-        "train.validation_every=20",
-        "train.validation_inference_steps=20",
+        f"train.validation.prompts={json.dumps(DEMO_PROMPTS)}",
+        "train.validation.every=20",
+        "train.validation.inference_steps=20",
     ]

@@ -1,4 +1,4 @@
-"""Pretrain the world base: ``python -m rayflux.testing.world_pretrain --out DIR`` (seeded; see docs/quality.md).
+"""Pretrain the world base: ``python -m rayflux.quality.pretrain --out DIR`` (seeded; see docs/quality.md).
 
 A small FLUX.1-architecture pipeline that knows the world of :mod:`rayflux.testing.world`:
 

@@ -16,7 +16,7 @@ import torch
 
 from rayflux.testing import world
 from rayflux.testing.world_base import WORLD_TEXT_TOKENS
-from rayflux.testing.world_pretrain import Encoded, encode_world
+from rayflux.quality.pretrain import Encoded, encode_world
 
 SIGMAS = 5
 NOISE_SEED = 777
