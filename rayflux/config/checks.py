@@ -17,7 +17,16 @@ _CHOICES = {
     ("cache", "dtype"): ("auto", "float32", "float16", "bfloat16"),
     ("train", "workers.on_gpu"): ("auto", "true", "false"),
     ("cache", "encoders_on_gpu"): ("auto", "true", "false"),
-    ("train", "flow.sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
+    ("train", "flow.sigma_sampling"): (
+        "logit_normal",
+        "uniform",
+        "sigmoid",
+        "shift",
+        "flux_shift",
+        "flux2_shift",
+        "auto",
+    ),
+    ("train", "flow.timestep_bias"): ("balanced", "content", "style"),
     ("train", "flow.loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
     ("train", "optim.lr_scheduler"): (
         "constant",

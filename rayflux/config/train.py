@@ -145,7 +145,11 @@ class FlowConfig:
     guidance_max: float = field(default=0.0, metadata=moved(TRAINED, "guidance_max"))
     """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
     sigma_sampling: str = field(default="logit_normal", metadata=moved(TRAINED, "sigma_sampling"))
-    """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
+    """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift``, ``flux_shift`` (a logit-normal draw
+    shifted as FLUX.1's pipelines shift their schedule, by a μ linear in the image's token count, from the model's
+    ``scheduler_config.json``), ``flux2_shift`` (the same with FLUX.2's pipelines' μ, fitted in the token count and
+    the model's denoising steps: 4 for step-distilled [klein], else 50) or ``auto`` (the model family's own
+    pipeline's: ``flux2_shift`` for FLUX.2, ``flux_shift`` for FLUX.1 and Kontext)."""
     logit_mean: float = field(default=0.0, metadata=moved(TRAINED, "logit_mean"))
     """Mean of the normal behind ``logit_normal``."""
     logit_std: float = field(default=1.0, metadata=moved(TRAINED, "logit_std"))
@@ -156,6 +160,13 @@ class FlowConfig:
     """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
     caption_dropout: float = field(default=0.0, metadata=moved(TRAINED, "caption_dropout"))
     """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
+
+    # issue 45: timestep presets (item 3)
+    timestep_bias: str = field(default="balanced", metadata=moved(TRAINED, "timestep_bias"))
+    """Moves the ``sigma_sampling`` draws (and the eval grid) towards low or high noise: ``balanced`` (as drawn),
+    ``content`` (``logit(σ) - 1``: lower noise, for likeness and detail) or ``style`` (``logit(σ) + 1``: higher
+    noise, for composition and colour). With ``logit_normal`` this is exactly ``logit_mean`` moved by -1 or +1.
+    (Also ``train.timestep_bias``.)"""
 
 
 @dataclass

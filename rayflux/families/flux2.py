@@ -105,6 +105,7 @@ class Flux2(Family):
     # kohya's FLUX.2 trainer (musubi-tuner) writes its LoRAs with this network module.
     network_module = "networks.lora_flux_2"
     max_references = None
+    sigma_sampling = "flux2_shift"
     encoder_classes = {
         "transformers": ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"),
         "diffusers": ("AutoencoderKLFlux2",),
@@ -260,6 +261,12 @@ class Flux2(Family):
         if config.get("_class_name") != "Flux2KleinPipeline":
             return super().validation_settings(path, kw)
         return (4, 1.0) if config.get("is_distilled", False) else (50, 4.0)
+
+    def inference_steps(self, path, kw):
+        """Step-distilled [klein] runs 4 steps; [klein] base and [dev] the pipelines' default 50."""
+        from rayflux.families.model_index import pipeline_config
+
+        return 4 if pipeline_config(path, kw.get("revision", "")).get("is_distilled", False) else 50
 
     def reference_kwargs(self, images, height, width):
         return {"image": list(images)}
