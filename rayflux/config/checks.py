@@ -122,6 +122,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(refused)
     _check_optimizer(cfg)
     adapter_refusal(cfg)
+    lora_plus_refusal(cfg.train)
     _check_ema_compile(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
@@ -240,6 +241,25 @@ def _check_ema_compile(cfg: JobConfig) -> None:
         raise ConfigError(
             f"train.compile needs the whole base on every worker (train.workers.base_fsdp: none), got "
             f"train.workers.base_fsdp={t.workers.base_fsdp}"
+        )
+
+
+def lora_plus_refusal(t) -> None:
+    """``train.optim.lora_plus_ratio`` (:mod:`rayflux.train.lora_plus`) where it cannot apply, refused with the reason."""
+    ratio = t.optim.lora_plus_ratio
+    if ratio == 0:
+        return
+    if ratio < 0:
+        raise ConfigError(f"train.optim.lora_plus_ratio must be 0 (off) or positive, got {ratio}")
+    if t.adapter.kind == "lokr":
+        raise ConfigError(
+            "train.optim.lora_plus_ratio needs LoRA's A and B matrices; LoKr trains two Kronecker factors (w1, w2) "
+            "instead: set train.optim.lora_plus_ratio=0 or train.adapter.kind=lora/dora"
+        )
+    if t.optim.name == "prodigy":
+        raise ConfigError(
+            "train.optim.lora_plus_ratio with train.optim.name=prodigy: Prodigy estimates one step size for all parameters "
+            "and refuses parameter groups with different learning rates; use adamw, adafactor or schedulefree_adamw"
         )
 
 

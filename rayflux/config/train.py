@@ -110,6 +110,14 @@ class OptimConfig:
     the best-LoRA file and validation images use it. 4 bytes a trainable parameter on each worker's device. Not with
     ``schedulefree_adamw``, which already evaluates an average of its own."""
 
+    # issue 45: LoRA+ (item 4)
+    lora_plus_ratio: float = field(default=0.0, metadata=moved(TRAINED, "lora_plus_ratio"))
+    """LoRA+: the ``B`` matrices train at this many times ``learning_rate`` (the LoRA+ paper suggests 16 for wide
+    layers); 0 turns it off. Two parameter groups of the optimizer (``A`` and DoRA's magnitudes at
+    ``learning_rate``, ``B`` at the multiple), both following the schedule. Refused with ``train.adapter.kind:
+    lokr`` (no A/B pair) and ``train.optim.name: prodigy`` (one step size for every group). (Also
+    ``train.lora_plus_ratio``.)"""
+
 
 @dataclass
 class AdapterConfig:

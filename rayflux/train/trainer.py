@@ -21,7 +21,7 @@ from rayflux import datasets, families, gpu_memory, models, phases
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
-from rayflux.train import attention, base_weights, ema, kohya, lora, optim, shard_load, sharding, step
+from rayflux.train import attention, base_weights, ema, kohya, lora, lora_plus, optim, shard_load, sharding, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class LoraTrainer:
         self.shift_config = models.shift_config(cfg.model)
         # Resolved only now when a callable: the training loop reads the feed's first batch meanwhile.
         self.total_steps = total_steps() if callable(total_steps) else total_steps
-        self.optimizer, self.scheduler = optim.build(self.params, t, self.total_steps, self.device)
+        groups = lora_plus.param_groups(self.transformer, self.params, t.optim.lora_plus_ratio, t.optim.learning_rate)
+        self.optimizer, self.scheduler = optim.build(groups, t, self.total_steps, self.device)
         if self.layout:
             sharding.broadcast_from_first(self.params)  # as DDP's wrap would: rank 0's adapter everywhere
             wrap = None  # the LoRA's gradients are averaged in train_step instead of by DDP
