@@ -6,6 +6,7 @@ from rayflux.config.base_dtype import refusal
 from rayflux.config.optimizer import OPTIMIZERS, canonical, refusal as optimizer_refusal
 from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
+from rayflux.config import targets
 from rayflux.config.job import JobConfig
 from rayflux.config.train import checkpointing_setting, worker_range
 from rayflux.config.values import ConfigError, resource_map
@@ -123,6 +124,8 @@ def validate(cfg: JobConfig) -> None:
     _check_optimizer(cfg)
     adapter_refusal(cfg)
     lora_plus_refusal(cfg.train)
+    targets.parse(cfg.train.adapter.targets)  # its grammar now; the modules it names once the model is known
+    _check_patterns(cfg.train.adapter)
     _check_ema_compile(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
@@ -242,6 +245,27 @@ def _check_ema_compile(cfg: JobConfig) -> None:
             f"train.compile needs the whole base on every worker (train.workers.base_fsdp: none), got "
             f"train.workers.base_fsdp={t.workers.base_fsdp}"
         )
+
+
+def _check_patterns(t) -> None:
+    """``train.adapter.rank_pattern``/``alpha_pattern`` (``t``: the adapter section): target-spec keys, positive
+    values, and an adapter that takes them."""
+    for what in ("rank_pattern", "alpha_pattern"):
+        pattern = getattr(t, what)
+        if not isinstance(pattern, dict):
+            raise ConfigError(f"train.adapter.{what} must be a mapping of target spec -> value, got {pattern!r}")
+        if not pattern:
+            continue
+        if t.kind == "lokr" or t.init_lora:
+            raise ConfigError(
+                f"train.adapter.{what} applies to a fresh LoRA or DoRA: not with train.adapter.kind=lokr (its export scales every "
+                "module alike) nor train.adapter.init_lora (the file's ranks decide)"
+            )
+        for key, value in pattern.items():
+            targets.parse(str(key))
+            kind = int if what == "rank_pattern" else float
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or kind(value) != value:
+                raise ConfigError(f"train.adapter.{what}[{key!r}] must be a positive {kind.__name__}, got {value!r}")
 
 
 def lora_plus_refusal(t) -> None:

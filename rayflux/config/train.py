@@ -139,9 +139,24 @@ class AdapterConfig:
     lora_dropout: float = field(default=0.0, metadata=moved(TRAINED, "lora_dropout"))
     """Dropout on the LoRA branch's input during training."""
     targets: str = field(default="attention", metadata=moved(TRAINED, "targets"))
-    """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
+    """What the adapter trains, as comma-separated terms: presets (``attention``, ``attention+ffs``: attention and
+    feed-forward, ``context``: the double blocks' text stream, ``all``: every Linear of the blocks), module names
+    (a name matches itself or any module ending in ``.name``) or globs over full names, excludes (``-name``), and
+    block ranges (``double 0-9, single all``: only these blocks; with no preset or name, their attention).
+    ``python -m rayflux plan`` lists the modules and parameters a spec selects."""
     init_lora: str = field(default="", metadata=moved(TRAINED, "init_lora"))
     """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
+
+    # issue 45: per-block rank and alpha (item 4)
+    rank_pattern: dict = field(default_factory=dict, metadata=moved(TRAINED, "rank_pattern"))
+    """Other ranks for some targets (peft's ``rank_pattern``), as ``{target spec: rank}`` with the keys in
+    ``train.adapter.targets``' terms: ``{"single 20-37": 16, "double all": 8}`` (block terms alone mean every trained
+    module of those blocks; a later key wins where keys overlap). LoRA and DoRA; with ``output_format: kohya`` the
+    parts of one fused kohya layer (a block's to_q/to_k/to_v) must share a rank. The exported files keep each
+    module's rank, and kohya and diffusers loaders read it from the tensors' shapes. (Also ``train.rank_pattern``.)"""
+    alpha_pattern: dict = field(default_factory=dict, metadata=moved(TRAINED, "alpha_pattern"))
+    """Other alphas for some targets (peft's ``alpha_pattern``), keyed as ``rank_pattern``. (Also
+    ``train.alpha_pattern``.)"""
 
 
 @dataclass

@@ -73,6 +73,8 @@ ATTENTION = [
     "attn.to_out",
 ]
 FFS = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
+CONTEXT = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context.linear_in", "ff_context.linear_out"]
+"""The text stream of the double blocks (the single blocks hold text and image in one fused projection)."""
 
 DOUBLE = {
     **DOUBLE_ATTENTION,
@@ -97,7 +99,12 @@ class Flux2(Family):
     )
     config_parts = ("vae", "transformer", "text_encoder")
     encoder_parts = ("vae", "text_encoder")
-    lora_presets = {"attention": ATTENTION, "attention+ffs": ATTENTION + FFS, "all": ATTENTION + FFS}
+    lora_presets = {
+        "attention": ATTENTION,
+        "attention+ffs": ATTENTION + FFS,
+        "context": CONTEXT,
+        "all": ATTENTION + FFS,
+    }
     lora_blocks = ("transformer_blocks.", "single_transformer_blocks.")
     implementation = "https://github.com/black-forest-labs/flux2"
     transformer_class = "Flux2Transformer2DModel"

@@ -92,7 +92,13 @@ class LoraTrainer:
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(
-            self.transformer, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout, t.adapter.kind
+            self.transformer,
+            t.adapter.rank,
+            t.adapter.alpha,
+            t.adapter.targets,
+            t.adapter.lora_dropout,
+            t.adapter.kind,
+            **lora.patterns_of(t),
         )
         base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
         if t.checkpoint.output_format == "kohya":
@@ -133,7 +139,9 @@ class LoraTrainer:
             # Built once: counted here, and sharded and filled in place below when the choice is node.
             meta = shard_load.meta_transformer(m, self.dtype)
             whole = self._weight_bytes(base_weights.counts(meta), None)
-            trainable = lora.trainable_count(meta, t.adapter.rank, t.adapter.targets, t.adapter.kind)
+            trainable = lora.trainable_count(
+                meta, t.adapter.rank, t.adapter.targets, t.adapter.kind, t.adapter.rank_pattern
+            )
             without, with_, on, device_bytes = self._estimates(dict(meta.config), whole, trainable)
             mode = sharding.choose(
                 mode, self.device.type == "cuda", topology.local_world, (with_ if on else without).total, device_bytes
