@@ -80,3 +80,4 @@ def test_lora_plus_is_refused_where_it_cannot_apply(overrides, reason):
     with pytest.raises(ConfigError, match=reason):
         config.load(None, ["train.lora_plus_ratio=16", *overrides])
     config.load(None, ["train.lora_plus_ratio=0", *overrides])  # off: the same settings load
+    assert config.load(None, ["train.loraplus_lr_ratio=4"]).train.optim.lora_plus_ratio == 4  # kohya's name
