@@ -14,13 +14,14 @@ A command like ``doctor``: nothing else of rayflux imports this module.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable
 
 from rayflux import config, families, gpu_memory
 from rayflux.config.base_dtype import refusal
 from rayflux.config.train import checkpointing_setting
 from rayflux.gpu_memory import GIB, BaseCounts
-from rayflux.train import lora
+from rayflux.train import lora, targets
 
 
 def text_tokens(cfg: config.JobConfig) -> int:
@@ -34,7 +35,9 @@ def text_tokens(cfg: config.JobConfig) -> int:
     return model_facts(cfg.model).text_length
 
 
-def count_parameters(tc: dict, targets: str, rank: int, adapter: str = "lora") -> tuple[int, int]:
+def count_parameters(
+    tc: dict, targets: str, rank: int, adapter: str = "lora", rank_pattern: dict | None = None
+) -> tuple[int, int]:
     """(all transformer parameters, trainable adapter parameters) of ``targets`` at ``rank``, counted on peft's own
     modules attached on the meta device (``train.adapter.kind``: DoRA's magnitudes, LoKr's factors included)."""
     import torch
@@ -44,8 +47,23 @@ def count_parameters(tc: dict, targets: str, rank: int, adapter: str = "lora") -
     model = meta_transformer(tc)
     base = sum(p.numel() for p in model.parameters())
     with torch.device("meta"):
-        lora.add_lora(model, rank, rank, targets, adapter=adapter)
+        lora.add_lora(model, rank, rank, targets, adapter=adapter, rank_pattern=rank_pattern)
     return base, sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def selected_modules(tc: dict, spec: str) -> list[str]:
+    """The full names of the modules ``train.targets`` ``spec`` gives an adapter (on the meta device)."""
+    from rayflux.models import meta_transformer
+
+    return lora.resolve_targets(meta_transformer(tc), spec)
+
+
+def target_lines(tc: dict, spec: str, trainable: int) -> list[str]:
+    """What the job's ``train.targets`` trains: its module count and parameters, then the modules per block range."""
+    modules = selected_modules(tc, spec)
+    prefixes = families.of_transformer_config(tc).lora_blocks
+    head = f"  this job's targets={spec!r}: {len(modules)} modules, {trainable:,} trainable parameters"
+    return [head] + [f"    {line}" for line in targets.summary(modules, prefixes)]
 
 
 def base_counts(tc: dict) -> BaseCounts:
@@ -118,9 +136,11 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
         total, trainable = counts[preset]
         lines.append(f"  targets={preset}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.3f}%)")
     job_targets = t.adapter.targets if t.adapter.targets in counts else None
-    trainable = (
-        counts[job_targets] if job_targets else count_parameters(tc, t.adapter.targets, t.adapter.rank, t.adapter.kind)
-    )[1]
+    if job_targets and not t.adapter.rank_pattern:
+        trainable = counts[job_targets][1]
+    else:
+        trainable = count_parameters(tc, t.adapter.targets, t.adapter.rank, t.adapter.kind, t.adapter.rank_pattern)[1]
+    lines += target_lines(tc, t.adapter.targets, trainable)
     base = base_counts(tc)
     weights = int(gpu_memory.per_gpu_weight_bytes(base, t.base_dtype, "none", 1, float_bytes))  # the whole base
     ema = bool(t.optim.ema_decay)
@@ -178,5 +198,10 @@ def main(argv: list[str]) -> int:
     cfg = config.load_or_report(args.config, args.set)
     if cfg is None:
         return 2
-    print("\n".join(report(cfg, args.model, args.gpus_per_node)))
+    try:
+        lines = report(cfg, args.model, args.gpus_per_node)
+    except ValueError as exc:  # e.g. train.targets naming modules or blocks the model does not have
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
     return 0

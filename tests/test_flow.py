@@ -120,7 +120,13 @@ def test_flux_shift_reads_the_models_scheduler_constants(tiny_model, tmp_path):
     path.write_text(json.dumps(sched))
     own = models.shift_config(config.ModelConfig(path=str(tiny_model)))
     changed = models.shift_config(config.ModelConfig(path=str(other)))
-    assert own == {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+    assert own == {
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "num_steps": 28,
+    }
     assert math.isclose(flow.flux_mu(2048, changed), 2.0) and math.isclose(flow.flux_mu(256, changed), 0.2)
     draw = [
         flow.sample_sigmas(64, "flux_shift", torch.Generator().manual_seed(1), seq_len=1024, shift_config=c)

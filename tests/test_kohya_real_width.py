@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rayflux import families, models
 from rayflux.families.flux1 import FLUX1_DEV
@@ -39,7 +40,13 @@ def _render(pipe, prompt: torch.Tensor, pooled: torch.Tensor) -> np.ndarray:
     ).images[0]
 
 
-def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model, tmp_path):
+# Per-block rank and alpha (train.rank_pattern/alpha_pattern): each module's own alpha / rank is baked into its file
+# tensors, and both loaders read each module's rank from its shapes.
+PER_BLOCK = {"rank_pattern": {"single 0": 8}, "alpha_pattern": {"double 0": 16.0}}
+
+
+@pytest.mark.parametrize("patterns", [{}, PER_BLOCK], ids=["one_rank", "per_block_rank"])
+def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model, tmp_path, patterns):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae")
@@ -61,7 +68,7 @@ def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model,
 
     targets = lora.resolve_targets(transformer, "all")  # every preset's targets are a subset of these
     assert "single_transformer_blocks.0.proj_mlp" in targets and "single_transformer_blocks.0.attn.to_q" in targets
-    lora.add_lora(transformer, rank=4, alpha=8.0, targets="all")
+    lora.add_lora(transformer, rank=4, alpha=8.0, targets="all", **patterns)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in transformer.named_parameters():
@@ -70,7 +77,10 @@ def test_a_kohya_file_at_real_widths_renders_like_the_diffusers_file(tiny_model,
     trained = _render(pipe, prompt, pooled)
     assert np.abs(trained - base).max() > 0.01  # the LoRA changes the image, so the comparison below means something
     lora.save_diffusers(transformer, tmp_path)
-    kohya.save(transformer, tmp_path, lora.scale(transformer))
+    written = load_file(kohya.save(transformer, tmp_path, lora.scale(transformer)))
+    single_rank = 8 if patterns else 4
+    assert written["lora_unet_single_blocks_0_linear1.lora_down.weight"].shape[0] == 4 * single_rank  # q, k, v, mlp
+    assert written["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape[0] == 3 * 4
     transformer.delete_adapters(lora.ADAPTER)
     np.testing.assert_allclose(_render(pipe, prompt, pooled), base, atol=1e-6)
 

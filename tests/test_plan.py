@@ -44,7 +44,10 @@ def _trainable(preset: str, r: int) -> int:
     attention = DOUBLE * 8 * _lora(H, H, r) + SINGLE * 3 * _lora(H, H, r)
     ffs = DOUBLE * 2 * (_lora(H, MLP, r) + _lora(MLP, H, r)) + SINGLE * (_lora(H, MLP, r) + _lora(H + MLP, H, r))
     norms = DOUBLE * 2 * _lora(H, 6 * H, r) + SINGLE * _lora(H, 3 * H, r)
-    return {"attention": attention, "attention+ffs": attention + ffs, "all": attention + ffs + norms}[preset]
+    # the text stream of the double blocks: 4 attention projections and its feed-forward
+    context = DOUBLE * (4 * _lora(H, H, r) + _lora(H, MLP, r) + _lora(MLP, H, r))
+    presets = {"attention": attention, "attention+ffs": attention + ffs, "context": context}
+    return {**presets, "all": attention + ffs + norms}[preset]
 
 
 def test_flux1_dev_parameter_counts_match_the_hand_count():

@@ -6,6 +6,7 @@ from rayflux.config.base_dtype import refusal
 from rayflux.config.optimizer import OPTIMIZERS, canonical, refusal as optimizer_refusal
 from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
+from rayflux.config import targets
 from rayflux.config.job import JobConfig
 from rayflux.config.train import checkpointing_setting, worker_range
 from rayflux.config.values import ConfigError, resource_map
@@ -17,7 +18,16 @@ _CHOICES = {
     ("cache", "dtype"): ("auto", "float32", "float16", "bfloat16"),
     ("train", "workers.on_gpu"): ("auto", "true", "false"),
     ("cache", "encoders_on_gpu"): ("auto", "true", "false"),
-    ("train", "flow.sigma_sampling"): ("logit_normal", "uniform", "sigmoid", "shift", "flux_shift"),
+    ("train", "flow.sigma_sampling"): (
+        "logit_normal",
+        "uniform",
+        "sigmoid",
+        "shift",
+        "flux_shift",
+        "flux2_shift",
+        "auto",
+    ),
+    ("train", "flow.timestep_bias"): ("balanced", "content", "style"),
     ("train", "flow.loss_weighting"): ("none", "sigma_sqrt", "cosmap"),
     ("train", "optim.lr_scheduler"): (
         "constant",
@@ -113,6 +123,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(refused)
     _check_optimizer(cfg)
     adapter_refusal(cfg)
+    lora_plus_refusal(cfg.train)
+    targets.parse(cfg.train.adapter.targets)  # its grammar now; the modules it names once the model is known
+    _check_patterns(cfg.train.adapter)
     _check_ema_compile(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
@@ -231,6 +244,46 @@ def _check_ema_compile(cfg: JobConfig) -> None:
         raise ConfigError(
             f"train.compile needs the whole base on every worker (train.workers.base_fsdp: none), got "
             f"train.workers.base_fsdp={t.workers.base_fsdp}"
+        )
+
+
+def _check_patterns(t) -> None:
+    """``train.adapter.rank_pattern``/``alpha_pattern`` (``t``: the adapter section): target-spec keys, positive
+    values, and an adapter that takes them."""
+    for what in ("rank_pattern", "alpha_pattern"):
+        pattern = getattr(t, what)
+        if not isinstance(pattern, dict):
+            raise ConfigError(f"train.adapter.{what} must be a mapping of target spec -> value, got {pattern!r}")
+        if not pattern:
+            continue
+        if t.kind == "lokr" or t.init_lora:
+            raise ConfigError(
+                f"train.adapter.{what} applies to a fresh LoRA or DoRA: not with train.adapter.kind=lokr (its export scales every "
+                "module alike) nor train.adapter.init_lora (the file's ranks decide)"
+            )
+        for key, value in pattern.items():
+            targets.parse(str(key))
+            kind = int if what == "rank_pattern" else float
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or kind(value) != value:
+                raise ConfigError(f"train.adapter.{what}[{key!r}] must be a positive {kind.__name__}, got {value!r}")
+
+
+def lora_plus_refusal(t) -> None:
+    """``train.optim.lora_plus_ratio`` (:mod:`rayflux.train.lora_plus`) where it cannot apply, refused with the reason."""
+    ratio = t.optim.lora_plus_ratio
+    if ratio == 0:
+        return
+    if ratio < 0:
+        raise ConfigError(f"train.optim.lora_plus_ratio must be 0 (off) or positive, got {ratio}")
+    if t.adapter.kind == "lokr":
+        raise ConfigError(
+            "train.optim.lora_plus_ratio needs LoRA's A and B matrices; LoKr trains two Kronecker factors (w1, w2) "
+            "instead: set train.optim.lora_plus_ratio=0 or train.adapter.kind=lora/dora"
+        )
+    if t.optim.name == "prodigy":
+        raise ConfigError(
+            "train.optim.lora_plus_ratio with train.optim.name=prodigy: Prodigy estimates one step size for all parameters "
+            "and refuses parameter groups with different learning rates; use adamw, adafactor or schedulefree_adamw"
         )
 
 

@@ -44,6 +44,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 ALIASES = {
+    ("train", "loraplus_lr_ratio"): "optim.lora_plus_ratio",  # kohya's network_args name for LoRA+
     ("train", "network_dim"): "adapter.rank",  # kohya
     ("train", "lora_rank"): "adapter.rank",  # SimpleTuner
     ("train", "network_alpha"): "adapter.alpha",  # kohya

@@ -110,6 +110,14 @@ class OptimConfig:
     the best-LoRA file and validation images use it. 4 bytes a trainable parameter on each worker's device. Not with
     ``schedulefree_adamw``, which already evaluates an average of its own."""
 
+    # issue 45: LoRA+ (item 4)
+    lora_plus_ratio: float = field(default=0.0, metadata=moved(TRAINED, "lora_plus_ratio"))
+    """LoRA+: the ``B`` matrices train at this many times ``learning_rate`` (the LoRA+ paper suggests 16 for wide
+    layers); 0 turns it off. Two parameter groups of the optimizer (``A`` and DoRA's magnitudes at
+    ``learning_rate``, ``B`` at the multiple), both following the schedule. Refused with ``train.adapter.kind:
+    lokr`` (no A/B pair) and ``train.optim.name: prodigy`` (one step size for every group). (Also
+    ``train.lora_plus_ratio``.)"""
+
 
 @dataclass
 class AdapterConfig:
@@ -131,9 +139,24 @@ class AdapterConfig:
     lora_dropout: float = field(default=0.0, metadata=moved(TRAINED, "lora_dropout"))
     """Dropout on the LoRA branch's input during training."""
     targets: str = field(default="attention", metadata=moved(TRAINED, "targets"))
-    """LoRA target preset (``attention``, ``attention+ffs``, ``all``) or a comma-separated module list."""
+    """What the adapter trains, as comma-separated terms: presets (``attention``, ``attention+ffs``: attention and
+    feed-forward, ``context``: the double blocks' text stream, ``all``: every Linear of the blocks), module names
+    (a name matches itself or any module ending in ``.name``) or globs over full names, excludes (``-name``), and
+    block ranges (``double 0-9, single all``: only these blocks; with no preset or name, their attention).
+    ``python -m rayflux plan`` lists the modules and parameters a spec selects."""
     init_lora: str = field(default="", metadata=moved(TRAINED, "init_lora"))
     """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
+
+    # issue 45: per-block rank and alpha (item 4)
+    rank_pattern: dict = field(default_factory=dict, metadata=moved(TRAINED, "rank_pattern"))
+    """Other ranks for some targets (peft's ``rank_pattern``), as ``{target spec: rank}`` with the keys in
+    ``train.adapter.targets``' terms: ``{"single 20-37": 16, "double all": 8}`` (block terms alone mean every trained
+    module of those blocks; a later key wins where keys overlap). LoRA and DoRA; with ``output_format: kohya`` the
+    parts of one fused kohya layer (a block's to_q/to_k/to_v) must share a rank. The exported files keep each
+    module's rank, and kohya and diffusers loaders read it from the tensors' shapes. (Also ``train.rank_pattern``.)"""
+    alpha_pattern: dict = field(default_factory=dict, metadata=moved(TRAINED, "alpha_pattern"))
+    """Other alphas for some targets (peft's ``alpha_pattern``), keyed as ``rank_pattern``. (Also
+    ``train.alpha_pattern``.)"""
 
 
 @dataclass
@@ -145,7 +168,11 @@ class FlowConfig:
     guidance_max: float = field(default=0.0, metadata=moved(TRAINED, "guidance_max"))
     """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
     sigma_sampling: str = field(default="logit_normal", metadata=moved(TRAINED, "sigma_sampling"))
-    """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift`` or ``flux_shift``."""
+    """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift``, ``flux_shift`` (a logit-normal draw
+    shifted as FLUX.1's pipelines shift their schedule, by a μ linear in the image's token count, from the model's
+    ``scheduler_config.json``), ``flux2_shift`` (the same with FLUX.2's pipelines' μ, fitted in the token count and
+    the model's denoising steps: 4 for step-distilled [klein], else 50) or ``auto`` (the model family's own
+    pipeline's: ``flux2_shift`` for FLUX.2, ``flux_shift`` for FLUX.1 and Kontext)."""
     logit_mean: float = field(default=0.0, metadata=moved(TRAINED, "logit_mean"))
     """Mean of the normal behind ``logit_normal``."""
     logit_std: float = field(default=1.0, metadata=moved(TRAINED, "logit_std"))
@@ -156,6 +183,13 @@ class FlowConfig:
     """Per-sample loss weight: ``none``, ``sigma_sqrt`` (σ⁻²) or ``cosmap``."""
     caption_dropout: float = field(default=0.0, metadata=moved(TRAINED, "caption_dropout"))
     """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
+
+    # issue 45: timestep presets (item 3)
+    timestep_bias: str = field(default="balanced", metadata=moved(TRAINED, "timestep_bias"))
+    """Moves the ``sigma_sampling`` draws (and the eval grid) towards low or high noise: ``balanced`` (as drawn),
+    ``content`` (``logit(σ) - 1``: lower noise, for likeness and detail) or ``style`` (``logit(σ) + 1``: higher
+    noise, for composition and colour). With ``logit_normal`` this is exactly ``logit_mean`` moved by -1 or +1.
+    (Also ``train.timestep_bias``.)"""
 
 
 @dataclass

@@ -90,6 +90,8 @@ class Family(ABC):
     """Where the model's reference code lives (``modelspec.implementation`` of kohya files)."""
     transformer_class: str
     """The diffusers transformer class: how a loaded transformer names its family."""
+    sigma_sampling: str = "flux_shift"
+    """``train.sigma_sampling=auto``: the σ schedule of the family's own pipeline (:mod:`rayflux.train.flow`)."""
     lora_read_kwargs: dict = {}
     """Extra keyword arguments of the pipeline's ``lora_state_dict`` for reading a LoRA file."""
 
@@ -208,6 +210,11 @@ class Family(ABC):
         ``train.validation.inference_steps`` / ``train.validation.guidance`` are 0 (``kw``: ``from_pretrained``'s
         revision)."""
         return 20, 3.5
+
+    def inference_steps(self, path: str, kw: dict) -> int:
+        """The denoising steps the family's pipeline runs the model at by default (``num_inference_steps``): what
+        ``flux2_shift``'s μ depends on (``kw``: ``from_pretrained``'s revision)."""
+        return 28
 
     def compile_blocks(self, transformer) -> None:
         """``train.compile``: ``torch.compile`` each of the transformer's repeated blocks in place (regional

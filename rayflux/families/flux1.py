@@ -20,6 +20,8 @@ CLIP_LENGTH = 77
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 FFS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
+# The text stream of the double blocks: its attention projections and its feed-forward (SimpleTuner's "context").
+CONTEXT = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context.net.0.proj", "ff_context.net.2"]
 
 # diffusers module inside a block -> (kohya name, part, parts); part is None for an unfused layer. FLUX.2's double
 # blocks name their attention the same way.
@@ -95,6 +97,7 @@ class Flux1(Family):
     lora_presets = {
         "attention": ATTENTION,
         "attention+ffs": ATTENTION + FFS,
+        "context": CONTEXT,
         # Every linear layer of the blocks, including modulation (norm) projections.
         "all": ATTENTION + FFS + ["norm1.linear", "norm1_context.linear", "norm.linear"],
     }

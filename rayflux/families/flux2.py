@@ -73,6 +73,8 @@ ATTENTION = [
     "attn.to_out",
 ]
 FFS = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
+CONTEXT = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context.linear_in", "ff_context.linear_out"]
+"""The text stream of the double blocks (the single blocks hold text and image in one fused projection)."""
 
 DOUBLE = {
     **DOUBLE_ATTENTION,
@@ -97,7 +99,12 @@ class Flux2(Family):
     )
     config_parts = ("vae", "transformer", "text_encoder")
     encoder_parts = ("vae", "text_encoder")
-    lora_presets = {"attention": ATTENTION, "attention+ffs": ATTENTION + FFS, "all": ATTENTION + FFS}
+    lora_presets = {
+        "attention": ATTENTION,
+        "attention+ffs": ATTENTION + FFS,
+        "context": CONTEXT,
+        "all": ATTENTION + FFS,
+    }
     lora_blocks = ("transformer_blocks.", "single_transformer_blocks.")
     implementation = "https://github.com/black-forest-labs/flux2"
     transformer_class = "Flux2Transformer2DModel"
@@ -105,6 +112,7 @@ class Flux2(Family):
     # kohya's FLUX.2 trainer (musubi-tuner) writes its LoRAs with this network module.
     network_module = "networks.lora_flux_2"
     max_references = None
+    sigma_sampling = "flux2_shift"
     encoder_classes = {
         "transformers": ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM"),
         "diffusers": ("AutoencoderKLFlux2",),
@@ -260,6 +268,12 @@ class Flux2(Family):
         if config.get("_class_name") != "Flux2KleinPipeline":
             return super().validation_settings(path, kw)
         return (4, 1.0) if config.get("is_distilled", False) else (50, 4.0)
+
+    def inference_steps(self, path, kw):
+        """Step-distilled [klein] runs 4 steps; [klein] base and [dev] the pipelines' default 50."""
+        from rayflux.families.model_index import pipeline_config
+
+        return 4 if pipeline_config(path, kw.get("revision", "")).get("is_distilled", False) else 50
 
     def reference_kwargs(self, images, height, width):
         return {"image": list(images)}

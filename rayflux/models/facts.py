@@ -73,10 +73,10 @@ SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shif
 
 def shift_config(cfg: ModelConfig) -> dict:
     """The model's own ``flux_shift`` constants from its ``scheduler/scheduler_config.json`` (the fields of
-    :data:`SHIFT_KEYS` that it sets)."""
+    :data:`SHIFT_KEYS` that it sets), and ``num_steps``, its pipeline's default denoising steps (``flux2_shift``)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    config = FlowMatchEulerDiscreteScheduler.load_config(
-        resolve_path(cfg), **{"subfolder": "scheduler", **revision_kw(cfg)}
-    )
-    return {k: config[k] for k in SHIFT_KEYS if k in config}
+    path, kw = resolve_path(cfg), revision_kw(cfg)
+    config = FlowMatchEulerDiscreteScheduler.load_config(path, **{"subfolder": "scheduler", **kw})
+    # FLUX.2's μ also depends on the steps its pipeline denoises in (flux2_shift).
+    return {**{k: config[k] for k in SHIFT_KEYS if k in config}, "num_steps": family(cfg).inference_steps(path, kw)}

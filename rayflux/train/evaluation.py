@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayflux.train import batching, flow, step
+from rayflux.train import batching, flow, step, timesteps
 
 
 @dataclass
@@ -99,15 +99,7 @@ def _score_batch(trainer, model, eb: EvalBatch, sums: torch.Tensor) -> None:
     batch = eb.batch
     latents = batch.latents.to(device)
     b, _, h, w = latents.shape
-    grid = flow.eval_sigmas(
-        t.eval.sigmas,
-        t.flow.sigma_sampling,
-        logit_mean=t.flow.logit_mean,
-        logit_std=t.flow.logit_std,
-        shift=t.flow.shift,
-        seq_len=family.seq_len(h, w),
-        shift_config=trainer.shift_config,
-    )
+    grid = flow.eval_sigmas(t.eval.sigmas, **timesteps.options(t, family, h, w, trainer.shift_config))
     text = {n: x.to(device, dtype) for n, x in batch.text.items()}
     guidance = torch.full((b,), float(t.flow.guidance), device=device, dtype=dtype) if trainer.guidance_embeds else None
     autocast = torch.autocast(device.type, trainer.autocast or torch.float32, enabled=bool(trainer.autocast))

@@ -25,12 +25,53 @@ def flux_mu(seq_len: int, shift_config: dict | None = None) -> float:
 
     c = shift_config or {}
     ends = {"base_image_seq_len": "base_seq_len", "max_image_seq_len": "max_seq_len"}
-    return calculate_shift(seq_len, **{ends.get(k, k): v for k, v in c.items()})
+    # num_steps is FLUX.2's (flux2_mu); the line's ends are all that calculate_shift takes.
+    return calculate_shift(seq_len, **{ends.get(k, k): v for k, v in c.items() if k != "num_steps"})
 
 
 def time_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
     """``σ' = e^μ / (e^μ + (1/σ - 1))``, the exponential shift FLUX.1 uses at inference."""
     return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+
+
+TIMESTEP_BIAS = {"balanced": 0.0, "content": -1.0, "style": 1.0}
+"""``train.timestep_bias`` presets: an offset added to ``logit(σ)`` after the ``sigma_sampling`` draw
+(:func:`logit_offset`). ``content`` (-1) moves the draws to lower noise, where fine detail and likeness are learned;
+``style`` (+1) to higher noise, where composition and colour are decided. For ``logit_normal`` it is exactly a shift
+of the normal's mean by the offset (its median σ moves from 0.5 to 0.27 or 0.73)."""
+
+
+def logit_offset(sigmas: torch.Tensor, offset: float) -> torch.Tensor:
+    """``σ' = sigmoid(logit(σ) + offset)``: multiplies the odds ``σ / (1 - σ)`` by ``e^offset`` (the same family of
+    maps as :func:`shift_sigmas` with ``s = e^offset``, and :func:`time_shift` with ``μ = offset``). 0 returns ``σ``
+    itself, bit for bit."""
+    if offset == 0:
+        return sigmas
+    return torch.sigmoid(torch.logit(sigmas) + offset)
+
+
+def flux2_mu(seq_len: int, num_steps: int) -> float:
+    """FLUX.2's resolution- and step-dependent shift exponent (its pipelines' ``compute_empirical_mu``, fitted by
+    Black Forest Labs): two lines in the token count, at 10 and at 200 denoising steps, interpolated linearly in the
+    step count; above 4300 tokens the 200-step line alone."""
+    line_10 = 8.73809524e-05 * seq_len + 1.89833333
+    line_200 = 0.00016927 * seq_len + 0.45666666
+    if seq_len > 4300:
+        return float(line_200)
+    slope = (line_200 - line_10) / 190.0
+    intercept = line_200 - 200.0 * slope  # formed first, as the pipelines do: the same float, bit for bit
+    return float(slope * num_steps + intercept)
+
+
+FLUX2_STEPS = 50
+"""Denoising steps ``flux2_shift`` assumes when the model's own are not known (``Flux2Pipeline``'s default)."""
+
+
+def _shift_mu(method: str, seq_len: int, shift_config: dict | None) -> float:
+    """μ of the resolution-aware shifts: FLUX.1's line (``flux_shift``) or FLUX.2's fit (``flux2_shift``)."""
+    if method == "flux2_shift":
+        return flux2_mu(seq_len, int((shift_config or {}).get("num_steps", FLUX2_STEPS)))
+    return flux_mu(seq_len, shift_config)
 
 
 def sample_sigmas(
@@ -43,9 +84,11 @@ def sample_sigmas(
     shift: float = 3.0,
     seq_len: int = 256,
     shift_config: dict | None = None,
+    bias: float = 0.0,
 ) -> torch.Tensor:
     """Draw ``n`` noise levels σ in (0, 1) by one of the published schemes (densities from diffusers'
-    ``compute_density_for_timestep_sampling``)."""
+    ``compute_density_for_timestep_sampling``), then move them by ``bias`` (:data:`TIMESTEP_BIAS`,
+    :func:`logit_offset`). ``flux2_shift`` reads the model's denoising steps from ``shift_config["num_steps"]``."""
     from diffusers.training_utils import compute_density_for_timestep_sampling as density
 
     if method == "uniform":
@@ -56,13 +99,13 @@ def sample_sigmas(
         s = density("logit_normal", n, logit_mean=0.0, logit_std=logit_std, generator=generator)
     elif method == "shift":
         s = shift_sigmas(density("logit_normal", n, logit_mean=0.0, logit_std=1.0, generator=generator), shift)
-    elif method == "flux_shift":
+    elif method in ("flux_shift", "flux2_shift"):
         u = density("logit_normal", n, logit_mean=0.0, logit_std=1.0, generator=generator)
-        s = time_shift(u, flux_mu(seq_len, shift_config))
+        s = time_shift(u, _shift_mu(method, seq_len, shift_config))
     else:
         raise ValueError(f"unknown sigma sampling {method!r}")
     # Keep σ strictly inside (0, 1): σ = 0 has no noise to learn and σ = 1 breaks the 1/σ shift above.
-    return s.clamp(1e-5, 1 - 1e-5)
+    return logit_offset(s.clamp(1e-5, 1 - 1e-5), bias).clamp(1e-5, 1 - 1e-5)
 
 
 def noisy_input(latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
@@ -170,6 +213,7 @@ def eval_sigmas(
     shift: float = 3.0,
     seq_len: int = 256,
     shift_config: dict | None = None,
+    bias: float = 0.0,
 ) -> torch.Tensor:
     """A fixed grid of ``n`` noise levels spread as :func:`sample_sigmas` spreads its draws: the quantiles
     ``(i + 0.5) / n`` of the same density (every shift is monotone, so the quantiles of the shifted σ are the shifted
@@ -184,8 +228,8 @@ def eval_sigmas(
         s = torch.sigmoid(logit_std * probit)
     elif method == "shift":
         s = shift_sigmas(torch.sigmoid(probit), shift)
-    elif method == "flux_shift":
-        s = time_shift(torch.sigmoid(probit), flux_mu(seq_len, shift_config))
+    elif method in ("flux_shift", "flux2_shift"):
+        s = time_shift(torch.sigmoid(probit), _shift_mu(method, seq_len, shift_config))
     else:
         raise ValueError(f"unknown sigma sampling {method!r}")
-    return s.float().clamp(1e-5, 1 - 1e-5)
+    return logit_offset(s.float().clamp(1e-5, 1 - 1e-5), bias).clamp(1e-5, 1 - 1e-5)

@@ -64,21 +64,41 @@ def check_targets(modules: list[str], blocks: dict) -> None:
 
 
 def check_adapter(transformer) -> None:
-    """:func:`check_targets` on the modules the adapter of ``transformer`` is attached to, by its family's key map."""
+    """:func:`check_targets` on the modules the adapter of ``transformer`` is attached to, by its family's key map,
+    and one rank per fused layer."""
     from rayflux.families import of_transformer
-    from rayflux.train.lora import adapted_modules
+    from rayflux.train.lora import adapted_modules, lora_state_dict
 
-    check_targets(adapted_modules(transformer), of_transformer(transformer).kohya_blocks)
+    modules, blocks = adapted_modules(transformer), of_transformer(transformer).kohya_blocks
+    check_targets(modules, blocks)
+    downs = {k: v for k, v in lora_state_dict(transformer).items() if k.endswith(".lora_A.weight")}
+    for m in modules:
+        name, _, _, siblings = locate(m, blocks)
+        _check_fused_ranks(downs, name, siblings)
+
+
+def _scale_of(scale: float | dict[str, float], module: str) -> float:
+    return scale[module] if isinstance(scale, dict) else scale
+
+
+def _check_fused_ranks(state: dict, name: str, siblings: list[str]) -> None:
+    """The parts of one fused kohya layer are one LoRA there, of one rank: per-module ranks must agree on them."""
+    ranks = {s: state[f"{s}.lora_A.weight"].shape[0] for s in siblings if f"{s}.lora_A.weight" in state}
+    if len(set(ranks.values())) > 1:
+        raise ValueError(
+            f"train.checkpoint.output_format=kohya: {name} fuses {', '.join(ranks)} into one layer, but train.adapter.rank_pattern gives "
+            f"them ranks {sorted(set(ranks.values()))}: give the parts of a fused layer one rank"
+        )
 
 
 def from_peft(
     state: dict,
-    scale: float,
+    scale: float | dict[str, float],
     out_features: dict[str, int],
     blocks: dict,
     row_norms: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Convert peft's tensors (strength ``scale``) to kohya keys by the family key map ``blocks``: LoRA's
+    """Convert peft's tensors (strength ``scale``, or one per module name) to kohya keys by the family key map ``blocks``: LoRA's
     ``<module>.lora_A.weight``/``lora_B`` (DoRA's also ``lora_magnitude_vector``), or LoKr's ``lokr_*``.
 
     ``out_features`` gives every sibling's output size, so an untrained part of a fused layer gets zero rows of the
@@ -93,6 +113,7 @@ def from_peft(
         groups.setdefault(name, [parts, siblings])
     out: dict[str, torch.Tensor] = {}
     for name, (parts, siblings) in groups.items():
+        _check_fused_ranks(state, name, siblings)
         present = [s for s in siblings if f"{s}.lora_A.weight" in state]
         a0 = state[f"{present[0]}.lora_A.weight"]
         rank, in_features = a0.shape
@@ -100,7 +121,7 @@ def from_peft(
         for i, s in enumerate(siblings):
             a = state.get(f"{s}.lora_A.weight", torch.zeros_like(a0))
             b = state.get(f"{s}.lora_B.weight")
-            b = torch.zeros(out_features[s], rank, dtype=a0.dtype) if b is None else b * scale
+            b = torch.zeros(out_features[s], rank, dtype=a0.dtype) if b is None else b * _scale_of(scale, s)
             up = torch.zeros(b.shape[0], rank * parts, dtype=b.dtype)
             up[:, i * rank : (i + 1) * rank] = b
             downs.append(a)
@@ -144,7 +165,7 @@ def save(transformer, directory, scale: float) -> str:
     from safetensors.torch import save_file
 
     from rayflux.families import of_transformer
-    from rayflux.train.lora import adapted_modules, lora_state_dict
+    from rayflux.train.lora import ADAPTER, adapted_modules, lora_state_dict, module_scales
 
     blocks = of_transformer(transformer).kohya_blocks
     state = {k: v.detach().float().cpu() for k, v in lora_state_dict(transformer).items()}
@@ -156,6 +177,9 @@ def save(transformer, directory, scale: float) -> str:
         norms = {
             s: _base(transformer.get_submodule(s)).weight.detach().float().norm(dim=1).cpu() for s in siblings - modules
         }
+    config = transformer.peft_config[ADAPTER]
+    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
+        scale = module_scales(transformer)  # train.adapter.rank_pattern/alpha_pattern: each module its own alpha / rank
     path = os.path.join(str(directory), KOHYA_NAME)
     save_file(from_peft(state, scale, out_features, blocks, norms), path, metadata={"format": "pt"})
     return path

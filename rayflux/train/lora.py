@@ -6,9 +6,10 @@ of each target) or ``lokr`` (peft's ``LoKrConfig``: ``alpha / rank * kron(w1, w2
 attached, saved and restored here; LoKr has no diffusers format for users (:mod:`rayflux.config.checks` refuses it),
 so its ``pytorch_lora_weights.safetensors`` is the checkpoint's own copy, written and read without diffusers.
 
-Targets resolve to full module names before peft sees them. Presets only reach into the transformer blocks: a bare
-suffix such as ``proj_out`` would otherwise also catch the model's final projection, which no FLUX recipe trains.
-An explicit list keeps peft's rule (a name matches itself or any module ending in ``.name``) over the whole model.
+Targets resolve to full module names before peft sees them (:mod:`rayflux.train.adapter.targets`). Presets only reach into
+the transformer blocks: a bare suffix such as ``proj_out`` would otherwise also catch the model's final projection,
+which no FLUX recipe trains. An explicit name keeps peft's rule (a name matches itself or any module ending in
+``.name``) over the whole model.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import json
 import logging
 from pathlib import Path
 
+from rayflux.train import targets as selection
+
 log = logging.getLogger(__name__)
 
-PRESETS = ("attention", "attention+ffs", "all")
+PRESETS = selection.PRESETS
 """``train.adapter.targets`` presets; each model family says which modules of its blocks they hold
 (:attr:`rayflux.families.base.Family.lora_presets`)."""
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -28,35 +31,49 @@ METADATA_KEY = "lora_adapter_metadata"
 """Where diffusers keeps the peft config in a LoRA file's safetensors metadata."""
 
 
-def _matches(name: str, suffix: str) -> bool:
-    return name == suffix or name.endswith("." + suffix)
-
-
 def resolve_targets(transformer, spec: str) -> list[str]:
-    """Full names of the Linear modules a preset or comma-separated list selects; an unmatched name is an error."""
+    """Full names of the Linear modules a ``train.adapter.targets`` spec selects (:mod:`rayflux.train.adapter.targets`: presets,
+    names, globs, excludes and block ranges); a spec that selects nothing, or names what does not exist, is an
+    error."""
     import torch
 
     from rayflux import families
 
     family = families.of_transformer(transformer)
     linear = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    if spec in PRESETS:
-        suffixes, pool = family.lora_presets[spec], [n for n in linear if n.startswith(family.lora_blocks)]
-    else:
-        suffixes, pool = [s.strip() for s in spec.split(",") if s.strip()], linear
-        missing = [s for s in suffixes if not any(_matches(n, s) for n in pool)]
-        if missing:
-            raise ValueError(
-                f"train.adapter.targets: no Linear module matches {missing}; presets: {', '.join(PRESETS)}"
-            )
-    chosen = [n for n in pool if any(_matches(n, s) for s in suffixes)]
+    chosen = selection.select(selection.parse(spec), linear, family.lora_presets, family.lora_blocks)
     if not chosen:
         raise ValueError(f"train.adapter.targets {spec!r} matched no module of the transformer")
     return chosen
 
 
-def adapter_config(adapter: str, rank: int, alpha: float, targets: list[str], dropout: float = 0.0):
-    """peft's config for ``train.adapter.kind`` over the full module names ``targets``."""
+def peft_patterns(transformer, chosen: list[str], rank_pattern: dict, alpha_pattern: dict) -> dict:
+    """peft's ``rank_pattern`` and ``alpha_pattern`` for ``train.adapter.rank_pattern``/``alpha_pattern`` (target spec ->
+    value) over the trained modules ``chosen``: one entry per module, its full name escaped (peft reads keys as
+    regular expressions matched at a ``.`` boundary, so a full name selects exactly that module)."""
+    import re
+
+    from rayflux import families
+
+    family = families.of_transformer(transformer)
+    out = {}
+    for what, pattern, kind_of in (("rank_pattern", rank_pattern, int), ("alpha_pattern", alpha_pattern, float)):
+        if pattern:
+            values = selection.pattern_values(pattern, chosen, family.lora_presets, family.lora_blocks, what)
+            out[what] = {re.escape(n): kind_of(v) for n, v in values.items()}
+    return out
+
+
+def patterns_of(t) -> dict:
+    """:func:`add_lora`'s ``rank_pattern``/``alpha_pattern`` from the job's ``train`` section."""
+    return {"rank_pattern": t.adapter.rank_pattern, "alpha_pattern": t.adapter.alpha_pattern}
+
+
+def adapter_config(
+    adapter: str, rank: int, alpha: float, targets: list[str], dropout: float = 0.0, patterns: dict | None = None
+):
+    """peft's config for ``train.adapter`` over the full module names ``targets`` (``patterns``: peft's
+    ``rank_pattern``/``alpha_pattern``, :func:`peft_patterns`)."""
     if adapter == "lokr":
         from peft import LoKrConfig
 
@@ -72,6 +89,7 @@ def adapter_config(adapter: str, rank: int, alpha: float, targets: list[str], dr
         init_lora_weights="gaussian",
         use_dora=adapter == "dora",
         target_modules=targets,
+        **(patterns or {}),
     )
 
 
@@ -83,13 +101,25 @@ def kind(transformer) -> str:
     return "dora" if config.use_dora else "lora"
 
 
-def add_lora(transformer, rank: int, alpha: float, targets: str, dropout: float = 0.0, adapter: str = "lora") -> list:
-    """Freeze the transformer, attach the adapter (``train.adapter.kind``), and return its trainable parameters (kept in
-    fp32)."""
+def add_lora(
+    transformer,
+    rank: int,
+    alpha: float,
+    targets: str,
+    dropout: float = 0.0,
+    adapter: str = "lora",
+    *,
+    rank_pattern: dict | None = None,
+    alpha_pattern: dict | None = None,
+) -> list:
+    """Freeze the transformer, attach the adapter (``train.adapter``; ``train.adapter.rank_pattern``/``alpha_pattern``: other
+    ranks and alphas for some of the targets), and return its trainable parameters (kept in fp32)."""
     import torch
 
+    chosen = resolve_targets(transformer, targets)
+    patterns = peft_patterns(transformer, chosen, rank_pattern or {}, alpha_pattern or {})
     transformer.requires_grad_(False)
-    transformer.add_adapter(adapter_config(adapter, rank, alpha, resolve_targets(transformer, targets), dropout))
+    transformer.add_adapter(adapter_config(adapter, rank, alpha, chosen, dropout, patterns))
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         # Adapter weights train in fp32 even when the frozen base is bf16: tiny updates survive rounding.
@@ -112,13 +142,24 @@ def adapted_modules(transformer) -> list[str]:
     )
 
 
-def trainable_count(transformer, rank: int, targets: str, adapter: str = "lora") -> int:
+def trainable_count(
+    transformer, rank: int, targets: str, adapter: str = "lora", rank_pattern: dict | None = None
+) -> int:
     """The parameters :func:`add_lora` would attach at ``rank``, without attaching them: the memory plan of a model
     that must stay bare (e.g. before it is sharded). Per targeted Linear: ``rank x (in + out)`` for LoRA, plus
-    ``out`` magnitudes for DoRA; for LoKr, peft's own factorisation (:func:`lokr_count`)."""
+    ``out`` magnitudes for DoRA; for LoKr, peft's own factorisation (:func:`lokr_count`). ``rank_pattern``:
+    ``train.adapter.rank_pattern``, other ranks for some targets."""
+    from rayflux import families
+
     modules = dict(transformer.named_modules())
+    chosen = resolve_targets(transformer, targets)
+    family = families.of_transformer(transformer)
+    ranks = selection.pattern_values(
+        rank_pattern or {}, chosen, family.lora_presets, family.lora_blocks, "rank_pattern"
+    )
     total = 0
-    for name in resolve_targets(transformer, targets):
+    for name in chosen:
+        rank = int(ranks.get(name, rank))
         n_in, n_out = modules[name].in_features, modules[name].out_features
         if adapter == "lokr":
             total += lokr_count(n_in, n_out, rank)
@@ -151,6 +192,29 @@ def scale(transformer) -> float:
     return getattr(config, "lora_alpha", getattr(config, "alpha", None)) / config.r
 
 
+def module_scales(transformer) -> dict[str, float]:
+    """``{module name: alpha / rank}`` of each adapted LoRA/DoRA module (peft's ``scaling``): one value for all unless
+    ``train.adapter.rank_pattern``/``alpha_pattern`` set some."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name: float(module.scaling[ADAPTER])
+        for name, module in transformer.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
+    }
+
+
+def _baked(state: dict, scales: dict[str, float], factor: float = 1.0, invert: bool = False) -> dict:
+    """``state`` with each ``lora_B`` times its module's scale (``invert``: divided by it), times ``factor``."""
+    out = {}
+    for k, v in state.items():
+        if ".lora_B." in k:
+            s = scales[k.removeprefix("transformer.").rsplit(".lora_B.", 1)[0]]
+            v = v * (factor / s if invert else factor * s)
+        out[k] = v
+    return out
+
+
 def save_diffusers(transformer, directory: str | Path) -> Path:
     """Write ``pytorch_lora_weights.safetensors`` with ``transformer.*`` keys via the family pipeline's
     ``save_lora_weights``.
@@ -167,8 +231,10 @@ def save_diffusers(transformer, directory: str | Path) -> Path:
     if kind(transformer) == "lokr":
         return _save_lokr(transformer, config, Path(directory))
     config["lora_alpha"] = config["r"]
-    factor = scale(transformer)
-    state = {k: (v * factor if ".lora_B." in k else v) for k, v in lora_state_dict(transformer).items()}
+    # Per-module ranks keep their rank as alpha too: every module's baked strength is 1.
+    keys = {**config.get("alpha_pattern", {}), **config.get("rank_pattern", {})}
+    config["alpha_pattern"] = {k: config.get("rank_pattern", {}).get(k, config["r"]) for k in keys}
+    state = _baked(lora_state_dict(transformer), module_scales(transformer))
     pipeline = families.of_transformer(transformer).pipeline_class()
     pipeline.save_lora_weights(str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=config)
     return Path(directory) / WEIGHT_NAME
@@ -220,11 +286,8 @@ def load_into(transformer, path: str | Path) -> None:
     """
     from safetensors.torch import load_file
 
-    factor = file_scale(path) / scale(transformer)
-    state = {
-        k.removeprefix("transformer."): (v * factor if ".lora_B." in k else v) for k, v in load_file(str(path)).items()
-    }
-    set_state(transformer, state, str(path))
+    loaded = {k.removeprefix("transformer."): v for k, v in load_file(str(path)).items()}
+    set_state(transformer, _baked(loaded, module_scales(transformer), file_scale(path), invert=True), str(path))
 
 
 def init_from_file(transformer, path: str) -> int:

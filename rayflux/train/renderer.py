@@ -54,7 +54,12 @@ class Renderer:
             with torch.random.fork_rng(devices=[]):  # add_lora's init draws; the file replaces what it drew
                 self.transformer = models.load_transformer(self.cfg.model, str(device), dtype)
                 lora.add_lora(
-                    self.transformer, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout
+                    self.transformer,
+                    t.adapter.rank,
+                    t.adapter.alpha,
+                    t.adapter.targets,
+                    t.adapter.lora_dropout,
+                    **lora.patterns_of(t),
                 )
             self.transformer.eval()
         return self.transformer

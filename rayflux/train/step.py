@@ -17,7 +17,7 @@ from rayflux.cache.layout import declared
 from rayflux.config import TrainConfig
 from rayflux.families.base import Family
 from rayflux.families.references import target_prediction
-from rayflux.train import flow
+from rayflux.train import flow, timesteps
 
 
 @dataclass(frozen=True)
@@ -99,16 +99,7 @@ def flow_loss(
     b, _, h, w = latents.shape
     # Noise is drawn on the CPU so that the same seed gives the same noise on any device.
     noise = torch.randn(latents.shape, generator=generator).to(device)
-    sigmas = flow.sample_sigmas(
-        b,
-        t.flow.sigma_sampling,
-        generator,
-        logit_mean=t.flow.logit_mean,
-        logit_std=t.flow.logit_std,
-        shift=t.flow.shift,
-        seq_len=family.seq_len(h, w),
-        shift_config=shift_config,
-    ).to(device)
+    sigmas = flow.sample_sigmas(b, generator=generator, **timesteps.options(t, family, h, w, shift_config)).to(device)
     guidance = None
     if guidance_embeds:
         guidance = flow.sample_guidance(b, t.flow.guidance, t.flow.guidance_max, generator).to(device, dtype)

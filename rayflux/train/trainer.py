@@ -21,7 +21,7 @@ from rayflux import datasets, families, gpu_memory, models, phases
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
-from rayflux.train import attention, base_weights, ema, kohya, lora, optim, shard_load, sharding, step
+from rayflux.train import attention, base_weights, ema, kohya, lora, lora_plus, optim, shard_load, sharding, step
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,13 @@ class LoraTrainer:
         self.transformer = transformer
         self.family = families.of_transformer(transformer)
         self.params = lora.add_lora(
-            self.transformer, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout, t.adapter.kind
+            self.transformer,
+            t.adapter.rank,
+            t.adapter.alpha,
+            t.adapter.targets,
+            t.adapter.lora_dropout,
+            t.adapter.kind,
+            **lora.patterns_of(t),
         )
         base_weights.convert(self.transformer, t.base_dtype)  # fp8: after the LoRA, so its filter can skip it
         if t.checkpoint.output_format == "kohya":
@@ -108,7 +114,8 @@ class LoraTrainer:
         self.shift_config = models.shift_config(cfg.model)
         # Resolved only now when a callable: the training loop reads the feed's first batch meanwhile.
         self.total_steps = total_steps() if callable(total_steps) else total_steps
-        self.optimizer, self.scheduler = optim.build(self.params, t, self.total_steps, self.device)
+        groups = lora_plus.param_groups(self.transformer, self.params, t.optim.lora_plus_ratio, t.optim.learning_rate)
+        self.optimizer, self.scheduler = optim.build(groups, t, self.total_steps, self.device)
         if self.layout:
             sharding.broadcast_from_first(self.params)  # as DDP's wrap would: rank 0's adapter everywhere
             wrap = None  # the LoRA's gradients are averaged in train_step instead of by DDP
@@ -132,7 +139,9 @@ class LoraTrainer:
             # Built once: counted here, and sharded and filled in place below when the choice is node.
             meta = shard_load.meta_transformer(m, self.dtype)
             whole = self._weight_bytes(base_weights.counts(meta), None)
-            trainable = lora.trainable_count(meta, t.adapter.rank, t.adapter.targets, t.adapter.kind)
+            trainable = lora.trainable_count(
+                meta, t.adapter.rank, t.adapter.targets, t.adapter.kind, t.adapter.rank_pattern
+            )
             without, with_, on, device_bytes = self._estimates(dict(meta.config), whole, trainable)
             mode = sharding.choose(
                 mode, self.device.type == "cuda", topology.local_world, (with_ if on else without).total, device_bytes

@@ -157,7 +157,15 @@ def whole_copy(trainer, cfg: JobConfig, device):
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):  # add_lora's init draws
         whole = models.load_transformer(cfg.model, str(device), trainer.dtype)
-        lora.add_lora(whole, t.adapter.rank, t.adapter.alpha, t.adapter.targets, t.adapter.lora_dropout, t.adapter.kind)
+        lora.add_lora(
+            whole,
+            t.adapter.rank,
+            t.adapter.alpha,
+            t.adapter.targets,
+            t.adapter.lora_dropout,
+            t.adapter.kind,
+            **lora.patterns_of(t),
+        )
     adapter = lora.lora_state_dict(trainer.transformer)
     lora.set_state(whole, {k: v.to(device) for k, v in adapter.items()}, "the trained adapter")
     return whole
