@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from rayflux import lease, phases, refresh, storage
+from rayflux import lease, phases, preservation, refresh, storage
 from rayflux.config import JobConfig, worker_range
 from rayflux.ledger import Ledger
 from rayflux.summary import Summary
@@ -66,7 +66,7 @@ class GenerationStages:
         self.discoveries[g] = {"found": discovery.found_by_dataset(), "unsampled": dict(discovery.unsampled)}
         seconds = self.summary.stage_seconds
         seconds["discover"] = seconds.get("discover", 0.0) + time.perf_counter() - t0
-        inputs = inputs_signature(discovery)
+        inputs = inputs_signature(discovery, preservation.rule(self.cfg))
         gen_dir = generations.generation_dir(self.cache_root, self.key, g, inputs)
         # A generation `cache verify` found damaged is replaced by a repair build that re-encodes exactly the damaged
         # samples and captions and reuses the rest from it (rayflux.cache.integrity).

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Callable
 
-from rayflux import config, families, gpu_memory
+from rayflux import config, families, gpu_memory, preservation
 from rayflux.config.base_dtype import refusal
 from rayflux.config.train import checkpointing_setting
 from rayflux.gpu_memory import GIB, BaseCounts
@@ -172,7 +172,20 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
         f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing}), base_dtype {t.base_dtype}, "
         f"base_sharding {t.workers.base_fsdp}"
     )
+    lines += _preservation_lines(t, cfg.data.resolution, ckpt, activations)
     return lines
+
+
+def _preservation_lines(t, px: int, ckpt: bool, activations: Callable[[int, int, bool], int]) -> list[str]:
+    """Forwards per step and the activations output preservation holds (issue 45), when it is on."""
+    if t.flow.preservation == "none":
+        return []
+    batch = t.batch_size * preservation.graphs(t.flow.preservation)
+    return [
+        preservation.cost(t.flow.preservation),
+        f"  activations at {px} px, batch {t.batch_size}: {_gib(activations(px, batch, ckpt))} GiB with it, "
+        f"{_gib(activations(px, t.batch_size, ckpt))} without",
+    ]
 
 
 def main(argv: list[str]) -> int:

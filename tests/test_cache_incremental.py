@@ -66,6 +66,10 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     _write(images, "e", 9, "a yellow cross")
     (images / "b.txt").write_text("a blue square, edited")
     out["grown"] = job.run(cfg, only="cache")
+    # Output preservation turned on (issue 45): its class prompts are captions the generation must hold.
+    words = ("train.preservation=class", "data.trigger_word=red", "data.class_word=coloured")
+    out["preserved_cfg"] = cache_sets.job_config(tiny_model, images, base, "data.resolution=64", *words)
+    out["preserved"] = job.run(out["preserved_cfg"], only="cache")
     return out
 
 
@@ -80,7 +84,7 @@ def test_an_uncommitted_generation_is_never_read_or_reused(runs):
     crashed = str(runs["key_dir"] / "g00009-0123456789abcdef")
     sources = [generations.load_manifest(runs[r].cache_dir)["reused"]["from"] for r in ("touched", "grown")]
     assert crashed not in sources and (runs["key_dir"] / "g00009-0123456789abcdef").is_dir()
-    assert generations.latest_committed(str(runs["key_dir"]))["dir"] == runs["grown"].cache_dir
+    assert generations.latest_committed(str(runs["key_dir"]))["dir"] == runs["preserved"].cache_dir
     text = io.StringIO()
     assert verify.main([str(runs["key_dir"])], out=text) == 0
     assert f"{crashed}: uncommitted" in text.getvalue()
@@ -168,3 +172,28 @@ def test_unchanged_caption_files_are_taken_from_the_generation_not_read(runs, ra
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert kept["d.png"] == "a green ring" and read["d.png"] == "a green rung"
     assert kept["b.png"] == read["b.png"] == "a blue square, edited"
+
+
+def test_output_preservation_encodes_its_class_prompts_and_reuses_no_generation_without_them(runs):
+    """``train.preservation=class``: each caption's class prompt ("a red circle" -> "a coloured circle") is one more
+    text row, encoded in the generation's text pass. The generation built without it is not reused (nor read by the
+    planner, which names what is missing); the cache key is the same, so every latent is referenced, not encoded."""
+    from rayflux import preservation
+    from rayflux.cache.layout import decode_texts
+    from rayflux.discovery.caption_hash import caption_id
+    from rayflux.train import batching
+
+    preserved, grown = runs["preserved"], generations.load_manifest(runs["grown"].cache_dir)
+    assert Path(preserved.cache_dir).parent == runs["key_dir"] and preserved.cache_dir != runs["grown"].cache_dir
+    m = generations.load_manifest(preserved.cache_dir)
+    assert m["reused"]["from"] == runs["grown"].cache_dir
+    assert m["encoded"] == {"samples": 0, "captions": 1}  # only "a coloured circle": the others hold no "red"
+    text = _text(m)
+    assert text["a coloured circle"]["encode_id"] == m["encode_id"] and text["a coloured circle"]["t5"]
+    words = preservation.words(runs["preserved_cfg"])
+    texts = {Path(r.source).name: decode_texts(r.text) for r in batching.index_samples(m, words)}
+    assert texts["a.png"]["preservation"].caption_id == caption_id("a coloured circle")
+    assert texts["b.png"]["preservation"] == texts["b.png"]["caption"]  # no trigger word: its own caption
+    with pytest.raises(ValueError, match="holds no embedding of the preservation prompt 'a coloured circle'"):
+        batching.index_samples(grown, words)
+    assert verify.main([preserved.cache_dir], out=io.StringIO()) == 0

@@ -2,7 +2,10 @@
 
 import pytest
 
+import cache_sets
+
 from rayflux import config, job, memory
+from rayflux.cache import generations
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,10 @@ def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
             'train.validation.prompts=["a red circle"]',
             "train.validation.every=2",
             "train.validation.inference_steps=1",
+            # Output preservation's class prompts (issue 45) are encoded by the cache stage too, never by a worker.
+            "train.flow.preservation=class",
+            "data.trigger_word=background",
+            "data.class_word=scene",
         ],
     )
     summary = job.run(cfg)
@@ -60,6 +67,9 @@ def test_encoders_are_gone_after_the_cache_stage_and_never_in_training(
         assert r["rss_growth_mb"] < t5_bytes_mb, r
         assert r["peak_rss_mb"] - (r["rss_mb"] - r["rss_growth_mb"]) < t5_bytes_mb, r  # not even for a moment
     assert [h["step"] for h in summary.history if "validation_image" in h] == [2, 4]
+    captions = {r["caption"] for r in cache_sets.generation_text(generations.load_manifest(summary.cache_dir))}
+    kept = {c.replace("background", "scene") for c in captions if "background" in c}  # each class prompt
+    assert kept and kept <= captions
 
 
 def test_live_encoders_sees_a_loaded_text_encoder():

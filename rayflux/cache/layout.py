@@ -156,7 +156,7 @@ class PlannedSample(NamedTuple):
     """``"c,h,w"`` as the index records it."""
     source: str
     text: str
-    """The caption's :class:`TextLocator` as JSON."""
+    """Where the sample's declared captions' text tensors are (:data:`SAMPLE_TEXTS`, :func:`encode_texts`)."""
     counts: dict
     """The row's count columns (:func:`count_columns`) by name."""
     ranges: list
@@ -199,8 +199,50 @@ class TextLocator(NamedTuple):
 
     @classmethod
     def decode(cls, text: str) -> TextLocator:
-        file, file_bytes, caption_id, parts = json.loads(text)
+        return cls.of(json.loads(text))
+
+    @classmethod
+    def of(cls, raw: list) -> TextLocator:
+        """From its JSON list, parsed."""
+        file, file_bytes, caption_id, parts = raw
         return cls(file, file_bytes, caption_id, [TextPart(*p) for p in parts])
+
+
+class SampleText(NamedTuple):
+    """One caption a sample's batch reads the text tensors of (issue 45): its own caption, or the prompt of its
+    output-preservation forward (:mod:`rayflux.preservation`)."""
+
+    name: str
+    """Its key in a planned sample's ``text`` (:func:`encode_texts`)."""
+    prefix: str
+    """Prefix of its text tensors' names in a stacked batch row (``text_<prefix><tensor>``)."""
+    batch: str
+    """The step's :class:`~rayflux.train.step.Batch` attribute its named text tensors land on."""
+
+
+SAMPLE_TEXTS: tuple[SampleText, ...] = (
+    SampleText("caption", "", "text"),
+    # train.flow.preservation=class: the caption with the dataset's trigger word replaced by its class word.
+    SampleText("preservation", "preservation_", "preservation_text"),
+)
+"""The captions a sample may carry text locators for; every sample has the first."""
+
+
+def encode_texts(locators: dict[str, str]) -> str:
+    """A planned sample's ``text``: ``{name: TextLocator JSON}`` of :data:`SAMPLE_TEXTS`. A sample with its caption
+    alone is that caption's locator as it always was (plans, tests and caches stay as they were)."""
+    if list(locators) == ["caption"]:
+        return locators["caption"]
+    return json.dumps({name: json.loads(loc) for name, loc in locators.items()})
+
+
+def decode_texts(text: str) -> dict[str, TextLocator]:
+    """``{name: TextLocator}`` of a planned sample's ``text`` (:func:`encode_texts`), in :data:`SAMPLE_TEXTS`
+    order."""
+    raw = json.loads(text)
+    if isinstance(raw, list):
+        raw = {"caption": raw}
+    return {t.name: TextLocator.of(raw[t.name]) for t in SAMPLE_TEXTS if t.name in raw}
 
 
 # 2: layout metadata and non-nullable tensors; 3: the dataset column; 4: text only in text shards; 5: text tensors by

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayflux.cache import codec, generations, integrity, ranges, shards, tensors
-from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, decode_planned
+from rayflux.cache.layout import SAMPLE_TEXTS, PlannedSample, TensorRange, TextLocator, decode_planned, decode_texts
 
 TEXT_CACHE_BYTES = 256 << 20
 _text_cache: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
@@ -111,7 +111,10 @@ class _Asks:
                 self.tensors.setdefault(s.file, []).append(((b, j, t.name), rng.offset, rng.length))
                 self.owner[(b, j, t.name)] = b
         self.sizes[s.file] = s.file_bytes
-        loc = TextLocator.decode(s.text)
+        for loc in decode_texts(s.text).values():  # its caption, and its preservation prompt's (issue 45)
+            self.add_text(b, loc, layout)
+
+    def add_text(self, b: int, loc: TextLocator, layout: shards.ShardLayout) -> None:
         cid = _text_key(loc)
         if cid in _text_cache:
             _text_cache.move_to_end(cid)
@@ -151,7 +154,7 @@ def stack_all(items: list[dict], stack) -> list[dict]:
         # a compressed text tensor's stored bytes, not its raw size).
         used = sum(
             sum(TensorRange(*r).length for r in s.ranges.values())
-            + sum(p.length for p in TextLocator.decode(s.text).parts)
+            + sum(p.length for loc in decode_texts(s.text).values() for p in loc.parts)
             for s in plan.samples
         )
         row.update(read_bytes=round(bytes_read[b]), read_requests=request_count[b], tensor_bytes=used)
@@ -165,7 +168,9 @@ def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, di
     want = layout.latent_shape(bucket)
     first = plan.samples[0]
     samples: dict[str, list | None] = {t.name: [] for t in layout.samples}
-    text: dict[str, list] = {t.name: [] for t in layout.text}
+    # Each declared caption the first sample carries (its own; a preservation prompt), its tensors' names prefixed.
+    carried = [st for st in SAMPLE_TEXTS if st.name in decode_texts(first.text)]
+    text: dict[str, list] = {f"{st.prefix}{t.name}": [] for st in carried for t in layout.text}
     sids = []
     for j, s in enumerate(plan.samples):
 
@@ -190,17 +195,24 @@ def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, di
             at = (s.file, rng.offset, f"{t.name} of sample {s.sample_id} ({s.source})", gen_dir)
             data = raw[(b, j, t.name)]
             samples[t.name].append(_array(data, layout.dtype_of(t), shape, error, t.name, rng.crc32, at=at))
-        for name, arr in _text_arrays(s, layout, raw, local, error, gen_dir).items():
-            if text[name] and arr.shape != text[name][0].shape:
-                raise error(f"{name} shape", text[name][0].shape, arr.shape)
-            text[name].append(arr)
+        locs = decode_texts(s.text)
+        if list(locs) != [st.name for st in carried]:
+            raise error("captions (the batch's)", [st.name for st in carried], list(locs))
+        for st in carried:
+            for name, arr in _text_arrays(s, locs[st.name], layout, raw, local, error, gen_dir).items():
+                name = f"{st.prefix}{name}"
+                if text[name] and arr.shape != text[name][0].shape:
+                    raise error(f"{name} shape", text[name][0].shape, arr.shape)
+                text[name].append(arr)
         sids.append(s.sample_id)
     return samples, text, sids
 
 
-def _text_arrays(s: PlannedSample, layout, raw: dict, local: dict, error, gen_dir: str) -> dict[str, np.ndarray]:
-    """The checked text tensors of sample ``s``'s caption: read by this call, or kept by this process."""
-    loc = TextLocator.decode(s.text)
+def _text_arrays(
+    s: PlannedSample, loc: TextLocator, layout, raw: dict, local: dict, error, gen_dir: str
+) -> dict[str, np.ndarray]:
+    """The checked text tensors of the caption at ``loc`` (sample ``s``'s): read by this call, or kept by this
+    process."""
     cid = _text_key(loc)
     if cid not in local:
         arrays = {}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rayflux import allocator
+from rayflux import allocator, preservation
 from rayflux.cache import (
     fit,
     generations,
@@ -141,7 +141,8 @@ def _text_input(b: _Build, images: staging.Staged | None, sink: index.Sink) -> t
     import ray
 
     find = ray.remote(num_cpus=fit.PREPARE_CPUS)(text_input.find)
-    found = ray.get(find.remote(images, b.gen_dir, b.previous.manifest, _IMAGES_PER_TASK, b.encode_id))
+    words = preservation.words(b.cfg)
+    found = ray.get(find.remote(images, b.gen_dir, b.previous.manifest, _IMAGES_PER_TASK, b.encode_id, words))
     for i, rows in enumerate(text_input.known_rows(found)):
         sink.add(rows)
         if i % _TRIM_EVERY == _TRIM_EVERY - 1:
@@ -292,7 +293,10 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, clust
     samples = layout(cfg, facts, cluster_gpus=cluster_gpus).samples
     sample_index, caption_index = index.Sink("samples", samples=samples), index.Sink("captions", facts.text)
     found = manifest_mod.Found(
-        discovery.discovered, discovery.skipped, inputs_signature(discovery), discovery.sidecars.rows
+        discovery.discovered,
+        discovery.skipped,
+        inputs_signature(discovery, preservation.rule(cfg)),
+        discovery.sidecars.rows,
     )
     try:
         staged, text, text_meta, sample_meta, times = _passes(b, discovery, sample_index, caption_index)
@@ -361,9 +365,13 @@ def _log_built(gen_dir: str, manifest) -> None:
     )
 
 
-def inputs_signature(discovery: Discovery) -> str:
-    """Hash of what was discovered (paths, sizes, mtimes, chosen captions): equal means nothing to re-encode."""
+def inputs_signature(discovery: Discovery, captions_rule: str = "") -> str:
+    """Hash of what was discovered (paths, sizes, mtimes, chosen captions) and of ``captions_rule``, what decides the
+    captions a generation holds besides the chosen ones (:func:`rayflux.preservation.rule`; "" adds nothing): equal
+    means nothing to re-encode."""
     h = hashlib.sha256()
+    if captions_rule:  # a generation built without output preservation's class prompts is not one that has them
+        h.update(f"preservation|{captions_rule}\n".encode())
     for batch in discovery.table.to_batches(max_chunksize=4096):  # a few thousand rows as Python at a time
         for s in batch.to_pylist():
             refs = f"|{','.join(s['references'])}|{s['references_stamp']}" if s["references"] else ""

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from rayflux import storage
 from rayflux.cache import index, reuse, staging
 from rayflux.discovery import caption_hash, discoveries
+from rayflux.preservation import extra_captions
 
 KNOWN = "known-captions.parquet"
 """The known captions' index rows, in the generation's staging directory."""
@@ -47,19 +48,24 @@ class TextInput:
 
 
 def find(
-    images: staging.Staged | None, gen_dir: str, previous: dict | None, rows_per_block: int, build: str = ""
+    images: staging.Staged | None,
+    gen_dir: str,
+    previous: dict | None,
+    rows_per_block: int,
+    build: str = "",
+    preservation: dict | None = None,
 ) -> TextInput:
     """Ray task body: the unique captions of the staged ``images``, the index rows of those the ``previous``
-    committed manifest holds (written to :data:`KNOWN`), and the others staged as ``captions`` in ``gen_dir``."""
-    column = pa.chunked_array(
-        [
-            staging.read_block(images.path, images.file_bytes, int(o), int(n))["caption"].unique()
-            for o, n in zip(images.offsets, images.lengths)
-        ]
-        if images is not None
-        else [],
-        pa.string(),
-    )
+    committed manifest holds (written to :data:`KNOWN`), and the others staged as ``captions`` in ``gen_dir``.
+    ``preservation``: ``{dataset: (trigger_word, class_word)}`` (:func:`rayflux.preservation.words`); each
+    caption's class prompt joins the captions, encoded in the same pass."""
+    uniques = []
+    for o, n in zip(images.offsets, images.lengths) if images is not None else ():
+        block = staging.read_block(images.path, images.file_bytes, int(o), int(n))  # one block held at a time
+        uniques.append(block["caption"].unique())
+        if preservation:  # issue 45: output preservation's class prompts are captions like any other
+            uniques.append(extra_captions(block.select(["dataset", "caption"]), preservation))
+    column = pa.chunked_array(uniques, pa.string())
     captions = caption_hash.unique_captions(column)
     del column
     ids = caption_hash.caption_ids(captions)

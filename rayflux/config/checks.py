@@ -65,6 +65,29 @@ _POSITIVE = {
 }
 
 
+PRESERVATION_MODES = ("none", "class", "blank")
+"""``train.flow.preservation``'s choices (issue 45, :mod:`rayflux.preservation`)."""
+
+
+def _check_preservation(cfg: JobConfig) -> None:
+    """``train.flow.preservation`` and its keys agree: a choice of :data:`PRESERVATION_MODES`, a weight >= 0, and with
+    ``class`` a ``trigger_word`` for every dataset."""
+    t = cfg.train
+    if t.flow.preservation not in PRESERVATION_MODES:
+        raise ConfigError(f"train.flow.preservation must be one of {', '.join(PRESERVATION_MODES)}; got {t.flow.preservation!r}")
+    if t.flow.preservation_weight < 0:
+        raise ConfigError(f"train.flow.preservation_weight must be >= 0, got {t.flow.preservation_weight}")
+    if t.flow.preservation != "class":
+        return
+    for i, ds in enumerate(datasets_of(cfg.data)):
+        if not ds.trigger_word.strip():
+            where = f"data.datasets[{i}].trigger_word" if cfg.data.datasets else "data.trigger_word"
+            raise ConfigError(
+                f"train.flow.preservation=class replaces each caption's trigger word by its class word, but {where} is "
+                "empty; set it (and class_word), or use train.flow.preservation=blank"
+            )
+
+
 def _check_optimizer(cfg: JobConfig) -> None:
     """An optimizer CPU training cannot run, and schedule-free with a decaying schedule (it replaces the schedule)."""
     refused = optimizer_refusal(cfg.train.optim.name, gpu=cfg.train.workers.on_gpu != "false")
@@ -131,6 +154,7 @@ def validate(cfg: JobConfig) -> None:
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
     datasets_of(cfg.data)  # every dataset, listed or single, checked like a section of its own
+    _check_preservation(cfg)
 
 
 def _check_ranges(cfg: JobConfig) -> None:

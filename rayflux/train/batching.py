@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import logging
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ import numpy as np
 from rayflux import storage
 from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, TextPart, count_columns, encode_planned
 from rayflux.train import runs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,12 @@ def _order(key: str) -> tuple[str, str]:
     return _base(key), key
 
 
-def index_samples(manifest: dict) -> list[SampleRef]:
-    """Every sample of a committed generation, from its index (two Parquet reads, whatever the sample count)."""
+def index_samples(manifest: dict, preservation: dict | None = None) -> list[SampleRef]:
+    """Every sample of a committed generation, from its index (two Parquet reads, whatever the sample count).
+    ``preservation``: ``{dataset: (trigger_word, class_word)}`` (:func:`rayflux.preservation.words`): each such
+    sample's text also locates its class prompt."""
+    from rayflux.preservation import SampleTexts
+
     from rayflux.cache import codec, index
     from rayflux.cache.manifest import Manifest
 
@@ -130,8 +137,10 @@ def index_samples(manifest: dict) -> list[SampleRef]:
     def full(f: str) -> str:
         return files.setdefault(f, index.resolve(manifest, f))
 
-    text = {}
+    text, captions = {}, {}
     for c in index.read(manifest, "captions").to_pylist():
+        if preservation:
+            captions[c["caption_id"]] = c["caption"]
         # An index written before codecs has no codec columns: its tensors are raw.
         parts = [
             TextPart(
@@ -159,7 +168,7 @@ def index_samples(manifest: dict) -> list[SampleRef]:
         *count_columns(layout.samples),
         *(c for t in layout.samples for c in t.columns()),
     ]
-    refs = []
+    refs, texts = [], SampleTexts(preservation or {}, text, captions)
     for r in index.read(manifest, "samples", cols).to_pylist():
         ranges = {t.name: [r[c] for c in t.columns()] for t in layout.samples}
         lacks = ",".join(t.name for t in layout.samples if t.optional and not t.counts() and not ranges[t.name][1])
@@ -173,13 +182,20 @@ def index_samples(manifest: dict) -> list[SampleRef]:
                 file_bytes=r["file_bytes"],
                 latent_shape=f"{r['latent_c']},{r['latent_h']},{r['latent_w']}",
                 source=r["source_uri"],
-                text=text[r["caption_id"]],
+                text=texts(r["caption_id"], r["dataset"]),
                 gen_dir=gen_dir,
                 layout=layout_json,
                 counts={c: r[c] for c in count_columns(layout.samples)},
                 ranges=json.dumps(ranges),
                 lacks=lacks,
             )
+        )
+    if texts.unchanged:
+        log.warning(
+            "train.flow.preservation=class: %d captions hold no trigger word, so their preservation prompt is the "
+            "caption itself (e.g. %r)",
+            len(texts.unchanged),
+            min(texts.unchanged),
         )
     return refs
 

@@ -135,7 +135,9 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
     import ray.train.torch
 
     t = w.cfg.train
-    empty = captions.load_empty(w.lc.empty_caption) if t.flow.caption_dropout > 0 else None
+    # Caption dropout trains on the empty caption; blank output preservation's prompt is it (issue 45).
+    needs_empty = t.flow.caption_dropout > 0 or t.flow.preservation == "blank"
+    empty = captions.load_empty(w.lc.empty_caption) if needs_empty else None
     progress = Progress(world_size=w.world)
 
     def total_steps() -> int:  # called by LoraTrainer after the model load

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from rayflux import datasets, models, storage
+from rayflux import datasets, models, preservation, storage
 from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, worker_range
 from rayflux.train import batching, commits
@@ -112,7 +112,9 @@ def build(cfg: JobConfig, manifest: Manifest, output_dir: str, epochs: tuple[int
     Writes the held-out samples' list (:data:`EVAL_FILE`) into ``output_dir``."""
     t = cfg.train
     refs = datasets.mix(
-        batching.index_samples(manifest), datasets.sample_weights(cfg.data), datasets.mask_floors(cfg.data)
+        batching.index_samples(manifest, preservation.words(cfg)),  # issue 45: output preservation's prompts
+        datasets.sample_weights(cfg.data),
+        datasets.mask_floors(cfg.data),
     )
     batching.check_references(refs, models.family(cfg.model))
     refs, eval_plan, eval_file = held_out(cfg, refs, output_dir)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rayflux.cache.layout import declared
+from rayflux.cache.layout import SAMPLE_TEXTS, declared
 from rayflux.config import TrainConfig
 from rayflux.families.base import Family
 from rayflux.families.references import target_prediction
-from rayflux.train import flow, timesteps
+from rayflux.train import flow, preserve, timesteps
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Batch:
     tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
     """Every other declared per-sample tensor (:mod:`rayflux.cache.layout`), by name, stacked ``[B, ...]``; None
     for an optional one the batch lacks."""
+    preservation_text: dict[str, torch.Tensor] | None = None
+    """``train.flow.preservation=class``: the named text tensors of each sample's preservation prompt (its caption with
+    the trigger word replaced by the class word, :mod:`rayflux.preservation`), as ``text``; None otherwise."""
 
 
 @dataclass
@@ -69,6 +72,9 @@ def from_item(item: dict) -> Batch:
     text = {n: _array(item[f"text_{n}"], json.loads(item[f"text_{n}_shape"])) for n in json.loads(item["text_names"])}
     weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None
     fields: dict = {"tensors": {}}
+    for st in SAMPLE_TEXTS:  # a declared caption besides the sample's own: its prefixed tensors (issue 45)
+        if st.prefix and any(n.startswith(st.prefix) for n in text):
+            fields[st.batch] = {n[len(st.prefix) :]: text.pop(n) for n in list(text) if n.startswith(st.prefix)}
     if "mask_floors" in item:
         fields["mask_floors"] = torch.tensor(json.loads(item["mask_floors"]), dtype=torch.float32)
     for name in json.loads(item["sample_tensors"]):
@@ -109,11 +115,22 @@ def flow_loss(
             raise ValueError("train.flow.caption_dropout needs the cached empty-caption embedding")
         mask = flow.caption_dropout_mask(b, t.flow.caption_dropout, generator)
         text = flow.drop_text(text, mask, empty.text)
+
+    def forward(m, prompt: dict) -> torch.Tensor:
+        return predict(m, batch, latents, noise, sigmas, text=prompt, guidance=guidance, rt=rt)[0]
+
+    kept, mode = None, t.flow.preservation
+    if mode != "none":  # issue 45: the base's prediction first, before any graph (rayflux.train.preserve)
+        kept_text = {n: x.to(device, dtype) for n, x in preserve.prompts(batch, mode, empty).items()}
+        kept = preserve.base_prediction(model, kept_text, forward)
     pred, target = predict(model, batch, latents, noise, sigmas, text=text, guidance=guidance, rt=rt)
     weights = flow.loss_weights(sigmas, t.flow.loss_weighting)
     if batch.weights is not None:  # per-dataset weights, see rayflux.datasets.mix
         weights = weights * batch.weights.to(weights.device, weights.dtype)
-    return flow.flow_loss(pred, target, weights, token_weights(batch, family))
+    loss = flow.flow_loss(pred, target, weights, token_weights(batch, family))
+    if kept is not None:
+        loss = loss + t.flow.preservation_weight * preserve.term(model, kept_text, kept, forward, weights)
+    return loss
 
 
 def token_weights(batch: Batch, family: Family) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, gpu_memory, models, phases
+from rayflux import datasets, families, gpu_memory, models, phases, preservation
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
@@ -198,7 +198,7 @@ class LoraTrainer:
                 weight_bytes,
                 trainable,
                 pixels,
-                t.batch_size,
+                t.batch_size * preservation.graphs(t.flow.preservation),  # issue 45: preservation's second graph
                 c,
                 activation_bytes=act_bytes,
                 text=self.text_length,
