@@ -68,7 +68,8 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     out["grown"] = job.run(cfg, only="cache")
     # Output preservation turned on (issue 45): its class prompts are captions the generation must hold.
     words = ("train.preservation=class", "data.trigger_word=red", "data.class_word=coloured")
-    out["preserved_cfg"] = cache_sets.job_config(tiny_model, images, base, "data.resolution=64", *words)
+    other_run = f"run.output_dir={base / 'preserved'}"  # another run (identity), the same cache.dir
+    out["preserved_cfg"] = cache_sets.job_config(tiny_model, images, base, "data.resolution=64", other_run, *words)
     out["preserved"] = job.run(out["preserved_cfg"], only="cache")
     return out
 
