@@ -211,3 +211,18 @@ def test_the_plan_counts_the_ema():
     tc = plan.transformer_config(job)[0]
     with_ema, without = (gpu_memory.estimate(tc, 0, trainable, 512, 1, False, ema=e) for e in (True, False))
     assert with_ema.total - without.total == 4 * trainable
+
+
+def test_the_plan_shows_output_preservations_forwards_and_activations():
+    """``train.preservation`` (issue 45): the forwards a batch costs, and the activations of its two graphs, which
+    are a batch twice the size's."""
+    sets = ["train.preservation=class", "data.trigger_word=sks", "data.resolution=512", "train.batch_size=2"]
+    lines = plan.report(config.load(None, sets))
+    assert any("3 transformer forwards a batch" in line for line in lines)
+    job = config.load(None, sets)
+    tc = plan.transformer_config(job)[0]
+    text = plan.text_tokens(job)
+    with_, without = (gpu_memory.estimate(tc, 0, 0, 512, b, False, text=text).activations for b in (4, 2))
+    want = f"activations at 512 px, batch 2: {with_ / gpu_memory.GIB:.1f} GiB with it, "
+    assert any(want + f"{without / gpu_memory.GIB:.1f} without" in line for line in lines)
+    assert not any("transformer forward" in line for line in plan.report(config.load(None, [])))
