@@ -69,15 +69,6 @@ def run_identity(cfg: JobConfig) -> str:
         for part in (ident["data"], *ident["data"].get("datasets", [])):
             for key in MASK_KEYS:
                 part.pop(key, None)
-    if cfg.train.flow.preservation == "none":
-        # Without output preservation its keys say nothing: runs started before it existed keep their identity.
-        from rayflux.config.data import PRESERVATION_KEYS
-
-        for key in ("preservation", "preservation_weight"):
-            ident["train"].pop(key, None)
-        for part in (ident["data"], *ident["data"].get("datasets", [])):
-            for key in PRESERVATION_KEYS:
-                part.pop(key, None)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

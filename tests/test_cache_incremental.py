@@ -67,7 +67,7 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     (images / "b.txt").write_text("a blue square, edited")
     out["grown"] = job.run(cfg, only="cache")
     # Output preservation turned on (issue 45): its class prompts are captions the generation must hold.
-    words = ("train.preservation=class", "data.trigger_word=red", "data.class_word=coloured")
+    words = ("train.flow.preservation=class", "data.trigger_word=red", "data.class_word=coloured")
     other_run = f"run.output_dir={base / 'preserved'}"  # another run (identity), the same cache.dir
     out["preserved_cfg"] = cache_sets.job_config(tiny_model, images, base, "data.resolution=64", other_run, *words)
     out["preserved"] = job.run(out["preserved_cfg"], only="cache")

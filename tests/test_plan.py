@@ -216,7 +216,7 @@ def test_the_plan_counts_the_ema():
 def test_the_plan_shows_output_preservations_forwards_and_activations():
     """``train.preservation`` (issue 45): the forwards a batch costs, and the activations of its two graphs, which
     are a batch twice the size's."""
-    sets = ["train.preservation=class", "data.trigger_word=sks", "data.resolution=512", "train.batch_size=2"]
+    sets = ["train.flow.preservation=class", "data.trigger_word=sks", "data.resolution=512", "train.batch_size=2"]
     lines = plan.report(config.load(None, sets))
     assert any("3 transformer forwards a batch" in line for line in lines)
     job = config.load(None, sets)

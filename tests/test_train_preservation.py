@@ -22,12 +22,12 @@ def test_class_caption_replaces_the_trigger_word_only():
 
 def test_preservation_class_needs_a_trigger_word():
     with pytest.raises(config.ConfigError, match="data.trigger_word is empty"):
-        config.load(None, ["train.preservation=class"])
-    with pytest.raises(config.ConfigError, match="train.preservation must be one of"):
-        config.load(None, ["train.preservation=prior"])
-    cfg = config.load(None, ["train.preservation=class", "data.trigger_word=sks", "data.class_word=woman"])
+        config.load(None, ["train.preservation=class"])  # the key as issue 45 names it: an alias
+    with pytest.raises(config.ConfigError, match="train.flow.preservation must be one of"):
+        config.load(None, ["train.flow.preservation=prior"])
+    cfg = config.load(None, ["train.flow.preservation=class", "data.trigger_word=sks", "data.class_word=woman"])
     assert preservation.words(cfg) == {"": ("sks", "woman")} and preservation.rule(cfg)
-    assert preservation.rule(config.load(None, ["train.preservation=blank"])) == ""  # blank needs no captions
+    assert preservation.rule(config.load(None, ["train.flow.preservation=blank"])) == ""  # blank needs no captions
 
 
 def _items(n: int, seed: int = 0) -> list[dict]:
@@ -50,13 +50,13 @@ def _items(n: int, seed: int = 0) -> list[dict]:
 
 
 def _trainer(tiny_model, *sets: str) -> LoraTrainer:
-    cfg = train_data.job(tiny_model, "data.trigger_word=sks", "train.preservation_weight=1", *sets)
+    cfg = train_data.job(tiny_model, "data.trigger_word=sks", "train.flow.preservation_weight=1", *sets)
     return LoraTrainer(cfg, "cpu", total_steps=4, empty=train_data.empty_caption())
 
 
 def _draws(trainer: LoraTrainer, batch: step.Batch):
     """The noise and σ :func:`rayflux.train.step.flow_loss` draws for ``batch`` (seeded by it, in that order)."""
-    t, (b, _, h, w) = trainer.cfg.train, batch.latents.shape
+    t, (b, _, h, w) = trainer.cfg.train.flow, batch.latents.shape
     g = torch.Generator().manual_seed(batch.seed)
     noise = torch.randn(batch.latents.shape, generator=g)
     sigmas = flow.sample_sigmas(
@@ -78,30 +78,29 @@ def test_the_preservation_target_is_the_base_models_prediction(tiny_model, adapt
     """The term pulls the LoRA model's prediction on the preservation prompt towards the *base* model's: computed
     here with the base loaded afresh from ``model.path`` (no adapter at all), it is what the step adds. Were the
     adapter not switched off, the target would be the LoRA's own prediction and the term zero."""
-    kohya = ["train.output_format=kohya"] if adapter == "lokr" else []  # LoKr exports only with kohya keys
-    trainer = _trainer(tiny_model, "train.preservation=class", f"train.adapter={adapter}", *kohya)
+    kohya = ["train.checkpoint.output_format=kohya"] if adapter == "lokr" else []  # LoKr exports only as kohya
+    trainer = _trainer(tiny_model, "train.flow.preservation=class", f"train.adapter.kind={adapter}", *kohya)
     with torch.no_grad():  # a trained adapter: its predictions differ from the base's
         for k, p in enumerate(trainer.params):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
     batch = step.from_item(_items(1)[0])
-    t, args = trainer.cfg.train, (trainer.empty, "cpu", trainer.dtype, trainer.family)
-    with_term = step.flow_loss(trainer.model, batch, t, trainer.guidance_embeds, *args, trainer.shift_config)
-    plain_t = dataclasses.replace(t, preservation="none")
-    plain = step.flow_loss(trainer.model, batch, plain_t, trainer.guidance_embeds, *args, trainer.shift_config)
+    t, rt = trainer.cfg.train, step.Runtime("cpu", trainer.dtype, trainer.family)
+    args = (trainer.guidance_embeds, trainer.empty, rt)
+    with_term = step.flow_loss(trainer.model, batch, t, *args, shift_config=trainer.shift_config)
+    plain_t = dataclasses.replace(t, flow=dataclasses.replace(t.flow, preservation="none"))
+    plain = step.flow_loss(trainer.model, batch, plain_t, *args, shift_config=trainer.shift_config)
 
     noise, sigmas, guidance = _draws(trainer, batch)
     base = models.load_transformer(trainer.cfg.model, "cpu", trainer.dtype)
     kept = {n: x.to(trainer.dtype) for n, x in batch.preservation_text.items()}
     with torch.no_grad():
-        want = step.predict(base, batch, batch.latents, noise, sigmas, kept, guidance, "cpu", trainer.dtype, *args[3:])
-        lora = step.predict(
-            trainer.model, batch, batch.latents, noise, sigmas, kept, guidance, "cpu", trainer.dtype, *args[3:]
+        want, lora = (
+            step.predict(m, batch, batch.latents, noise, sigmas, text=kept, guidance=guidance, rt=rt)[0]
+            for m in (base, trainer.model)
         )
-    weights = flow.loss_weights(sigmas, t.loss_weighting)
-    term = flow.flow_loss(lora[0], want[0], weights)
-    assert float(term) > 1e-3 * float(
-        plain.detach()
-    )  # the adapter moves the prediction: a term that can be told from 0
+    term = flow.flow_loss(lora, want, flow.loss_weights(sigmas, t.flow.loss_weighting))
+    # The adapter moves the prediction: a term that can be told from 0.
+    assert float(term) > 1e-3 * float(plain.detach())
     assert float(with_term.detach()) == pytest.approx(float(plain.detach()) + float(term), rel=1e-5)
     # The adapter is on again, and trains: the term's gradient reaches it.
     with_term.backward()
@@ -114,7 +113,10 @@ def test_preservation_at_weight_zero_trains_exactly_as_plain_lora(tiny_model, mo
     training's, bit for bit."""
     items = _items(2)
     trained = []
-    for sets in ([f"train.preservation={mode}", "train.preservation_weight=0"], ["train.preservation=none"]):
+    for sets in (
+        [f"train.flow.preservation={mode}", "train.flow.preservation_weight=0"],
+        ["train.flow.preservation=none"],
+    ):
         trainer = _trainer(tiny_model, *sets)
         for group in train_data.groups(items, 1):
             trainer.train_step(group)

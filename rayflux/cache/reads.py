@@ -199,7 +199,7 @@ def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, di
         if list(locs) != [st.name for st in carried]:
             raise error("captions (the batch's)", [st.name for st in carried], list(locs))
         for st in carried:
-            for name, arr in _text_arrays(s, locs[st.name], layout, raw, local, error, gen_dir).items():
+            for name, arr in _text_arrays(s, locs[st.name], layout, raw, local, error=error, gen_dir=gen_dir).items():
                 name = f"{st.prefix}{name}"
                 if text[name] and arr.shape != text[name][0].shape:
                     raise error(f"{name} shape", text[name][0].shape, arr.shape)
@@ -209,7 +209,7 @@ def _batch_arrays(b: int, plan: _Plan, raw: dict, local: dict) -> tuple[dict, di
 
 
 def _text_arrays(
-    s: PlannedSample, loc: TextLocator, layout, raw: dict, local: dict, error, gen_dir: str
+    s: PlannedSample, loc: TextLocator, layout, raw: dict, local: dict, *, error, gen_dir: str
 ) -> dict[str, np.ndarray]:
     """The checked text tensors of the caption at ``loc`` (sample ``s``'s): read by this call, or kept by this
     process."""

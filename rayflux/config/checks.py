@@ -74,7 +74,9 @@ def _check_preservation(cfg: JobConfig) -> None:
     ``class`` a ``trigger_word`` for every dataset."""
     t = cfg.train
     if t.flow.preservation not in PRESERVATION_MODES:
-        raise ConfigError(f"train.flow.preservation must be one of {', '.join(PRESERVATION_MODES)}; got {t.flow.preservation!r}")
+        raise ConfigError(
+            f"train.flow.preservation must be one of {', '.join(PRESERVATION_MODES)}; got {t.flow.preservation!r}"
+        )
     if t.flow.preservation_weight < 0:
         raise ConfigError(f"train.flow.preservation_weight must be >= 0, got {t.flow.preservation_weight}")
     if t.flow.preservation != "class":

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from rayflux.config.identity import CACHED, CAPTIONS, TRAINED
+from rayflux.config.identity import CACHED, CAPTIONS, TRAINED, added
 from rayflux.config.values import ConfigError, coerce
 
 
@@ -94,19 +94,16 @@ class DatasetConfig:
     """When an image has no mask (no file in ``mask_dir``, or no alpha channel with ``mask=alpha``): ``skip`` it
     with the reason recorded, or train it with a mask of ``ones`` (its whole area, counted in the report)."""
     # issue 45: output preservation (rayflux.preservation)
-    trigger_word: str = field(default="", metadata=CAPTIONS)
+    trigger_word: str = field(default="", metadata=added(CAPTIONS))
     """With ``train.flow.preservation=class``: the word (or phrase) in this dataset's captions that names the trained
     concept, e.g. ``sks``. Each caption's preservation prompt is the caption with it replaced by ``class_word``
     (whole words only); the cache encodes those prompts beside the captions."""
-    class_word: str = field(default="", metadata=CAPTIONS)
+    class_word: str = field(default="", metadata=added(CAPTIONS))
     """With ``train.flow.preservation=class``: what ``trigger_word`` becomes in the preservation prompt, e.g. ``woman``
     ("photo of sks" -> "photo of woman"). Empty: the trigger is dropped."""
 
 
 MASK_KEYS = ("mask", "mask_dir", "mask_column", "missing_mask", "mask_floor")
-PRESERVATION_KEYS = ("trigger_word", "class_word")
-"""A dataset's output-preservation words: left out of the run identity while ``train.flow.preservation`` is not
-``class`` (they decide nothing then), so runs made before preservation existed keep their identity."""
 """A dataset's mask settings: left out of its cache identity and of the run identity while ``mask`` is ``none`` (they
 say nothing then), so caches and runs made before masks existed keep their keys."""
 

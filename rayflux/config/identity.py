@@ -45,6 +45,25 @@ def moved(kind: MappingProxyType, old: str) -> MappingProxyType:
     return MappingProxyType({**kind, OLD_KEY: old})
 
 
+ADDED = "added"
+"""The metadata key marking a field added after identities were recorded (:func:`added`)."""
+
+
+def added(kind: MappingProxyType) -> MappingProxyType:
+    """``kind``'s declaration for a field added after caches, runs and fingerprints were first recorded: while it
+    holds its default it is left out of every hash (:func:`values`), so adding it changes none of them; a value set
+    enters them as any other field's. (Issue 45's technique keys, off by default.)"""
+    return MappingProxyType({**kind, ADDED: True})
+
+
+def _at_default(f: dataclasses.Field, value) -> bool:
+    """Whether an :func:`added` field holds its default (so it says nothing)."""
+    if not f.metadata.get(ADDED):
+        return False
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return value == default
+
+
 def kind(f: dataclasses.Field) -> str | None:
     """The identity a field declares, or None when it declares nothing."""
     return f.metadata.get(IDENTITY)
@@ -72,7 +91,7 @@ def values(obj, *kinds: str, path: str = "") -> dict:
     for f in dataclasses.fields(obj):
         if is_section(f):
             out.update(values(getattr(obj, f.name), *kinds, path=f"{path}{f.name}."))
-        elif kind(f) in kinds:
+        elif kind(f) in kinds and not _at_default(f, getattr(obj, f.name)):
             out[old_key(f, path)] = _plain(getattr(obj, f.name))
     return out
 

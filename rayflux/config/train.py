@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayflux.config.identity import SECTION, TRAINED, UNTRACKED, moved
+from rayflux.config.identity import SECTION, TRAINED, UNTRACKED, added, moved
 from rayflux.config.values import ConfigError
 
 
@@ -184,14 +184,14 @@ class FlowConfig:
     caption_dropout: float = field(default=0.0, metadata=moved(TRAINED, "caption_dropout"))
     """Probability of training a sample on the cached empty-caption embedding instead of its caption."""
     # issue 45: output preservation (rayflux.preservation, rayflux.train.preserve)
-    preservation: str = field(default="none", metadata=moved(TRAINED, "preservation"))
+    preservation: str = field(default="none", metadata=added(moved(TRAINED, "preservation")))
     """Output preservation without a regularisation set (ai-toolkit's differential output preservation): on every
     step each sample's noisy latent also goes through the base model (the adapter switched off) on a preservation
     prompt, and the LoRA model's prediction on that prompt is pulled towards the base's. ``none``; ``class``: the
     caption with the dataset's ``trigger_word`` replaced by its ``class_word`` (cached beside the captions);
     ``blank``: the empty prompt. Costs two more forwards a batch (one without gradients) and one more backward.
     ``train.preservation`` is accepted for it."""
-    preservation_weight: float = field(default=1.0, metadata=moved(TRAINED, "preservation_weight"))
+    preservation_weight: float = field(default=1.0, metadata=added(moved(TRAINED, "preservation_weight")))
     """Weight of the preservation term added to the loss (ai-toolkit's ``diff_output_preservation_multiplier``);
     ``train.preservation_weight`` is accepted for it."""
 

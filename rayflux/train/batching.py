@@ -123,7 +123,7 @@ def index_samples(manifest: dict, preservation: dict | None = None) -> list[Samp
     """Every sample of a committed generation, from its index (two Parquet reads, whatever the sample count).
     ``preservation``: ``{dataset: (trigger_word, class_word)}`` (:func:`rayflux.preservation.words`): each such
     sample's text also locates its class prompt."""
-    from rayflux.preservation import SampleTexts
+    from rayflux.train.preservation_texts import SampleTexts
 
     from rayflux.cache import codec, index
     from rayflux.cache.manifest import Manifest
