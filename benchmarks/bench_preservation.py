@@ -82,7 +82,11 @@ def trainer(tc: dict, mode: str, px: int) -> LoraTrainer:
         sets.append("data.trigger_word=sks")
     cfg = config.load(None, sets)
     width = tc["joint_attention_dim"]
-    empty = step.EmptyCaption({"t5": torch.zeros(TEXT, width), "clip_pooled": torch.zeros(width)})
+    # Random, as a real empty caption's embedding is not zero (zeros would run the blocks into denormals on CPU).
+    g = torch.Generator().manual_seed(99)
+    empty = step.EmptyCaption(
+        {"t5": torch.randn(TEXT, width, generator=g), "clip_pooled": torch.randn(width, generator=g)}
+    )
     return LoraTrainer(cfg, "cpu", 10_000, empty=empty, transformer=_transformer(tc), text_length=TEXT)
 
 
