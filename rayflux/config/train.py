@@ -111,7 +111,7 @@ class OptimConfig:
     ``schedulefree_adamw``, which already evaluates an average of its own."""
 
     # issue 45: LoRA+ (item 4)
-    lora_plus_ratio: float = field(default=0.0, metadata=moved(TRAINED, "lora_plus_ratio"))
+    lora_plus_ratio: float = field(default=0.0, metadata=added(moved(TRAINED, "lora_plus_ratio")))
     """LoRA+: the ``B`` matrices train at this many times ``learning_rate`` (the LoRA+ paper suggests 16 for wide
     layers); 0 turns it off. Two parameter groups of the optimizer (``A`` and DoRA's magnitudes at
     ``learning_rate``, ``B`` at the multiple), both following the schedule. Refused with ``train.adapter.kind:
@@ -148,13 +148,13 @@ class AdapterConfig:
     """Start from this LoRA file (diffusers or kohya keys, local or URI) instead of a fresh adapter."""
 
     # issue 45: per-block rank and alpha (item 4)
-    rank_pattern: dict = field(default_factory=dict, metadata=moved(TRAINED, "rank_pattern"))
+    rank_pattern: dict = field(default_factory=dict, metadata=added(moved(TRAINED, "rank_pattern")))
     """Other ranks for some targets (peft's ``rank_pattern``), as ``{target spec: rank}`` with the keys in
     ``train.adapter.targets``' terms: ``{"single 20-37": 16, "double all": 8}`` (block terms alone mean every trained
     module of those blocks; a later key wins where keys overlap). LoRA and DoRA; with ``output_format: kohya`` the
     parts of one fused kohya layer (a block's to_q/to_k/to_v) must share a rank. The exported files keep each
     module's rank, and kohya and diffusers loaders read it from the tensors' shapes. (Also ``train.rank_pattern``.)"""
-    alpha_pattern: dict = field(default_factory=dict, metadata=moved(TRAINED, "alpha_pattern"))
+    alpha_pattern: dict = field(default_factory=dict, metadata=added(moved(TRAINED, "alpha_pattern")))
     """Other alphas for some targets (peft's ``alpha_pattern``), keyed as ``rank_pattern``. (Also
     ``train.alpha_pattern``.)"""
 
@@ -196,7 +196,7 @@ class FlowConfig:
     ``train.preservation_weight`` is accepted for it."""
 
     # issue 45: timestep presets (item 3)
-    timestep_bias: str = field(default="balanced", metadata=moved(TRAINED, "timestep_bias"))
+    timestep_bias: str = field(default="balanced", metadata=added(moved(TRAINED, "timestep_bias")))
     """Moves the ``sigma_sampling`` draws (and the eval grid) towards low or high noise: ``balanced`` (as drawn),
     ``content`` (``logit(σ) - 1``: lower noise, for likeness and detail) or ``style`` (``logit(σ) + 1``: higher
     noise, for composition and colour). With ``logit_normal`` this is exactly ``logit_mean`` moved by -1 or +1.
