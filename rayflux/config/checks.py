@@ -7,6 +7,7 @@ from rayflux.config.optimizer import OPTIMIZERS, canonical, refusal as optimizer
 from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
 from rayflux.config.job import JobConfig
+from rayflux.config.token_routing import parse as parse_routing
 from rayflux.config.train import checkpointing_setting, worker_range
 from rayflux.config.values import ConfigError, resource_map
 
@@ -114,6 +115,7 @@ def validate(cfg: JobConfig) -> None:
     _check_optimizer(cfg)
     adapter_refusal(cfg)
     _check_ema_compile(cfg)
+    _check_token_routing(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
@@ -232,6 +234,18 @@ def _check_ema_compile(cfg: JobConfig) -> None:
             f"train.compile needs the whole base on every worker (train.workers.base_fsdp: none), got "
             f"train.workers.base_fsdp={t.workers.base_fsdp}"
         )
+
+
+def _check_token_routing(cfg: JobConfig) -> None:
+    """``train.token_routing``'s form, and the combinations refused with it."""
+    t = cfg.train
+    if parse_routing(t.token_routing) is None:
+        return
+    # Hooks on the blocks would be traced into compiled blocks or FSDP2's gathers: untested, so refused.
+    if t.compile:
+        raise ConfigError("train.token_routing does not run with train.compile (set one of them off)")
+    if t.base_sharding == "node":
+        raise ConfigError("train.token_routing needs the whole base on every worker (train.base_sharding: none)")
 
 
 def adapter_refusal(cfg: JobConfig) -> None:

@@ -279,6 +279,20 @@ class TrainConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig, metadata=SECTION)
     """Validation images."""
 
+    # issue 45: TREAD token routing (item 2)
+    token_routing: str = field(default="", metadata=TRAINED)
+    """TREAD: during training, a random share of the image tokens skips a span of transformer blocks and rejoins
+    after it, written ``RATIO:FIRST-LAST`` (``0.5:2-8``: half the image tokens skip blocks 2 to 8, counted from 0
+    over the double-stream blocks and then the single-stream ones). The other tokens go through the span, so its
+    LoRA targets still train; eval loss and renders run the whole model. Fewer tokens through the span make a
+    cheaper step (``benchmarks/bench_tread.py``). Empty: off. Not with ``train.compile`` or a sharded base."""
+
+    # issue 45: FLUX.2 [klein] right by default (item 5)
+    validation_model: str = field(default="", metadata=UNTRACKED)
+    """Render validation images with this model (a directory or hub id of the same family and transformer shape,
+    e.g. the step-distilled FLUX.2 [klein] while training on its base) instead of ``model.path``; its own steps and
+    guidance apply. Empty: ``model.path``."""
+
 
 def worker_range(num_workers: Any) -> tuple[int, int]:
     """Normalise ``train.workers.num_workers`` (int or [min, max]) to a (min, max) pair."""

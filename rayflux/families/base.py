@@ -220,6 +220,15 @@ class Family(ABC):
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
         """A pipeline without text encoders around the training ``transformer``, for validation renders."""
 
+    routed_blocks: tuple[tuple[str, bool], ...] = (
+        ("transformer_blocks", False),
+        ("single_transformer_blocks", False),
+    )
+    """``train.token_routing`` (TREAD, :mod:`rayflux.train.token_routing`): the transformer's block lists in the
+    order its forward runs them, each with whether its blocks take text and image tokens as one joint
+    ``hidden_states`` (text first) rather than the image stream alone. Every block names its input ``hidden_states``
+    and its rotary embedding ``image_rotary_emb`` (text rows first), as diffusers' FLUX blocks do."""
+
     kohya_blocks: dict[str, tuple[dict, str]]
     """kohya/original key map: diffusers block prefix -> (module inside a block -> (original name, part, parts),
     original block prefix). A fused original layer (``img_attn.qkv``) lists its diffusers parts in order; see

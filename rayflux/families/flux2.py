@@ -129,6 +129,9 @@ class Flux2(Family):
     def text_length_of(self, transformer_config: dict) -> int:
         return TEXT_LENGTH
 
+    # The single blocks run on the text and image tokens concatenated by the transformer's forward.
+    routed_blocks = (("transformer_blocks", False), ("single_transformer_blocks", True))
+
     kohya_blocks = {
         "transformer_blocks.": (DOUBLE, "double_blocks"),
         "single_transformer_blocks.": (SINGLE, "single_blocks"),
