@@ -165,3 +165,16 @@ def test_the_trainer_routes_its_training_forwards(tiny_model):
     trainer = LoraTrainer(cfg, "cpu", total_steps=1, empty=train_data.empty_caption())
     assert trainer.train_step(train_data.groups(train_data.items(2), 1)[0]).loss > 0
     assert trainer.router.calls == 1
+
+
+def test_plan_shows_the_share_of_tokens_a_routed_step_keeps():
+    from rayflux import plan
+    from rayflux.families.flux1 import FLUX1_DEV
+
+    assert plan.routing_lines("", FLUX1_DEV, 512) == []
+    lines = plan.routing_lines("0.5:2-54", FLUX1_DEV, 512)
+    # FLUX.1-dev's 57 blocks, 53 of them in the span; at 1024 px 2048 of 4096 image tokens and all 512 text ones.
+    share = (4 + 53 * (2048 + 512) / (4096 + 512)) / 57
+    assert "2048 of 4096 image tokens" in lines[2] and f"about {share:.2f} of plain" in lines[2]
+    with pytest.raises(ConfigError, match="past the model's 57 blocks"):
+        plan.routing_lines("0.5:2-57", FLUX1_DEV, 512)

@@ -244,8 +244,8 @@ def _check_token_routing(cfg: JobConfig) -> None:
     # Hooks on the blocks would be traced into compiled blocks or FSDP2's gathers: untested, so refused.
     if t.compile:
         raise ConfigError("train.token_routing does not run with train.compile (set one of them off)")
-    if t.base_sharding == "node":
-        raise ConfigError("train.token_routing needs the whole base on every worker (train.base_sharding: none)")
+    if t.workers.base_fsdp == "node":
+        raise ConfigError("train.token_routing needs the whole base on every worker (train.workers.base_fsdp: none)")
 
 
 def adapter_refusal(cfg: JobConfig) -> None:

@@ -55,3 +55,16 @@ def check_depth(routing: TokenRouting, depth: int) -> None:
             f"train.token_routing: the span {routing.first}-{routing.last} reaches past the model's {depth} blocks "
             f"(numbered 0-{depth - 1}, double-stream first)"
         )
+
+
+def keep_count(tokens: int, ratio: float) -> int:
+    """Image tokens that go through the span when ``ratio`` of ``tokens`` skip it (at least one)."""
+    return max(1, tokens - round(tokens * ratio))
+
+
+def block_share(routing: TokenRouting, depth: int, image_tokens: int, text_tokens: int) -> float:
+    """The tokens a routed step runs through the ``depth`` blocks, over a plain step's: about its share of the
+    blocks' activations and matmuls (attention's quadratic term, which shrinks more, left out)."""
+    kept = keep_count(image_tokens, routing.ratio) + text_tokens
+    whole = image_tokens + text_tokens
+    return (depth - routing.blocks + routing.blocks * kept / whole) / depth

@@ -209,6 +209,11 @@ class Family(ABC):
         revision)."""
         return 20, 3.5
 
+    def training_warning(self, path: str, pipeline: dict, transformer_config: dict) -> str:
+        """What the job warns about before training on the model at ``path`` (its ``model_index.json``
+        ``pipeline`` and transformer ``config.json``), naming what to train on instead; empty: nothing."""
+        return ""
+
     def compile_blocks(self, transformer) -> None:
         """``train.compile``: ``torch.compile`` each of the transformer's repeated blocks in place (regional
         compilation: blocks of one class share one compiled graph, so compiling costs one block's trace, not the

@@ -22,12 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayflux.config.token_routing import TokenRouting, check_depth
-
-
-def keep_count(tokens: int, ratio: float) -> int:
-    """Image tokens that go through the span when ``ratio`` of ``tokens`` skip it (at least one)."""
-    return max(1, tokens - round(tokens * ratio))
+from rayflux.config.token_routing import TokenRouting, check_depth, keep_count
 
 
 def kept_indices(tokens: int, ratio: float, generator: torch.Generator) -> torch.Tensor:
