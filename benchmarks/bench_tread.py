@@ -104,7 +104,7 @@ def cpu_ratio(tc: dict, px: int, routing: str, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routing", default="0.5:2-54", help="train.token_routing at FLUX.1-dev's 57 blocks")
-    ap.add_argument("--px", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--px", type=int, nargs="*", default=[512, 1024], help="FLOP-count sizes (none: skip)")
     ap.add_argument("--cpu-routing", default="0.5:1-4", help="train.token_routing of the CPU model")
     ap.add_argument("--cpu-heads", type=int, default=4)
     ap.add_argument("--cpu-blocks", default="2,4", help="double,single blocks of the CPU model")
