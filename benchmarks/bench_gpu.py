@@ -12,6 +12,9 @@
    base_dtype this device refuses, is recorded as such. FLUX.1-dev and [klein] 9B also run ``train.compile=true``
    (:data:`COMPILED`: 512 px without checkpointing, 1024 px with it) beside the eager rows of the same shape, with
    ``first_step_s``, the step that compiles; the dry run records them as refused on CPU.
+   FLUX.1-dev at 1024 px, batch 1, also runs TREAD (``train.token_routing``, :data:`TREAD_FLUX1`) with checkpointing
+   off and on, beside the plain rows of the same shape; its MFU counts the plain step's FLOPs (an effective figure:
+   the FLOPs routing saves are in ``benchmarks/bench_tread.py``).
 2. **Trainer step vs bare step** (FLUX.1-dev): the same configuration through a plain hand-written loop (pack, noise,
    forward, MSE, backward, ``AdamW.step``), as seconds per step of each and their ratio, in this one process.
 3. **Encoders**: FLUX.1's VAE encoding 1024 px images (images/s, bf16 on channels-last tensors, as the cache's
@@ -91,16 +94,24 @@ TINY2 = {
 FULL_GRID = [(px, b, c) for px in (512, 1024) for b in (1, 2) for c in (False, True)]
 COMPILED = [(512, 1, False, True), (1024, 1, True, True)]
 """``train.compile=true`` rows (px, batch, checkpointing, compile), against the grid's eager rows of the same shape."""
+TREAD_FLUX1 = [(1024, 1, False, False, "0.5:2-54"), (1024, 1, True, False, "0.5:2-54")]
+"""``train.token_routing`` rows (px, batch, checkpointing, compile, routing) of FLUX.1-dev's 57 blocks: half the
+image tokens skip all but the first two and the last two blocks (SimpleTuner's FLUX preset), against the eager rows
+of the same shape."""
 MODELS = {
-    "flux1-dev": (FLUX1_DEV, "bf16", FULL_GRID + COMPILED),
+    "flux1-dev": (FLUX1_DEV, "bf16", FULL_GRID + COMPILED + TREAD_FLUX1),
     "flux2-klein-9b": (FLUX2_KLEIN_9B, "bf16", FULL_GRID + COMPILED),
     # 32B: its bf16 weights (60 GiB) are kept under fp8 (torchao casts them per matmul), so only checkpointed steps fit.
     "flux2-dev": (FLUX2_DEV, "fp8", [(512, 1, True), (512, 2, True), (1024, 1, True)]),
 }
-"""name -> (transformer config, train.base_dtype, (px, batch, checkpointing[, compile]) grid) of the LoRA-step
-section."""
+"""name -> (transformer config, train.base_dtype, (px, batch, checkpointing[, compile[, token_routing]]) grid) of
+the LoRA-step section."""
 DRY = {
-    "flux1-dev": (TINY, "bf16", [(64, 1, False), (64, 2, True), (64, 1, False, True)]),
+    "flux1-dev": (
+        TINY,
+        "bf16",
+        [(64, 1, False), (64, 2, True), (64, 1, False, True), (64, 1, False, False, "0.5:0-1")],
+    ),
     "flux2-klein-9b": (TINY2, "bf16", [(64, 1, True)]),
     "flux2-dev": ({**TINY2, "guidance_embeds": True}, "fp8", [(64, 1, True)]),
 }
@@ -243,8 +254,8 @@ def lora_steps(
 ) -> list[dict]:
     dtype = models.torch_dtype("auto", device.type)  # model.dtype's default: bf16 on GPU, fp32 on CPU
     rows = []
-    for px, batch, ckpt, *compiled in grid:
-        compiled = bool(compiled and compiled[0])
+    for px, batch, ckpt, *extra in grid:
+        compiled, routing = bool(extra and extra[0]), extra[1] if len(extra) > 1 else ""
         row = {
             "model": name,
             "base_dtype": base_dtype,
@@ -252,6 +263,7 @@ def lora_steps(
             "batch": batch,
             "checkpointing": ckpt,
             "compile": compiled,
+            "token_routing": routing,
         }
         rows.append(row)
         try:
@@ -271,6 +283,7 @@ def lora_steps(
                 f"train.batch_size={batch}",
                 f"train.base_dtype={base_dtype}",
                 f"train.compile={str(compiled).lower()}",
+                f"train.token_routing={routing}",
             ],
         )
         if device.type == "cuda":
@@ -302,7 +315,7 @@ def lora_steps(
                 "job_s_per_step": round(seconds, 4),
             }
         )
-        if name == "flux1-dev" and not compiled:
+        if name == "flux1-dev" and not compiled and not routing:
             bare_opt = torch.optim.AdamW(trainer.params, lr=1e-4)
             bare = _timed(
                 lambda: _bare_step(trainer.model, trainer.params, bare_opt, batches[0], device, dtype), steps, device

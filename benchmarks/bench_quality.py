@@ -46,6 +46,8 @@ ROWS: dict[str, tuple[list[str], str, str]] = {
     "sigma_shift": (["train.flow.sigma_sampling=shift"], "lora", "plain"),
     "sigma_flux_shift": (["train.flow.sigma_sampling=flux_shift"], "lora", "plain"),
     "caption_dropout": (["train.flow.caption_dropout=0.1"], "lora", "plain"),
+    # TREAD: half the image tokens skip the world base's middle two of its four blocks (issue 45, item 2).
+    "tread": (["train.token_routing=0.5:1-2"], "lora", "plain"),
     # A broken learner, the control every row must beat: the job refuses learning_rate=0, so 1e-12.
     "lr_1e-12": (["train.optim.learning_rate=1e-12"], "lora", "plain"),
 }

@@ -100,6 +100,10 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     summary = Summary(output_dir=output)
     facts = models.model_facts(cfg.model)
     _check_edit_pairs(cfg, families.by_name(facts.family))  # facts already checked the model's family
+    models.check_validation_model(cfg)
+    warning = models.training_warning(cfg.model)
+    if warning:
+        log.warning(warning)
     ledger = Ledger(output, run_identity(cfg), guard=held.check)
     summary.ledger = ledger.path
     gpus = _start_ray(cfg, only, summary)

@@ -18,6 +18,7 @@ import sys
 from typing import Callable
 
 from rayflux import config, families, gpu_memory, preservation
+from rayflux.config import token_routing
 from rayflux.config.base_dtype import refusal
 from rayflux.config.train import checkpointing_setting
 from rayflux.gpu_memory import GIB, BaseCounts
@@ -167,6 +168,7 @@ def report(cfg: config.JobConfig, model: str = "", workers_per_node: int = 8) ->
         return gpu_memory.estimate(tc, 0, 0, px, batch, checkpointing, text=text).activations
 
     lines += option_lines(base, lora_bytes, activations, workers_per_node, float_bytes)
+    lines += routing_lines(t.token_routing, tc, text)
     lines.append(
         f"this job on an 80 GB GPU: {cfg.data.resolution} px, batch {t.batch_size}, gradient checkpointing "
         f"{'on' if ckpt else 'off'} ({t.gradient_checkpointing}), base_dtype {t.base_dtype}, "
@@ -186,6 +188,25 @@ def _preservation_lines(t, px: int, ckpt: bool, activations: Callable[[int, int,
         f"  activations at {px} px, batch {t.batch_size}: {_gib(activations(px, batch, ckpt))} GiB with it, "
         f"{_gib(activations(px, t.batch_size, ckpt))} without",
     ]
+
+
+def routing_lines(spec: str, tc: dict, text: int) -> list[str]:
+    """``train.token_routing``'s cost: the share of the blocks' tokens a step keeps, and its forwards (one, as
+    plain LoRA's)."""
+    routing = token_routing.parse(spec)
+    if routing is None:
+        return []
+    depth = tc["num_layers"] + tc["num_single_layers"]
+    token_routing.check_depth(routing, depth)
+    lines = [f"train.token_routing={spec}: one forward a step, as plain LoRA; per square image"]
+    for px in (512, 1024):
+        n = gpu_memory.tokens(px, 0)
+        share = token_routing.block_share(routing, depth, n, text)
+        lines.append(
+            f"  {px} px: {token_routing.keep_count(n, routing.ratio)} of {n} image tokens through blocks "
+            f"{routing.first}-{routing.last}; the blocks' activations and matmuls about {share:.2f} of plain"
+        )
+    return lines
 
 
 def main(argv: list[str]) -> int:

@@ -43,7 +43,8 @@ def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["device"] == "cpu"
-    rows = {(r["model"], r["px"], r["batch"], r["checkpointing"]): r for r in results["lora_step"] if not r["compile"]}
+    eager = [r for r in results["lora_step"] if not r["compile"] and not r["token_routing"]]
+    rows = {(r["model"], r["px"], r["batch"], r["checkpointing"]): r for r in eager}
     assert set(rows) == {
         ("flux1-dev", 64, 1, False),
         ("flux1-dev", 64, 2, True),
@@ -58,6 +59,15 @@ def test_the_gpu_benchmark_runs_dry_on_cpu(tmp_path):
         row = rows[key]
         assert row["steps_per_s"] > 0 and row["bare_s_per_step"] > 0 and row["job_over_bare"] > 0
     assert rows[("flux2-klein-9b", 64, 1, True)]["steps_per_s"] > 0
+    # The TREAD row (train.token_routing) beside the plain one of its shape.
+    [routed] = [r for r in results["lora_step"] if r["token_routing"]]
+    assert (routed["model"], routed["px"], routed["checkpointing"], routed["token_routing"]) == (
+        "flux1-dev",
+        64,
+        False,
+        "0.5:0-1",
+    )
+    assert routed["steps_per_s"] > 0
     # FLUX.2 [dev] runs with an fp8 base, which a CPU refuses in one line rather than training in bf16.
     assert rows[("flux2-dev", 64, 1, True)]["refused"].startswith("train.base_dtype=fp8 needs a CUDA GPU")
     assert [v["processes"] for v in results["vae"]] == [1, 2] and all(v["images_per_s"] > 0 for v in results["vae"])

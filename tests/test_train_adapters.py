@@ -14,13 +14,14 @@ weight.
 from __future__ import annotations
 
 import adapter_values
+import comfy_flux2
 import numpy as np
 import pytest
 import torch
 import train_data
 from pipeline_support import render
 
-from rayflux import config, plan
+from rayflux import config, families, plan
 from rayflux.families.flux1 import FLUX1_DEV
 from rayflux.train import checkpoint, kohya, lora, lora_files
 from rayflux.train.trainer import LoraTrainer
@@ -35,9 +36,15 @@ LORA_SUFFIXES = {"lora_up.weight", "lora_down.weight", "alpha", "dora_scale"}
 LOKR_SUFFIXES = {"lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "alpha"}
 
 
+def _flux2(tc: dict) -> bool:
+    return families.of_transformer_config(tc).name == "flux2"
+
+
 def bfl_weights(tc: dict) -> dict[str, tuple[int, int]]:
     """BFL's FLUX.1 Linear weights in the blocks and their (out, in) shapes, from the model's config alone (written
-    from BFL's ``flux/modules/layers.py``, not from rayflux's key map)."""
+    from BFL's ``flux/modules/layers.py``, not from rayflux's key map); FLUX.2's from :mod:`comfy_flux2`."""
+    if _flux2(tc):
+        return comfy_flux2.bfl_weights(tc)
     h = tc["num_attention_heads"] * tc["attention_head_dim"]
     m = 4 * h
     shapes = {}
@@ -89,7 +96,9 @@ WHOLE = {
 
 def comfy_targets(tc: dict) -> dict[str, tuple[str, int, int]]:
     """ComfyUI's module key -> (BFL weight, first row, rows): ``lora_unet_*`` whole weights and ``lycoris_*``
-    diffusers modules at their rows of the BFL weight."""
+    diffusers modules at their rows of the BFL weight (FLUX.2: :mod:`comfy_flux2`)."""
+    if _flux2(tc):
+        return comfy_flux2.comfy_targets(tc)
     bfl = bfl_weights(tc)
     h = tc["num_attention_heads"] * tc["attention_head_dim"]
     out = {f"lora_unet_{k.replace('.', '_')}": (k, 0, o) for k, (o, _) in bfl.items()}
@@ -441,3 +450,49 @@ def test_help_documents_the_adapter_with_kohyas_names():
     text = config.help_text()
     entry = text[text.index("train.adapter.kind = 'lora'") :].split("\n    train.", 1)[0]
     assert all(word in entry for word in ("dora", "lokr", "lycoris.kohya", "algo=lokr", "networks.lora"))
+
+
+def test_a_klein_lokr_file_carries_comfyui_keys_that_rebuild_the_trained_weights(tiny_flux2_klein, tmp_path):
+    """Tiny FLUX.2 [klein], every preset target (the single blocks' fused ``to_qkv_mlp_proj`` and their output
+    projection ``to_out`` included): every key of the LyCORIS file is one ComfyUI maps for FLUX.2, and its LoKr
+    arithmetic on them gives the weights peft's merge of the trained adapter gives, for every BFL block weight."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    t = Flux2Transformer2DModel.from_pretrained(str(tiny_flux2_klein), subfolder="transformer")
+    tc = dict(t.config)
+    base = _bfl_base(t, tc)
+    lora.add_lora(t, rank=2, alpha=6.0, targets="all", adapter="lokr")
+    adapter_values.randomise(t, 4)
+    state = load_file(kohya.save(t, tmp_path, lora.scale(t)))
+    assert all(k.startswith("lycoris_") for k in state)
+    assert "lycoris_single_transformer_blocks_0_attn_to_out.lokr_w1" in state
+    assert len(check_comfy_keys(state, tc)) == len(lora.adapted_modules(t))
+    got = comfy_apply(state, tc, base)
+    _merge(t)
+    want = _bfl_base(t, tc)
+    assert all(not torch.allclose(want[k], base[k]) for k in base)  # "all" adapts every block weight
+    for k in base:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("name", ["flux2-klein-4b", "flux2-klein-9b"])
+def test_klein_lokr_keys_at_real_widths_on_the_meta_device(name):
+    """FLUX.2 [klein] 4B and 9B at their real widths on the meta device, every preset: each holds the single blocks'
+    output projection (``attn.to_out``, BFL's ``linear2``, which the klein fix trains), and every LoKr module of the
+    export is a key ComfyUI maps for FLUX.2, with shapes its LoKr arithmetic accepts (the factorisation depends on
+    the widths)."""
+    from rayflux.families.flux2 import Flux2
+    from rayflux.models import meta_transformer
+
+    tc = Flux2.built_in_configs[name][0]
+    for preset in lora.PRESETS:
+        meta = meta_transformer(tc)
+        targets = lora.resolve_targets(meta, preset)
+        assert "single_transformer_blocks.0.attn.to_out" in targets, preset
+        with torch.device("meta"):
+            lora.add_lora(meta, 16, 16, preset, adapter="lokr")
+        kohya.check_adapter(meta)
+        with torch.device("meta"):
+            converted = kohya.from_peft(lora.lora_state_dict(meta), 1.0, {}, Flux2.kohya_blocks)
+        assert len(check_comfy_keys(converted, tc)) == len(targets), preset

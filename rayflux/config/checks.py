@@ -8,6 +8,7 @@ from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
 from rayflux.config import targets
 from rayflux.config.job import JobConfig
+from rayflux.config.token_routing import parse as parse_routing
 from rayflux.config.train import checkpointing_setting, worker_range
 from rayflux.config.values import ConfigError, resource_map
 
@@ -152,6 +153,7 @@ def validate(cfg: JobConfig) -> None:
     targets.parse(cfg.train.adapter.targets)  # its grammar now; the modules it names once the model is known
     _check_patterns(cfg.train.adapter)
     _check_ema_compile(cfg)
+    _check_token_routing(cfg)
     cfg.train.gradient_checkpointing = checkpointing_setting(cfg.train.gradient_checkpointing)
     if cfg.data.reg_loss_weight < 0:
         raise ConfigError(f"data.reg_loss_weight must be >= 0, got {cfg.data.reg_loss_weight}")
@@ -311,6 +313,18 @@ def lora_plus_refusal(t) -> None:
             "train.optim.lora_plus_ratio with train.optim.name=prodigy: Prodigy estimates one step size for all parameters "
             "and refuses parameter groups with different learning rates; use adamw, adafactor or schedulefree_adamw"
         )
+
+
+def _check_token_routing(cfg: JobConfig) -> None:
+    """``train.token_routing``'s form, and the combinations refused with it."""
+    t = cfg.train
+    if parse_routing(t.token_routing) is None:
+        return
+    # Hooks on the blocks would be traced into compiled blocks or FSDP2's gathers: untested, so refused.
+    if t.compile:
+        raise ConfigError("train.token_routing does not run with train.compile (set one of them off)")
+    if t.workers.base_fsdp == "node":
+        raise ConfigError("train.token_routing needs the whole base on every worker (train.workers.base_fsdp: none)")
 
 
 def adapter_refusal(cfg: JobConfig) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayflux.config.identity import TRAINED
+from rayflux.config.identity import TRAINED, UNTRACKED
 
 
 @dataclass
@@ -26,3 +26,8 @@ class ModelConfig:
     """Text tokens the encoders keep per caption; 0: the family's default (FLUX.1: T5's 512 for [dev], 256 for
     [schnell]; FLUX.2: 512). Fewer make smaller text caches and shorter steps; prompts longer than this are cut.
     Part of the cache key; validation renders encode their prompts to the same length."""
+
+    # issue 45: FLUX.2 [klein] right by default (item 5)
+    allow_distilled: bool = field(default=False, metadata=UNTRACKED)
+    """Train on a step-distilled FLUX.2 [klein] (``is_distilled: true``) without the warning that names its base
+    checkpoint."""

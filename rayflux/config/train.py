@@ -264,6 +264,11 @@ class ValidationConfig:
     wait_seconds: float = field(default=900.0, metadata=moved(TRAINED, "validation_wait_seconds"))
     """How long the end of a trainer segment (one ``TorchTrainer.fit``) waits for the renders still due before it
     abandons them (logged)."""
+    # issue 45: FLUX.2 [klein] right by default (item 5)
+    model: str = field(default="", metadata=moved(UNTRACKED, "validation_model"))
+    """Render validation images with this model (a directory or hub id of the same family and transformer shape,
+    e.g. the step-distilled FLUX.2 [klein] while training on its base) instead of ``model.path``; its own steps and
+    guidance apply. Empty: ``model.path``. (Also ``train.validation_model``.)"""
 
 
 @dataclass
@@ -323,6 +328,15 @@ class TrainConfig:
     """The eval loss on held-out samples."""
     validation: ValidationConfig = field(default_factory=ValidationConfig, metadata=SECTION)
     """Validation images."""
+
+    # issue 45: TREAD token routing (item 2)
+    token_routing: str = field(default="", metadata=added(TRAINED))
+    """TREAD: during training, a random share of the image tokens skips a span of transformer blocks and rejoins
+    after it, written ``RATIO:FIRST-LAST`` (``0.5:2-8``: half the image tokens skip blocks 2 to 8, counted from 0
+    over the double-stream blocks and then the single-stream ones). The other tokens go through the span, so its
+    LoRA targets still train; eval loss and renders run the whole model. Fewer tokens through the span make a
+    cheaper step (``benchmarks/bench_tread.py``). Empty: off. Not with ``train.compile`` or a sharded base
+    (``train.workers.base_fsdp: node``)."""
 
 
 def worker_range(num_workers: Any) -> tuple[int, int]:

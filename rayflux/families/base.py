@@ -216,6 +216,11 @@ class Family(ABC):
         ``flux2_shift``'s μ depends on (``kw``: ``from_pretrained``'s revision)."""
         return 28
 
+    def training_warning(self, path: str, pipeline: dict, transformer_config: dict) -> str:
+        """What the job warns about before training on the model at ``path`` (its ``model_index.json``
+        ``pipeline`` and transformer ``config.json``), naming what to train on instead; empty: nothing."""
+        return ""
+
     def compile_blocks(self, transformer) -> None:
         """``train.compile``: ``torch.compile`` each of the transformer's repeated blocks in place (regional
         compilation: blocks of one class share one compiled graph, so compiling costs one block's trace, not the
@@ -226,6 +231,15 @@ class Family(ABC):
     @abstractmethod
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
         """A pipeline without text encoders around the training ``transformer``, for validation renders."""
+
+    routed_blocks: tuple[tuple[str, bool], ...] = (
+        ("transformer_blocks", False),
+        ("single_transformer_blocks", False),
+    )
+    """``train.token_routing`` (TREAD, :mod:`rayflux.train.token_routing`): the transformer's block lists in the
+    order its forward runs them, each with whether its blocks take text and image tokens as one joint
+    ``hidden_states`` (text first) rather than the image stream alone. Every block names its input ``hidden_states``
+    and its rotary embedding ``image_rotary_emb`` (text rows first), as diffusers' FLUX blocks do."""
 
     kohya_blocks: dict[str, tuple[dict, str]]
     """kohya/original key map: diffusers block prefix -> (module inside a block -> (original name, part, parts),

@@ -60,6 +60,19 @@ FLUX2_KLEIN_4B = {
 }
 """FLUX.2 [klein] 4B (black-forest-labs/FLUX.2-klein-4B, subfolder ``transformer``)."""
 
+KLEIN_BASES = {"4B": "black-forest-labs/FLUX.2-klein-base-4B", "9B": "black-forest-labs/FLUX.2-klein-base-9B"}
+"""The undistilled [klein] checkpoints Black Forest Labs publishes for fine-tuning, by size."""
+
+
+def klein_base(transformer_config: dict) -> str:
+    """The base checkpoint of a [klein] of this transformer config (its 4B or 9B shape), or both when neither."""
+    shape = ("num_layers", "num_single_layers", "num_attention_heads")
+    for size, config in (("4B", FLUX2_KLEIN_4B), ("9B", FLUX2_KLEIN_9B)):
+        if all(transformer_config.get(k) == config[k] for k in shape):
+            return KLEIN_BASES[size]
+    return " or ".join(f"{v} ({k})" for k, v in KLEIN_BASES.items()) + ", the one of its size"
+
+
 ATTENTION = [
     "to_q",
     "to_k",
@@ -136,6 +149,9 @@ class Flux2(Family):
 
     def text_length_of(self, transformer_config: dict) -> int:
         return TEXT_LENGTH
+
+    # The single blocks run on the text and image tokens concatenated by the transformer's forward.
+    routed_blocks = (("transformer_blocks", False), ("single_transformer_blocks", True))
 
     kohya_blocks = {
         "transformer_blocks.": (DOUBLE, "double_blocks"),
@@ -274,6 +290,19 @@ class Flux2(Family):
         from rayflux.families.model_index import pipeline_config
 
         return 4 if pipeline_config(path, kw.get("revision", "")).get("is_distilled", False) else 50
+
+    def training_warning(self, path, pipeline, transformer_config):
+        """A step-distilled [klein] (``is_distilled: true``) trains weak LoRAs: the warning names its base."""
+        if pipeline.get("_class_name") != "Flux2KleinPipeline" or not pipeline.get("is_distilled", False):
+            return ""
+        return (
+            f"model.path={path} is a step-distilled FLUX.2 [klein] (model_index.json: is_distilled: true). LoRAs "
+            "trained on it come out weak (they need a strength of 1.5-2, render grey, or never lower the loss): its "
+            "weights were distilled to sample in 4 steps, not to predict the flow at every noise level the training "
+            "loss draws. Train on its "
+            f"undistilled base, model.path={klein_base(transformer_config)}, and preview on this model with "
+            f"train.validation.model={path} (4 steps, no guidance). model.allow_distilled=true silences this."
+        )
 
     def reference_kwargs(self, images, height, width):
         return {"image": list(images)}

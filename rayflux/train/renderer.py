@@ -52,7 +52,7 @@ class Renderer:
             t = self.cfg.train
             dtype = models.torch_dtype(self.cfg.model.dtype, device.type)
             with torch.random.fork_rng(devices=[]):  # add_lora's init draws; the file replaces what it drew
-                self.transformer = models.load_transformer(self.cfg.model, str(device), dtype)
+                self.transformer = models.load_transformer(models.render_model(self.cfg), str(device), dtype)
                 lora.add_lora(
                     self.transformer,
                     t.adapter.rank,

@@ -21,7 +21,20 @@ from rayflux import datasets, families, gpu_memory, models, phases, preservation
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
-from rayflux.train import attention, base_weights, ema, kohya, lora, lora_plus, optim, shard_load, sharding, step
+from rayflux.config.token_routing import parse as parse_routing
+from rayflux.train import (
+    attention,
+    base_weights,
+    ema,
+    kohya,
+    lora,
+    lora_plus,
+    optim,
+    shard_load,
+    sharding,
+    step,
+    token_routing,
+)
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)
@@ -110,6 +123,8 @@ class LoraTrainer:
             self.transformer.enable_gradient_checkpointing()
         if t.compile:  # after the adapter and checkpointing: the compiled blocks trace what the step will run
             self.family.compile_blocks(self.transformer)
+        # TREAD: hooks on the bare transformer's blocks, which DDP's wrap below still runs.
+        self.router = token_routing.attach(self.transformer, parse_routing(t.token_routing), self.family)
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.shift_config = models.shift_config(cfg.model)
         # Resolved only now when a callable: the training loop reads the feed's first batch meanwhile.
@@ -266,6 +281,8 @@ class LoraTrainer:
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             autocast = torch.autocast(self.device.type, self.autocast or torch.float32, enabled=bool(self.autocast))
+            if self.router:
+                self.router.seed(batch.seed)
             with sync:
                 with autocast:  # the forward only; backward runs in the dtypes the forward chose
                     loss = step.flow_loss(self.model, batch, *step_args, shift_config=self.shift_config)

@@ -45,7 +45,7 @@ def grid(images: list, columns: int = 0):
 def image_size(cfg: JobConfig) -> int:
     """Square side in pixels: ``data.resolution`` rounded down to the model's alignment
     (:attr:`rayflux.families.ModelFacts.alignment`: a whole number of its packed latent tokens)."""
-    align = models.model_facts(cfg.model).alignment
+    align = models.model_facts(models.render_model(cfg)).alignment
     return max(align, cfg.data.resolution // align * align)
 
 
@@ -56,14 +56,14 @@ _PREPARED: dict = {}
 def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     """Each validation prompt's embedding arguments for the family's pipeline. The first call loads the text
     encoders, encodes every prompt and drops them; later renders never touch them again."""
-    t = cfg.train
-    facts = models.model_facts(cfg.model)
-    path = models.resolve_path(cfg.model)
-    key = (path, cfg.model.revision, tuple(t.validation.prompts), str(device), str(dtype), facts.text_length)
+    t, model = cfg.train, models.render_model(cfg)
+    facts = models.model_facts(model)
+    path = models.resolve_path(model)
+    key = (path, model.revision, tuple(t.validation.prompts), str(device), str(dtype), facts.text_length)
     if key not in _PREPARED:
-        family = models.family(cfg.model)
+        family = models.family(model)
         embeds = family.prompt_embeddings(
-            path, models.revision_kw(cfg.model), list(t.validation.prompts), facts, device, dtype
+            path, models.revision_kw(model), list(t.validation.prompts), facts, device, dtype
         )
         gc.collect()
         if device.type == "cuda":
@@ -108,9 +108,9 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
     """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    t = cfg.train
-    kw = models.revision_kw(cfg.model)
-    path = models.resolve_path(cfg.model)
+    t, model = cfg.train, models.render_model(cfg)
+    kw = models.revision_kw(model)
+    path = models.resolve_path(model)
     device = torch.device(device)
     size = image_size(cfg)
     was_training = transformer.training
@@ -120,8 +120,8 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         # The VAE (small, from local files after the first load) is loaded per render and freed after it, so
         # training never holds an encoder between renders.
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kw)
-        vae = models.load_vae(cfg.model, str(device), dtype)
-        family = models.family(cfg.model)
+        vae = models.load_vae(model, str(device), dtype)
+        family = models.family(model)
         pipe = family.render_pipeline(path, kw, scheduler, vae, transformer)
         own_steps, own_guidance = family.validation_settings(path, kw)
         edits = [family.reference_kwargs(images, size, size) for images in _references(cfg, size)]
@@ -150,13 +150,14 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
 
 
 def whole_copy(trainer, cfg: JobConfig, device):
-    """A whole transformer from ``model.path`` carrying the trainer's current adapter: attached as the trainer
-    attached it (:func:`rayflux.train.lora.add_lora` with the same ``train`` settings) and filled with its weights
-    (:func:`rayflux.train.lora.set_state`), so the rendered adapter is the trained one."""
+    """A whole transformer from ``model.path`` (``train.validation.model`` when set) carrying the trainer's current
+    adapter: attached as the trainer attached it (:func:`rayflux.train.lora.add_lora` with the same ``train``
+    settings) and filled with its weights (:func:`rayflux.train.lora.set_state`), so the rendered adapter is the
+    trained one."""
     t = cfg.train
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):  # add_lora's init draws
-        whole = models.load_transformer(cfg.model, str(device), trainer.dtype)
+        whole = models.load_transformer(models.render_model(cfg), str(device), trainer.dtype)
         lora.add_lora(
             whole,
             t.adapter.rank,
@@ -177,8 +178,8 @@ def render_trained(trainer, cfg: JobConfig, device) -> list:
     ``model.path`` (node-local files) with the adapter's current weights (:func:`whole_copy`), renders and frees it.
     Gathering the shards instead would stall every rank in collectives for the render's length and hold each
     gathered tensor on all of them; the copy costs one read of local files and, during the render, rank 0's memory
-    for the whole base."""
-    if not trainer.layout:
+    for the whole base. With ``train.validation.model`` the copy is of that model, which renders the LoRA."""
+    if not trainer.layout and not cfg.train.validation.model:
         return render(trainer.transformer, cfg, device, trainer.dtype)
     whole = whole_copy(trainer, cfg, device)
     try:
