@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayflux.config.identity import TRAINED, UNTRACKED
+from rayflux.config.identity import TRAINED, UNTRACKED, added
 
 
 @dataclass
@@ -28,6 +28,6 @@ class ModelConfig:
     Part of the cache key; validation renders encode their prompts to the same length."""
 
     # issue 45: FLUX.2 [klein] right by default (item 5)
-    allow_distilled: bool = field(default=False, metadata=UNTRACKED)
+    allow_distilled: bool = field(default=False, metadata=added(UNTRACKED))
     """Train on a step-distilled FLUX.2 [klein] (``is_distilled: true``) without the warning that names its base
     checkpoint."""

@@ -265,7 +265,7 @@ class ValidationConfig:
     """How long the end of a trainer segment (one ``TorchTrainer.fit``) waits for the renders still due before it
     abandons them (logged)."""
     # issue 45: FLUX.2 [klein] right by default (item 5)
-    model: str = field(default="", metadata=moved(UNTRACKED, "validation_model"))
+    model: str = field(default="", metadata=added(moved(UNTRACKED, "validation_model")))
     """Render validation images with this model (a directory or hub id of the same family and transformer shape,
     e.g. the step-distilled FLUX.2 [klein] while training on its base) instead of ``model.path``; its own steps and
     guidance apply. Empty: ``model.path``. (Also ``train.validation_model``.)"""
