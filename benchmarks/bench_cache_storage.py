@@ -20,7 +20,7 @@ Then, side by side in the same run, the generation as written (text tensors comp
 index without codec columns: what rayflux wrote before codecs, and still reads):
 
 - **bytes per image**: every file of the generation (shards, index, manifest, skip list) ÷ cached images;
-- **read per sample**: the trainer's own read (:func:`rayflux.train.batching.load_batches`: ranged reads, checksums,
+- **read per sample**: the trainer's own read (:func:`rayflux.train.data.batching.load_batches`: ranged reads, checksums,
   decoding, value checks, stacking) of every planned batch, the process's text cache emptied first, so each caption's
   text is read and decoded once, as in a worker's first epoch; median of ``--rounds``, milliseconds per sample.
 
@@ -144,7 +144,7 @@ def stored_as(gen_dir: str, rounds: int) -> dict:
     import time
 
     from rayflux.cache import generations, reads
-    from rayflux.train import batching
+    from rayflux.train.data import batching
 
     manifest = generations.load_manifest(gen_dir)
     files = [p for p in Path(gen_dir).rglob("*") if p.is_file()]

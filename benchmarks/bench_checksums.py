@@ -53,7 +53,7 @@ def _shards(work: Path, n: int, res: int) -> tuple[dict, dict, dict]:
 
 
 def _items(paths: dict, sizes: dict, ranges: dict, res: int, layout: str) -> list[dict]:
-    """One planned batch of one sample per sample, in the feed's own form (see rayflux.train.batching.plan_epoch)."""
+    """One planned batch of one sample per sample, in the feed's own form (see rayflux.train.data.batching.plan_epoch)."""
     items = []
     for i, ((off, n, crc), (t_off, t_n, t_crc), (c_off, c_n, c_crc)) in enumerate(
         zip(ranges["latent"], ranges["t5"], ranges["clip_pooled"])

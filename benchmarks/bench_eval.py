@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--eval-every", type=int, default=4)
     args = ap.parse_args()
-    from rayflux.train import metrics
+    from rayflux.train.observe import metrics
 
     work = Path(tempfile.mkdtemp(prefix="rayflux-bench-eval-"))
     out = work / "run"

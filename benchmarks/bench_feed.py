@@ -47,9 +47,10 @@ def main() -> int:
     from rayflux.discovery.in_process import discover
     from rayflux.testing.images import write_images
     from rayflux.testing.tiny import TinySpec, write_tiny_model
-    from rayflux.train import batching, lora
+    from rayflux.train.adapter import lora
+    from rayflux.train.data import batching
     from rayflux.train import step as train_step
-    from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset, planned_rows
+    from rayflux.train.data.feed import DATASET, PlannedDataConfig, index_dataset, planned_rows
     from rayflux.train.plan import FeedPlan
 
     work = Path(tempfile.mkdtemp(prefix="bench-feed-"))

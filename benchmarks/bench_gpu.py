@@ -65,7 +65,8 @@ from rayflux import config, families, gpu_memory, models  # noqa: E402
 from rayflux.families.flux1 import FLUX1_DEV  # noqa: E402
 from rayflux.families.flux2 import FLUX2_DEV, FLUX2_KLEIN_9B  # noqa: E402
 from rayflux.testing.tiny import TinySpec, ensure_tiny_model  # noqa: E402
-from rayflux.train import base_weights, step  # noqa: E402
+from rayflux.train import step
+from rayflux.train.adapter import base_weights  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}

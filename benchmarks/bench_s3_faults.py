@@ -84,7 +84,7 @@ def _run_record(cfg, summary) -> dict:
     row), the train stage's ledger entries and the step log's losses."""
     from rayflux import storage
     from rayflux.cache import generations, index
-    from rayflux.train import metrics
+    from rayflux.train.observe import metrics
 
     manifest = generations.load_manifest(summary.cache_dir)
     rows = index.read(manifest, "samples").to_pylist()

@@ -519,7 +519,7 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
     import ray
 
     from rayflux import job
-    from rayflux.train import commits
+    from rayflux.train.resume import commits
 
     steps = -(-args.images // args.batch_size)
     every = cfg.train.checkpoint.every
@@ -596,7 +596,7 @@ def _train_killed_and_resumed(server: Server, args, cfg, sets: list[str], bucket
         flush=True,
     )
     # What the training loop itself counted (the step log): bytes fetched against the tensors' bytes, and its GETs.
-    from rayflux.train import metrics
+    from rayflux.train.observe import metrics
 
     history = metrics.read_steps(cfg.run.output_dir)
     for name, part in (

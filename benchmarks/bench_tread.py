@@ -32,7 +32,8 @@ import torch  # noqa: E402
 from rayflux import config, families, models  # noqa: E402
 from rayflux.config.token_routing import parse  # noqa: E402
 from rayflux.families.flux1 import FLUX1_DEV  # noqa: E402
-from rayflux.train import lora, step, token_routing  # noqa: E402
+from rayflux.train import step, token_routing
+from rayflux.train.adapter import lora  # noqa: E402
 from rayflux.train.trainer import LoraTrainer  # noqa: E402
 
 TEXT = 512

@@ -53,7 +53,7 @@ def build_cache(work: Path, common: list[str], timeout: float = 1800) -> dict:
 def cached_batches(common: list[str], manifest: dict) -> list[dict]:
     """The first epoch's planned batches of one worker, read from the cache into memory (rows for
     ``rayflux.train.step.from_item``)."""
-    from rayflux.train import batching
+    from rayflux.train.data import batching
 
     cfg = _config(common)
     refs = batching.index_samples(manifest)

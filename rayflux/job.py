@@ -138,7 +138,7 @@ def _start_ray(cfg: JobConfig, only: str, summary: Summary) -> bool:
     gpus = cluster_has_gpus()
     if only != "cache":
         # The training modules import torch: a cache-only run's driver never loads it (seconds of its start).
-        from rayflux.train import wandb_log
+        from rayflux.train.observe import wandb_log
 
         validate_for_cluster(cfg, Cluster(gpus=gpus))
         wandb_log.check(cfg.run.wandb_project)
@@ -215,9 +215,9 @@ def _export(cfg: JobConfig, ledger: Ledger, summary: Summary, output: str, resul
     """The final LoRA exported from the last checkpoint (a ledger stage), and the summary's training lines; a rerun
     with nothing left to train reports the earlier export."""
     from rayflux.cache import index
-    from rayflux.train import lora_files
+    from rayflux.train.adapter import lora_files
 
-    # Where the train loop writes them (rayflux.train.validation, rayflux.train.metrics).
+    # Where the train loop writes them (rayflux.train.observe.validation, rayflux.train.observe.metrics).
     summary.validation_dir = storage.join(output, "validation") if cfg.train.validation.prompts else ""
     summary.tensorboard_dir = storage.join(output, "tensorboard")
     if result is None:

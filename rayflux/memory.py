@@ -8,7 +8,7 @@ import sys
 from rayflux.families import ENCODER_CLASSES
 
 # ENCODER_CLASSES: every family's VAE and text encoders, which must live only in the cache stage's actors (and,
-# the validation render actor: rayflux.train.renderer).
+# the validation render actor: rayflux.train.observe.renderer).
 
 
 def rss_mb() -> float:

@@ -22,7 +22,8 @@ from rayflux.config import token_routing
 from rayflux.config.base_dtype import refusal
 from rayflux.config.train import checkpointing_setting
 from rayflux.gpu_memory import GIB, BaseCounts
-from rayflux.train import lora, targets
+from rayflux.train.adapter import targets
+from rayflux.train.adapter import lora
 
 
 def text_tokens(cfg: config.JobConfig) -> int:
@@ -70,7 +71,7 @@ def target_lines(tc: dict, spec: str, trainable: int) -> list[str]:
 def base_counts(tc: dict) -> BaseCounts:
     """What the base_dtype and base_sharding options need to know of the frozen transformer (meta device)."""
     from rayflux.models import meta_transformer
-    from rayflux.train import base_weights
+    from rayflux.train.adapter import base_weights
 
     return base_weights.counts(meta_transformer(tc))
 

@@ -12,7 +12,7 @@ import torch
 from rayflux import config, job, models
 from rayflux.config.base_dtype import refusal, shardable
 from rayflux.config.placement import Cluster, validate_for_cluster
-from rayflux.train import base_weights, lora
+from rayflux.train.adapter import base_weights, lora
 from rayflux.train.trainer import LoraTrainer
 
 

@@ -13,8 +13,8 @@ import pytest
 from raw_text import rewrite_without_codecs
 
 from rayflux.cache import codec, generations, index, tensors, verify
-from rayflux.train import batching
-from rayflux.train.captions import load_empty
+from rayflux.train.data import batching
+from rayflux.train.data.captions import load_empty
 
 
 @pytest.fixture(scope="module")

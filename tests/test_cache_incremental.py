@@ -182,7 +182,7 @@ def test_output_preservation_encodes_its_class_prompts_and_reuses_no_generation_
     from rayflux import preservation
     from rayflux.cache.layout import decode_texts
     from rayflux.discovery.caption_hash import caption_id
-    from rayflux.train import batching
+    from rayflux.train.data import batching
 
     preserved, grown = runs["preserved"], generations.load_manifest(runs["grown"].cache_dir)
     assert Path(preserved.cache_dir).parent == runs["key_dir"] and preserved.cache_dir != runs["grown"].cache_dir

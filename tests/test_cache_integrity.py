@@ -14,7 +14,7 @@ import pytest
 from rayflux import cli, job
 from rayflux.cache import codec, generations, integrity, verify
 from rayflux.cache.integrity import CacheIntegrityError
-from rayflux.train import batching
+from rayflux.train.data import batching
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_a_changed_text_tensor_is_caught_by_a_read_and_by_verify(built, tmp_path
 
 def test_the_empty_caption_that_caption_dropout_reads_is_checked_too(built, tmp_path):
     from rayflux.cache import index
-    from rayflux.train.captions import load_empty
+    from rayflux.train.data.captions import load_empty
 
     gen = cache_sets.copy_generation(built, tmp_path)
     where = index.empty_caption(generations.load_manifest(str(gen)))

@@ -245,7 +245,8 @@ def test_a_declared_dummy_tensor_reaches_the_steps_batch(ray_session, tiny_model
     writes it in each row with its byte range in the index (the writer's check included), and a real read brings it
     to the step's batch beside the latent, from the same ranged read."""
     from rayflux.cache import layout
-    from rayflux.train import batching, step
+    from rayflux.train import step
+    from rayflux.train.data import batching
 
     def produce(row: dict) -> bytes:  # the producer: a value the consumer can recompute from the row
         return np.full((2, row["latent_h"], row["latent_w"]), row["orig_w"] % 97, np.float32).tobytes()

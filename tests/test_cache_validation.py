@@ -12,8 +12,8 @@ import pytest
 
 from rayflux.cache import generations, writer
 from rayflux.cache.shards import CacheShapeError
-from rayflux.train import batching
-from rayflux.train.batching import load_batch
+from rayflux.train.data import batching
+from rayflux.train.data.batching import load_batch
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from pathlib import Path
 from cluster_support import cluster  # noqa: F401 - the fixture
 from cluster_support import own_actor_process, ray_env, registered_checkpoint_dir, train_job_cmd, wait_for
 
-from rayflux.train import commits
-from rayflux.train.metrics import read_steps
+from rayflux.train.resume import commits
+from rayflux.train.observe.metrics import read_steps
 
 PHASE_S = 420  # a bound for each phase to happen at all, on a busy 2-core machine; never a performance claim
 

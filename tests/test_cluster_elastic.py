@@ -38,7 +38,7 @@ from cluster_support import (
     wait_for,
 )
 
-from rayflux.train.metrics import read_steps
+from rayflux.train.observe.metrics import read_steps
 
 EPOCHS = 30
 BATCHES_PER_EPOCH = 8  # 8 demo images, batch size 1; divisible by both world sizes, so no remainder drops

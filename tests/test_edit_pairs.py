@@ -212,7 +212,7 @@ def test_the_cache_stores_reference_latents_beside_the_target(ray_session, tiny_
 
     # One value of one reference latent changed on disk (finite, in place): a training read and cache verify name it.
     from rayflux.cache.integrity import CacheIntegrityError
-    from rayflux.train import batching
+    from rayflux.train.data import batching
 
     ref = batching.index_samples(manifest)[0]
     at = ref.range("ref_latent")
@@ -319,7 +319,8 @@ def test_a_model_without_references_refuses_edit_pairs_and_reference_dirs_may_no
 def test_plan_groups_edits_by_reference_count_and_a_batch_row_carries_its_references():
     import torch
 
-    from rayflux.train import batching, step
+    from rayflux.train import step
+    from rayflux.train.data import batching
 
     refs = [batching.SampleRef(f"s{i}", "64x64", "f", i, counts={"ref_count": i % 3}) for i in range(12)]
     plan, dropped = batching.plan_epoch(refs, 4, seed=1, epoch=0, world_size=1)
@@ -342,7 +343,7 @@ def test_plan_groups_edits_by_reference_count_and_a_batch_row_carries_its_refere
 
 def test_an_edit_with_more_references_than_the_family_takes_is_refused():
     from rayflux import families
-    from rayflux.train import batching
+    from rayflux.train.data import batching
 
     two = [
         batching.SampleRef("a", "64x64", "f", 0, counts={"ref_count": 1}),
@@ -364,7 +365,8 @@ def test_kontext_trains_edit_pairs_end_to_end(ray_session, tiny_kontext, tmp_pat
 
     from rayflux import job, models
     from rayflux.cache import generations, ranges, tensors
-    from rayflux.train import batching, step
+    from rayflux.train import step
+    from rayflux.train.data import batching
 
     images, refs = _edit_dataset(tmp_path)
     out = tmp_path / "run"

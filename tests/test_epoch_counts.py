@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from rayflux.train import batching
+from rayflux.train.data import batching
 
 
 def _refs(per_bucket: dict[str, int], repeats: int = 1) -> list[batching.SampleRef]:

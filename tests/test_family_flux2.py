@@ -7,7 +7,8 @@ import torch
 
 from rayflux import config, models
 from rayflux.config import ModelConfig
-from rayflux.train import kohya, lora, step
+from rayflux.train import step
+from rayflux.train.adapter import kohya, lora
 from rayflux.train.trainer import LoraTrainer
 
 CAPTION = "a red circle on a blue background"
@@ -95,7 +96,7 @@ def test_klein_renders_validation_as_its_kind_is_meant_to_run(variant, steps, gu
     """[klein] base (no ``is_distilled``, as FLUX.2-klein-base-4B) renders with the pipeline's 50 steps and
     classifier-free guidance 4 against the empty prompt; step-distilled [klein] in 4 steps without guidance. Each
     render (at 2 steps, for time) is the pipeline's own with that guidance."""
-    from rayflux.train import validation
+    from rayflux.train.observe import validation
 
     path = str(request.getfixturevalue("tiny_flux2_klein" if variant == "base" else "tiny_flux2_klein_distilled"))
     cfg = config.load(

@@ -11,7 +11,7 @@ import torch
 
 from rayflux import config, models
 from rayflux.families.flux2 import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, klein_base
-from rayflux.train import validation
+from rayflux.train.observe import validation
 
 
 def test_a_distilled_klein_warns_naming_its_base(tiny_flux2_klein, tiny_flux2_klein_distilled):

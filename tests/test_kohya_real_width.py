@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from rayflux import families, models
 from rayflux.families.flux1 import FLUX1_DEV
-from rayflux.train import kohya, lora
+from rayflux.train.adapter import kohya, lora
 
 # FLUX.1-dev's widths (the memory plan's copy of its config), with one block of each kind. in_channels follows the
 # tiny VAE, and out_channels defaults to it.

@@ -9,7 +9,7 @@ import train_data
 from rayflux import config
 from rayflux.config import ConfigError
 from rayflux.config.optimizer import OPTIMIZERS
-from rayflux.train import lora
+from rayflux.train.adapter import lora
 from rayflux.train.trainer import LoraTrainer
 
 RATIO = 4.0

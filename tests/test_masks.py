@@ -484,7 +484,7 @@ def test_mask_keys_enter_the_run_identity_only_with_masks(tmp_path):
 
 
 def test_the_eval_loss_scores_a_masked_sample_on_its_mask_as_training_weighs_it():
-    """flow.per_sample_loss is what the eval loss averages (rayflux.train.evaluation) and what the training loss
+    """flow.per_sample_loss is what the eval loss averages (rayflux.train.observe.evaluation) and what the training loss
     weights: a mask's weighted mean over tokens, the plain mean without one."""
     pred, target = torch.zeros(2, 4, 3), torch.arange(24, dtype=torch.float32).reshape(2, 4, 3)
     plain = flow.per_sample_loss(pred, target)

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from rayflux import config, job, models
 from rayflux.cache import generations, index, masks, ranges, verify
 from rayflux.cache.manifest import Manifest
-from rayflux.train import batching, step
+from rayflux.train import step
+from rayflux.train.data import batching
 
 # One train worker: masks weigh each batch's loss locally (no collective sees them), so a second rank's process and
 # model load (about a fifth of a tiny job's CPU, which CI spends on 2 cores) would check nothing more here.

@@ -8,7 +8,7 @@ import pytest
 from rayflux import config, gpu_memory, models, plan
 from rayflux.families.flux1 import FLUX1_DEV
 from rayflux.families.flux2 import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
-from rayflux.train import lora
+from rayflux.train.adapter import lora
 
 H, CTX, POOLED, IN, MLP, HEAD = 3072, 4096, 768, 64, 4 * 3072, 128
 DOUBLE, SINGLE = 19, 38

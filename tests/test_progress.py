@@ -7,7 +7,8 @@ import time
 import pytest
 
 from rayflux import config, console, progress
-from rayflux.train import batching, elastic, plan
+from rayflux.train import plan
+from rayflux.train.data import batching, elastic
 
 COUNTS = {0: {"batches": 6}, 1: {"batches": 4}}
 

@@ -15,9 +15,9 @@ import pytest
 
 from rayflux import config, generation_stages, job, refresh
 from rayflux.cache import generations
-from rayflux.train import batching
-from rayflux.train.batching import GenerationNotReadable, check_readable
-from rayflux.train.metrics import read_steps
+from rayflux.train.data import batching
+from rayflux.train.data.batching import GenerationNotReadable, check_readable
+from rayflux.train.observe.metrics import read_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rayflux import config, job
-from rayflux.train import commits
+from rayflux.train.resume import commits
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from rayflux.cache import generations, shards
 from rayflux.cache.keys import bucket_spec
 from rayflux.models import ModelFacts
 from rayflux.discovery.in_process import discover
-from rayflux.train import batching
+from rayflux.train.data import batching
 
 FACTS = ModelFacts(8, 4, 0.0, 1.0, False, 8, "test")
 

@@ -18,7 +18,8 @@ from rayflux.cache import generations
 from rayflux.config import ConfigError
 from rayflux.sweep import config as sweep_config, driver
 from rayflux.sweep.config import trial_job
-from rayflux.train import commits, lora_files
+from rayflux.train.adapter import lora_files
+from rayflux.train.resume import commits
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from rayflux import config, families, plan
 from rayflux.config import ConfigError
 from rayflux.families.flux1 import FLUX1_DEV
 from rayflux.families.flux2 import FLUX2_KLEIN_4B
-from rayflux.train import targets
+from rayflux.train.adapter import targets
 
 FLUX1 = families.by_name("flux1")
 
@@ -116,7 +116,7 @@ def test_per_block_rank_and_alpha_train_save_and_resume(tiny_model, tmp_path):
     restores every module's update."""
     import adapter_values
 
-    from rayflux.train import lora
+    from rayflux.train.adapter import lora
 
     kw = {"rank_pattern": {"single all": 8}, "alpha_pattern": {"double 0": 1.0}}
     source = adapter_values.transformer(tiny_model)
@@ -142,7 +142,7 @@ def test_per_block_rank_and_alpha_train_save_and_resume(tiny_model, tmp_path):
 def test_kohya_export_refuses_a_fused_layer_of_two_ranks(tiny_model):
     import adapter_values
 
-    from rayflux.train import kohya, lora
+    from rayflux.train.adapter import kohya, lora
 
     t = adapter_values.transformer(tiny_model)
     lora.add_lora(t, 4, 4.0, "attention", rank_pattern={"attn.to_q": 8})

@@ -9,7 +9,8 @@ import train_data
 from rayflux.config import token_routing as spec
 from rayflux.config.values import ConfigError
 from rayflux.families import Flux1, Flux2
-from rayflux.train import lora, token_routing
+from rayflux.train import token_routing
+from rayflux.train.adapter import lora
 from rayflux.train.trainer import LoraTrainer
 
 B, H, W, TEXT = 2, 8, 8, 6  # FLUX.1 packs 2x2: 16 image tokens; FLUX.2 1x1: 64

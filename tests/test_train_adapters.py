@@ -23,7 +23,8 @@ from pipeline_support import render
 
 from rayflux import config, families, plan
 from rayflux.families.flux1 import FLUX1_DEV
-from rayflux.train import checkpoint, kohya, lora, lora_files
+from rayflux.train.adapter import kohya, lora, lora_files
+from rayflux.train.resume import checkpoint
 from rayflux.train.trainer import LoraTrainer
 
 # Everything FLUX.1's diffusers kohya reader splits at the tiny widths (see tests/test_train_lora.py's LOADABLE).

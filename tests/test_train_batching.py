@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayflux.cache.layout import decode_planned
-from rayflux.train import batching, step
+from rayflux.train import step
+from rayflux.train.data import batching
 
 
 def _refs(bucket_sizes: list[int]) -> list[batching.SampleRef]:

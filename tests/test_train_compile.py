@@ -12,7 +12,7 @@ import torch
 import train_data
 from rayflux import config
 from rayflux.config import ConfigError
-from rayflux.train import lora
+from rayflux.train.adapter import lora
 from rayflux.train.trainer import LoraTrainer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import train_data
-from rayflux.train import lora
+from rayflux.train.adapter import lora
 from rayflux.train.trainer import LoraTrainer
 
 PERTURBED = "transformer_blocks.0.attn.to_q.base_layer.weight"  # a frozen weight under a LoRA target

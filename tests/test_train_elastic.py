@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayflux.cache.layout import decode_planned
-from rayflux.train import batching, elastic
-from rayflux.train.checkpoint import Progress
+from rayflux.train.data import batching, elastic
+from rayflux.train.resume.checkpoint import Progress
 from rayflux.train.loop import grouped
 from rayflux.train.plan import FeedPlan
 

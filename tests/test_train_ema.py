@@ -9,7 +9,9 @@ from safetensors.torch import load_file
 import train_data
 from rayflux import config, families, gpu_memory
 from rayflux.config import ConfigError
-from rayflux.train import checkpoint, evaluation, kohya, lora, lora_files
+from rayflux.train.adapter import kohya, lora, lora_files
+from rayflux.train.observe import evaluation
+from rayflux.train.resume import checkpoint
 from rayflux.train.trainer import LoraTrainer
 
 # A fast decay, so that 4 steps leave the average clearly apart from the weights; dropout draws from the saved RNGs.

@@ -8,7 +8,7 @@ from pipeline_support import render
 
 from rayflux import config
 from rayflux.families.flux1 import Flux1
-from rayflux.train import kohya, lora, lora_files
+from rayflux.train.adapter import kohya, lora, lora_files
 
 # Everything kohya can name, except a single block's q/k/v/mlp: diffusers 0.42 splits a kohya ``linear1`` with
 # FLUX.1's real widths (3072, 12288) hard-coded, which the tiny model does not have. test_fused_kohya_layers_*

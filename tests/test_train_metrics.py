@@ -5,7 +5,7 @@ import time
 import pyarrow.fs as pafs
 
 from rayflux import storage
-from rayflux.train import metrics
+from rayflux.train.observe import metrics
 
 
 def _steps(logdir) -> list[int]:

@@ -14,7 +14,9 @@ from rayflux import config, families, gpu_memory
 from rayflux.config import ConfigError
 from rayflux.config.optimizer import OPTIMIZERS
 from rayflux.config.placement import Cluster, validate_for_cluster
-from rayflux.train import checkpoint, lora, optim
+from rayflux.train import optim
+from rayflux.train.adapter import lora
+from rayflux.train.resume import checkpoint
 from rayflux.train.trainer import LoraTrainer
 
 OPTIONS = ("train.gradient_accumulation=2", "train.adapter.lora_dropout=0.2")
@@ -149,7 +151,7 @@ def test_the_memory_model_counts_each_optimizers_state():
 def test_schedulefree_eval_loss_scores_its_average_and_training_goes_on_unchanged(tiny_model):
     """The eval loss (and the best file behind it) scores the LoRA as it is used, schedule-free's average, not the
     interpolation it trains at; the training weights come back exactly."""
-    from rayflux.train import evaluation
+    from rayflux.train.observe import evaluation
 
     cfg = train_data.job(tiny_model, *OPTIONS, "train.optim.name=schedulefree_adamw", *SETTINGS["schedulefree_adamw"])
     groups = train_data.groups(train_data.items(4), 2)

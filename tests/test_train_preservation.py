@@ -8,7 +8,8 @@ import torch
 import train_data
 
 from rayflux import config, models, preservation
-from rayflux.train import batching, flow, preserve, step
+from rayflux.train import flow, preserve, step
+from rayflux.train.data import batching
 from rayflux.train.trainer import LoraTrainer
 
 

@@ -27,7 +27,10 @@ from rayflux.cache.layout import decode_planned
 from rayflux import config, datasets, job, models
 from rayflux.cache import generations
 from rayflux.testing.images import write_images
-from rayflux.train import batching, checkpoint, commits, elastic, kohya, lora, plan, stage
+from rayflux.train import plan, stage
+from rayflux.train.adapter import kohya, lora
+from rayflux.train.data import batching, elastic
+from rayflux.train.resume import checkpoint, commits
 from rayflux.train.plan import FeedPlan
 
 # 64x64, 80x48, 48x80 and 96x48 buckets at data.resolution=64.
@@ -211,7 +214,7 @@ def test_validation_grids_are_the_in_process_render_of_each_step_lora(full, cach
     import numpy as np
     from PIL import Image
 
-    from rayflux.train import validation
+    from rayflux.train.observe import validation
 
     _, out = full
     root, base, _, _ = cache
@@ -395,7 +398,7 @@ def test_held_out_samples_are_listed_and_never_trained(cache, evaluated):
 def test_eval_loss_is_fixed_and_falls_with_training(cache, evaluated, tmp_path_factory):
     """The logged evals: a baseline at step 0, every 2 steps and at each run's end, per σ as well; the LoRA of step 3
     scored again in this process (one worker, not two) gives the logged number, and the same number twice."""
-    from rayflux.train import evaluation
+    from rayflux.train.observe import evaluation
     from rayflux.train.trainer import LoraTrainer
 
     root, base, manifest, _ = cache
@@ -450,7 +453,7 @@ def test_eval_loss_shows_in_tensorboard_and_the_summary(evaluated):
 def test_rank0_logs_steps_and_eval_loss_to_one_wandb_run_across_the_resume(evaluated):
     from wandb_support import offline_runs
 
-    from rayflux.train import wandb_log
+    from rayflux.train.observe import wandb_log
 
     first, second, out = evaluated
     run_id = wandb_log.run_id(commits.run_storage(str(out), "evaluated"), "evaluated")

@@ -6,7 +6,8 @@ import logging
 from pathlib import Path
 
 from rayflux import config, job
-from rayflux.train import commits, metrics
+from rayflux.train.observe import metrics
+from rayflux.train.resume import commits
 
 
 def _cfg(tiny_model, demo_images, out, max_steps: int) -> config.JobConfig:

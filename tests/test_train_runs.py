@@ -1,4 +1,4 @@
-"""Read runs: batches filled with shuffled runs of storage neighbours (rayflux.train.runs), as plan_epoch plans them."""
+"""Read runs: batches filled with shuffled runs of storage neighbours (rayflux.train.data.runs), as plan_epoch plans them."""
 
 import dataclasses
 import random
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayflux.cache.layout import decode_planned
-from rayflux.train import batching, runs
+from rayflux.train.data import batching, runs
 
 
 def _refs(per_file: list[int], bucket: str = "64x64", every: int = 1) -> list[batching.SampleRef]:

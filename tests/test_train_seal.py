@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from rayflux.sweep import seal
-from rayflux.train import metrics, writer_lock
+from rayflux.train.observe import metrics, writer_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Rank 0 of a stopped trial that Ray has not ended yet: it goes on logging steps (and evals) into the run directory.
 WRITER = """
 import sys, time
-from rayflux.train import metrics
+from rayflux.train.observe import metrics
 log = metrics.StepLog(sys.argv[1])
 step = 0
 while True:

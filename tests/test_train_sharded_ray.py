@@ -21,7 +21,9 @@ from safetensors.torch import load_file
 
 from rayflux import config, job, models
 from rayflux.cache import generations
-from rayflux.train import commits, lora, stage
+from rayflux.train import stage
+from rayflux.train.adapter import lora
+from rayflux.train.resume import commits
 
 COMMON = [
     "data.resolution=64",

@@ -13,7 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_data
 from rayflux import models
-from rayflux.train import lora, sharding, validation
+from rayflux.train import sharding
+from rayflux.train.adapter import lora
+from rayflux.train.observe import validation
 from rayflux.train.trainer import LoraTrainer
 
 GIB = 2**30

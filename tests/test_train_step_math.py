@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rayflux.train import flow, optim, trainer, validation
+from rayflux.train import flow, optim, trainer
+from rayflux.train.observe import validation
 
 
 def test_constant_guidance_draws_nothing():

@@ -12,8 +12,11 @@ from rayflux import phases
 from rayflux.cache import shards, tensors
 from rayflux.families import flux1
 from rayflux.discovery.caption_hash import caption_id
-from rayflux.train import captions, checkpoint, lora, step
-from rayflux.train.feed import FirstRow
+from rayflux.train import step
+from rayflux.train.adapter import lora
+from rayflux.train.data import captions
+from rayflux.train.resume import checkpoint
+from rayflux.train.data.feed import FirstRow
 from rayflux.train.trainer import LoraTrainer
 
 FULL = (

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from rayflux import config, memory, models
-from rayflux.train import validation
+from rayflux.train.observe import validation
 
 PROMPTS = ["a red circle", "a blue square on green"]
 
@@ -90,7 +90,7 @@ def test_reference_images_are_decoded_as_the_cache_decodes_them_and_read_once(tm
 
 
 def test_the_render_actor_goes_where_the_cluster_has_room():
-    from rayflux.train import renderer
+    from rayflux.train.observe import renderer
 
     def choose(use_gpu, gpus, *sets):
         cfg = config.load(None, ["train.workers.num_workers=2", *sets])

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rayflux import config
-from rayflux.train import metrics, validation, wandb_log
+from rayflux.train.observe import metrics, validation, wandb_log
 from wandb_support import offline_runs
 
 

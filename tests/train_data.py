@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayflux import config
-from rayflux.train import batching, step
+from rayflux.train import step
+from rayflux.train.data import batching
 
 LATENT = (4, 8, 8)  # tiny VAE latents of a 64x64 image
 T5 = (512, 32)  # the tiny model is guidance-distilled, so 512 T5 tokens

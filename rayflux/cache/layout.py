@@ -47,7 +47,7 @@ class SampleTensor:
     """Stored dtype; empty: the layout's (``cache.dtype``)."""
     optional: bool = False
     """A row may lack it: its bytes are then empty (a count column of 0, or no producer output for that row). A
-    training batch either has it for every sample or for none (see :func:`rayflux.train.batching.group`)."""
+    training batch either has it for every sample or for none (see :func:`rayflux.train.data.batching.group`)."""
     batch: str = ""
     """The step's :class:`~rayflux.train.step.Batch` attribute it lands on (``latents``, ``references``); empty:
     ``Batch.tensors[name]``."""

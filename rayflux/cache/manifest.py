@@ -68,7 +68,7 @@ class Manifest(dict):
     def empty_caption(self) -> dict:
         """Where the empty caption's embeddings are (its caption index row), with the file resolved to a full path,
         the stored ``text_dtype`` and the named text tensors (``text``): what
-        :func:`rayflux.train.captions.load_empty` reads."""
+        :func:`rayflux.train.data.captions.load_empty` reads."""
         empty = self["empty_caption"]
         return {
             **empty,

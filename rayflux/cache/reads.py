@@ -1,7 +1,7 @@
 """Training reads: the tensors of planned batches, by byte range from the generation index, checked per bucket.
 
 A latent is one ranged GET (ranges of one file that lie close together share one: a planned run of neighbouring
-rows is one, see :mod:`rayflux.train.runs`), an edit pair's reference latents
+rows is one, see :mod:`rayflux.train.data.runs`), an edit pair's reference latents
 included: they are the next tensor of the same row, so they share the latent's GET; a caption's named text tensors
 are one more, once per worker process, since they are kept by caption id (``TEXT_CACHE_BYTES``). No
 footer, no HEAD: the index gave the offsets and each file's size. Every tensor's bytes are compared with the checksum
@@ -130,7 +130,7 @@ class _Asks:
 def stack_all(items: list[dict], stack) -> list[dict]:
     """Read every planned batch of ``items`` and return ``stack(item, generation, sample_ids, samples, text,
     weights)`` for each: ``samples`` holds each declared per-sample tensor's per-sample arrays (None for an optional
-    one the batch lacks), ``text`` each named text tensor's (see :func:`rayflux.train.batching.stack_batch`)."""
+    one the batch lacks), ``text`` each named text tensor's (see :func:`rayflux.train.data.batching.stack_batch`)."""
     plans = [
         _Plan(item, decode_planned(item["refs"]), shards.ShardLayout(**json.loads(item["layout"]))) for item in items
     ]

@@ -189,7 +189,7 @@ def write_samples(batch: dict, out_dir: str, layout: shards.ShardLayout, generat
         if batch["skip_reason"][i]
     ]
     # A bucket's rows lie together in the shard (in input order), so the runs of neighbouring rows that training
-    # batches are filled with (rayflux.train.runs) hold no other bucket's latents between them: one short read each.
+    # batches are filled with (rayflux.train.data.runs) hold no other bucket's latents between them: one short read each.
     counted = [c for c in sample_layout.count_columns(layout.samples) if c in batch]
     fresh = sorted(
         (i for i in kept if not batch["reuse"][i]),

@@ -297,7 +297,7 @@ def _check_patterns(t) -> None:
 
 
 def lora_plus_refusal(t) -> None:
-    """``train.optim.lora_plus_ratio`` (:mod:`rayflux.train.lora_plus`) where it cannot apply, refused with the reason."""
+    """``train.optim.lora_plus_ratio`` (:mod:`rayflux.train.adapter.lora_plus`) where it cannot apply, refused with the reason."""
     ratio = t.optim.lora_plus_ratio
     if ratio == 0:
         return

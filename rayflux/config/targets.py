@@ -13,7 +13,7 @@ The spec is a comma-separated list of terms:
 
 With block terms or excludes but no preset or name, the ``attention`` preset is meant: ``double 0-9, single all``
 trains the attention of double blocks 0-9 and of every single block. Parsed here, when the job's config loads (a malformed spec
-stops the job before any work); :mod:`rayflux.train.targets` selects the modules once the model is known.
+stops the job before any work); :mod:`rayflux.train.adapter.targets` selects the modules once the model is known.
 """
 
 from __future__ import annotations

@@ -244,4 +244,4 @@ class Family(ABC):
     kohya_blocks: dict[str, tuple[dict, str]]
     """kohya/original key map: diffusers block prefix -> (module inside a block -> (original name, part, parts),
     original block prefix). A fused original layer (``img_attn.qkv``) lists its diffusers parts in order; see
-    :mod:`rayflux.train.kohya`."""
+    :mod:`rayflux.train.adapter.kohya`."""

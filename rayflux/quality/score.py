@@ -62,7 +62,7 @@ def transformer(
     """The base's transformer in fp32, with a LoRA file (diffusers format, as the job exports) applied."""
     from diffusers import FluxTransformer2DModel
 
-    from rayflux.train import lora as lora_mod
+    from rayflux.train.adapter import lora as lora_mod
 
     model = FluxTransformer2DModel.from_pretrained(str(base), subfolder="transformer", torch_dtype=torch.float32)
     if lora is not None:

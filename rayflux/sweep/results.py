@@ -76,7 +76,8 @@ def trial_id_of(result) -> str:
 def row(result, base, sweep_output: str, metric: str) -> Row:
     """The row of one Tune ``Result``: its run directory (named by the trial id, see ``trial_dirname_creator``)."""
     from rayflux.sweep.config import trial_job
-    from rayflux.train import lora_files, metrics
+    from rayflux.train.adapter import lora_files
+    from rayflux.train.observe import metrics
 
     trial_id = trial_id_of(result)
     out = trial_mod.trial_dir(sweep_output, trial_id)

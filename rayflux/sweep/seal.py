@@ -9,7 +9,7 @@ that the trial's log then outdoes, or a best LoRA file that is then overwritten 
 
 So rank 0 holds a shared ``flock`` of ``<run dir>/metrics/writer.lock`` from opening its step log to closing it (the
 kernel drops it when the process dies, however it dies), and refuses to start in a sealed directory
-(:func:`rayflux.train.writer_lock.hold`, training's side of this protocol). :func:`seal`
+(:func:`rayflux.train.observe.writer_lock.hold`, training's side of this protocol). :func:`seal`
 gets the exclusive lock only once every such writer is gone, and marks the directory sealed under it, so no writer
 starts after it either; :func:`unseal` (the trial running again) clears the mark. The lock file is only ever
 truncated, never replaced: a writer's lock and the sealer's must be on the same file. Local and shared filesystems
@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from rayflux.train.writer_lock import SEALED, lock_path
+from rayflux.train.observe.writer_lock import SEALED, lock_path
 
 log = logging.getLogger("rayflux")
 

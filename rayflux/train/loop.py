@@ -8,8 +8,8 @@ copy of Ray Train's notice). Nothing else waits on other processes per step: the
 rank 0's local files, and the progress bar gets a fire-and-forget actor call. One trainer run may cover only some
 epochs (a cache-refresh segment); its last step always checkpoints, so the next segment continues from it. The loop
 never touches a text encoder or the VAE: everything is in the cached shards, and validation images are rendered by
-a separate actor from the step's LoRA file (:mod:`rayflux.train.renderer`) while training goes on. With
-``data.eval_samples``, each eval (:mod:`rayflux.train.evaluation`: before the first step, every
+a separate actor from the step's LoRA file (:mod:`rayflux.train.observe.renderer`) while training goes on. With
+``data.eval_samples``, each eval (:mod:`rayflux.train.observe.evaluation`: before the first step, every
 ``train.eval.every`` steps and at the end) adds one more all-reduce, and its numbers join that step's record.
 """
 
@@ -25,24 +25,14 @@ from dataclasses import dataclass
 
 from rayflux import config as config_mod
 from rayflux import memory, phases, progress as progress_mod, storage
-from rayflux.train import (
-    captions,
-    checkpoint,
-    collectives,
-    commits,
-    elastic,
-    evaluation,
-    lora_files,
-    metrics,
-    optim,
-    sharding,
-    step,
-    validation,
-    wandb_log,
-)
-from rayflux.train import renderer as renderer_mod
-from rayflux.train.checkpoint import Progress
-from rayflux.train.feed import DATASET, FirstRow, planned_rows
+from rayflux.train import collectives, optim, sharding, step
+from rayflux.train.adapter import lora_files
+from rayflux.train.data import captions, elastic
+from rayflux.train.observe import evaluation, metrics, validation, wandb_log
+from rayflux.train.resume import checkpoint, commits
+from rayflux.train.observe import renderer as renderer_mod
+from rayflux.train.resume.checkpoint import Progress
+from rayflux.train.data.feed import DATASET, FirstRow, planned_rows
 from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 from rayflux.train.trainer import LoraTrainer
 
@@ -128,7 +118,7 @@ class _NothingLeft(Exception):
 
 
 def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, str, dict]:
-    """The trainer, restored from the checkpoint the feed cut the plan at (see :mod:`rayflux.train.feed`) when there
+    """The trainer, restored from the checkpoint the feed cut the plan at (see :mod:`rayflux.train.data.feed`) when there
     is one; ``(trainer, progress, total steps, that checkpoint, the first planned row)``. Every row carries the run's
     planned step count, which fixes the LR schedule's horizon: the model loads while ``ahead`` reads the first row,
     and the schedule is built once both are done. Raises :class:`_NothingLeft` when there is no first row."""
@@ -203,7 +193,7 @@ class _Logs:
 def _queue_render(
     renders, trainer, cfg, output_dir: str, record: dict, *, checkpointed: bool, last: bool, caption_tables
 ) -> None:
-    """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.renderer`) and
+    """Rank 0: hand the step's LoRA file (diffusers keys) to the render actor (:mod:`rayflux.train.observe.renderer`) and
     go on training. The LoRA is :meth:`LoraTrainer.eval_weights`' (the EMA, or schedule-free's average). A
     diffusers-format checkpoint at this step has written it already; without an EMA the live LoRA is written as that
     file; otherwise (kohya output, or an EMA at a step without a checkpoint) beside the grid

@@ -6,7 +6,7 @@ split and its eval plan; the per-epoch counts and optimizer steps for the larges
 parameters (:class:`FeedPlan`) with the run's checkpoint storage.
 
 The feed still cuts each epoch's batches for the world size in force whenever Ray Train (re)starts the worker group
-(:func:`rayflux.train.elastic.plan_rows`): an elastic run's world size is known only then. That cut is a pure function
+(:func:`rayflux.train.data.elastic.plan_rows`): an elastic run's world size is known only then. That cut is a pure function
 of this plan, the world size and the checkpoint's position, so every restart cuts the same plan.
 """
 
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from rayflux import datasets, models, preservation, storage
 from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, worker_range
-from rayflux.train import batching, commits
+from rayflux.train.data import batching
+from rayflux.train.resume import commits
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ EVAL_FILE = "eval_samples.txt"
 
 @dataclass(frozen=True)
 class FeedPlan:
-    """What the data feed plans a trainer run's epochs from (:class:`rayflux.train.feed.PlannedDataConfig`)."""
+    """What the data feed plans a trainer run's epochs from (:class:`rayflux.train.data.feed.PlannedDataConfig`)."""
 
     batch_size: int
     """``train.batch_size``: samples per planned batch."""
@@ -43,13 +44,13 @@ class FeedPlan:
     accumulation: int = 1
     """``train.gradient_accumulation``: planned batches per optimizer step on each rank."""
     shuffle_block: int = 4
-    """``train.feed.shuffle_block``: storage neighbours read together (:mod:`rayflux.train.runs`)."""
+    """``train.feed.shuffle_block``: storage neighbours read together (:mod:`rayflux.train.data.runs`)."""
     batches_per_read: int = 8
     """``train.feed.batches_per_read``: consecutive planned batches per read task."""
     read_cpus: float = 0.25
     """CPUs each read task reserves."""
     run_storage: str = ""
-    """Ray Train's storage of this run (:func:`rayflux.train.commits.run_storage`): the checkpoints a (re)started
+    """Ray Train's storage of this run (:func:`rayflux.train.resume.commits.run_storage`): the checkpoints a (re)started
     worker group resumes from, and the commits."""
 
 
@@ -59,7 +60,7 @@ class TrainPlan:
 
     feed: FeedPlan
     refs: tuple = ()
-    """The training samples (:class:`rayflux.train.batching.SampleRef`), mixed by dataset weight, held-out samples
+    """The training samples (:class:`rayflux.train.data.batching.SampleRef`), mixed by dataset weight, held-out samples
     removed. Empty in the workers' copy (:meth:`for_workers`): they reach the feed as its index dataset."""
     eval_plan: tuple = ()
     """The held-out samples' planned batches (small: ``data.eval_samples`` samples)."""
@@ -153,7 +154,7 @@ def feed_plan(cfg: JobConfig, output_dir: str, epochs: tuple[int, int] | None = 
 
 def held_out(cfg: JobConfig, refs: list[batching.SampleRef], output_dir: str) -> tuple[list, list[dict], str]:
     """``(training refs, eval plan, eval file)``: hold out ``data.eval_samples`` samples (by sample id hash with
-    ``cache.seed``; see :func:`rayflux.train.batching.split_held_out`) and list their sources in ``EVAL_FILE``."""
+    ``cache.seed``; see :func:`rayflux.train.data.batching.split_held_out`) and list their sources in ``EVAL_FILE``."""
     n = cfg.data.eval_samples
     if n <= 0:
         return refs, [], ""

@@ -15,9 +15,10 @@ from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.config.placement import Cluster, place
 from rayflux.models import ModelFacts
-from rayflux.train import commits, metrics, renderer
+from rayflux.train.observe import metrics, renderer
+from rayflux.train.resume import commits
 from rayflux.train import plan as plan_mod
-from rayflux.train.feed import DATASET, PlannedDataConfig, index_dataset
+from rayflux.train.data.feed import DATASET, PlannedDataConfig, index_dataset
 from rayflux.train.loop import train_loop_per_worker
 from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 

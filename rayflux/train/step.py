@@ -67,7 +67,7 @@ def _array(data: bytes, shape) -> torch.Tensor:
 
 
 def from_item(item: dict) -> Batch:
-    """Rebuild the tensors of a row made by :func:`rayflux.train.batching.stack_batch`: each declared per-sample
+    """Rebuild the tensors of a row made by :func:`rayflux.train.data.batching.stack_batch`: each declared per-sample
     tensor lands on the :class:`Batch` attribute its declaration names, or in ``Batch.tensors``."""
     text = {n: _array(item[f"text_{n}"], json.loads(item[f"text_{n}_shape"])) for n in json.loads(item["text_names"])}
     weights = torch.tensor(json.loads(item["weights"]), dtype=torch.float32) if "weights" in item else None

@@ -22,19 +22,9 @@ from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
 from rayflux.config.token_routing import parse as parse_routing
-from rayflux.train import (
-    attention,
-    base_weights,
-    ema,
-    kohya,
-    lora,
-    lora_plus,
-    optim,
-    shard_load,
-    sharding,
-    step,
-    token_routing,
-)
+from rayflux.train import attention, optim, shard_load, sharding, step, token_routing
+from rayflux.train.adapter import lora_plus
+from rayflux.train.adapter import base_weights, ema, kohya, lora
 from rayflux.train.step import EmptyCaption
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The training data feed: a Ray Train ``DataConfig`` that shards by the batch plan instead of streaming order.
 
 Ray Train calls :meth:`PlannedDataConfig.configure` whenever it (re)starts the worker group, with the real world
-size (elastic runs included). It plans every epoch for that world size (see :mod:`rayflux.train.batching`) and gives
+size (elastic runs included). It plans every epoch for that world size (see :mod:`rayflux.train.data.batching`) and gives
 rank ``r`` the planned batches ``r, r + W, r + 2W, ...`` as an ordered Ray Data pipeline that reads and stacks the
 rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``.
 
@@ -10,9 +10,9 @@ at step ``s`` differs from run to run. With a plan, each epoch's optimizer step 
 planned batches ``sWA .. (s + 1)WA - 1`` (``A`` batches accumulated per rank), a resumed run replays exactly what an
 uninterrupted one would, and per-epoch sample counts are exact.
 
-A (re)started worker group resumes from the newest committed checkpoint in storage (:mod:`rayflux.train.commits`).
+A (re)started worker group resumes from the newest committed checkpoint in storage (:mod:`rayflux.train.resume.commits`).
 ``configure`` reads that checkpoint's small position record and cuts the plan there before anything is read
-(:func:`rayflux.train.elastic.plan_rows`); every row names the checkpoint (``resume_from``), so the loop restores
+(:func:`rayflux.train.data.elastic.plan_rows`); every row names the checkpoint (``resume_from``), so the loop restores
 the very checkpoint the plan was cut for.
 """
 
@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 
 from ray.train import DataConfig
 
-from rayflux.train import batching, commits, elastic
+from rayflux.train.data import batching, elastic
+from rayflux.train.resume import commits
 from rayflux.train.plan import FeedPlan
 
 DATASET = "train"

@@ -17,7 +17,7 @@ import hashlib
 import importlib.util
 import re
 
-from rayflux.train.metrics import REPORTED
+from rayflux.train.observe.metrics import REPORTED
 
 EXTRA = "pip install 'rayflux[wandb]'"
 
@@ -44,7 +44,7 @@ def run_id(run_storage: str, name: str) -> str:
 
 class WandbLog:
     """Rank 0's wandb run: the same scalars (``train/<key>``, ``eval/loss_q<q>``) and images as
-    :class:`rayflux.train.metrics.TensorBoardLog`."""
+    :class:`rayflux.train.observe.metrics.TensorBoardLog`."""
 
     def __init__(self, project: str, run_storage: str, name: str, config: dict):
         check(project)  # this worker's environment may lack what the driver has

@@ -1,6 +1,6 @@
 """Validation images: the configured prompts rendered with the model family's pipeline and a LoRA.
 
-The render actor (:mod:`rayflux.train.renderer`) calls :func:`render` with its base transformer carrying each due
+The render actor (:mod:`rayflux.train.observe.renderer`) calls :func:`render` with its base transformer carrying each due
 step's LoRA file. The first render in a process loads both text encoders once, encodes the prompts and drops them;
 later renders reuse the embeddings. The small VAE is loaded for each render and freed after it. Rendering runs
 under a forked RNG, so it never shifts the random stream of the process that renders.
@@ -24,7 +24,7 @@ import torch
 from rayflux import models, storage
 from rayflux.cache.decode import BadImage, decode
 from rayflux.config import JobConfig
-from rayflux.train import lora
+from rayflux.train.adapter import lora
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
 
 def whole_copy(trainer, cfg: JobConfig, device):
     """A whole transformer from ``model.path`` (``train.validation.model`` when set) carrying the trainer's current
-    adapter: attached as the trainer attached it (:func:`rayflux.train.lora.add_lora` with the same ``train``
-    settings) and filled with its weights (:func:`rayflux.train.lora.set_state`), so the rendered adapter is the
+    adapter: attached as the trainer attached it (:func:`rayflux.train.adapter.lora.add_lora` with the same ``train``
+    settings) and filled with its weights (:func:`rayflux.train.adapter.lora.set_state`), so the rendered adapter is the
     trained one."""
     t = cfg.train
     device = torch.device(device)

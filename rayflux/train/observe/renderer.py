@@ -4,8 +4,8 @@ training goes on.
 Rank 0 only writes the step's LoRA file in diffusers format (``lora/<name>-step<step>.safetensors``, the one a
 checkpoint at that step leaves anyway; for kohya output ``validation/step-<step>.safetensors`` beside the grid) and
 queues a fire-and-forget call. The actor loads the base once (the transformer with the adapter attached, the
-prompts' embeddings, the reference images), applies each file with :func:`rayflux.train.lora.load_into` (the
-checkpoint-resume loader) and renders with :func:`rayflux.train.validation.render`, so its grid is the one an
+prompts' embeddings, the reference images), applies each file with :func:`rayflux.train.adapter.lora.load_into` (the
+checkpoint-resume loader) and renders with :func:`rayflux.train.observe.validation.render`, so its grid is the one an
 in-process render of that file draws. Training never waits for it: a render that fails is logged with its reason, a
 step due while ``train.validation.queue`` renders are still pending is skipped with a log line (the last step's
 render is always queued), and the driver waits at most ``train.validation.wait_seconds`` for the renders still due
@@ -46,7 +46,7 @@ class Renderer:
         """The base transformer with an adapter attached as training attaches it (loaded once per actor)."""
         import torch
 
-        from rayflux.train import lora
+        from rayflux.train.adapter import lora
 
         if self.transformer is None:
             t = self.cfg.train
@@ -67,7 +67,7 @@ class Renderer:
     def render(self, step: int, lora_path: str) -> dict:
         """Render the prompts with the LoRA file of ``step``; write the grid and its TensorBoard image. Never raises:
         the result says ``path`` or ``error``."""
-        from rayflux.train import metrics, validation
+        from rayflux.train.observe import metrics, validation
 
         started = time.monotonic()
         try:
@@ -102,7 +102,7 @@ def _apply(transformer, path: str) -> None:
     """Load a diffusers-format LoRA file (local or URI) into the adapter, as a checkpoint resume does."""
     import tempfile
 
-    from rayflux.train import lora
+    from rayflux.train.adapter import lora
 
     if not storage.is_uri(path):
         return lora.load_into(transformer, path)

@@ -18,7 +18,7 @@ import json
 import logging
 from pathlib import Path
 
-from rayflux.train import targets as selection
+from rayflux.train.adapter import targets as selection
 
 log = logging.getLogger(__name__)
 

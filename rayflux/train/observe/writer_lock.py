@@ -15,7 +15,7 @@ LOCK_FILE = "writer.lock"
 """In a run directory's ``metrics/``: empty while writers may start, ``SEALED`` once sealed."""
 SEALED = b"sealed\n"
 LOCK_DIR = "metrics"
-"""The step log's folder (``rayflux.train.metrics.STEPS_DIR``), which rank 0 writes anyway."""
+"""The step log's folder (``rayflux.train.observe.metrics.STEPS_DIR``), which rank 0 writes anyway."""
 
 
 class Sealed(RuntimeError):

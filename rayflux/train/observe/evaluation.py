@@ -9,7 +9,7 @@ mean of ``(pred - target)²`` over samples, tokens and σ values (a sample with 
 tokens, as it trains, :func:`rayflux.train.flow.per_sample_loss`): no loss weighting, no per-dataset weight, no
 caption dropout, guidance fixed at ``train.flow.guidance``.
 
-Every training rank scores its share of the eval plan (batches ``r, r + W, ...``; :func:`rayflux.train.batching.
+Every training rank scores its share of the eval plan (batches ``r, r + W, ...``; :func:`rayflux.train.data.batching.
 plan_eval`) without gradients and with LoRA dropout off, then one all-reduce of ``eval_sigmas + 1`` numbers gives the
 mean. The batches are read once per worker group through the cache's planned reads (no encoder is loaded) and held in
 host memory: the eval set is small.
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayflux.train import batching, flow, step, timesteps
+from rayflux.train import flow, step, timesteps
+from rayflux.train.data import batching
 
 
 @dataclass

@@ -11,7 +11,7 @@ one, or from step 0, and never prune the orphan. So rayflux marks completeness i
   checkpoint is always committed, even if rank 0 died just before writing the marker.
 
 Every worker-group start resumes from the newest committed checkpoint in storage (:func:`latest`), whatever Ray
-offers; the data feed (:mod:`rayflux.train.feed`) plans from that checkpoint's position record and names it in every
+offers; the data feed (:mod:`rayflux.train.data.feed`) plans from that checkpoint's position record and names it in every
 row, so the loop restores exactly the checkpoint the plan was cut for. Failures the controller sees are written under
 ``<run storage>/restarts/`` (:class:`CommitCallback.after_exception`) and become the cause of the next restart's
 record. :func:`prune` deletes every checkpoint directory that Ray never registered and that is older than the newest

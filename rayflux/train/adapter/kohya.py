@@ -67,7 +67,7 @@ def check_adapter(transformer) -> None:
     """:func:`check_targets` on the modules the adapter of ``transformer`` is attached to, by its family's key map,
     and one rank per fused layer."""
     from rayflux.families import of_transformer
-    from rayflux.train.lora import adapted_modules, lora_state_dict
+    from rayflux.train.adapter.lora import adapted_modules, lora_state_dict
 
     modules, blocks = adapted_modules(transformer), of_transformer(transformer).kohya_blocks
     check_targets(modules, blocks)
@@ -165,7 +165,7 @@ def save(transformer, directory, scale: float) -> str:
     from safetensors.torch import save_file
 
     from rayflux.families import of_transformer
-    from rayflux.train.lora import ADAPTER, adapted_modules, lora_state_dict, module_scales
+    from rayflux.train.adapter.lora import ADAPTER, adapted_modules, lora_state_dict, module_scales
 
     blocks = of_transformer(transformer).kohya_blocks
     state = {k: v.detach().float().cpu() for k, v in lora_state_dict(transformer).items()}

@@ -20,8 +20,8 @@ from functools import cache
 from rayflux import storage
 from rayflux.config import JobConfig
 from rayflux.config.optimizer import OPTIMIZERS
-from rayflux.train import kohya, lora
-from rayflux.train.checkpoint import EMA_DIR
+from rayflux.train.adapter import kohya, lora
+from rayflux.train.resume.checkpoint import EMA_DIR
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def keep_step(checkpoint_dir: str, cfg: JobConfig, output_dir: str, record: dict
 def export_final(checkpoint_dir: str, cfg: JobConfig, output_dir: str, caption_tables=()) -> str:
     """Write the final checkpoint's LoRA as ``<output_dir>/lora/<final_name>``, and its EMA's (``train.optim.ema_decay``)
     as ``<output_dir>/lora/<ema_name>``. Returns the plain file's path."""
-    from rayflux.train.commits import POSITION_FILE
+    from rayflux.train.resume.commits import POSITION_FILE
 
     with open(os.path.join(checkpoint_dir, POSITION_FILE)) as f:
         saved = json.load(f)
@@ -204,7 +204,7 @@ def best_name(cfg: JobConfig) -> str:
 
 
 def diffusers_bytes(trainer) -> bytes:
-    """The live LoRA as the bytes of a diffusers-format file (:func:`rayflux.train.lora.save_diffusers`)."""
+    """The live LoRA as the bytes of a diffusers-format file (:func:`rayflux.train.adapter.lora.save_diffusers`)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rayflux-live-") as tmp:

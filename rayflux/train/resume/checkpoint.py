@@ -12,7 +12,7 @@ Every rank reports the same checkpoint directory (Ray Train merges the ranks' fi
 ``position.json`` is a bounded record, whatever the step count: the optimizer step, the plan position (epoch, and
 the plan index before which every batch of that epoch is done), the world size, a digest chained over every step's
 position, ``resumed_at`` (the step each restart continued from) and ``restarts`` (each with its cause). The full
-per-step history lives in the append-only step log beside the run (:mod:`rayflux.train.metrics`).
+per-step history lives in the append-only step log beside the run (:mod:`rayflux.train.observe.metrics`).
 
 Noise, σ, guidance and caption dropout need no saved state: they come from each planned batch's own seed.
 ``torch.load`` runs with ``weights_only=True`` and ``map_location="cpu"`` only, and the optimizer state is moved to
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rayflux.train import kohya, lora
-from rayflux.train.commits import POSITION_FILE
+from rayflux.train.adapter import kohya, lora
+from rayflux.train.resume.commits import POSITION_FILE
 
 STATE_FILE = "train_state.pt"
 EMA_DIR = "ema"

@@ -1,7 +1,7 @@
 """What changes when the cluster changes under a run: where to resume after a resize, and the preemption notice.
 
 Ray Train restarts the whole worker group after a node loss, an elastic resize or a preemption, and the data feed
-re-plans every epoch for the new world size ``W`` (:mod:`rayflux.train.feed`). An epoch's shuffled batch order does
+re-plans every epoch for the new world size ``W`` (:mod:`rayflux.train.data.feed`). An epoch's shuffled batch order does
 not depend on ``W``; only its tail, cut by the remainder rule, does. Optimizer step ``s`` of an epoch trains its
 planned batches ``sWA .. (s + 1)WA - 1`` (``A`` = gradient accumulation).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-from rayflux.train import batching
+from rayflux.train.data import batching
 from rayflux.train.plan import FeedPlan
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ def cut_runs(refs: list, k: int) -> list[list]:
 
 
 def batch_sizes(n: int, batch_size: int) -> list[int]:
-    """Batches of ``batch_size`` and one short one for the remainder (what :func:`rayflux.train.batching.epoch_counts`
+    """Batches of ``batch_size`` and one short one for the remainder (what :func:`rayflux.train.data.batching.epoch_counts`
     counts from bucket sizes alone)."""
     return [min(batch_size, n - i) for i in range(0, n, batch_size)]
 

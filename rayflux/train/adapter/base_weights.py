@@ -7,7 +7,7 @@ bitsandbytes' 4-bit NF4 (the QLoRA recipe).
   torchao's ``Float8Linear`` through a module filter (:func:`fp8_target`) that sees, and skips, peft's LoRA layers.
 
 **Why the LoRA file does not change.** Neither path touches a LoRA layer: peft puts ``lora_A``/``lora_B`` beside
-the base layer, whatever its class; :func:`rayflux.train.lora.add_lora` keeps them in fp32, and the filter below
+the base layer, whatever its class; :func:`rayflux.train.adapter.lora.add_lora` keeps them in fp32, and the filter below
 never converts them. The saved file holds only those tensors under peft's names (``<module>.lora_A.weight``), which
 name the module, not the class of its base layer. So an fp8 or NF4 run writes the keys and fp32 tensors a bf16 run
 writes, and its LoRA loads on the bf16 base as it is.

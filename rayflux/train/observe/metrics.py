@@ -25,7 +25,7 @@ import threading
 import time
 
 from rayflux import storage
-from rayflux.train import writer_lock
+from rayflux.train.observe import writer_lock
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Bucket-pure batches with equal steps on every rank.
 
 The data feed plans every batch of an epoch before training: one bucket per batch, filled from a shuffle seeded per
-(seed, epoch, bucket) of runs of storage neighbours listed by their first sample id (:mod:`rayflux.train.runs`), then
+(seed, epoch, bucket) of runs of storage neighbours listed by their first sample id (:mod:`rayflux.train.data.runs`), then
 a seeded shuffle of the batch order. Every process that computes the plan gets the same answer, regardless of listing
 order or of the names a build gave its shards.
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from rayflux import storage
 from rayflux.cache.layout import PlannedSample, TensorRange, TextLocator, TextPart, count_columns, encode_planned
-from rayflux.train import runs
+from rayflux.train.data import runs
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def plan_epoch(
     """Plan one epoch. Returns (batches, dropped_samples); each batch is a dict ready for ``ray.data.from_items``.
 
     A bucket's batches are filled with shuffled runs of up to ``shuffle_block`` storage neighbours (``train.feed.shuffle_block``;
-    see :mod:`rayflux.train.runs`). Each batch carries its own noise ``seed``, so its noise and σ do not depend on
+    see :mod:`rayflux.train.data.runs`). Each batch carries its own noise ``seed``, so its noise and σ do not depend on
     which rank trains it.
     """
     by_bucket: dict[str, list[SampleRef]] = {}
