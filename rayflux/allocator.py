@@ -23,8 +23,8 @@ def system_pool() -> Iterator[None]:
     """Arrow allocates from the C library's allocator within, process-wide (every thread of the driver).
 
     jemalloc keeps freed pages resident, many times the data the driver's short-lived columns held (measured:
-    BENCHMARKS.md, "Probes behind the defaults"). Buffers remember the pool they came from, so they may outlive the
-    block."""
+    docs/observability.md, "Probes behind the defaults"). Buffers remember the pool they came from, so they may
+    outlive the block."""
     previous = pa.default_memory_pool()
     pa.set_memory_pool(pa.system_memory_pool())
     try:

@@ -163,8 +163,8 @@ def resolve(manifest: dict, file: str) -> str:
 ROW_GROUP_ROWS = 4096
 """Rows per row group of a committed index file (at least; the last parts that reach it join it). The Parquet writer
 keeps every row group's metadata until it closes, so a row group per shard-sized part would grow the driver with the
-index; larger groups cost more only while each is encoded, a constant. Measured: BENCHMARKS.md, "Probes behind the
-defaults"."""
+index; larger groups cost more only while each is encoded, a constant. Measured: docs/observability.md, "Probes
+behind the defaults"."""
 
 
 class Sink:
@@ -277,7 +277,7 @@ def read(manifest: dict, kind: str, columns: list[str] | None = None) -> pa.Tabl
 
 BATCH_ROWS = 1024
 """Rows per :func:`batches` batch: what a batch costs the driver grows with it, downstream too, and every row is read
-either way (a batch is only what is decoded at once). Measured: BENCHMARKS.md, "Probes behind the defaults"."""
+either way (a batch is only what is decoded at once). Measured: docs/observability.md, "Probes behind the defaults"."""
 
 
 def batches(manifest: dict, kind: str) -> Iterator[pa.RecordBatch]:

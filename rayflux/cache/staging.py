@@ -3,7 +3,7 @@
 ``ray.data.from_arrow`` puts every block from the driver. The driver's process writes those object-store pages, so
 they are counted in its RSS from then on, freed or not, and Ray Data keeps a record per block, computed by one task
 per block (more of the driver's own memory, and tasks that wait for a CPU behind a running pass; measured:
-BENCHMARKS.md, "Probes behind the defaults").
+docs/observability.md, "Probes behind the defaults").
 
 Instead the driver writes the rows once, into one file of the generation directory: one compressed Arrow IPC
 stream per block of rows (:func:`rayflux.cache.index.to_ipc`, as the write tasks' index rows travel), end to end,

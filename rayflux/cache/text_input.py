@@ -3,7 +3,7 @@
 A generation encodes each of its captions once (the empty caption among them: caption dropout trains on it), and
 only those that no earlier generation of the cache key holds. Finding them means every image's caption, a caption
 id per unique caption (a SHA-256 of its text) and a look-up in the previous caption index: per-caption work on
-every caption of the dataset. On the driver it was the largest step of a refresh (measured: BENCHMARKS.md,
+every caption of the dataset. On the driver it was the largest step of a refresh (measured: docs/observability.md,
 "Probes behind the defaults").
 
 So one task does it, reading the images the driver has already staged (:mod:`rayflux.cache.staging`). It stages

@@ -67,7 +67,7 @@ def settle(rows: list[dict], ds: DatasetConfig, seed: int, usable: Callable[[dic
 
     if fs is None or all(r.get("sidecar_lines") is not None or not r.get("sidecar") for r in rows):
         # Nothing to read (a rerun's known caption files): no thread pool, which here only costs time (measured:
-        # BENCHMARKS.md, "Probes behind the defaults").
+        # docs/observability.md, "Probes behind the defaults").
         return [one(r) for r in rows]
     with concurrent.futures.ThreadPoolExecutor(max_workers=_SIDECAR_READERS) as pool:
         return list(pool.map(one, rows))

@@ -45,7 +45,7 @@ def _table(chunks: Iterator[Rows]) -> pa.Table:
 
     Allocated from the system allocator, not pyarrow's default pool: jemalloc and mimalloc give each listing thread
     an arena of its own whose freed pages stay resident: three times the peak RSS of this way for a listing in 32
-    threads (measured: BENCHMARKS.md, "Probes behind the defaults")."""
+    threads (measured: docs/observability.md, "Probes behind the defaults")."""
     pool = pa.system_memory_pool()
     batches = [
         pa.record_batch([pa.array(c, f.type, memory_pool=pool) for c, f in zip(rows, FILES)], schema=FILES)
