@@ -48,6 +48,20 @@ ROWS: dict[str, tuple[list[str], str, str]] = {
     "caption_dropout": (["train.flow.caption_dropout=0.1"], "lora", "plain"),
     # TREAD: half the image tokens skip the world base's middle two of its four blocks (issue 45, item 2).
     "tread": (["train.token_routing=0.5:1-2"], "lora", "plain"),
+    # issue 45. Preservation: the world's concept captions are "a <colour> sks star on a <bg> background".
+    "preserve_class": (
+        ["train.flow.preservation=class", "data.trigger_word=sks", "data.class_word=shape"],
+        "lora",
+        "plain",
+    ),
+    "preserve_blank": (["train.flow.preservation=blank"], "lora", "plain"),
+    "bias_content": (["train.flow.timestep_bias=content"], "lora", "plain"),
+    "bias_style": (["train.flow.timestep_bias=style"], "lora", "plain"),
+    "sigma_auto": (["train.flow.sigma_sampling=auto"], "lora", "plain"),
+    "lora_plus_4": (["train.optim.lora_plus_ratio=4"], "lora", "plain"),
+    "lora_plus_16": (["train.optim.lora_plus_ratio=16"], "lora", "plain"),
+    "targets_ffs": (["train.adapter.targets=attention+ffs"], "lora", "plain"),
+    "targets_context": (["train.adapter.targets=context"], "lora", "plain"),
     # A broken learner, the control every row must beat: the job refuses learning_rate=0, so 1e-12.
     "lr_1e-12": (["train.optim.learning_rate=1e-12"], "lora", "plain"),
 }
@@ -66,6 +80,12 @@ def lora_file(out: Path, which: str) -> Path:
         return out / "lora" / "pytorch_lora_weights.safetensors"
     [ema] = [p for p in glob.glob(str(out / "lora" / "*-ema.safetensors")) if "-step" not in p]
     return Path(ema)
+
+
+def row_targets(sets: list[str]) -> str:
+    """The adapter targets a row trains (its ``train.adapter.targets``, else the default), for the scorer to rebuild."""
+    given = [s.split("=", 1)[1] for s in sets if s.startswith("train.adapter.targets=")]
+    return given[-1] if given else "attention"
 
 
 def train(images: Path, out: Path, steps: int, seed: int, sets: list[str], model=None, cache=None) -> float:
@@ -89,7 +109,8 @@ def concept_rows(args, work: Path, sets: dict) -> list[dict]:
         for seed in args.plain_seeds if name == "plain" else args.seeds:
             out = work / f"{name}-s{seed}"
             secs = train(images, out, args.steps, seed, extra, cache=work / "cache")
-            model = world_score.transformer(base, lora_file(out, which), adapter=adapter, rank=RANK, alpha=RANK)
+            targets = row_targets(extra)
+            model = world_score.transformer(base, lora_file(out, which), adapter, RANK, RANK, targets)
             row = {
                 "row": name,
                 "seed": seed,
