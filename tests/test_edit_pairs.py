@@ -303,7 +303,7 @@ def test_a_model_without_references_refuses_edit_pairs_and_reference_dirs_may_no
         f'train.validation.references=["{refs / "a.png"}"]',
         f"run.output_dir={tmp_path / 'run'}",
     )
-    with pytest.raises(config.ConfigError, match="validation_references is set, but"):
+    with pytest.raises(config.ConfigError, match="validation.references is set, but"):
         job.run(renders)
     with pytest.raises(config.ConfigError, match="one reference image .* per validation prompt"):
         _cfg('train.validation.prompts=["x", "y"]', f'train.validation.references=["{refs / "a.png"}"]')
