@@ -31,9 +31,10 @@ class ScoreSet:
 
 
 def _encoder_pipe(base: str | Path):
-    from diffusers import FluxPipeline
+    """The world base's pipeline without its transformer: its encoders (the base is FLUX.1-architecture)."""
+    from rayflux.families import Flux1
 
-    return FluxPipeline.from_pretrained(str(base), transformer=None, torch_dtype=torch.float32)
+    return Flux1().pipeline_class().from_pretrained(str(base), transformer=None, torch_dtype=torch.float32)
 
 
 def held_out(base: str | Path, kind: str, count: int, seed: int = 10_000, sizes=world.SIZES_128) -> ScoreSet:
