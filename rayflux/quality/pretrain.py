@@ -51,10 +51,11 @@ class PretrainSpec:
     """The transformer's peak AdamW learning rate (cosine decay after a short warmup)."""
     text_tokens: int = 32
     """T5 tokens per caption the base is trained at: jobs on it set ``model.text_tokens`` to the same."""
-    minutes: float = 14.0
-    """Stop the transformer's training early when the whole run has used this many minutes."""
+    minutes: float = 0.0
+    """A wall-clock cap: stop the transformer's training early when the whole run has used this many minutes (0:
+    none, the default, so that the shipped base is the same on any machine; a cap makes it depend on the load)."""
     vae_share: float = 0.25
-    """Share of ``minutes`` the VAE's training may use before it stops early."""
+    """Share of ``minutes`` the VAE's training may use before it stops early (with a cap only)."""
 
 
 def base_pipeline():
@@ -268,13 +269,14 @@ def pretrain(out: Path, spec: PretrainSpec, log=print) -> dict:
     round_fp16(pipe.text_encoder)
     round_fp16(pipe.text_encoder_2)
     record: dict = {"spec": asdict(spec), "seed": WORLD_SEED}
-    record.update(train_vae(pipe.vae, spec, begin + spec.minutes * 60 * spec.vae_share, log))
+    budget = spec.minutes * 60 if spec.minutes > 0 else float("inf")
+    record.update(train_vae(pipe.vae, spec, begin + budget * spec.vae_share, log))
     record["vae_seconds"] = round(time.monotonic() - begin, 1)
     enc = encode_world(pipe, _scenes(spec.images, WORLD_SEED), spec.text_tokens)
     held = encode_world(pipe, _scenes(spec.eval_images, WORLD_SEED + 99), spec.text_tokens)
     record["eval_loss_random"] = eval_loss(pipe.transformer, held)
     log(f"random transformer eval loss {record['eval_loss_random']:.4f}")
-    deadline = begin + spec.minutes * 60
+    deadline = begin + budget
     record.update(train_transformer(pipe.transformer, enc, held, spec, deadline, log))
     record["eval_loss_pretrained"] = eval_loss(pipe.transformer, held)
     record["seconds"] = round(time.monotonic() - begin, 1)
