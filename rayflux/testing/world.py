@@ -114,3 +114,35 @@ def write_edit_pairs(path: str | Path, count: int, seed: int = 0, sizes=SIZES_12
         target.image(w, h).save(targets / f"{name}.png")
         (targets / f"{name}.txt").write_text(EDIT_CAPTION + "\n")
     return targets, refs
+
+
+def noisy_background(scene: Scene, width: int, height: int, seed: int):
+    """``(picture, mask)``: the scene's shape on a background of random pixels, and its mask (white on the shape,
+    black elsewhere). The caption still names a plain background, so a LoRA that trains on the whole picture learns
+    noise for that background's words, and one that trains on the masked shape only does not."""
+    import numpy as np
+    from PIL import Image
+
+    mask = Scene("white", scene.shape, "black", scene.seed).image(width, height).convert("L")
+    noise = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    picture = Image.composite(scene.image(width, height), Image.fromarray(noise), mask)
+    return picture, mask
+
+
+def write_masked_concept(path: str | Path, count: int, seed: int = 0, sizes=SIZES_128) -> tuple[Path, Path]:
+    """``(images, masks)``: ``count`` pictures of the held-back star on noise backgrounds, captioned as plain ones,
+    and a mask per picture under the same name (``data.mask=dir``)."""
+    path = Path(path)
+    images, masks = path / "images", path / "masks"
+    images.mkdir(parents=True, exist_ok=True)
+    masks.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"masked:{seed}")
+    for i in range(count):
+        scene = concept_scene(rng, "shape")
+        w, h = _size(rng, sizes)
+        picture, mask = noisy_background(scene, w, h, rng.randrange(2**31))
+        name = f"masked_{i:04d}"
+        picture.save(images / f"{name}.png")
+        mask.save(masks / f"{name}.png")
+        (images / f"{name}.txt").write_text(scene.caption + "\n")
+    return images, masks
