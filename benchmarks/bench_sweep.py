@@ -2,6 +2,7 @@
 passes and bytes read.
 
     python benchmarks/bench_sweep.py [--images 32] [--resolution 256] [--steps 20] [--trials 4] [--concurrent 2]
+        [--arms sweep,separate,shared]
 
 The same K LoRAs are trained three ways (a grid of 2 learning rates x K/2 ranks; the ``fifo`` scheduler, so every
 trial trains all its steps and the three do the same training):
@@ -16,6 +17,11 @@ Every run has its own Ray (``run.ray_address=local``), one worker, the tiny FLUX
 compute it too). Encoder passes are the cache builds the ledgers record (a ``cache:g0`` stage that did not reuse a
 generation). Bytes read are the image and caption files each build reads, plus training's reads of the cache (the
 step logs' ``read_bytes``).
+
+For the sweep, the handover between trials: for each trial that waited for a slot, the seconds from the end of the
+trial whose slot it took (its ``trial.json`` ``finished``) to its own start (its job's first stage, in its ledger),
+and to the end of its first training step (the wall time TensorBoard records with ``train/loss`` at step 1); the
+medians are printed, with how many trials ran in an earlier trial's process (Tune's ``reuse_actors``).
 """
 
 from __future__ import annotations
@@ -81,6 +87,51 @@ def _train_bytes(run_dirs: list[Path]) -> int:
     return total
 
 
+def _first_step(run_dir: Path) -> float | None:
+    """The wall time of a run's first training step (``train/loss`` at step 1 in its TensorBoard events)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    times = [
+        event.wall_time
+        for events in (run_dir / "tensorboard").glob("events.out.tfevents.*")
+        for event in EventFileLoader(str(events)).Load()
+        if event.step == 1 and any(v.tag == "train/loss" for v in event.summary.value)
+    ]
+    return min(times) if times else None
+
+
+def handovers(sweep_dir: Path, trials: list[Path], concurrent: int) -> dict:
+    """The gaps between a trial's end and the start (and the first step) of the trial that took its slot: the
+    trials in order of start, the ``concurrent`` first ones took free slots; each later one took the slot of the
+    earliest end not yet taken."""
+    import statistics
+
+    # A trial starts where its job's first stage starts (its ledger), the same in every version of trial.json.
+    info = [json.loads((t / "trial.json").read_text()) | {"dir": t, "started": _ledger(t)[0]["start"]} for t in trials]
+    starts = sorted(info, key=lambda i: i["started"])
+    ends = sorted(i["finished"] for i in info if "finished" in i)
+    to_start, to_step = [], []
+    for waited, freed in zip(starts[concurrent:], ends):
+        to_start.append(waited["started"] - freed)
+        step = _first_step(waited["dir"])
+        if step is not None:
+            to_step.append(step - freed)
+    pids = [i.get("pid") for i in info]
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 2) if xs else None
+
+    stage = next(s for s in _ledger(sweep_dir) if s["name"] == "sweep")
+    return {
+        "trials_stage_s": round(stage["end"] - stage["start"], 1),
+        "end_to_start_s": [round(x, 2) for x in to_start],
+        "end_to_first_step_s": [round(x, 2) for x in to_step],
+        "median_end_to_start_s": med(to_start),
+        "median_end_to_first_step_s": med(to_step),
+        "trials_in_a_reused_process": len(pids) - len(set(pids)) if None not in pids else None,
+    }
+
+
 def sweep_arm(args, job: dict, work: Path) -> tuple[float, list[Path], list[Path]]:
     rates, ranks = _grid(args.trials)
     out = work / "sweep"
@@ -127,6 +178,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--trials", type=int, default=4, help="an even number: 2 learning rates x trials/2 ranks")
     p.add_argument("--concurrent", type=int, default=2, help="sweep.max_concurrent")
+    p.add_argument("--arms", default="sweep,separate,shared", help="which ways to run (comma-separated)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     if args.trials < 2 or args.trials % 2:
@@ -137,13 +189,18 @@ def main() -> int:
     images = write_images(work / "images", args.images)
     image_bytes = sum(f.stat().st_size for f in images.iterdir() if not f.name.startswith("."))
     job = _job(args, images)
-    rows = {}
-    for name, arm in (
-        ("sweep", lambda: sweep_arm(args, job, work)),
-        ("separate runs", lambda: separate_arm(args, job, work, "separate", False)),
-        ("separate runs, one cache.dir", lambda: separate_arm(args, job, work, "shared", True)),
+    rows, arms, gaps = {}, set(args.arms.split(",")), None
+    for key, name, arm in (
+        ("sweep", "sweep", lambda: sweep_arm(args, job, work)),
+        ("separate", "separate runs", lambda: separate_arm(args, job, work, "separate", False)),
+        ("shared", "separate runs, one cache.dir", lambda: separate_arm(args, job, work, "shared", True)),
     ):
+        if key not in arms:
+            continue
         wall, ledgers, trained = arm()
+        if key == "sweep":
+            gaps = handovers(ledgers[0], trained, args.concurrent)
+            print("sweep handovers", gaps, flush=True)
         builds = _builds(ledgers)
         rows[name] = {
             "wall_s": round(wall, 1),
@@ -153,9 +210,16 @@ def main() -> int:
             "loras": len(trained),
         }
         print(name, rows[name], flush=True)
-    base = rows["sweep"]["wall_s"]
+    base = rows[next(iter(rows))]["wall_s"]
     print(f"\n{args.trials} LoRAs, {args.steps} steps each, {args.images} images at {args.resolution} px\n")
-    print("| way | wall | vs the sweep | encoder passes | image bytes read | cache bytes read by training |")
+    if gaps:
+        print(
+            f"a trial's end -> the next trial's start: median {gaps['median_end_to_start_s']} s; -> its first step: "
+            f"median {gaps['median_end_to_first_step_s']} s ({len(gaps['end_to_start_s'])} handovers, "
+            f"{gaps['trials_in_a_reused_process']} trial(s) in a reused process); the trials' stage: "
+            f"{gaps['trials_stage_s']} s\n"
+        )
+    print("| way | wall | vs the first | encoder passes | image bytes read | cache bytes read by training |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(
@@ -163,7 +227,7 @@ def main() -> int:
             f"{r['image_bytes_read'] / 1e6:.2f} MB | {r['cache_bytes_read_by_training'] / 1e6:.2f} MB |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "handovers": gaps}, indent=1))
     return 0
 
 

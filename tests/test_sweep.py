@@ -1,6 +1,7 @@
 """Sweeps (``rayflux sweep``) on a real local Ray and Ray Tune: one cache build, four LoRAs, ASHA on eval loss, the
 best LoRA kept; a standalone job with a trial's settings trains that trial's LoRA; a sweep killed mid-way continues."""
 
+import itertools
 import json
 import os
 import signal
@@ -86,6 +87,22 @@ def test_four_trials_share_one_cache_build(swept, shared_cache):
         stages = _ledger(out / "trials" / r.trial)
         cache = [s for s in stages if s["name"] == "cache:g0"]
         assert len(cache) == 1 and cache[0]["reused"] and cache[0]["dir"] == builds[0]["dir"]  # nothing encoded
+
+
+def test_more_trials_than_slots_reuse_processes_and_lose_none(swept):
+    """Four trials on two slots: the two that waited ran in the processes of the two before them (Tune's
+    reuse_actors, through TrialTrainable.reset_config), each with its own settings in its own run directory, and
+    none was lost or failed, an ASHA-stopped trial before them included (its trainer is ended before the next
+    trial starts)."""
+    outcome, _, out = swept
+    info = {r.trial: json.loads((out / "trials" / r.trial / "trial.json").read_text()) for r in outcome.rows}
+    assert all(info[r.trial]["settings"] == r.settings for r in outcome.rows)
+    assert [r.status for r in outcome.rows if r.status not in ("finished", "stopped")] == []
+    pids = [i["pid"] for i in info.values()]
+    assert len(set(pids)) < len(pids), pids  # at least one process ran a second trial
+    for pid in set(pids):  # one process ran its trials one after another, never two at once
+        spans = sorted((i["started"], i.get("finished")) for i in info.values() if i["pid"] == pid)
+        assert all(end is None or end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), spans
 
 
 def test_results_table_and_best_lora(swept):

@@ -22,7 +22,7 @@ from rayflux.ledger import Ledger
 from rayflux.sweep import results, seal
 from rayflux.sweep.config import SweepConfig, SweepFile, tune_space
 from rayflux.sweep.groups import release
-from rayflux.sweep.trial import TRIALS_DIR, run_trial, trial_dir
+from rayflux.sweep.trial import TRIALS_DIR, trial_dir
 
 log = logging.getLogger("rayflux")
 
@@ -177,14 +177,24 @@ def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
     resume from their own checkpoints)."""
     import ray.tune as tune
 
+    from rayflux.sweep.trainable import TrialTrainable
+
     base = copy.deepcopy(cfg.to_dict())
-    trainable = tune.with_parameters(_trainable, base=base, sweep_output=output, metric=sweep.metric)
+    trainable = tune.with_parameters(TrialTrainable, base=base, sweep_output=output, metric=sweep.metric)
     trainable = tune.with_resources(trainable, {"CPU": sweep.trial_cpus})
     storage_path, storage_fs = storage.for_ray_train(output)
     path = storage.join(output, TUNE_NAME)
     if tune.Tuner.can_restore(path, storage_filesystem=storage_fs):
         log.info("sweep: continuing the interrupted sweep in %s", path)
-        return tune.Tuner.restore(path, trainable, resume_errored=True, storage_filesystem=storage_fs)
+        try:
+            return tune.Tuner.restore(path, trainable, resume_errored=True, storage_filesystem=storage_fs)
+        except ValueError as exc:
+            if "Invalid `trainable`" not in str(exc):
+                raise
+            raise ConfigError(  # a sweep interrupted under a rayflux whose trials were a Tune function
+                f"{path} holds a sweep started by an earlier rayflux (its trials ran another Tune trainable), which "
+                "this one cannot continue: finish it with that version, or start it again in a new run.output_dir"
+            ) from None
     return tune.Tuner(
         trainable,
         param_space=tune_space(sweep),
@@ -193,6 +203,10 @@ def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
             mode="min",
             num_samples=sweep.num_samples,
             max_concurrent_trials=sweep.max_concurrent,
+            # A freed trial's process runs the next trial: no process start, no second import of torch and the job's
+            # modules (every trial asks the same resources: sweep.trial_cpus). TrialTrainable.reset_config ends a
+            # stopped trial's trainer before the next trial starts.
+            reuse_actors=True,
             scheduler=_scheduler(cfg, sweep),
             trial_dirname_creator=lambda t: t.trial_id,  # results.row finds a trial's run directory by it
         ),
@@ -202,13 +216,12 @@ def _tuner(cfg: JobConfig, sweep: SweepConfig, output: str):
             storage_filesystem=storage_fs,
             failure_config=tune.FailureConfig(max_failures=max(cfg.train.workers.max_failures, 0)),
             callbacks=[release_callback(output)],
+            # Nothing for Tune to save: a trial's checkpoints are its run directory's. (Tune's default for a class
+            # trainable saves one at each trial's end, and a trainable without save_checkpoint fails the trial.)
+            checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False),
             verbose=1,
         ),
     )
-
-
-def _trainable(config: dict, base: dict, sweep_output: str, metric: str) -> None:
-    run_trial(config, base, sweep_output, metric)
 
 
 def _scheduler(cfg: JobConfig, sweep: SweepConfig):
