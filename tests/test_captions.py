@@ -5,14 +5,17 @@ read by the cache stage as a sidecar would be; ``missing_caption=vlm`` captions 
 One job builds the cache (a ``caption_strategy=vlm`` dataset beside a ``missing_caption=vlm`` one); the reruns run
 the caption stage alone, which is all they exercise."""
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import cache_sets
 import pytest
 
 from rayflux import config, job
-from rayflux.caption import stage, table
+from rayflux.caption import export, stage, table
+from rayflux.discovery.in_process import discover
 from rayflux.testing.tiny_vlm import ensure_tiny_vlm
 
 
@@ -47,8 +50,10 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     half = _images(base / "half", range(10, 14), sidecars=2)
     sets = (
         "data.resolution=64",
-        f"data.datasets=[{{name: every, images_dir: {every}, caption_strategy: vlm}}, "
-        f"{{name: half, images_dir: {half}, missing_caption: vlm}}]",
+        (
+            f"data.datasets=[{{name: every, images_dir: {every}, caption_strategy: vlm}}, "
+            f"{{name: half, images_dir: {half}, missing_caption: vlm}}]"
+        ),
         f"caption.model={vlm}",
         "caption.max_new_tokens=6",
         "caption.batch_size=3",
@@ -107,3 +112,25 @@ def test_captions_live_in_the_cache_directory_never_beside_the_images(runs):
     assert (gdir / table.MANIFEST).is_file()
     assert gdir.is_relative_to(runs["base"] / "cache" / table.ROOT)
     assert sorted(p.name for p in runs["every"].iterdir()) == ["broken.png", *(f"img{i}.png" for i in range(4))]
+
+
+def test_export_writes_sidecars_that_discovery_reads_back_and_a_metadata_table(runs, tmp_path):
+    captions = _committed(runs["first"])
+    out = tmp_path / "exported"
+    # The cache directory names the newest committed table of any captioner there: the other prompt's.
+    assert export.resolve(str(runs["base"] / "cache")) == runs["prompt"].dir
+    assert export.main([runs["first"], "--out", str(out)]) == 0
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.txt")) == sorted(
+        export.sidecar_name(p) for p in captions if p != "every/broken.png"
+    )
+    assert export.main([runs["first"], "--out", str(out)]) == 1  # never overwrites unless told
+    for img in runs["every"].glob("img*.png"):
+        shutil.copy(img, out / "every" / img.name)
+    cfg = config.load(None, [f"data.images_dir={out / 'every'}"])
+    found = {s.rel_path: s.caption for s in discover(cfg.data).sources}
+    assert found == {p.split("/", 1)[1]: c for p, c in captions.items() if p.startswith("every/img")}
+    assert export.main([runs["first"], "--out", str(tmp_path / "meta"), "--jsonl"]) == 0
+    lines = (tmp_path / "meta" / "metadata.jsonl").read_text().splitlines()
+    assert {(r := json.loads(line))["file_name"]: r["text"] for line in lines} == {
+        p: c for p, c in captions.items() if p != "every/broken.png"
+    }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -112,7 +113,13 @@ def commit(cdir: str, rows: pa.Table, counts: dict, captioner: dict) -> str:
     gens = _generation_dirs(cdir)
     gdir = storage.join(cdir, f"g{gens[-1][0] + 1 if gens else 0}")
     storage.write_bytes_atomic(storage.join(gdir, TABLE_FILE), _parquet(rows.cast(TABLE)))
-    manifest = {"rows": rows.num_rows, "files": [TABLE_FILE], "captioner": captioner, **counts}
+    manifest = {
+        "rows": rows.num_rows,
+        "files": [TABLE_FILE],
+        "captioner": captioner,
+        "committed": time.time(),
+        **counts,
+    }
     storage.write_bytes_atomic(storage.join(gdir, MANIFEST), json.dumps(manifest, indent=1).encode())
     return gdir
 
