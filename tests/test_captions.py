@@ -8,13 +8,15 @@ the caption stage alone, which is all they exercise."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import cache_sets
 import pytest
 
-from rayflux import config, job
-from rayflux.caption import export, stage, table
+from rayflux import config, faults, job
+from rayflux.caption import export, stage, table, worker
 from rayflux.discovery.in_process import discover
 from rayflux.testing.tiny_vlm import ensure_tiny_vlm
 
@@ -134,3 +136,53 @@ def test_export_writes_sidecars_that_discovery_reads_back_and_a_metadata_table(r
     assert {(r := json.loads(line))["file_name"]: r["text"] for line in lines} == {
         p: c for p, c in captions.items() if p != "every/broken.png"
     }
+
+
+# A driver of its own that joins the session's Ray with the kill point in its job's runtime_env (every worker of that
+# job inherits it) and runs the caption stage, as tests/test_cache_faults.py does for the cache's writers.
+_DRIVER = """
+import json, sys, ray
+from rayflux import config
+from rayflux.caption import stage
+ray.init(address=sys.argv[1], runtime_env={"env_vars": {%r: sys.argv[2]}})
+cfg = config.load(None, json.loads(sys.argv[3]))
+out = stage.run(cfg, sys.argv[4], False)
+print(json.dumps({"captioned": out.captioned, "reused": out.reused, "dir": out.dir}))
+"""
+
+
+def test_a_killed_captioner_actor_loses_nothing(runs, ray_session, tmp_path):
+    images = _images(tmp_path / "images", range(20, 26))
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    sets = [
+        f"data.images_dir={images}",
+        "data.caption_strategy=vlm",
+        f"caption.model={ensure_tiny_vlm()}",
+        "caption.max_new_tokens=4",
+        "caption.batch_size=2",
+    ]
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _DRIVER % faults.ENV,
+            env["RAY_ADDRESS"],
+            f"{worker.KILL_AFTER_PART}:{markers}",
+            json.dumps(sets),
+            str(tmp_path / "cache"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in markers.iterdir()] == [worker.KILL_AFTER_PART]  # an actor really died
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # The dead actor's batch was written before it died: its retry found both captions known by content.
+    assert (out["captioned"], out["reused"]) == (4, 2)
+    captions = _committed(out["dir"])
+    assert sorted(captions) == [f"img{i}.png" for i in range(6)] and all(captions.values())
