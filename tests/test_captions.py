@@ -76,6 +76,12 @@ def runs(ray_session, tiny_model, tmp_path_factory):
 
 def test_each_image_without_a_caption_is_captioned_and_a_bad_one_is_a_recorded_skip(runs):
     assert runs["job"].captions.startswith("captioned 6, reused 2, 1 unreadable")
+    assert any(line.startswith("captions:   captioned 6, reused 2") for line in runs["job"].lines())
+    stages = json.loads(Path(runs["job"].ledger).read_text())["stages"]
+    entry = next(s for s in stages if s["name"] == "caption")
+    assert entry["status"] == "done" and entry["outputs"]["dir"] == runs["first"]
+    assert (entry["outputs"]["captioned"], entry["outputs"]["reused"], entry["outputs"]["skipped"]) == (6, 2, 1)
+    assert [s["name"] for s in stages].index("caption") < [s["name"] for s in stages].index("cache:g0")
     captions = _committed(runs["first"])
     assert sorted(captions) == [
         "every/broken.png",
