@@ -60,7 +60,6 @@ class CaptionActor:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.cdir, self.max_pixels, self.max_new_tokens = cdir, max_pixels, max_new_tokens
-        torch.set_num_threads(max(1, int(torch.get_num_threads())))
         known = table.known(cdir)
         self.known = dict(
             zip(known["sha256"].to_pylist(), zip(known["caption"].to_pylist(), known["skip_reason"].to_pylist()))

@@ -1,0 +1,124 @@
+"""The caption stage's throughput: images per second of one captioner actor, and of the whole stage through Ray.
+
+    python benchmarks/bench_caption.py [--images 48] [--batch-size 8] [--max-new-tokens 16] [--rounds 3]
+
+Per actor: the stage's own actor class (``rayflux.caption.worker.CaptionActor``) in this process, fed batches the
+stage's own read task made (``worker.read_images``), every caption generated (an empty known table), timed after
+one warm-up batch. Stage: ``rayflux.caption.stage.run`` on a local Ray with 2 CPUs over the same images, end to end
+(listing, reads, pool start-up and model load, captioning, commit), then again with nothing to caption (the rerun's
+cost). The model is the tiny random captioner (``rayflux.testing.tiny_vlm``): its numbers measure the stage's
+overhead around generation, not a real VLM's speed (see BENCHMARKS.md for the arithmetic at 7B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _images(root: Path, n: int) -> Path:
+    from rayflux.testing.images import ensure_demo_images
+
+    demo = sorted(ensure_demo_images().glob("*.png"))
+    root.mkdir(parents=True)
+    for i in range(n):
+        (root / f"img{i:04d}.png").write_bytes(demo[i % len(demo)].read_bytes() + i.to_bytes(4, "little"))
+    return root
+
+
+def per_actor(images: Path, model: str, args) -> list[float]:
+    """Images per second of one actor, per round (each round a fresh captions directory: nothing known)."""
+    import pyarrow as pa
+
+    from rayflux.caption import worker
+
+    paths = sorted(str(p) for p in images.iterdir())
+    todo = pa.table(
+        {"dataset": [""] * len(paths), "rel_path": paths, "stamp": ["0:0"] * len(paths), "uri": paths},
+        schema=worker.TODO,
+    )
+    read = worker.read_images(todo)
+    batches = [read.slice(i, args.batch_size) for i in range(0, read.num_rows, args.batch_size)]
+    rates = []
+    for _ in range(args.rounds):
+        actor = worker.CaptionActor(
+            model, "Describe this image.", args.max_new_tokens, "float32", tempfile.mkdtemp(), 10**8
+        )
+        actor(batches[0])  # warm-up: first-call allocations
+        actor.known.clear()
+        t0 = time.perf_counter()
+        for b in batches:
+            actor(b)
+        rates.append(read.num_rows / (time.perf_counter() - t0))
+    return rates
+
+
+def stage_runs(images: Path, model: str, args) -> dict:
+    import ray
+
+    from rayflux import config
+    from rayflux.caption import stage
+
+    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp())
+    ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
+    try:
+        cfg = config.load(
+            None,
+            [
+                f"data.images_dir={images}",
+                "data.caption_strategy=vlm",
+                f"caption.model={model}",
+                f"caption.max_new_tokens={args.max_new_tokens}",
+                f"caption.batch_size={args.batch_size}",
+            ],
+        )
+        root = tempfile.mkdtemp()
+        t0 = time.perf_counter()
+        first = stage.run(cfg, root, False)
+        t1 = time.perf_counter()
+        again = stage.run(cfg, root, False)
+        t2 = time.perf_counter()
+    finally:
+        ray.shutdown()
+    return {
+        "first_s": round(t1 - t0, 2),
+        "first_images_per_s": round(first.captioned / (t1 - t0), 2),
+        "rerun_s": round(t2 - t1, 2),
+        "rerun_captioned": again.captioned,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=48)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    from rayflux.testing.tiny_vlm import ensure_tiny_vlm
+
+    model = str(ensure_tiny_vlm())
+    images = _images(Path(tempfile.mkdtemp()) / "images", args.images)
+    rates = per_actor(images, model, args)
+    out = {
+        "images": args.images,
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "actor_images_per_s": [round(r, 1) for r in rates],
+        "actor_median": round(statistics.median(rates), 1),
+        "load_average": os.getloadavg()[0],
+        **stage_runs(images, model, args),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
