@@ -112,6 +112,7 @@ def _caption(cfg: JobConfig, cap: Captioner, cdir: str, wanted: dict[str, str], 
         gdir = previous[0]  # nothing new or changed: the committed table is this run's
     else:
         gdir = table.commit(cdir, rows, counts, {"id": cap.id, "model": cap.model, "prompt": cap.prompt})
+        table.drop_parts(cdir)
     return Outcome(**counts, dir=gdir, captions=table.Committed(gdir, wanted, cfg.caption.prefix))
 
 

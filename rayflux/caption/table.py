@@ -124,6 +124,15 @@ def commit(cdir: str, rows: pa.Table, counts: dict, captioner: dict) -> str:
     return gdir
 
 
+def drop_parts(cdir: str) -> None:
+    """Remove the part files once a commit holds what they hold (called under the captioner's lease, after the
+    pipeline: no actor writes or reads them any more). A part of an image no longer listed goes with them."""
+    fs, inner = storage.resolve(storage.join(cdir, PARTS))
+    for info in fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True)):
+        if info.type == pafs.FileType.File:
+            fs.delete_file(info.path)
+
+
 def _parquet(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf)
@@ -156,8 +165,10 @@ class Committed:
         if mode == "missing":
             own = pc.or_(pc.not_equal(listed["sidecar"], ""), pc.greater(pc.list_value_length(listed["options"]), 0))
             wanted = pc.and_(wanted, pc.invert(own))
-        found = pc.take(self.captions, pc.fill_null(at, 0)) if len(self.paths) else pa.nulls(len(at), pa.string())
         n = listed.num_rows
-        single = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), found.combine_chunks())
+        found = pc.take(self.captions, pc.fill_null(at, 0)) if len(self.paths) else pa.nulls(n, pa.string())
+        if isinstance(found, pa.ChunkedArray):
+            found = found.combine_chunks()
+        single = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), found)
         options = pc.if_else(wanted, single, listed["options"])
         return listed.set_column(listed.schema.get_field_index("options"), "options", options)
