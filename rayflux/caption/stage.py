@@ -24,6 +24,7 @@ from rayflux import datasets, lease
 from rayflux.caption import fit, table, worker
 from rayflux.caption.identity import Captioner, captioner
 from rayflux.config import JobConfig
+from rayflux.config.placement import Cluster, place
 from rayflux.discovery import listing
 
 log = logging.getLogger("rayflux")
@@ -68,11 +69,6 @@ def resolved_dtype(cfg: JobConfig, gpu: bool) -> str:
     return cfg.caption.dtype if cfg.caption.dtype != "auto" else ("bfloat16" if gpu else "float32")
 
 
-def on_gpu(cfg: JobConfig, cluster_gpus: bool) -> bool:
-    """Captioners run on GPUs where the cluster has them or a GPU type is named (as the encoders' ``auto``)."""
-    return cluster_gpus or bool(cfg.caption.accelerator_type)
-
-
 def run(cfg: JobConfig, cache_root: str, cluster_gpus: bool, ledger=None, summary=None) -> Outcome | None:
     """Caption what the job's datasets need; None when no dataset asks for VLM captions. Recorded in ``ledger`` as
     the ``caption`` stage and in ``summary`` (its ``captions`` line and time)."""
@@ -80,7 +76,7 @@ def run(cfg: JobConfig, cache_root: str, cluster_gpus: bool, ledger=None, summar
     if not wanted:
         return None
     t0 = time.perf_counter()
-    gpu = on_gpu(cfg, cluster_gpus)
+    gpu = place(cfg, Cluster(gpus=cluster_gpus)).captioner
     cap = captioner(cfg.caption, resolved_dtype(cfg, gpu))
     cdir = table.captioner_dir(cache_root, cap.id)
     entry = ledger.start(STAGE, cdir, captioner=cap.id, model=cap.model) if ledger is not None else None
