@@ -68,7 +68,6 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     st = (every / "img0.png").stat()  # touched: read and hashed again, its caption known by its content
     os.utime(every / "img0.png", ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
     out["again"] = stage.run(cfg, str(base / "cache"), False)
-    out["fresh"] = stage.run(cfg, str(base / "fresh"), False)
     cfg.caption.prompt = "Name the colours."
     out["prompt"] = stage.run(cfg, str(base / "cache"), False)
     return out
@@ -102,11 +101,9 @@ def test_the_cache_stage_trains_on_the_vlm_captions_and_the_sidecars(runs):
     assert [cached[f"half/img{i}.png"] for i in range(2)] == ["own caption 0", "own caption 1"]
 
 
-def test_a_rerun_captions_nothing_and_the_captions_are_reproducible(runs):
+def test_a_rerun_captions_nothing(runs):
     assert (runs["again"].captioned, runs["again"].reused, runs["again"].skipped) == (0, 8, 1)
     assert _committed(runs["again"].dir) == _committed(runs["first"])
-    assert (runs["fresh"].captioned, runs["fresh"].reused) == (6, 2)
-    assert _committed(runs["fresh"].dir) == _committed(runs["first"])
 
 
 def test_another_prompt_captions_again_under_its_own_captioner(runs):
@@ -157,15 +154,17 @@ print(json.dumps({"captioned": out.captioned, "reused": out.reused, "dir": out.d
 """
 
 
-def test_a_killed_captioner_actor_loses_nothing(runs, ray_session, tmp_path):
-    images = _images(tmp_path / "images", range(20, 26))
+def test_a_killed_captioner_actor_loses_nothing_and_the_captions_are_reproducible(runs, ray_session, tmp_path):
+    """The first job's ``every`` images captioned again from scratch, in another cache directory, by a driver whose
+    workers die once each at the kill point: the same captions, none lost."""
+    images = runs["every"]
     markers = tmp_path / "markers"
     markers.mkdir()
     sets = [
         f"data.images_dir={images}",
         "data.caption_strategy=vlm",
         f"caption.model={ensure_tiny_vlm()}",
-        "caption.max_new_tokens=4",
+        "caption.max_new_tokens=6",
         "caption.batch_size=2",
     ]
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
@@ -188,7 +187,8 @@ def test_a_killed_captioner_actor_loses_nothing(runs, ray_session, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in markers.iterdir()] == [worker.KILL_AFTER_PART]  # an actor really died
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    # The dead actor's batch was written before it died: its retry found both captions known by content.
-    assert (out["captioned"], out["reused"]) == (4, 2)
-    captions = _committed(out["dir"])
-    assert sorted(captions) == [f"img{i}.png" for i in range(6)] and all(captions.values())
+    # The dead actor's batch was written before it died: its retry found its captions known by content (one or two,
+    # as the broken file may share that batch), and nothing was generated twice.
+    assert out["captioned"] + out["reused"] == 4 and out["reused"] >= 1
+    first = {p.split("/", 1)[1]: c for p, c in _committed(runs["first"]).items() if p.startswith("every/")}
+    assert _committed(out["dir"]) == first
