@@ -1,6 +1,8 @@
 """The caption stage's throughput: images per second of one captioner actor, and of the whole stage through Ray.
 
     python benchmarks/bench_caption.py [--images 48] [--batch-size 8] [--max-new-tokens 16] [--rounds 3]
+    python benchmarks/bench_caption.py --driver 2000 8000 16000    # the driver's memory per image
+
 
 Per actor: the stage's own actor class (``rayflux.caption.worker.CaptionActor``) in this process, fed batches the
 stage's own read task made (``worker.read_images``), every caption generated (an empty known table), timed after
@@ -8,6 +10,11 @@ one warm-up batch. Stage: ``rayflux.caption.stage.run`` on a local Ray with 2 CP
 (listing, reads, pool start-up and model load, captioning, commit), then again with nothing to caption (the rerun's
 cost). The model is the tiny random captioner (``rayflux.testing.tiny_vlm``): its numbers measure the stage's
 overhead around generation, not a real VLM's speed (see BENCHMARKS.md for the arithmetic at 7B).
+
+``--driver N ...``: the driver's peak RSS growth (``VmHWM`` reset at each phase's start, above the RSS it started
+with) in three phases over N small images, each N in a fresh process: the cache's discovery alone (what a job's
+driver holds per image without the stage), the caption stage's first run (1-token captions, batch 64: the driver's
+share, not the captioner's speed) and its rerun; then a least-squares slope per image for each phase.
 """
 
 from __future__ import annotations
@@ -96,13 +103,111 @@ def stage_runs(images: Path, model: str, args) -> dict:
     }
 
 
+def _reset_peak() -> float:
+    """Start a new peak-RSS window (Linux: 5 to clear_refs resets VmHWM); the RSS now, in MB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _status(field: str) -> float:
+    with open("/proc/self/status") as f:
+        rows = dict(line.split(":", 1) for line in f)
+    return int(rows[field].split()[0]) / 1024
+
+
+def _tiny_pngs(root: Path, n: int) -> Path:
+    """``n`` distinct 32x32 PNGs (one image's bytes with a counter appended: decoders ignore trailing bytes)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (90, 140, 200)).save(buf, "PNG")
+    root.mkdir(parents=True)
+    for i in range(n):
+        (root / f"{i // 1000:03d}").mkdir(exist_ok=True)
+        (root / f"{i // 1000:03d}" / f"img{i:07d}.png").write_bytes(buf.getvalue() + i.to_bytes(4, "little"))
+    return root
+
+
+def driver_one(n: int) -> dict:
+    """One N in this process: each phase's peak RSS growth, in MB."""
+    import ray
+
+    from rayflux import config, models
+    from rayflux.cache import discover
+    from rayflux.caption import stage
+    from rayflux.testing.tiny_vlm import ensure_tiny_vlm
+
+    images = _tiny_pngs(Path(tempfile.mkdtemp()) / "images", n)
+    model = str(ensure_tiny_vlm())
+    ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
+    cfg = config.load(
+        None,
+        [
+            f"data.images_dir={images}",
+            "data.caption_strategy=vlm",
+            f"caption.model={model}",
+            "caption.max_new_tokens=1",
+            "caption.batch_size=64",
+        ],
+    )
+    facts = models.model_facts(cfg.model)
+    root = tempfile.mkdtemp()
+    out = {"images": n}
+    try:
+        for phase, fn in (
+            ("discover", lambda: discover.discover(cfg, facts, 0)),
+            ("caption", lambda: stage.run(cfg, root, False)),
+            ("caption-rerun", lambda: stage.run(cfg, root, False)),
+        ):
+            start = _reset_peak()
+            t0 = time.perf_counter()
+            fn()
+            out[phase] = {
+                "growth_mb": round(_status("VmHWM") - start, 1),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+    finally:
+        ray.shutdown()
+    return out
+
+
+def driver_slopes(ns: list[int]) -> None:
+    import subprocess
+
+    points = []
+    for n in ns:
+        done = subprocess.run(
+            [sys.executable, __file__, "--driver-one", str(n)], capture_output=True, text=True, check=True
+        )
+        rec = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps(rec), flush=True)
+        points.append(rec)
+    for phase in ("discover", "caption", "caption-rerun"):
+        xs = [p["images"] for p in points]
+        ys = [p[phase]["growth_mb"] * 1024 for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        print(json.dumps({"phase": phase, "kb_per_image": round(slope, 3)}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--driver", type=int, nargs="+", help="the driver's memory per image over these image counts")
+    p.add_argument("--driver-one", type=int, help=argparse.SUPPRESS)
     p.add_argument("--images", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    if args.driver_one:
+        print(json.dumps(driver_one(args.driver_one)))
+        return
+    if args.driver:
+        driver_slopes(args.driver)
+        return
     from rayflux.testing.tiny_vlm import ensure_tiny_vlm
 
     model = str(ensure_tiny_vlm())
