@@ -67,7 +67,11 @@ class CaptionActor:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.processor = AutoProcessor.from_pretrained(model)
         self.processor.tokenizer.padding_side = "left"  # decoder-only batches generate from the right edge
-        self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype(dtype)).to(self.device)
+        if torch.cuda.device_count() > 1:  # caption.gpus_per_actor above 1: the model split over this actor's GPUs
+            self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype(dtype), device_map="auto")
+            self.device = self.model.device
+        else:
+            self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype(dtype)).to(self.device)
         self.model.eval()
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         self.text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
