@@ -116,6 +116,29 @@ def _status(field: str) -> float:
     return int(rows[field].split()[0]) / 1024
 
 
+class _Peak:
+    """The peak of one /proc/self/status field over a phase, sampled every 50 ms in a thread: ``RssAnon`` is the
+    driver's own heap, apart from object-store pages it maps (``RssShmem``), which VmHWM counts too."""
+
+    def __init__(self, field: str):
+        import threading
+
+        self.field, self.start = field, _status(field)
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _status(self.field))
+
+    def growth(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.peak - self.start, 1)
+
+
 def _tiny_pngs(root: Path, n: int) -> Path:
     """``n`` distinct 32x32 PNGs (one image's bytes with a counter appended: decoders ignore trailing bytes)."""
     import io
@@ -163,10 +186,12 @@ def driver_one(n: int) -> dict:
             ("caption-rerun", lambda: stage.run(cfg, root, False)),
         ):
             start = _reset_peak()
+            anon = _Peak("RssAnon")
             t0 = time.perf_counter()
             fn()
             out[phase] = {
                 "growth_mb": round(_status("VmHWM") - start, 1),
+                "anon_growth_mb": anon.growth(),
                 "seconds": round(time.perf_counter() - t0, 1),
             }
     finally:
@@ -185,12 +210,15 @@ def driver_slopes(ns: list[int]) -> None:
         rec = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps(rec), flush=True)
         points.append(rec)
+    xs = [p["images"] for p in points]
+    mx = statistics.fmean(xs)
     for phase in ("discover", "caption", "caption-rerun"):
-        xs = [p["images"] for p in points]
-        ys = [p[phase]["growth_mb"] * 1024 for p in points]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        print(json.dumps({"phase": phase, "kb_per_image": round(slope, 3)}), flush=True)
+        slopes = {}
+        for key in ("growth_mb", "anon_growth_mb"):
+            ys = [p[phase][key] * 1024 for p in points]
+            my = statistics.fmean(ys)
+            slopes[key] = round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 3)
+        print(json.dumps({"phase": phase, "kb_per_image": slopes}), flush=True)
 
 
 def main() -> None:

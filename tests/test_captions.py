@@ -67,6 +67,7 @@ def runs(ray_session, tiny_model, tmp_path_factory):
     out["first"] = out["job"].captions.rsplit("(", 1)[1].rstrip(")")
     st = (every / "img0.png").stat()  # touched: read and hashed again, its caption known by its content
     os.utime(every / "img0.png", ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    cache_sets.picture(96, 64, 7).save(every / "img4.png")  # new: the one image the rerun captions
     out["again"] = stage.run(cfg, str(base / "cache"), False)
     cfg.caption.prompt = "Name the colours."
     out["prompt"] = stage.run(cfg, str(base / "cache"), False)
@@ -101,40 +102,42 @@ def test_the_cache_stage_trains_on_the_vlm_captions_and_the_sidecars(runs):
     assert [cached[f"half/img{i}.png"] for i in range(2)] == ["own caption 0", "own caption 1"]
 
 
-def test_a_rerun_captions_nothing(runs):
-    assert (runs["again"].captioned, runs["again"].reused, runs["again"].skipped) == (0, 8, 1)
-    assert _committed(runs["again"].dir) == _committed(runs["first"])
+def test_a_rerun_captions_only_the_new_image(runs):
+    assert (runs["again"].captioned, runs["again"].reused, runs["again"].skipped) == (1, 8, 1)
+    again = _committed(runs["again"].dir)
+    assert again.pop("every/img4.png") and again == _committed(runs["first"])
 
 
 def test_another_prompt_captions_again_under_its_own_captioner(runs):
-    assert (runs["prompt"].captioned, runs["prompt"].reused) == (6, 2)
+    assert (runs["prompt"].captioned, runs["prompt"].reused) == (7, 2)
     assert Path(runs["prompt"].dir).parent != Path(runs["first"]).parent
-    assert _committed(runs["prompt"].dir).keys() == _committed(runs["first"]).keys()
+    assert _committed(runs["prompt"].dir).keys() == _committed(runs["again"].dir).keys()
 
 
 def test_captions_live_in_the_cache_directory_never_beside_the_images(runs):
     gdir = Path(runs["first"])
     assert (gdir / table.MANIFEST).is_file()
     assert gdir.is_relative_to(runs["base"] / "cache" / table.ROOT)
-    assert sorted(p.name for p in runs["every"].iterdir()) == ["broken.png", *(f"img{i}.png" for i in range(4))]
+    assert sorted(p.name for p in runs["every"].iterdir()) == ["broken.png", *(f"img{i}.png" for i in range(5))]
 
 
 def test_export_writes_sidecars_that_discovery_reads_back_and_a_metadata_table(runs, tmp_path):
-    captions = _committed(runs["first"])
+    source = runs["again"].dir
+    captions = _committed(source)
     out = tmp_path / "exported"
     # The cache directory names the newest committed table of any captioner there: the other prompt's.
     assert export.resolve(str(runs["base"] / "cache")) == runs["prompt"].dir
-    assert export.main([runs["first"], "--out", str(out)]) == 0
+    assert export.main([source, "--out", str(out)]) == 0
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.txt")) == sorted(
         export.sidecar_name(p) for p in captions if p != "every/broken.png"
     )
-    assert export.main([runs["first"], "--out", str(out)]) == 1  # never overwrites unless told
+    assert export.main([source, "--out", str(out)]) == 1  # never overwrites unless told
     for img in runs["every"].glob("img*.png"):
         shutil.copy(img, out / "every" / img.name)
     cfg = config.load(None, [f"data.images_dir={out / 'every'}"])
     found = {s.rel_path: s.caption for s in discover(cfg.data).sources}
     assert found == {p.split("/", 1)[1]: c for p, c in captions.items() if p.startswith("every/img")}
-    assert export.main([runs["first"], "--out", str(tmp_path / "meta"), "--jsonl"]) == 0
+    assert export.main([source, "--out", str(tmp_path / "meta"), "--jsonl"]) == 0
     lines = (tmp_path / "meta" / "metadata.jsonl").read_text().splitlines()
     assert {(r := json.loads(line))["file_name"]: r["text"] for line in lines} == {
         p: c for p, c in captions.items() if p != "every/broken.png"
@@ -189,6 +192,6 @@ def test_a_killed_captioner_actor_loses_nothing_and_the_captions_are_reproducibl
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # The dead actor's batch was written before it died: its retry found its captions known by content (one or two,
     # as the broken file may share that batch), and nothing was generated twice.
-    assert out["captioned"] + out["reused"] == 4 and out["reused"] >= 1
-    first = {p.split("/", 1)[1]: c for p, c in _committed(runs["first"]).items() if p.startswith("every/")}
+    assert out["captioned"] + out["reused"] == 5 and out["reused"] >= 1
+    first = {p.split("/", 1)[1]: c for p, c in _committed(runs["again"].dir).items() if p.startswith("every/")}
     assert _committed(out["dir"]) == first

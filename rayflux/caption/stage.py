@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import datasets, lease
+from rayflux import allocator, datasets, lease
 from rayflux.caption import fit, table, worker
 from rayflux.caption.identity import Captioner, captioner
 from rayflux.config import JobConfig
@@ -81,7 +81,9 @@ def run(cfg: JobConfig, cache_root: str, cluster_gpus: bool, ledger=None, summar
     cdir = table.captioner_dir(cache_root, cap.id)
     entry = ledger.start(STAGE, cdir, captioner=cap.id, model=cap.model) if ledger is not None else None
     with lease.Lease(cdir, f"captioner {cap.id}", cfg.run.lease_seconds).acquire(wait=True):
-        outcome = _caption(cfg, cap, cdir, wanted, gpu)
+        with allocator.system_pool():  # the stage's columns are short-lived, as discovery's (rayflux.allocator)
+            outcome = _caption(cfg, cap, cdir, wanted, gpu)
+        allocator.trim()
     log.info("%s", outcome.line())
     print(outcome.line(), flush=True)
     if ledger is not None:
@@ -180,5 +182,8 @@ def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: pa.Table, gpu: bo
     ds.set_name("captions")
     out = [worker.DONE.empty_table()]
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        out.append(batch.cast(worker.DONE) if batch.num_rows else worker.DONE.empty_table())
-    return pa.concat_tables(out)
+        # A copy of the rows alone: a block read from the object store is a view of its whole serialized message.
+        rows = batch.select(worker.DONE.names).cast(worker.DONE)
+        out.append(rows.take(pa.array(range(rows.num_rows), pa.int32())))
+    allocator.trim()
+    return pa.concat_tables(out).combine_chunks()
