@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cache_sets
@@ -91,6 +92,16 @@ def test_each_image_without_a_caption_is_captioned_and_a_bad_one_is_a_recorded_s
     ]
     assert captions["every/broken.png"].startswith("not a decodable image"), captions["every/broken.png"]
     assert all(captions[p] for p in captions)
+
+
+def test_the_captioner_pool_is_released_when_the_stage_returns(runs):
+    """Nothing is left holding the cluster once the stage returns (the encoders, run after it, find it free)."""
+    import ray
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
 
 def test_the_cache_stage_trains_on_the_vlm_captions_and_the_sidecars(runs):
