@@ -168,10 +168,19 @@ print(json.dumps({"captioned": out.captioned, "reused": out.reused, "dir": out.d
 """
 
 
-def test_a_killed_captioner_actor_loses_nothing_and_the_captions_are_reproducible(runs, ray_session, tmp_path):
-    """The first job's ``every`` images captioned again from scratch, in another cache directory, by a driver whose
-    workers die once each at the kill point: the same captions, none lost."""
-    images = runs["every"]
+def test_a_killed_captioner_actor_loses_nothing_and_the_captions_are_reproducible(
+    runs, ray_session, s3_server, s3_bucket, tmp_path
+):
+    """The first job's ``every`` images, copied to S3 (read there by the workers), captioned again from scratch in
+    another cache directory by a driver whose workers die once each at the kill point: the same captions, none
+    lost."""
+    import pyarrow.fs as pafs
+
+    from rayflux import storage
+
+    fs, inner = storage.resolve(f"{s3_bucket}/every")
+    pafs.copy_files(str(runs["every"]), inner, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    images = f"{s3_bucket}/every"
     markers = tmp_path / "markers"
     markers.mkdir()
     sets = [
@@ -206,3 +215,5 @@ def test_a_killed_captioner_actor_loses_nothing_and_the_captions_are_reproducibl
     assert out["captioned"] + out["reused"] == 5 and out["reused"] >= 1
     first = {p.split("/", 1)[1]: c for p, c in _committed(runs["again"].dir).items() if p.startswith("every/")}
     assert _committed(out["dir"]) == first
+    images_read = {p.rsplit("/", 1)[1] for m, p in s3_server.requests() if m == "GET" and "/every/" in p}
+    assert images_read == set(first)  # each image read from S3 (by the workers: the driver only lists)
