@@ -1,219 +1,236 @@
-"""The caption stage (issue 47) end to end on the tiny captioner and the tiny FLUX: VLM captions are made once,
-kept in the cache directory by content hash and captioner, reused by a rerun, made again for another prompt, and
-read by the cache stage as a sidecar would be; ``missing_caption=vlm`` captions only the images without one.
+"""Caption strategies on real files: sidecars, file names, metadata tables (jsonl, csv, parquet), instance prompts."""
 
-One job builds the cache (a ``caption_strategy=vlm`` dataset beside a ``missing_caption=vlm`` one); the reruns run
-the caption stage alone, which is all they exercise."""
-
+import gc
 import json
 import os
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
+import tempfile
 
-import cache_sets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
-from rayflux import config, faults, job
-from rayflux.caption import export, stage, table, worker
-from rayflux.discovery.in_process import discover
-from rayflux.testing.tiny_vlm import ensure_tiny_vlm
-
-
-def _images(root: Path, seeds: range, sidecars: int = 0, broken: bool = False) -> Path:
-    root.mkdir()
-    for i, k in enumerate(seeds):
-        cache_sets.picture(96, 64, k).save(root / f"img{i}.png")
-        if i < sidecars:
-            (root / f"img{i}.txt").write_text(f"own caption {i}")
-    if broken:
-        (root / "broken.png").write_bytes(b"not an image")
-    return root
+from rayflux.discovery.captions import CaptionError
+from rayflux.config import DatasetConfig
+from rayflux.discovery.settling import choose
+from rayflux.discovery.in_process import discover_dataset
 
 
-def _committed(gdir: str) -> dict[str, str]:
-    """rel_path -> caption (or skip reason) of a committed captions table."""
-    return {r["rel_path"]: r["caption"] or r["skip_reason"] for r in table.read_table(gdir).to_pylist()}
+def _image(path, size=(80, 64)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 30, 30)).save(path)
 
 
-def _cached_captions(summary) -> dict[str, str]:
-    from rayflux.cache import generations
-
-    manifest = generations.load_manifest(summary.cache_dir)
-    return {r["rel_path"]: r["caption"] for r in cache_sets.generation_rows(manifest)}
+def _captions(found) -> dict:
+    return {s.rel_path: s.caption for s in found.sources}
 
 
-@pytest.fixture(scope="module")
-def runs(ray_session, tiny_model, tmp_path_factory):
-    vlm = ensure_tiny_vlm()
-    base = tmp_path_factory.mktemp("captions")
-    every = _images(base / "every", range(4), broken=True)
-    half = _images(base / "half", range(10, 14), sidecars=2)
-    sets = (
-        "data.resolution=64",
-        (
-            f"data.datasets=[{{name: every, images_dir: {every}, caption_strategy: vlm}}, "
-            f"{{name: half, images_dir: {half}, missing_caption: vlm}}]"
-        ),
-        f"caption.model={vlm}",
-        "caption.max_new_tokens=6",
-        "caption.batch_size=3",
-    )
-    dirs = (f"model.path={tiny_model}", f"run.output_dir={base / 'run'}", f"cache.dir={base / 'cache'}")
-    cfg = config.load(None, [*dirs, *sets, "caption.prefix=sks"])
-    out = {"cfg": cfg, "base": base, "every": every}
-    out["job"] = job.run(cfg, only="cache")
-    out["first"] = out["job"].captions.rsplit("(", 1)[1].rstrip(")")
-    st = (every / "img0.png").stat()  # touched: read and hashed again, its caption known by its content
-    os.utime(every / "img0.png", ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    cache_sets.picture(96, 64, 7).save(every / "img4.png")  # new: the one image the rerun captions
-    out["again"] = stage.run(cfg, str(base / "cache"), False)
-    cfg.caption.prompt = "Name the colours."
-    out["prompt"] = stage.run(cfg, str(base / "cache"), False)
-    return out
+def _dataset(root, **kw) -> DatasetConfig:
+    return DatasetConfig(images_dir=str(root), **kw)
 
 
-def test_each_image_without_a_caption_is_captioned_and_a_bad_one_is_a_recorded_skip(runs):
-    assert runs["job"].captions.startswith("captioned 6, reused 2, 1 unreadable")
-    assert any(line.startswith("captions:   captioned 6, reused 2") for line in runs["job"].lines())
-    stages = json.loads(Path(runs["job"].ledger).read_text())["stages"]
-    entry = next(s for s in stages if s["name"] == "caption")
-    assert entry["status"] == "done" and entry["outputs"]["dir"] == runs["first"]
-    assert (entry["outputs"]["captioned"], entry["outputs"]["reused"], entry["outputs"]["skipped"]) == (6, 2, 1)
-    assert [s["name"] for s in stages].index("caption") < [s["name"] for s in stages].index("cache:g0")
-    captions = _committed(runs["first"])
-    assert sorted(captions) == [
-        "every/broken.png",
-        *(f"every/img{i}.png" for i in range(4)),
-        "half/img2.png",
-        "half/img3.png",
-    ]
-    assert captions["every/broken.png"].startswith("not a decodable image"), captions["every/broken.png"]
-    assert all(captions[p] for p in captions)
+def test_sidecar_lines_are_options_and_one_is_chosen_per_seed(tmp_path):
+    _image(tmp_path / "a.png")
+    options = ["a red square", "a crimson block", "red on white"]
+    (tmp_path / "a.txt").write_text("\n".join(options) + "\n\n")
+    picked = {seed: _captions(discover_dataset(_dataset(tmp_path), seed=seed))["a.png"] for seed in range(40)}
+    assert set(picked.values()) == set(options)  # every line gets its turn across generations
+    again = {seed: _captions(discover_dataset(_dataset(tmp_path), seed=seed))["a.png"] for seed in range(40)}
+    assert picked == again  # and the choice for a (seed, image) is stable
+    assert all(picked[s] == choose(options, s, "a.png") for s in picked)
 
 
-def test_the_captioner_pool_is_released_when_the_stage_returns(runs):
-    """Nothing is left holding the cluster once the stage returns (the encoders, run after it, find it free)."""
-    import ray
-
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
-
-
-def test_the_cache_stage_trains_on_the_vlm_captions_and_the_sidecars(runs):
-    captions, cached = _committed(runs["first"]), _cached_captions(runs["job"])
-    assert sorted(cached) == sorted([*(f"every/img{i}.png" for i in range(4)), *(f"half/img{i}.png" for i in range(4))])
-    for path in captions:
-        if path != "every/broken.png":
-            assert cached[path] == f"sks {captions[path]}"
-    assert [cached[f"half/img{i}.png"] for i in range(2)] == ["own caption 0", "own caption 1"]
-
-
-def test_a_rerun_captions_only_the_new_image(runs):
-    assert (runs["again"].captioned, runs["again"].reused, runs["again"].skipped) == (1, 8, 1)
-    again = _committed(runs["again"].dir)
-    assert again.pop("every/img4.png") and again == _committed(runs["first"])
-
-
-def test_another_prompt_captions_again_under_its_own_captioner(runs):
-    assert (runs["prompt"].captioned, runs["prompt"].reused) == (7, 2)
-    assert Path(runs["prompt"].dir).parent != Path(runs["first"]).parent
-    assert _committed(runs["prompt"].dir).keys() == _committed(runs["again"].dir).keys()
-
-
-def test_captions_live_in_the_cache_directory_never_beside_the_images(runs):
-    gdir = Path(runs["first"])
-    assert (gdir / table.MANIFEST).is_file()
-    assert gdir.is_relative_to(runs["base"] / "cache" / table.ROOT)
-    assert sorted(p.name for p in runs["every"].iterdir()) == ["broken.png", *(f"img{i}.png" for i in range(5))]
-
-
-def test_export_writes_sidecars_that_discovery_reads_back_and_a_metadata_table(runs, tmp_path):
-    source = runs["again"].dir
-    captions = _committed(source)
-    out = tmp_path / "exported"
-    # The cache directory names the newest committed table of any captioner there: the other prompt's.
-    assert export.resolve(str(runs["base"] / "cache")) == runs["prompt"].dir
-    assert export.main([source, "--out", str(out)]) == 0
-    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.txt")) == sorted(
-        export.sidecar_name(p) for p in captions if p != "every/broken.png"
-    )
-    assert export.main([source, "--out", str(out)]) == 1  # never overwrites unless told
-    for img in runs["every"].glob("img*.png"):
-        shutil.copy(img, out / "every" / img.name)
-    cfg = config.load(None, [f"data.images_dir={out / 'every'}"])
-    found = {s.rel_path: s.caption for s in discover(cfg.data).sources}
-    assert found == {p.split("/", 1)[1]: c for p, c in captions.items() if p.startswith("every/img")}
-    assert export.main([source, "--out", str(tmp_path / "meta"), "--jsonl"]) == 0
-    lines = (tmp_path / "meta" / "metadata.jsonl").read_text().splitlines()
-    assert {(r := json.loads(line))["file_name"]: r["text"] for line in lines} == {
-        p: c for p, c in captions.items() if p != "every/broken.png"
+@pytest.mark.parametrize("prepend", [False, True])
+def test_the_sidecar_table_holds_each_caption_files_own_lines(tmp_path, prepend):
+    """What a generation records of its caption files is every file's own lines, whichever caption the policy made
+    of them; the discovery spools them to a local file instead of holding them, and the file goes with it."""
+    lines = {"a": ["a red barn"], "b": ["first option", "second option"], "c": ['caf\xe9 "quoted" \\ cr\xe8me']}
+    for stem, text in lines.items():
+        _image(tmp_path / "images" / f"{stem}.png")
+        (tmp_path / "images" / f"{stem}.txt").write_text("\n".join(text) + "\n")
+    ds = _dataset(tmp_path / "images", instance_prompt="sks", prepend_instance_prompt=prepend)
+    found = discover_dataset(ds, seed=1)
+    assert found.sidecars.rows == 3 and found.sidecars.path.startswith(tempfile.gettempdir())
+    written = found.sidecars.table().to_pylist()
+    assert {r["path"].rsplit("/", 1)[-1]: json.loads(r["lines"]) for r in written} == {
+        f"{k}.txt": v for k, v in lines.items()
     }
+    spooled = found.sidecars.path
+    del found, written
+    gc.collect()
+    assert not os.path.exists(spooled)
 
 
-# A driver of its own that joins the session's Ray with the kill point in its job's runtime_env (every worker of that
-# job inherits it) and runs the caption stage, as tests/test_cache_faults.py does for the cache's writers.
-_DRIVER = """
-import json, sys, ray
-from rayflux import config
-from rayflux.caption import stage
-ray.init(address=sys.argv[1], runtime_env={"env_vars": {%r: sys.argv[2]}})
-cfg = config.load(None, json.loads(sys.argv[3]))
-out = stage.run(cfg, sys.argv[4], False)
-print(json.dumps({"captioned": out.captioned, "reused": out.reused, "dir": out.dir}))
-"""
+def test_filename_strategy_ignores_sidecars(tmp_path):
+    _image(tmp_path / "sub" / "a_red-square.png")
+    (tmp_path / "sub" / "a_red-square.txt").write_text("sidecar text")
+    found = discover_dataset(_dataset(tmp_path, caption_strategy="filename"))
+    assert _captions(found) == {"sub/a_red-square.png": "a red square"}
 
 
-def test_a_killed_captioner_actor_loses_nothing_and_the_captions_are_reproducible(
-    runs, ray_session, s3_server, s3_bucket, tmp_path
-):
-    """The first job's ``every`` images, copied to S3 (read there by the workers), captioned again from scratch in
-    another cache directory by a driver whose workers die once each at the kill point: the same captions, none
-    lost."""
-    import pyarrow.fs as pafs
+def _write_metadata(root, fmt: str, rows: list[dict]) -> None:
+    if fmt == "jsonl":
+        (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "csv":
+        lines = ["file_name,text"] + [f'{r["file_name"]},"{r["text"]}"' for r in rows]
+        (root / "metadata.csv").write_text("\n".join(lines) + "\n")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), root / "metadata.parquet")
 
-    from rayflux import storage
 
-    fs, inner = storage.resolve(f"{s3_bucket}/every")
-    pafs.copy_files(str(runs["every"]), inner, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-    images = f"{s3_bucket}/every"
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    sets = [
-        f"data.images_dir={images}",
-        "data.caption_strategy=vlm",
-        f"caption.model={ensure_tiny_vlm()}",
-        "caption.max_new_tokens=6",
-        "caption.batch_size=2",
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_metadata_tables_in_every_format(tmp_path, fmt):
+    for name in ("001.png", "b.png", "nested/c.png"):
+        _image(tmp_path / name)
+    # "1984" must stay a string caption and "001.png" must keep its zeros, whatever type inference thinks.
+    _write_metadata(tmp_path, fmt, [{"file_name": "001.png", "text": "1984"}, {"file_name": "b.png", "text": "a b"}])
+    # A table in a subfolder names files relative to itself (Hugging Face imagefolder).
+    _write_metadata(tmp_path / "nested", fmt, [{"file_name": "c.png", "text": "nested c"}])
+    found = discover_dataset(_dataset(tmp_path, caption_strategy="metadata", missing_caption="skip"))
+    assert _captions(found) == {"001.png": "1984", "b.png": "a b", "nested/c.png": "nested c"}
+    assert found.skipped == [] and found.problems == []
+
+
+def test_metadata_lists_are_options_and_rows_with_trouble_are_reported(tmp_path):
+    for name in ("a.png", "b.png", "c.png", "d.png"):
+        _image(tmp_path / name)
+    rows = [
+        {"file_name": "a.png", "text": ["first", "second"]},
+        {"file_name": "./b.png", "text": "bee"},
+        {"file_name": "b.png", "text": "again"},
+        {"file_name": "gone.png", "text": "missing file"},
+        {"file_name": "../escape.png", "text": "outside"},
+        {"file_name": "c.png", "text": 42},
     ]
-    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _DRIVER % faults.ENV,
-            env["RAY_ADDRESS"],
-            f"{worker.KILL_AFTER_PART}:{markers}",
-            json.dumps(sets),
-            str(tmp_path / "cache"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = discover_dataset(_dataset(tmp_path, caption_strategy="metadata", missing_caption="skip", name="m"), seed=3)
+    caps = _captions(found)
+    assert caps["a.png"] in ("first", "second") and caps["b.png"] == "bee"
+    assert sorted(s["source_uri"].rsplit("/", 1)[-1] for s in found.skipped) == ["c.png", "d.png"]
+    text = "\n".join(found.problems)
+    for expected in (
+        "line 3: b.png already has a caption",
+        "'gone.png' matches no file",
+        "'../escape.png' points outside",
+        "line 6: 'text' must be a string or a list",
+    ):
+        assert expected in text
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"image": "a.png", "text": "x"}\n', "no 'file_name' key"),
+        ("not json\n", "line 1: not JSON"),
+        ('{"file_name": "a.png", "caption": "x"}\n', "no row has a 'text' key"),
+        (None, "holds no metadata.jsonl"),
+    ],
+)
+def test_unusable_metadata_is_a_clear_error(tmp_path, content, message):
+    _image(tmp_path / "a.png")
+    if content is not None:
+        (tmp_path / "metadata.jsonl").write_text(content)
+    with pytest.raises(CaptionError, match=message):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata"))
+
+
+def test_csv_without_file_name_column_names_its_columns(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "captions.csv").write_text("image,text\na.png,hello\n")
+    with pytest.raises(CaptionError, match="no 'file_name' column \\(columns: image, text\\)"):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv"))
+    (tmp_path / "captions.csv").write_text("file_name,caption\na.png,hello\n")
+    with pytest.raises(CaptionError, match="no 'text' column"):
+        discover_dataset(_dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv"))
+    ds = _dataset(tmp_path, caption_strategy="metadata", metadata_file="captions.csv", caption_column="caption")
+    assert _captions(discover_dataset(ds)) == {"a.png": "hello"}
+
+
+def test_instance_prompt_and_prepending(tmp_path):
+    for name in ("a.png", "b.png"):
+        _image(tmp_path / name)
+    (tmp_path / "a.txt").write_text("a red square")
+    fixed = discover_dataset(_dataset(tmp_path, caption_strategy="instance", instance_prompt="sks dog"))
+    assert _captions(fixed) == {"a.png": "sks dog", "b.png": "sks dog"}
+    prefixed = discover_dataset(
+        _dataset(tmp_path, instance_prompt="sks", prepend_instance_prompt=True, missing_caption="instance")
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert [p.name for p in markers.iterdir()] == [worker.KILL_AFTER_PART]  # an actor really died
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    # The dead actor's batch was written before it died: its retry found its captions known by content (one or two,
-    # as the broken file may share that batch), and nothing was generated twice.
-    assert out["captioned"] + out["reused"] == 5 and out["reused"] >= 1
-    first = {p.split("/", 1)[1]: c for p, c in _committed(runs["again"].dir).items() if p.startswith("every/")}
-    assert _committed(out["dir"]) == first
-    images_read = {p.rsplit("/", 1)[1] for m, p in s3_server.requests() if m == "GET" and "/every/" in p}
-    assert images_read == set(first)  # each image read from S3 (by the workers: the driver only lists)
+    # b.png has no sidecar: its stand-in caption is the instance prompt itself, not "sks sks".
+    assert _captions(prefixed) == {"a.png": "sks a red square", "b.png": "sks"}
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [("skip", None), ("empty", ""), ("filename", "b"), ("instance", "ohwx")],
+)
+def test_missing_caption_policies(tmp_path, policy, expected):
+    for name in ("a.png", "b.png"):
+        _image(tmp_path / name)
+    (tmp_path / "a.txt").write_text("has one")
+    found = discover_dataset(_dataset(tmp_path, missing_caption=policy, instance_prompt="ohwx"))
+    if expected is None:
+        assert _captions(found) == {"a.png": "has one"}
+        assert found.skipped[0]["reason"].startswith("no caption")
+    else:
+        assert _captions(found) == {"a.png": "has one", "b.png": expected}
+        assert "1 images have no sidecar caption" in found.problems[0]
+
+
+def test_non_utf8_sidecar_and_orphan_captions(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 latin-1")
+    (tmp_path / "lonely.txt").write_text("caption without image")
+    found = discover_dataset(_dataset(tmp_path))
+    assert found.sources == [] and "not UTF-8" in found.skipped[0]["reason"]
+    assert any("caption file without an image: lonely.txt" in p for p in found.problems)
+
+
+def test_each_listed_part_finds_its_known_caption_files_in_a_few_row_groups(tmp_path):
+    """A rerun attaches the previous generation's caption-file lines to each listed part from the row groups of the
+    sidecar table whose paths overlap the part's own (the table is never read whole): the same lines as a look-up
+    in the whole table, whatever order the table was written in, and fewer rows than the whole for an ordered one."""
+    import random
+
+    import pyarrow.parquet as pq
+
+    from rayflux.discovery import listing
+    from rayflux.discovery import schemas, sidecar_spool
+    from rayflux.cache import sidecars
+
+    rng = random.Random(7)
+    names = sorted({f"root/{rng.choice('abc')}/{rng.randrange(300):03d}.txt" for _ in range(400)})
+    table = pa.table(
+        [names, [f"{i}:5" for i in range(len(names))], [json.dumps([n]) for n in names]], schema=schemas.SIDECARS
+    )
+    listed = sorted(rng.sample(names, 150) + [f"root/z/{i}.txt" for i in range(5)])
+    rows = pa.table(
+        {
+            **{f.name: pa.nulls(len(listed), f.type) for f in listing.LISTED},
+            "sidecar": [p if rng.random() < 0.9 else "" for p in listed],
+            "sidecar_stamp": [f"{names.index(p)}:5" if p in names else "1:1" for p in listed],
+        },
+        schema=listing.LISTED,
+    )
+    shuffled = table.take(pa.array(rng.sample(range(table.num_rows), table.num_rows)))
+    for name, written in (("ordered", table), ("shuffled", shuffled)):
+        spool = sidecar_spool.Spool()
+        for start in range(0, written.num_rows, 32):  # a row group per write, as discovery writes its parts
+            spool.write(written.slice(start, 32))
+        gen = tmp_path / name
+        manifest = {"dir": str(gen), "index": {"sidecars": sidecars.write(str(gen), spool)}}
+        assert pq.ParquetFile(gen / sidecars.PATH).metadata.num_row_groups == -(-len(names) // 32)
+        known = sidecars.Known(manifest)
+        assert known.rows == len(names)
+        read = 0
+        for start in range(0, rows.num_rows, 16):
+            part = rows.slice(start, 16)
+            near = known.around(part)
+            read += near.num_rows
+            assert sidecars.attach(part, near).equals(sidecars.attach(part, table)), name
+        if name == "ordered":
+            assert read < len(names)
+        known.close()
+        assert known.around(rows).num_rows == 0
+    assert sidecars.Known(None).rows == 0
+    attached = sidecars.attach(rows, table)
+    assert attached["sidecar_lines"].null_count == sum(1 for p in rows["sidecar"].to_pylist() if p not in names)
