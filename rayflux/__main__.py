@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     ("train",): ("rayflux.cli", "the training job, the same as python jobs/train_flux.py [--config FILE] [--set K=V]"),
     ("sweep",): ("rayflux.sweep.cli", "many LoRAs on one cache with Ray Tune, keeping the best by eval loss"),
+    ("captions", "export"): ("rayflux.caption.export", "a job's VLM captions as .txt sidecars or a metadata.jsonl"),
     ("cache", "verify"): ("rayflux.cache.verify", "check a cache generation's shards against its manifest and buckets"),
     ("data", "check"): ("rayflux.doctor", "the dataset doctor: discovery, captions, buckets and path safety"),
     ("cluster", "runtime-env"): ("rayflux.cluster.runtime_env", "a runtime_env YAML as JSON for ray job submit"),

@@ -26,6 +26,8 @@ class GenerationStages:
         self.dirs: dict[int, str] = {}
         self.discoveries: dict = {}
         self.manifests: dict[int, dict] = {}
+        self.captions = None
+        """The caption stage's committed table (:class:`rayflux.caption.table.Committed`), when it ran."""
 
     def generation(self, g: int) -> dict:
         """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest.
@@ -57,7 +59,7 @@ class GenerationStages:
         present = set(generations.files_in(key_dir))
         previous, broken = generations.latest_intact(key_dir, present)
         phases.mark("discover_start")
-        discovery = discover.discover(self.cfg, self.facts, seed, previous)
+        discovery = discover.discover(self.cfg, self.facts, seed, previous, self.captions)
         phases.mark("discover_end")
         if not self.discoveries:  # the same files every generation: say what is wrong with them once
             for problem in discovery.problems:

@@ -108,6 +108,7 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     summary.ledger = ledger.path
     gpus = _start_ray(cfg, only, summary)
     stages = GenerationStages(cfg, facts, ledger, cache_root, gpus, summary)
+    stages.captions = _captions(cfg, cache_root, gpus, ledger, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
     pending = _pending(cfg, ledger, segs, only)
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
@@ -234,6 +235,15 @@ def _export(cfg: JobConfig, ledger: Ledger, summary: Summary, output: str, resul
     entry = ledger.start("export", result.checkpoint_path)
     summary.lora_path = lora_files.export_final(result.checkpoint_dir, cfg, output, [index.caption_table(manifest)])
     ledger.finish(entry, lora=summary.lora_path)
+
+
+def _captions(cfg: JobConfig, cache_root: str, gpus: bool, ledger: Ledger, summary: Summary):
+    """The caption stage (issue 47), before any cache generation: the committed VLM captions the cache's discovery
+    reads, or None when no dataset asks for them."""
+    from rayflux.caption import stage
+
+    outcome = stage.run(cfg, cache_root, gpus, ledger, summary)
+    return outcome.captions if outcome is not None else None
 
 
 def _check_edit_pairs(cfg: JobConfig, family) -> None:

@@ -41,6 +41,8 @@ class Summary:
     eval_file: str = ""
     best: tuple | None = None
     """``(step, eval loss, file)`` of the LoRA with the lowest eval loss; None without eval."""
+    captions: str = ""
+    """What the caption stage did (``captioned N, reused M (table)``); "" when it did not run."""
 
     def lines(self) -> list[str]:
         unsampled = sum(d["unsampled"] for d in self.datasets)
@@ -60,6 +62,8 @@ class Summary:
             out.append(f"skipped:    {n} x {reason}")
         if self.skipped:
             out.append(f"skip list:  {self.skipped_report}")
+        if self.captions:
+            out.append(f"captions:   {self.captions}")
         out.append(f"cache:      {self.cache_dir}")
         if self.steps:
             out.append(f"training:   {self.steps} steps per worker, last loss {self.losses[-1]:.4f}")

@@ -76,21 +76,26 @@ def _settle_block(batch: pa.Table, shared: dict) -> pa.Table:
     return pa.concat_tables(parts).combine_chunks().replace_schema_metadata({_LEFT_OUT: json.dumps(left_out)})
 
 
-def discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None) -> discoveries.Discovery:
+def discover(
+    cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None = None, captions=None
+) -> discoveries.Discovery:
     """Discover every dataset of the job, in config order: listings here, per-image reads in Ray tasks.
 
     ``previous``: the manifest of the newest committed generation of the cache key, whose caption files listed
-    unchanged are not read again. The driver holds the images as Arrow throughout, and each at most once besides
+    unchanged are not read again. ``captions``: the caption stage's committed table
+    (:class:`rayflux.caption.table.Committed`), whose VLM captions become the listed images' caption options. The driver holds the images as Arrow throughout, and each at most once besides
     a bounded window: a listed part is settled here or handed to tasks and then released, and only the settled
     rows accumulate (see :func:`_settle_all`)."""
     with allocator.system_pool():
-        return _discover(cfg, facts, seed, previous)
+        return _discover(cfg, facts, seed, previous, captions)
 
 
-def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None) -> discoveries.Discovery:
+def _discover(cfg: JobConfig, facts: ModelFacts, seed: int, previous: dict | None, captions) -> discoveries.Discovery:
     data = cfg.data
     prefix = datasets.prefixes_paths(data)
     listings = [listing.list_dataset(ds, datasets.key(data, ds), prefix) for ds in datasets.datasets_of(data)]
+    for ls in listings if captions is not None else ():
+        ls.table = captions.attach(ls.key, ls.table)
     # The caption files the previous generation read: attached to each part of the listing as it is settled.
     known = sidecars.Known(previous if any(ls.ds.caption_strategy == "sidecar" for ls in listings) else None)
     spool = sidecar_spool.Spool()

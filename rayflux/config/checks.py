@@ -7,6 +7,7 @@ from rayflux.config.optimizer import OPTIMIZERS, canonical, refusal as optimizer
 from rayflux.config.cache import check_pools, refresh_interval
 from rayflux.config.data import datasets_of
 from rayflux.config import targets
+from rayflux.config.caption import check_caption
 from rayflux.config.job import JobConfig
 from rayflux.config.token_routing import parse as parse_routing
 from rayflux.config.train import checkpointing_setting, worker_range
@@ -129,6 +130,7 @@ def validate(cfg: JobConfig) -> None:
     _check_validation(cfg)
     _check_run(cfg)
     _check_resources(cfg)
+    check_caption(cfg.caption)
     if cfg.model.dtype == "float16":
         raise ConfigError(
             "model.dtype=float16: FLUX's transformer and T5 overflow in fp16; use bfloat16 "

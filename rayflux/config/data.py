@@ -27,8 +27,8 @@ class DatasetConfig:
     generated demo images."""
     caption_strategy: str = field(default="sidecar", metadata=CAPTIONS)
     """Where captions come from: ``sidecar`` files, the ``filename``, a ``metadata`` table (``metadata.jsonl``,
-    ``.csv`` or ``.parquet`` with ``file_name`` and ``text`` columns, as Hugging Face imagefolder) or the fixed
-    ``instance`` prompt."""
+    ``.csv`` or ``.parquet`` with ``file_name`` and ``text`` columns, as Hugging Face imagefolder), the fixed
+    ``instance`` prompt, or ``vlm``: every image captioned by the ``caption`` section's model (docs/captions.md)."""
     caption_ext: str = field(default=".txt", metadata=CAPTIONS)
     """Sidecar caption extension. Several lines in one file are several captions; one is chosen per generation."""
     metadata_file: str = field(default="", metadata=CAPTIONS)
@@ -38,7 +38,8 @@ class DatasetConfig:
     caption_column: str = field(default="text", metadata=CAPTIONS)
     """Metadata column holding the caption: a string, or a list of strings (one chosen per generation)."""
     missing_caption: str = field(default="filename", metadata=CAPTIONS)
-    """When an image has no caption: ``skip`` it, use an ``empty`` caption, its ``filename``, or ``instance``."""
+    """When an image has no caption: ``skip`` it, use an ``empty`` caption, its ``filename``, ``instance``, or ``vlm``:
+    a caption from the ``caption`` section's model (docs/captions.md)."""
     instance_prompt: str = field(default="", metadata=CAPTIONS)
     """Fixed caption for ``caption_strategy=instance`` and ``missing_caption=instance``; the prefix for
     ``prepend_instance_prompt``."""
@@ -132,8 +133,8 @@ class DataConfig(DatasetConfig):
 
 _DATASET_FIELDS = {f.name: f for f in dataclasses.fields(DatasetConfig)}
 _CHOICES = {
-    "caption_strategy": ("sidecar", "filename", "metadata", "instance"),
-    "missing_caption": ("skip", "empty", "filename", "instance"),
+    "caption_strategy": ("sidecar", "filename", "metadata", "instance", "vlm"),
+    "missing_caption": ("skip", "empty", "filename", "instance", "vlm"),
     "resolution_type": ("area", "shorter_edge"),
     "crop": ("center", "random"),
     "mask": ("none", "dir", "column", "alpha"),

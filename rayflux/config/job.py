@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from rayflux.config.identity import flat
 from rayflux.config.cache import CacheConfig
+from rayflux.config.caption import CaptionConfig
 from rayflux.config.data import DataConfig
 from rayflux.config.model import ModelConfig
 from rayflux.config.run import RunConfig
@@ -24,6 +25,7 @@ class JobConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    caption: CaptionConfig = field(default_factory=CaptionConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -34,6 +36,8 @@ class JobConfig:
         config is what it was before the split."""
         names = sections or [f.name for f in dataclasses.fields(self)]
         chosen = {k: flat(getattr(self, k)) for k in names}
+        if not sections and not chosen["caption"]:
+            del chosen["caption"]  # a section added later: at its defaults it changes no fingerprint
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -33,6 +33,9 @@ class Placement:
     """The cache's encoder actors ask for GPUs (``cache.encoders_on_gpu``, ``cache.accelerator_type``)."""
     training: bool
     """The training workers ask for GPUs (``train.workers.on_gpu``, ``train.workers.accelerator_type``)."""
+    captioner: bool = False
+    """The caption stage's VLM actors ask for GPUs: where the cluster has them or ``caption.accelerator_type`` names
+    one (the encoders' ``auto``)."""
 
 
 def _choose(setting: str, cluster_gpus: bool, accelerator_type: str) -> bool:
@@ -44,6 +47,7 @@ def place(cfg: JobConfig, cluster: Cluster) -> Placement:
     return Placement(
         encoders=_choose(cfg.cache.encoders_on_gpu, cluster.gpus, cfg.cache.accelerator_type),
         training=_choose(cfg.train.workers.on_gpu, cluster.gpus, cfg.train.workers.accelerator_type),
+        captioner=_choose("auto", cluster.gpus, cfg.caption.accelerator_type),
     )
 
 

@@ -246,8 +246,9 @@ def finish(options: list[str], ds: DatasetConfig, file_name: str) -> tuple[list[
     """Apply the missing-caption policy and the instance-prompt prefix. Returns (options, skip reason or "")."""
     if not options:
         policy = ds.missing_caption
-        if policy == "skip":
-            return [], f"no caption ({ds.caption_strategy}; missing_caption=skip)"
+        if policy in ("skip", "vlm"):
+            # vlm: the caption stage made none for it (it could not read the image, or the image is new since).
+            return [], f"no caption ({ds.caption_strategy}; missing_caption={policy})"
         options = {"empty": [""], "instance": [ds.instance_prompt], "filename": [from_filename(file_name)]}[policy]
     if ds.prepend_instance_prompt and ds.caption_strategy != "instance":
         # The instance caption itself is not doubled when it stood in for a missing caption.

@@ -274,7 +274,7 @@ def _part_rows(
     elif ds.caption_strategy == "filename":
         cols["options"] = per_row(name, lambda f: [captions.from_filename(f)], _STRINGS)
     else:
-        cols["options"] = _lists(n, [] if ds.caption_strategy == "sidecar" else [ds.instance_prompt])
+        cols["options"] = _lists(n, [] if ds.caption_strategy in ("sidecar", "vlm") else [ds.instance_prompt])
     # Edit pairs: the references travel with the row; a missing one makes the row a recorded skip when settled.
     if pairs.active:
         found = per_row(rel, lambda r: dict(zip(("r", "s", "m"), pairs.references(r))), _REFERENCES).combine_chunks()

@@ -1,0 +1,174 @@
+"""The captions table: a captioner's captions in the run's cache directory, committed like a cache generation.
+
+Layout, under ``<cache root>/captions/<captioner id>/`` (never in the image folder):
+
+- ``parts/<id>.parquet``: what one captioner batch made (:data:`PART` rows: content hash, caption or skip reason),
+  each written atomically by the actor before its batch returns. Keyed by content alone, they are facts that stay
+  true: a killed actor or job loses at most the batch in flight, and the next run reads them as known captions.
+- ``g<N>/captions.parquet`` then ``g<N>/manifest.json``, written last (the commit): one :data:`TABLE` row per image
+  the job wanted captioned, by its path and ``size:mtime`` stamp, with its content hash. Readers only trust a
+  directory with a manifest. The cache's discovery reads the newest one (:class:`Committed`), and a rerun reuses
+  its rows for images listed with the same stamp, without reading them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from rayflux import storage
+
+ROOT = "captions"
+MANIFEST = "manifest.json"
+TABLE_FILE = "captions.parquet"
+PARTS = "parts"
+
+PART = pa.schema([("sha256", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string())])
+"""A captioner batch's output: an image's content hash and its caption, or why it has none (a bad image)."""
+
+TABLE = pa.schema(
+    [
+        ("dataset", pa.string()),
+        ("rel_path", pa.string()),
+        ("stamp", pa.string()),
+        ("sha256", pa.string()),
+        ("caption", pa.string()),
+        ("skip_reason", pa.string()),
+    ]
+)
+"""A committed caption: the image's dataset key, its path as discovery lists it, its ``size:mtime``, its content
+hash, and its caption ("" with the ``skip_reason`` of an image the captioner could not read)."""
+
+
+def captioner_dir(cache_root: str, captioner_id: str) -> str:
+    return storage.join(cache_root, ROOT, captioner_id)
+
+
+def _generation_dirs(cdir: str) -> list[tuple[int, str]]:
+    fs, inner = storage.resolve(cdir)
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    out = []
+    for info in infos:
+        name = info.base_name
+        if info.type == pafs.FileType.Directory and name.startswith("g") and name[1:].isdigit():
+            out.append((int(name[1:]), storage.join(cdir, name)))
+    return sorted(out)
+
+
+def latest(cdir: str) -> tuple[str, dict] | None:
+    """The newest committed generation of a captioner: its directory and manifest; None when there is none."""
+    for _, gdir in reversed(_generation_dirs(cdir)):
+        path = storage.join(gdir, MANIFEST)
+        if storage.exists(path):
+            return gdir, json.loads(storage.read_bytes(path))
+    return None
+
+
+def read_table(gdir: str) -> pa.Table:
+    fs, inner = storage.resolve(storage.join(gdir, TABLE_FILE))
+    return pq.read_table(inner, filesystem=fs).cast(TABLE)
+
+
+def write_part(cdir: str, rows: pa.Table) -> str:
+    """One batch's :data:`PART` rows as a part file, atomically; its path."""
+    path = storage.join(cdir, PARTS, f"{os.urandom(8).hex()}.parquet")
+    storage.write_bytes_atomic(path, _parquet(rows.cast(PART)))
+    return path
+
+
+def known(cdir: str) -> pa.Table:
+    """Every caption the captioner already made (:data:`PART` rows, one per content hash): the newest committed
+    table's and the part files' (a killed run's batches included)."""
+    parts = [PART.empty_table()]
+    found = latest(cdir)
+    if found is not None:
+        parts.append(read_table(found[0]).select(PART.names))
+    fs, inner = storage.resolve(storage.join(cdir, PARTS))
+    for info in fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True)):
+        if info.base_name.endswith(".parquet") and not info.base_name.startswith("."):
+            parts.append(pq.read_table(info.path, filesystem=fs).cast(PART))
+    table = pa.concat_tables(parts)
+    if not table.num_rows:
+        return table
+    # One row per hash: a caption over a skip (a later run may read a file an earlier one could not).
+    order = pc.sort_indices(table, [("sha256", "ascending"), ("skip_reason", "ascending")])
+    table = table.take(order)
+    first = np.ones(table.num_rows, dtype=bool)
+    hashes = table["sha256"].to_numpy(zero_copy_only=False)
+    first[1:] = hashes[1:] != hashes[:-1]
+    return table.filter(pa.array(first))
+
+
+def commit(cdir: str, rows: pa.Table, counts: dict, captioner: dict) -> str:
+    """Commit ``rows`` (:data:`TABLE`) as the captioner's next generation: the table, then the manifest (last).
+    Returns the generation directory."""
+    gens = _generation_dirs(cdir)
+    gdir = storage.join(cdir, f"g{gens[-1][0] + 1 if gens else 0}")
+    storage.write_bytes_atomic(storage.join(gdir, TABLE_FILE), _parquet(rows.cast(TABLE)))
+    manifest = {
+        "rows": rows.num_rows,
+        "files": [TABLE_FILE],
+        "captioner": captioner,
+        "committed": time.time(),
+        **counts,
+    }
+    storage.write_bytes_atomic(storage.join(gdir, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return gdir
+
+
+def drop_parts(cdir: str) -> None:
+    """Remove the part files once a commit holds what they hold (called under the captioner's lease, after the
+    pipeline: no actor writes or reads them any more). A part of an image no longer listed goes with them."""
+    fs, inner = storage.resolve(storage.join(cdir, PARTS))
+    for info in fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True)):
+        if info.type == pafs.FileType.File:
+            fs.delete_file(info.path)
+
+
+def _parquet(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+class Committed:
+    """A committed captions table as the cache's discovery reads it: each listed image of a captioned dataset gets
+    its VLM caption as its caption option, as a sidecar's lines would give it.
+
+    ``modes``: dataset key -> ``all`` (``caption_strategy=vlm``) or ``missing`` (``missing_caption=vlm``: only
+    images with no caption file and no other option). ``prefix``: ``caption.prefix``."""
+
+    def __init__(self, gdir: str, modes: dict[str, str], prefix: str = ""):
+        table = read_table(gdir)
+        table = table.filter(pc.not_equal(table["caption"], ""))
+        self.paths = table["rel_path"].combine_chunks()
+        captions = table["caption"].combine_chunks()
+        self.captions = pc.binary_join_element_wise(prefix, captions, " ") if prefix else captions
+        self.modes = modes
+
+    def attach(self, key: str, listed: pa.Table) -> pa.Table:
+        """Listed rows (:data:`rayflux.discovery.listing.LISTED`) of dataset ``key`` with their VLM captions as
+        ``options``."""
+        mode = self.modes.get(key)
+        if mode is None or not listed.num_rows:
+            return listed
+        at = pc.index_in(listed["rel_path"], value_set=self.paths)
+        wanted = pc.is_valid(at)
+        if mode == "missing":
+            own = pc.or_(pc.not_equal(listed["sidecar"], ""), pc.greater(pc.list_value_length(listed["options"]), 0))
+            wanted = pc.and_(wanted, pc.invert(own))
+        n = listed.num_rows
+        found = pc.take(self.captions, pc.fill_null(at, 0)) if len(self.paths) else pa.nulls(n, pa.string())
+        if isinstance(found, pa.ChunkedArray):
+            found = found.combine_chunks()
+        single = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), found)
+        options = pc.if_else(wanted, single, listed["options"])
+        return listed.set_column(listed.schema.get_field_index("options"), "options", options)
