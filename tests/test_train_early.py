@@ -1,19 +1,16 @@
 """The training worker group started during the cache stage (rayflux.train.early, rayflux.train.handoff): where it
-fits, a cache stage that fails while the group waits, a resumed run that starts its group before the cache check, and
-a rerun with nothing left to train (real local Ray, the job's own entry point)."""
+fits, and a cache stage that fails while the group waits (real local Ray, the job's own entry point). A resumed run
+that starts its group before the cache check, and a rerun with nothing left to train, are in
+tests/test_rerun_after_kill.py (they reuse its runs)."""
 
 import json
-import logging
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from rayflux import config, job, phases
 from rayflux.train import early
-from rayflux.train.resume import commits
 
 
 def _cfg(tiny_model, images, tmp_path, out: Path, *extra: str) -> config.JobConfig:
@@ -35,10 +32,6 @@ def _cfg(tiny_model, images, tmp_path, out: Path, *extra: str) -> config.JobConf
 
 def _marks(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _first(marks: list[dict], phase: str) -> float:
-    return min(m["time"] for m in marks if m["phase"] == phase)
 
 
 def _alive_train_actors() -> list[str]:
@@ -89,37 +82,3 @@ def test_a_cache_stage_that_fails_while_the_group_waits_ends_the_job_with_its_er
     while _alive_train_actors() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _alive_train_actors() == []
-
-
-def test_a_resumed_run_starts_its_group_before_the_cache_check_and_trains_the_same_lora(
-    ray_session, tiny_model, demo_images, tmp_path, monkeypatch, caplog
-):
-    whole = job.run(_cfg(tiny_model, demo_images, tmp_path, tmp_path / "whole", "train.max_steps=4"))
-    out = tmp_path / "resumed"
-    job.run(_cfg(tiny_model, demo_images, tmp_path, out, "train.max_steps=2"))
-    marks = tmp_path / "phases.jsonl"
-    monkeypatch.setenv(phases.ENV, str(marks))
-    resumed = job.run(_cfg(tiny_model, demo_images, tmp_path, out, "train.max_steps=4"))
-
-    m = _marks(marks)
-    # The group was launched before the cache check and given the generation after it; it restored step 2.
-    assert _first(m, "train_launch") < _first(m, "cache_start") <= _first(m, "cache_end") <= _first(m, "handoff")
-    assert _first(m, "handoff_wait_start") < _first(m, "handoff_wait_end") and _first(m, "model_load_start")
-    assert commits.read_json(resumed.checkpoint)["resumed_at"] == [2]
-    a, b = load_file(whole.lora_path), load_file(resumed.lora_path)
-    assert a.keys() == b.keys() and max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k) > 1e-3
-    for key, value in a.items():
-        torch.testing.assert_close(b[key], value, rtol=1e-4, atol=1e-5)
-
-    # Killed after its last checkpoint, before the ledger recorded it: the rerun has nothing left to train.
-    ledger = out / "ledger.json"
-    state = json.loads(ledger.read_text())
-    state["stages"] = [s for s in state["stages"] if s["name"] not in ("train:seg0", "export")]
-    ledger.write_text(json.dumps(state))
-    marks.unlink()
-    with caplog.at_level(logging.INFO):
-        again = job.run(_cfg(tiny_model, demo_images, tmp_path, out, "train.max_steps=4"))
-    said = [r.getMessage() for r in caplog.records if "nothing to train" in r.getMessage()]
-    assert len(said) == 1 and "the model was not loaded" in said[0], said
-    assert not {"train_launch", "worker_start", "model_load_start"} & {x["phase"] for x in _marks(marks)}
-    assert again.steps == 4 and Path(again.lora_path).is_file()

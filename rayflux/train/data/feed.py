@@ -3,7 +3,9 @@
 Ray Train calls :meth:`PlannedDataConfig.configure` whenever it (re)starts the worker group, with the real world
 size (elastic runs included). It plans every epoch for that world size (see :mod:`rayflux.train.data.batching`) and gives
 rank ``r`` the planned batches ``r, r + W, r + 2W, ...`` as an ordered Ray Data pipeline that reads and stacks the
-rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``.
+rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``, once the committed generation has
+been handed to them (:mod:`rayflux.train.handoff`): its samples and the feed plan reach ``configure`` through the
+same handoff, since Ray Train's datasets are fixed when the group starts, which may be before the cache commits.
 
 Why not Ray's default ``streaming_split``: it hands blocks to whichever worker asks first, so the batch a rank sees
 at step ``s`` differs from run to run. With a plan, each epoch's optimizer step ``s`` (from 0) always trains its
