@@ -16,18 +16,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 
-from rayflux.train.loop_config import LoopConfig
-from rayflux.train.plan import TrainPlan
+if TYPE_CHECKING:  # the actor's process imports this module: it stays light (no torch, no plan modules)
+    from rayflux.train.loop_config import LoopConfig
+    from rayflux.train.plan import TrainPlan
 
 
 @dataclass(frozen=True)
 class Generation:
     """What a worker group needs of the committed generation (from its manifest, through the driver's plan)."""
 
-    plan: TrainPlan
+    plan: "TrainPlan"
     """The trainer run's plan without its sample list (:meth:`~rayflux.train.plan.TrainPlan.for_workers`)."""
     refs: object
     """An ObjectRef of the plan's samples (its ``refs``): only the feed's ``configure`` reads them, once per group."""
@@ -39,13 +41,15 @@ class Generation:
 
 @ray.remote(num_cpus=0)
 class Handoff:
-    """One trainer run's handoff: empty until the driver publishes the generation or cancels the run."""
+    """One trainer run's handoff: empty until the driver publishes the generation or cancels the run. It holds the
+    generation as an ObjectRef (in a list, which Ray passes as is), never the value, so its process never imports
+    what the value is made of."""
 
     def __init__(self):
         self._ready = asyncio.Event()
-        self._value: Generation | None = None
+        self._value: list = []
 
-    async def publish(self, value: Generation) -> None:
+    async def publish(self, value: list) -> None:
         self._value = value
         self._ready.set()
 
@@ -53,12 +57,17 @@ class Handoff:
         """The cache stage failed: every waiting (and later) worker is answered None."""
         self._ready.set()
 
-    async def wait(self) -> Generation | None:
+    async def wait(self) -> list:
         await self._ready.wait()
         return self._value
 
 
-def generation(plan: TrainPlan, manifest) -> Generation:
+def publish(handoff, gen: Generation) -> None:
+    """Hand ``gen`` to the run's workers (a driver call)."""
+    ray.get(handoff.publish.remote([ray.put(gen)]))
+
+
+def generation(plan: "TrainPlan", manifest) -> Generation:
     """The handoff's value for ``plan``, made on ``manifest``'s committed generation (a driver call)."""
     from rayflux.cache import index
 
@@ -72,9 +81,10 @@ def generation(plan: TrainPlan, manifest) -> Generation:
 
 def receive(handoff) -> Generation | None:
     """The published generation, once there is one (a worker waits here); None when the run was cancelled."""
-    return ray.get(handoff.wait.remote())
+    value = ray.get(handoff.wait.remote())
+    return ray.get(value[0]) if value else None
 
 
-def filled(lc: LoopConfig, gen: Generation) -> LoopConfig:
+def filled(lc: "LoopConfig", gen: Generation) -> "LoopConfig":
     """The worker's loop config with the generation's parts filled in."""
     return dataclasses.replace(lc, plan=gen.plan, empty_caption=gen.empty_caption, caption_tables=gen.caption_tables)

@@ -185,12 +185,10 @@ class TrainerRun:
 
     def finish(self, manifest) -> TrainResult:
         """Hand the committed generation (``manifest``) to the workers, and train."""
-        import ray
-
         manifest = Manifest.of(manifest)
         try:
             plan = plan_mod.build(self.cfg, manifest, self.output_dir, self.epochs)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - re-raised: the waiting group must not outlive it
             self.cancel()
             raise
         if self.done_at:
@@ -206,7 +204,7 @@ class TrainerRun:
             return _result(self.cfg, plan, self.output_dir, final, position, None)
         plan.log()
         self.bar.per_epoch, self.bar.total = plan.steps_per_epoch, plan.total_steps
-        ray.get(self.handoff.publish.remote(handoff.generation(plan, manifest)))
+        handoff.publish(self.handoff, handoff.generation(plan, manifest))
         phases.mark("handoff")
         try:
             result = self._wait()

@@ -49,7 +49,9 @@ class PlannedDataConfig(DataConfig):
 
         if self.handoff is None:
             return [batching.SampleRef(**row) for row in datasets[DATASET].take_all()], self.feed
-        gen = ray.get(self.handoff.wait.remote())
+        from rayflux.train import handoff
+
+        gen = handoff.receive(self.handoff)
         if gen is None:  # a worker asks for its shard only once the generation was handed over
             raise RuntimeError("the training run was cancelled before its generation was committed")
         return list(ray.get(gen.refs)), gen.plan.feed
