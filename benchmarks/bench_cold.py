@@ -9,7 +9,8 @@ The job as a user runs it with its defaults except: ``--images`` generated capti
 sizes, repeated), ``data.resolution``, ``train.max_steps``, one worker, ``run.ray_address=local`` (its own Ray).
 Rank 4, batch 1 and the tiny FLUX.1 model are the job's defaults. The phases come from the run's ledger, the cache
 manifest's pass times and ``RAYFLUX_PHASES`` marks (:mod:`rayflux.phases`) written by the driver and the worker;
-seconds are from the process's launch.
+each phase's start and end are seconds from the process's launch, so phases that overlap (the worker group started
+during the cache stage, :mod:`rayflux.train.early`) show it.
 
 ``--code DIR`` (repeatable) runs each checkout's job side by side with this tree's, alternating within every round,
 and prints each one's median end-to-end time and its ratio to the first (older checkouts have no phase marks; their
@@ -44,24 +45,25 @@ from proctree import run_measured, tree_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (label, start, end) over the named times of one run; None when a side is missing (an older checkout).
+# (label, start, end) over the named times of one run; a name "a|b" is the first of them the run has (an older
+# checkout lacks the marks of the early worker group). A run missing a side leaves the row empty.
 PHASES = [
     ("python start, imports, config", "launch", "ray_start"),
     ("Ray start", "ray_start", "ray_ready"),
-    ("checks before the cache", "ray_ready", "discover_start"),
-    ("discovery", "discover_start", "discover_end"),
-    ("cache: staging, text input", "discover_end", "passes_start"),
-    ("cache: text pass", "text_start", "text_end"),
-    ("cache: image pass", "images_start", "images_end"),
-    ("cache: both passes (union)", "passes_start", "passes_end"),
-    ("cache: index + commit", "passes_end", "committed"),
-    ("cache stage ends -> train stage", "committed", "train_start"),
-    ("worker group start", "train_start", "worker_start"),
-    ("first read (feed start)", "worker_start", "first_read_end"),
-    ("read -> model load", "first_read_end", "model_load_start"),
+    ("checks before the cache (and the group's launch)", "ray_ready", "discover_start"),
+    ("cache stage (discovery to commit)", "cache_start|discover_start", "cache_end|committed"),
+    ("  discovery", "discover_start", "discover_end"),
+    ("  staging, text input", "discover_end", "passes_start"),
+    ("  text pass", "text_start", "text_end"),
+    ("  image pass", "images_start", "images_end"),
+    ("  both passes (union)", "passes_start", "passes_end"),
+    ("  index + commit", "passes_end", "committed"),
+    ("worker group start", "train_launch|train_start", "worker_start"),
     ("model load + LoRA", "model_load_start", "model_load_end"),
-    ("first step", "model_load_end", "step_end"),
-    ("worker start -> first step (the read and the load overlap)", "worker_start", "step_end"),
+    ("workers wait for the generation", "handoff_wait_start", "handoff_wait_end"),
+    ("cache end -> generation handed over", "cache_end", "handoff"),
+    ("first read (feed start)", "handoff_wait_end|worker_start", "first_read_end"),
+    ("first step", "step_start", "step_end"),
     ("remaining steps", "step_end", "last_step_end"),
     ("after the last step: fit's end", "last_step_end", "train_end"),
     ("export", "export_start", "export_end"),
@@ -143,12 +145,23 @@ def read_run(out: Path) -> dict:
     return times
 
 
-def phase_rows(runs: list[dict]) -> list[tuple[str, float | None]]:
-    """Median seconds of each phase over ``runs`` (None where a run lacks one of its ends)."""
+def _at(run: dict, names: str) -> float | None:
+    """The time of the first of ``names`` ("a|b") that ``run`` has."""
+    return next((run[n] for n in names.split("|") if n in run), None)
+
+
+def phase_rows(runs: list[dict]) -> list[tuple[str, float | None, float | None, float | None]]:
+    """Each phase's start and end (seconds from the launch) and length, medians over ``runs`` (None where a run
+    lacks one of its ends)."""
     rows = []
     for label, a, b in PHASES:
-        vals = [r[b] - r[a] for r in runs if a in r and b in r]
-        rows.append((label, statistics.median(vals) if vals else None))
+        spans = [(_at(r, a), _at(r, b), r["launch"]) for r in runs if "launch" in r]
+        spans = [(s - t0, e - t0) for s, e, t0 in spans if s is not None and e is not None]
+        if not spans:
+            rows.append((label, None, None, None))
+            continue
+        med = statistics.median
+        rows.append((label, med(s for s, _ in spans), med(e for _, e in spans), med(e - s for s, e in spans)))
     return rows
 
 
@@ -354,9 +367,10 @@ def report(codes: list[Path], results: dict, args) -> None:
     )
     for code in codes:
         res = results[str(code)]
-        print(f"\n{code}\n| phase | cold | warm |\n| --- | --- | --- |")
-        for (label, cold), (_, warm) in zip(phase_rows(res["cold"]), phase_rows(res["warm"])):
-            print(f"| {label} | {_fmt(cold)} | {_fmt(warm)} |")
+        print(f"\n{code}\n| phase | cold: start | end | s | warm: start | end | s |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for (label, *cold), (_, *warm) in zip(phase_rows(res["cold"]), phase_rows(res["warm"])):
+            print(f"| {label} | {' | '.join(_fmt(v) for v in [*cold, *warm])} |")
         if res["short"]:
             slope_report(res["warm"], res["short"], args.steps - args.slope, args)
     base = results[str(codes[0])]

@@ -28,6 +28,9 @@ class GenerationStages:
         self.manifests: dict[int, dict] = {}
         self.captions = None
         """The caption stage's committed table (:class:`rayflux.caption.table.Committed`), when it ran."""
+        self.encoders = None
+        """The encoder pools planned beside a worker group started early (:mod:`rayflux.train.early`): the next
+        build's only; None: sized to the whole cluster."""
 
     def generation(self, g: int) -> dict:
         """Make generation ``g`` committed (reuse, or discard a half-built one and build) and return its manifest.
@@ -35,8 +38,11 @@ class GenerationStages:
         Once per generation and job: discovery lists and reads the whole dataset, so a second ask is answered from
         the first."""
         if g not in self.manifests:
-            with self.key_lease():
-                self.manifests[g] = self._generation(g)
+            try:
+                with self.key_lease():
+                    self.manifests[g] = self._generation(g)
+            finally:
+                self.encoders = None  # the early group's reservation held during this build only
         return self.manifests[g]
 
     def key_lease(self) -> lease.Lease:
@@ -102,7 +108,15 @@ class GenerationStages:
         t0 = time.perf_counter()
         # Unchanged samples and captions are referenced in the newest committed generation instead of encoded again.
         manifest = build_generation(
-            self.cfg, self.facts, discovery, gen_dir, g, seed, cluster_gpus=self.cluster_gpus, previous=previous
+            self.cfg,
+            self.facts,
+            discovery,
+            gen_dir,
+            g,
+            seed,
+            cluster_gpus=self.cluster_gpus,
+            previous=previous,
+            encoders=self.encoders,
         )
         self.summary.stage_seconds[f"cache:g{g}"] = time.perf_counter() - t0
         self.ledger.finish(entry, manifest=storage.join(gen_dir, generations.MANIFEST), cached=manifest.cached)

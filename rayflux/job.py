@@ -111,20 +111,47 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     stages.captions = _captions(cfg, cache_root, gpus, ledger, summary)
     segs = refresh.segments(cfg.train.epochs, refresh_interval(cfg.cache.refresh))
     pending = _pending(cfg, ledger, segs, only)
+    # The first pending segment's worker group starts (and loads the model) while its generation is made.
+    early = _start_early(cfg, facts, stages, pending, output, callbacks) if only != "cache" and pending else None
     # Report on the generation the run starts from (or, when everything is done, the last one, never retired).
     first_g = (pending[0] if pending else segs[-1]).generation
-    first = stages.generation(first_g)
-    summary.cache_dir = first.dir
-    counts = first.skip_counts()
-    summary.discovered, summary.cached, summary.skipped = counts.discovered, counts.cached, counts.skipped
-    account(summary, cfg, stages.discoveries[first_g], first.dir)
+    try:
+        phases.mark("cache_start")
+        first = stages.generation(first_g)
+        phases.mark("cache_end")
+        summary.cache_dir = first.dir
+        counts = first.skip_counts()
+        summary.discovered, summary.cached, summary.skipped = counts.discovered, counts.cached, counts.skipped
+        account(summary, cfg, stages.discoveries[first_g], first.dir)
+        if first.cached == 0 and only != "cache":
+            raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
+    except BaseException:
+        if early is not None:
+            early.cancel()  # its workers return untrained; the cache's error is the job's
+        raise
     if only == "cache":
         return summary
-    if first.cached == 0:
-        raise RuntimeError(f"no image could be cached (see {summary.cache_dir}/skipped.jsonl)")
-    result, manifest = _train_segments(cfg, facts, stages, segs, pending, output, callbacks=callbacks)
+    result, manifest = _train_segments(cfg, facts, stages, segs, pending, output, callbacks=callbacks, early=early)
     _export(cfg, ledger, summary, output, result, manifest)
     return summary
+
+
+def _start_early(cfg: JobConfig, facts, stages: GenerationStages, pending: list, output: str, callbacks):
+    """The first pending segment's trainer run, started now where it fits beside the cache stage's encoders
+    (:mod:`rayflux.train.early`); None where it waits for the cache stage."""
+    from rayflux.train import early
+    from rayflux.train.stage import TrainerRun
+
+    choice = early.choose(cfg, stages.cluster_gpus)
+    if not choice.early:
+        log.info("train: the worker group starts after the cache stage: %s", choice.reason)
+        return None
+    seg = pending[0]
+    run = TrainerRun(cfg, facts, output, stages.cluster_gpus, (seg.first_epoch, seg.end_epoch), callbacks=callbacks)
+    if not run.done_at:  # a run with nothing left starts no group: the cache keeps the whole cluster
+        log.info("train: the worker group starts beside the cache stage: %s", choice.reason)
+        stages.encoders = choice.encoders
+    return run
 
 
 def _start_ray(cfg: JobConfig, only: str, summary: Summary) -> bool:
@@ -174,11 +201,12 @@ def _pending(cfg: JobConfig, ledger: Ledger, segs: list, only: str) -> list:
 
 
 def _train_segments(
-    cfg: JobConfig, facts, stages: GenerationStages, segs: list, pending: list, output: str, *, callbacks
+    cfg: JobConfig, facts, stages: GenerationStages, segs: list, pending: list, output: str, *, callbacks, early
 ):
     """Train each pending segment on its generation, the next generation built meanwhile where the cluster has room,
-    and each generation retired once every worker is done with it; ``(last result or None, last manifest)``."""
-    from rayflux.train.stage import train
+    and each generation retired once every worker is done with it; ``(last result or None, last manifest)``.
+    ``early``: the first pending segment's trainer run, already started (None: start it here)."""
+    from rayflux.train.stage import TrainerRun
 
     result, manifest, summary, ledger = None, None, stages.summary, stages.ledger
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -193,7 +221,8 @@ def _train_segments(
             entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest.dir)
             t0 = time.perf_counter()
             epochs = (seg.first_epoch, seg.end_epoch)
-            result = train(cfg, manifest, facts, output, stages.cluster_gpus, epochs, callbacks=callbacks)
+            run, early = early or TrainerRun(cfg, facts, output, stages.cluster_gpus, epochs, callbacks=callbacks), None
+            result = run.finish(manifest)
             summary.stage_seconds[name] = time.perf_counter() - t0
             complete = bool(result.position.get("feed_done"))
             ledger.finish(

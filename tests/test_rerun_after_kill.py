@@ -1,8 +1,11 @@
 """The recovery the README promises: a job SIGKILLed with its whole process group (as an out-of-memory kill or a
 lost terminal does), then the same command at once. The rerun takes over the dead driver's lease without waiting
-for it to expire, resumes from the last checkpoint, and ends with the LoRA an uninterrupted run trains (real local
-Ray, the job's own entry point)."""
+for it to expire, resumes from the last checkpoint (its worker group started before the cache check: issue 46), and
+ends with the LoRA an uninterrupted run trains; a rerun with nothing left to train loads no model (real local Ray,
+the job's own entry point)."""
 
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -10,10 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from rayflux import config, job
+from rayflux import config, job, phases
 from rayflux.train.resume import commits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +38,9 @@ def _settings(tiny_model, demo_images, tmp_path, out: Path) -> list[str]:
     ]
 
 
-def test_sigkilled_job_rerun_at_once_resumes_to_the_uninterrupted_lora(ray_session, tiny_model, demo_images, tmp_path):
+def test_sigkilled_job_rerun_at_once_resumes_to_the_uninterrupted_lora(
+    ray_session, tiny_model, demo_images, tmp_path, caplog
+):
     whole = job.run(config.load(None, _settings(tiny_model, demo_images, tmp_path, tmp_path / "whole")))
 
     out = tmp_path / "killed"
@@ -58,7 +64,8 @@ def test_sigkilled_job_rerun_at_once_resumes_to_the_uninterrupted_lora(ray_sessi
     assert 1 <= interrupted_at < 4
     assert (out / "lease.json").exists()  # the dead driver never let go of its lease
 
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    marks = tmp_path / "rerun.phases.jsonl"
+    rerun = subprocess.run(cmd, env={**env, phases.ENV: str(marks)}, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     said = rerun.stdout + rerun.stderr
     assert f"took over the lease of a job (host {os.uname().nodename}, pid {proc.pid})" in said, said[-3000:]
@@ -71,3 +78,34 @@ def test_sigkilled_job_rerun_at_once_resumes_to_the_uninterrupted_lora(ray_sessi
     assert max(float(v.abs().max()) for k, v in uninterrupted.items() if "lora_B" in k) > 1e-3  # it trained
     for key, value in uninterrupted.items():
         torch.testing.assert_close(resumed[key], value, rtol=1e-4, atol=1e-5)
+    # The rerun launched its worker group before the cache check, and handed it the generation after it (issue 46).
+    first = _first_marks(marks)
+    assert first["train_launch"] < first["cache_start"] <= first["cache_end"] <= first["handoff"]
+    assert first["handoff_wait_start"] < first["handoff_wait_end"] and first["handoff"] <= first["handoff_wait_end"]
+
+    # Killed after its last checkpoint, before the ledger recorded it: a rerun has nothing left to train.
+    _forget_training(out / "ledger.json")
+    marks.unlink()
+    with caplog.at_level(logging.INFO), pytest.MonkeyPatch.context() as mp:
+        mp.setenv(phases.ENV, str(marks))
+        again = job.run(config.load(None, _settings(tiny_model, demo_images, tmp_path, out)))
+    said = [r.getMessage() for r in caplog.records if "nothing to train" in r.getMessage()]
+    assert len(said) == 1 and "the model was not loaded" in said[0], said
+    assert not {"train_launch", "worker_start", "model_load_start"} & set(_first_marks(marks))
+    assert again.steps == 4 and Path(again.lora_path).is_file()
+
+
+def _first_marks(path: Path) -> dict[str, float]:
+    """Each phase's first time in a ``RAYFLUX_PHASES`` file."""
+    first: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        first.setdefault(rec["phase"], rec["time"])
+    return first
+
+
+def _forget_training(ledger: Path) -> None:
+    """The ledger as a job killed between its last checkpoint's commit and the train stage's record leaves it."""
+    state = json.loads(ledger.read_text())
+    state["stages"] = [s for s in state["stages"] if s["name"] not in ("train:seg0", "export")]
+    ledger.write_text(json.dumps(state))

@@ -96,6 +96,15 @@ class Capacity:
         largest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)
         return Capacity(dict(ray.cluster_resources()), _autoscaler_max(), largest)
 
+    def less(self, reserved: dict) -> "Capacity":
+        """This capacity without ``reserved``: resources another stage holds while the cache builds (a training worker
+        group started beside it, :mod:`rayflux.train.early`)."""
+
+        def minus(budget: dict) -> dict:
+            return {k: v - float(reserved.get(k, 0.0)) for k, v in budget.items()}
+
+        return Capacity(minus(self.now), None if self.most is None else minus(self.most), self.largest_node_cpus)
+
     def budget(self, now: bool = True) -> dict:
         """Each resource's total now (or at the autoscaler's maximum, never below now)."""
         if now or self.most is None:

@@ -53,12 +53,13 @@ class BadInputError(ValueError):
     """``cache.strict`` is on and an input could not be cached."""
 
 
-def _fit_encoders(cfg: JobConfig, cluster_gpus: bool) -> tuple[JobConfig, fit.Plan]:
-    """Pre-flight: size the encoder pools to the cluster and refuse, at once, a request that can never fit. Returns
-    the config with ``cache.vae_actors``/``text_actors`` resolved to pool sizes, and the plan."""
+def _fit_encoders(cfg: JobConfig, cluster_gpus: bool, planned: fit.Plan | None) -> tuple[JobConfig, fit.Plan]:
+    """Pre-flight: size the encoder pools to the cluster and refuse, at once, a request that can never fit (unless
+    the job ``planned`` them already, beside a worker group that started early). Returns the config with
+    ``cache.vae_actors``/``text_actors`` resolved to pool sizes, and the plan."""
     from ray.data import DataContext
 
-    plan = fit.plan(cfg, cluster_gpus)
+    plan = planned or fit.plan(cfg, cluster_gpus)
     DataContext.get_current().set_config(stall.STALL_CONFIG, cfg.cache.stall_seconds)
     cache = dataclasses.replace(cfg.cache, vae_actors=plan.vae, text_actors=plan.text)
     return dataclasses.replace(cfg, cache=cache), plan
@@ -262,11 +263,13 @@ def build_generation(
     *,
     cluster_gpus: bool,
     previous: dict | None = None,
+    encoders: fit.Plan | None = None,
 ) -> dict:
     """Run the Ray Data pipelines for one generation and commit its manifest. Returns the manifest.
 
     ``previous`` is the committed manifest of an earlier generation of the same cache key: whatever it already
-    holds is referenced instead of encoded and written again.
+    holds is referenced instead of encoded and written again. ``encoders``: the encoder pools the job planned
+    already (beside a training worker group that started early); by default they are sized to the whole cluster.
 
     Consumes ``discovery``: what the manifest needs of it is taken first, and its tables are emptied once the
     pipelines have their own copies of the rows, so that the driver holds every image once, not twice, while they
@@ -275,11 +278,19 @@ def build_generation(
     """
     with allocator.system_pool():
         return _build_generation(
-            cfg, facts, discovery, gen_dir, generation, seed, cluster_gpus=cluster_gpus, previous=previous
+            cfg,
+            facts,
+            discovery,
+            gen_dir,
+            generation,
+            seed,
+            cluster_gpus=cluster_gpus,
+            previous=previous,
+            encoders=encoders,
         )
 
 
-def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, cluster_gpus, previous) -> dict:
+def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, cluster_gpus, previous, encoders) -> dict:
     if cfg.cache.strict and discovery.skips.num_rows:
         first = discovery.skips.slice(0, 1).to_pylist()[0]
         raise BadInputError(f"cache.strict: {first['source_uri']}: {first['reason']}")
@@ -287,7 +298,9 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, clust
     specs = bucket_specs(cfg, facts)
     prev = reuse.load(previous)
     encode_id = uuid.uuid4().hex[:16]
-    run_cfg, plan = _fit_encoders(cfg, cluster_gpus)  # fails here, before any Ray Data work, when it cannot fit
+    run_cfg, plan = _fit_encoders(
+        cfg, cluster_gpus, encoders
+    )  # fails here, before any Ray Data work, when it cannot fit
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, cluster_gpus, prev, plan.encoders)
 
     samples = layout(cfg, facts, cluster_gpus=cluster_gpus).samples

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from rayflux import config as config_mod
 from rayflux import memory, phases, progress as progress_mod, storage
-from rayflux.train import collectives, optim, sharding, step
+from rayflux.train import collectives, handoff, optim, sharding, step
 from rayflux.train.adapter import lora_files
 from rayflux.train.data import captions, elastic
 from rayflux.train.observe import evaluation, metrics, validation, wandb_log
@@ -125,9 +125,6 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
     import ray.train.torch
 
     t = w.cfg.train
-    # Caption dropout trains on the empty caption; blank output preservation's prompt is it (issue 45).
-    needs_empty = t.flow.caption_dropout > 0 or t.flow.preservation == "blank"
-    empty = captions.load_empty(w.lc.empty_caption) if needs_empty else None
     progress = Progress(world_size=w.world)
 
     def total_steps() -> int:  # called by LoraTrainer after the model load
@@ -141,12 +138,14 @@ def _restore(w: _Worker, ahead: FirstRow) -> tuple[LoraTrainer, Progress, int, s
         w.device,
         total_steps,
         rank=w.rank,
-        empty=empty,
         wrap=ray.train.torch.prepare_model,
         topology=sharding.Topology(w.world, w.local_world, w.node_rank),
         text_length=w.lc.text_length,
     )
-    first = ahead.get()  # read by now: total_steps() above waited for it
+    first = ahead.get()  # read by now: total_steps() above waited for it (and so for the generation's handoff)
+    # Caption dropout trains on the empty caption; blank output preservation's prompt is it (issue 45).
+    if t.flow.caption_dropout > 0 or t.flow.preservation == "blank":
+        trainer.empty = captions.load_empty(w.lc.empty_caption)
     resume_from = first["resume_from"]
     with commits.downloaded(resume_from) if resume_from else contextlib.nullcontext() as d:
         if d:
@@ -383,19 +382,38 @@ def _offered():
     return ray.train.get_checkpoint()
 
 
+def _handed_rows(w: _Worker):
+    """The rank's planned rows, once the driver has handed over the committed generation (:mod:`rayflux.train.handoff`:
+    the group may start while the cache stage still runs); none when it cancelled the run (the cache stage failed).
+    Runs in the first read's thread, so the model loads meanwhile."""
+    import ray.train
+
+    phases.mark("handoff_wait_start")
+    gen = handoff.receive(w.lc.handoff)
+    phases.mark("handoff_wait_end")
+    if gen is None:
+        return
+    w.lc = handoff.filled(w.lc, gen)
+    yield from planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.feed.prefetch_reads)
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     """One training worker: restore, evaluate the baseline, train every planned optimizer step, close."""
     import ray.train
 
-    phases.mark("worker_start")
     lc: LoopConfig = loop_config[LOOP_KEY]
+    phases.follow(lc.phases)
+    phases.mark("worker_start")
     w = _worker(lc)
-    rows = iter(planned_rows(ray.train.get_dataset_shard(DATASET), w.cfg.train.feed.prefetch_reads))
+    rows = _handed_rows(w)
     ahead = FirstRow(rows, on_read=lambda: phases.mark("first_read_end"))  # read while the model loads
     try:
         run = _Run(w, ahead)
-    except _NothingLeft:  # known only once the model has loaded: a rerun past this segment's end, which is rare
-        log.info("rank %d: nothing left to train in epochs %s", w.rank, lc.plan.feed.epochs)
+    except _NothingLeft:  # known only once the model has loaded: a cancelled run, or a rerun past the segment's end
+        if w.lc.plan is None:
+            log.info("rank %d: the cache stage failed: nothing to train", w.rank)
+        else:
+            log.info("rank %d: nothing left to train in epochs %s", w.rank, w.lc.plan.feed.epochs)
         return
     first = run.first
     run.baseline()

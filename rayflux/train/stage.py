@@ -6,19 +6,21 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rayflux import progress, storage
-from rayflux.cache import index, integrity
+from rayflux import phases, progress, storage
+from rayflux.cache import integrity
 from rayflux.cache.manifest import Manifest
 from rayflux.config import JobConfig, resource_map, worker_range
 from rayflux.config.placement import Cluster, place
 from rayflux.models import ModelFacts
 from rayflux.train.observe import metrics, renderer
 from rayflux.train.resume import commits
+from rayflux.train import handoff
 from rayflux.train import plan as plan_mod
-from rayflux.train.data.feed import DATASET, PlannedDataConfig, index_dataset
+from rayflux.train.data.feed import DATASET, PlannedDataConfig, handoff_dataset
 from rayflux.train.loop import train_loop_per_worker
 from rayflux.train.loop_config import LOOP_KEY, LoopConfig
 
@@ -110,57 +112,129 @@ def train(
 ) -> TrainResult:
     """Train epochs ``[first, end)`` (default: all) on one committed generation; resumes from the run's checkpoint.
     ``callbacks``: makes extra Ray Train callbacks for the trainer (a sweep trial's Tune reports)."""
-    manifest = Manifest.of(manifest)
-    plan = plan_mod.build(cfg, manifest, output_dir, epochs)
-    plan.log()
-    launch = Launch(
-        output_dir=output_dir,
-        manifest=manifest,
-        text_length=facts.text_length,
-        use_gpu=place(cfg, Cluster(gpus=cluster_gpus)).training,
-        callbacks=callbacks() if callbacks else [],
-    )
-    run_storage = plan.feed.run_storage
-    before = commits.latest(run_storage)
-    with progress.TrainBar(plan.steps_per_epoch, plan.total_steps) as bar:
-        try:
-            result = _fit(cfg, plan, launch, bar.board)
-        except Exception as exc:
-            _raise_integrity(exc)
-            raise
-    if getattr(result, "error", None):
-        _raise_integrity(result.error)
-        raise RuntimeError(f"training failed: {result.error}")
-    final = commits.latest(run_storage)
-    if not final:
-        raise RuntimeError(f"training committed no checkpoint: {result.error}")
-    commits.prune(run_storage)  # Ray has registered its last checkpoint: orphans older than it can go
-    position = commits.read_json(final)
-    if final == before:
-        log.info(
-            "train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, train.max_steps=%d)",
-            position["step"],
-            plan.feed.epochs[0] + 1,
-            plan.feed.epochs[1],
-            cfg.train.max_steps,
-        )
-    return _result(cfg, plan, output_dir, final, position, result)
+    return TrainerRun(cfg, facts, output_dir, cluster_gpus, epochs, callbacks=callbacks).finish(manifest)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """What a trainer run's launch needs besides the config and the :class:`~rayflux.train.plan.TrainPlan`."""
+    """What a trainer run's launch needs besides the config and the run's handoff."""
 
     output_dir: str
     """``run.output_dir``, resolved."""
-    manifest: Manifest
-    """The committed generation trained on: its empty caption and caption index."""
     text_length: int
     """The model's padded text length (read once here; the workers need not read the model's configs)."""
     use_gpu: bool
     """Whether the workers train on GPUs (:func:`rayflux.config.placement.place`)."""
     callbacks: list = field(default_factory=list)
     """Extra Ray Train callbacks (a sweep trial's Tune reports), beside the commit record's."""
+
+
+class TrainerRun:
+    """One trainer run, its worker group started at once: the workers load the model and wait for the committed
+    generation, which :meth:`finish` hands them (:mod:`rayflux.train.handoff`), or :meth:`cancel` ends them.
+
+    A run whose latest checkpoint already ends these epochs starts nothing (no worker, no model load)."""
+
+    def __init__(self, cfg, facts: ModelFacts, output_dir: str, cluster_gpus: bool, epochs=None, *, callbacks=None):
+        self.cfg, self.output_dir = cfg, output_dir
+        self.epochs = tuple(epochs or (0, cfg.train.epochs))
+        self.done_at = _finished(cfg, commits.run_storage(output_dir, cfg.run.name), self.epochs)
+        self.handoff, self.bar, self._thread, self._outcome = None, None, None, {}
+        if self.done_at:
+            return
+        launch = Launch(
+            output_dir=output_dir,
+            text_length=facts.text_length,
+            use_gpu=place(cfg, Cluster(gpus=cluster_gpus)).training,
+            callbacks=callbacks() if callbacks else [],
+        )
+        self.handoff = handoff.Handoff.remote()
+        self.bar = progress.TrainBar([], 0).__enter__()  # the plan's step counts are set when it is handed over
+        self._thread = threading.Thread(target=self._fit, args=(launch,), name="rayflux-trainer", daemon=True)
+        phases.mark("train_launch")
+        self._thread.start()
+
+    def _fit(self, launch: Launch) -> None:
+        try:
+            self._outcome["result"] = _fit(self.cfg, launch, self.handoff, self.bar.board)
+        except BaseException as exc:  # raised in the driver's thread by _wait
+            self._outcome["error"] = exc
+
+    def _wait(self):
+        """Ray Train's result, once ``fit`` has returned; the run's actors are gone then."""
+        import ray
+
+        self._thread.join()
+        self.bar.__exit__(None, None, None)
+        ray.kill(self.handoff)
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["result"]
+
+    def cancel(self) -> None:
+        """End a run whose generation will never come (the cache stage failed): its workers return untrained."""
+        import ray
+
+        if self.handoff is None:
+            return
+        ray.get(self.handoff.cancel.remote())
+        try:
+            self._wait()
+        except Exception as exc:  # noqa: BLE001 - the cache's error is the one the job reports
+            log.warning("train: the cancelled run ended with: %s", exc)
+
+    def finish(self, manifest) -> TrainResult:
+        """Hand the committed generation (``manifest``) to the workers, and train."""
+        manifest = Manifest.of(manifest)
+        try:
+            plan = plan_mod.build(self.cfg, manifest, self.output_dir, self.epochs)
+        except BaseException:  # noqa: BLE001 - re-raised: the waiting group must not outlive it
+            self.cancel()
+            raise
+        if self.done_at:
+            final, position = self.done_at
+            log.info(
+                "train: nothing to train: checkpoint at step %d is where this run ends (epochs %d-%d, "
+                "train.max_steps=%d); the model was not loaded",
+                position["step"],
+                self.epochs[0] + 1,
+                self.epochs[1],
+                self.cfg.train.max_steps,
+            )
+            return _result(self.cfg, plan, self.output_dir, final, position, None)
+        plan.log()
+        self.bar.per_epoch, self.bar.total = plan.steps_per_epoch, plan.total_steps
+        handoff.publish(self.handoff, handoff.generation(plan, manifest))
+        phases.mark("handoff")
+        try:
+            result = self._wait()
+        except Exception as exc:
+            _raise_integrity(exc)
+            raise
+        return self._close(plan, result)
+
+    def _close(self, plan: plan_mod.TrainPlan, result) -> TrainResult:
+        if getattr(result, "error", None):
+            _raise_integrity(result.error)
+            raise RuntimeError(f"training failed: {result.error}")
+        run_storage = plan.feed.run_storage
+        final = commits.latest(run_storage)
+        if not final:
+            raise RuntimeError(f"training committed no checkpoint: {result.error}")
+        commits.prune(run_storage)  # Ray has registered its last checkpoint: orphans older than it can go
+        return _result(self.cfg, plan, self.output_dir, final, commits.read_json(final), result)
+
+
+def _finished(cfg: JobConfig, run_storage: str, epochs: tuple[int, int]) -> tuple[str, dict] | None:
+    """``(checkpoint, position)`` when the run's latest checkpoint already ends epochs ``[first, end)``: it trained
+    to the end of the last one's feed, or to ``train.max_steps``; else None."""
+    final = commits.latest(run_storage)
+    if not final:
+        return None
+    position = commits.read_json(final)
+    at_end = bool(position.get("feed_done")) and int(position.get("epoch", -1)) >= epochs[1] - 1
+    capped = bool(cfg.train.max_steps) and int(position["step"]) >= cfg.train.max_steps
+    return (final, position) if at_end or capped else None
 
 
 def _result(cfg: JobConfig, plan: plan_mod.TrainPlan, output_dir: str, final: str, position: dict, result):
@@ -174,7 +248,7 @@ def _result(cfg: JobConfig, plan: plan_mod.TrainPlan, output_dir: str, final: st
         checkpoint_path=final,
         checkpoint_dir=local,
         epoch_counts=plan.counts,
-        metrics=dict(result.metrics or {}),
+        metrics=dict((result.metrics if result else None) or {}),
         position=position,
         eval_samples=cfg.data.eval_samples if plan.eval_plan else 0,
         eval_file=plan.eval_file,
@@ -190,7 +264,7 @@ def _raise_integrity(error: BaseException) -> None:
         raise found from None
 
 
-def _fit(cfg: JobConfig, plan: plan_mod.TrainPlan, launch: Launch, board):
+def _fit(cfg: JobConfig, launch: Launch, handoff_actor, board):
     """Start the render actor (when validation renders are asked for), run the trainer, finish the renders."""
     import ray
 
@@ -203,30 +277,29 @@ def _fit(cfg: JobConfig, plan: plan_mod.TrainPlan, launch: Launch, board):
     loop = LoopConfig(
         job=cfg.to_dict(),
         output_dir=launch.output_dir,
-        plan=plan.for_workers(),
-        empty_caption=launch.manifest.empty_caption(),
-        caption_tables=(index.caption_table(launch.manifest),),
         text_length=launch.text_length,
+        handoff=handoff_actor,
         progress=board,
         renderer=renders.actor if renders else None,
+        phases=phases.path(),
     )
     try:
-        return _trainer(cfg, plan, launch, loop, gpu_left).fit()
+        return _trainer(cfg, launch, loop, handoff_actor, gpu_left).fit()
     finally:
         if renders:
             renders.finish()  # waits for the renders still due (bounded), then kills the actor
 
 
-def _trainer(cfg: JobConfig, plan: plan_mod.TrainPlan, launch: Launch, loop: LoopConfig, gpu_left: float):
+def _trainer(cfg: JobConfig, launch: Launch, loop: LoopConfig, handoff_actor, gpu_left: float):
     """The ``TorchTrainer`` of one trainer run; ``gpu_left``: the share of each GPU left to the render actor."""
     from ray.train.torch import TorchTrainer
 
-    run_storage = plan.feed.run_storage
+    run_storage = commits.run_storage(launch.output_dir, cfg.run.name)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={LOOP_KEY: loop},
         scaling_config=scaling_config(cfg, launch.use_gpu, gpu_left),
         run_config=run_config(cfg, launch.output_dir, [commits.CommitCallback(run_storage), *launch.callbacks]),
-        datasets={DATASET: index_dataset(list(plan.refs))},
-        dataset_config=PlannedDataConfig(plan.feed),
+        datasets={DATASET: handoff_dataset()},  # the samples come through the handoff
+        dataset_config=PlannedDataConfig(handoff=handoff_actor),
     )

@@ -3,7 +3,9 @@
 Ray Train calls :meth:`PlannedDataConfig.configure` whenever it (re)starts the worker group, with the real world
 size (elastic runs included). It plans every epoch for that world size (see :mod:`rayflux.train.data.batching`) and gives
 rank ``r`` the planned batches ``r, r + W, r + 2W, ...`` as an ordered Ray Data pipeline that reads and stacks the
-rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``.
+rows of each batch. Workers still call ``ray.train.get_dataset_shard("train")``, once the committed generation has
+been handed to them (:mod:`rayflux.train.handoff`): its samples and the feed plan reach ``configure`` through the
+same handoff, since Ray Train's datasets are fixed when the group starts, which may be before the cache commits.
 
 Why not Ray's default ``streaming_split``: it hands blocks to whichever worker asks first, so the batch a rank sees
 at step ``s`` differs from run to run. With a plan, each epoch's optimizer step ``s`` (from 0) always trains its
@@ -36,26 +38,40 @@ class PlannedDataConfig(DataConfig):
     trainer run's :class:`~rayflux.train.plan.FeedPlan` (its epochs, the whole run's epochs so every row knows the
     global optimizer step it trains at, and the run's storage, where the checkpoints to resume from are)."""
 
-    def __init__(self, feed: FeedPlan):
+    def __init__(self, feed: FeedPlan | None = None, handoff=None):
         super().__init__(datasets_to_split=[])
-        self.feed = feed
+        self.feed, self.handoff = feed, handoff
+
+    def _planned(self, datasets) -> tuple[list, FeedPlan]:
+        """The samples and the feed plan: from the run's handoff (:mod:`rayflux.train.handoff`, which the workers
+        asking for their shards have already received), else from the ``train`` dataset and this config's plan."""
+        import ray
+
+        if self.handoff is None:
+            return [batching.SampleRef(**row) for row in datasets[DATASET].take_all()], self.feed
+        from rayflux.train import handoff
+
+        gen = handoff.receive(self.handoff)
+        if gen is None:  # a worker asks for its shard only once the generation was handed over
+            raise RuntimeError("the training run was cancelled before its generation was committed")
+        return list(ray.get(gen.refs)), gen.plan.feed
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         import ray.data
 
-        refs = [batching.SampleRef(**row) for row in datasets[DATASET].take_all()]
-        run_storage = self.feed.run_storage
+        refs, feed = self._planned(datasets)
+        run_storage = feed.run_storage
         resume_from = commits.latest(run_storage) if run_storage else ""
         position = commits.read_json(resume_from) if resume_from else None
-        per_rank = elastic.plan_rows(refs, self.feed, world_size, position)
+        per_rank = elastic.plan_rows(refs, feed, world_size, position)
         per_rank = [[{**row, "resume_from": resume_from} for row in mine] for mine in per_rank]
         output = []
         for mine in per_rank:
             # One read task per `batches_per_read` consecutive planned batches: fewer, larger tasks cost the
             # consuming worker less scheduling per step (its executor runs beside the training step).
-            reads = max(1, min(-(-len(mine) // self.feed.batches_per_read), 1000))
+            reads = max(1, min(-(-len(mine) // feed.batches_per_read), 1000))
             ds = ray.data.from_items(mine, override_num_blocks=reads)
-            ds = ds.map_batches(_load_batches, batch_size=None, batch_format="pyarrow", num_cpus=self.feed.read_cpus)
+            ds = ds.map_batches(_load_batches, batch_size=None, batch_format="pyarrow", num_cpus=feed.read_cpus)
             options = copy.deepcopy(ds.context.execution_options)
             options.preserve_order = True  # a rank's batches arrive in plan order
             ds.context.execution_options = options
@@ -82,6 +98,14 @@ def index_dataset(refs: list[batching.SampleRef]):
     import ray.data
 
     return ray.data.from_items([dataclasses.asdict(r) for r in refs])
+
+
+def handoff_dataset():
+    """The ``train`` dataset handed to ``TorchTrainer`` when the samples come through the run's handoff: Ray Train
+    gives a worker a shard only of a dataset it was given, and ``configure`` never reads this one's row."""
+    import ray.data
+
+    return ray.data.from_items([{"samples": "from the handoff"}])
 
 
 def planned_rows(shard, prefetch_reads: int):
