@@ -47,8 +47,11 @@ def test_the_concept_is_learned(concept_run):
 
 
 EDIT_STEPS = 40
-# Held-out edit eval loss, LoRA / base, with each sample's own reference over the same with a shuffled one (each
-# sample given another's). See EDIT_GAP's measurement in docs/quality.md.
+# Held-out edit eval loss, LoRA / base, with each sample's own reference against the same with shuffled ones (each
+# sample given another's), after EDIT_STEPS steps (the quality bench's edit rows, world base v2): trained with its
+# references 0.702 against 0.857 (own = 0.82 x shuffled); the same targets trained without references 0.986 against
+# 1.013 (0.97 x); a LoRA that learned nothing is the base (its B starts at zero): 1 against 1. 0.95 passes the first
+# with a margin of 0.11 and fails both controls.
 EDIT_GAP = 0.95
 
 
