@@ -46,10 +46,11 @@ class WorkersConfig:
     ``node`` (FSDP2 splits it across the workers of each node and replicates across nodes; the LoRA and its AdamW
     state stay whole on every worker) or ``auto`` (``node`` when the memory plan says the whole base does not fit
     beside the activations on one GPU). (Was ``train.base_sharding``.)"""
-    start_during_cache: bool = field(default=True, metadata=added(UNTRACKED))
+    start_during_cache: bool = field(default=True, metadata=added(moved(UNTRACKED, "start_during_cache")))
     """Start the worker group, and load the base and attach the LoRA, while the cache stage runs; the workers then
     wait for the committed generation, and the plan follows from its manifest. Only where the workers fit beside the
-    encoders (:mod:`rayflux.train.early`); otherwise, and with ``false``, the cache stage runs first, then the group."""
+    encoders (:mod:`rayflux.train.early`); otherwise, and with ``false``, the cache stage runs first, then the group.
+    (Also ``train.start_during_cache``.)"""
 
 
 @dataclass
