@@ -20,9 +20,10 @@ TODO = pa.schema([("dataset", pa.string()), ("rel_path", pa.string()), ("stamp",
 """An image to caption: where it is listed, its ``size:mtime`` and its URI."""
 READ = pa.schema([*TODO, ("data", pa.binary()), ("sha256", pa.string()), ("skip_reason", pa.string())])
 """An image read: its bytes ("" when unreadable), their content hash and why it could not be read."""
-DONE = pa.schema([*table.TABLE, ("made", pa.bool_())])
-"""A captioned image: a :data:`rayflux.caption.table.TABLE` row and whether this run generated its caption (False:
-a known caption of the same content)."""
+DONE = pa.schema([("part", pa.string()), ("rows", pa.int64()), ("captioned", pa.int64()), ("skipped", pa.int64())])
+"""What a captioner batch returns to the driver, one row per batch (never its images' rows: those are in its part
+file, :data:`rayflux.caption.table.PART`): the part file's path, its rows, the captions this batch generated and its
+images with a skip reason."""
 
 KILL_AFTER_PART = "caption_after_part"
 """Fault point: an actor dies after writing its batch's part file, before its batch returns."""
@@ -92,13 +93,14 @@ class CaptionActor:
                 row["skip_reason"], row["made"] = str(exc), True
         for (row, _), caption in zip(todo, self._generate([img for _, img in todo])):
             row["caption"], row["made"] = caption, True
-        made = [r for r in rows if r["made"] and r["sha256"]]
-        if made:
-            table.write_part(self.cdir, pa.Table.from_pylist([{n: r[n] for n in table.PART.names} for r in made]))
-            faults.kill_point(KILL_AFTER_PART)
-        for r in made:
-            self.known[r["sha256"]] = (r["caption"], r["skip_reason"])
-        return pa.Table.from_pylist([{n: r[n] for n in DONE.names} for r in rows], schema=DONE)
+        part = table.write_part(self.cdir, pa.Table.from_pylist(rows, schema=table.PART))
+        faults.kill_point(KILL_AFTER_PART)
+        for r in rows:
+            if r["made"] and r["sha256"]:
+                self.known[r["sha256"]] = (r["caption"], r["skip_reason"])
+        made = sum(1 for r in rows if r["made"] and not r["skip_reason"])
+        skipped = sum(1 for r in rows if r["skip_reason"])
+        return pa.table([[part], [len(rows)], [made], [skipped]], schema=DONE)
 
     def _generate(self, images: list) -> list[str]:
         import torch
