@@ -49,10 +49,9 @@ def per_actor(images: Path, model: str, args) -> list[float]:
 
     paths = sorted(str(p) for p in images.iterdir())
     todo = pa.table(
-        {"dataset": [""] * len(paths), "rel_path": paths, "stamp": ["0:0"] * len(paths), "uri": paths},
-        schema=worker.TODO,
+        {"dataset": [""] * len(paths), "rel_path": paths, "stamp": ["0:0"] * len(paths)}, schema=worker.TODO
     )
-    read = worker.read_images(todo)
+    read = worker.read_images(todo, {"": ("", 0)})  # rel_path: the whole path
     batches = [read.slice(i, args.batch_size) for i in range(0, read.num_rows, args.batch_size)]
     rates = []
     for _ in range(args.rounds):

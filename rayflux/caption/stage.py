@@ -98,14 +98,14 @@ def run(cfg: JobConfig, cache_root: str, cluster_gpus: bool, ledger=None, summar
 
 
 def _caption(cfg: JobConfig, cap: Captioner, cdir: str, wanted: dict[str, str], gpu: bool) -> Outcome:
-    todo, taken = _listed(cfg, wanted)
+    todo, taken, roots = _listed(cfg, wanted)
     previous = table.latest(cdir)
     # The earlier table's paths and stamps only: its captions are streamed into the commit, never held here.
     columns = ["rel_path", "stamp", "skip_reason"]
     old = table.read_table(previous[0], columns) if previous else table.TABLE.empty_table().select(columns)
     kept, todo = _split(todo, old)
     fresh = todo.num_rows
-    batches = _pipeline(cfg, cap, cdir, todo, gpu) if fresh else worker.DONE.empty_table()
+    batches = _pipeline(cfg, cap, cdir, (todo, roots), gpu) if fresh else worker.DONE.empty_table()
     del todo
     n_kept = pc.sum(kept).as_py() or 0
     captioned = pc.sum(batches["captioned"]).as_py() or 0
@@ -131,16 +131,18 @@ def _pieces(previous: str | None, kept: pa.Array, parts: list[str]):
         yield table.read_part(path)
 
 
-def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int]:
-    """The images to caption (:data:`rayflux.caption.worker.TODO` rows) of every captioned dataset, and how many of
-    their listed images have a caption of their own (``missing_caption=vlm``)."""
+def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int, dict[str, tuple[str, int]]]:
+    """The images to caption (:data:`rayflux.caption.worker.TODO` rows) of every captioned dataset, how many of
+    their listed images have a caption of their own (``missing_caption=vlm``), and each dataset's root
+    (:func:`rayflux.caption.worker.read_images`)."""
     prefix = datasets.prefixes_paths(cfg.data)
-    parts, taken = [worker.TODO.empty_table()], 0
+    parts, taken, roots = [worker.TODO.empty_table()], 0, {}
     for ds in datasets.datasets_of(cfg.data):
         key = datasets.key(cfg.data, ds)
         if key not in wanted:
             continue
         ls = listing.list_dataset(ds, key, prefix)
+        roots[key] = ls.root()
         rows = ls.table
         if wanted[key] == "missing":
             own = pc.or_(pc.not_equal(rows["sidecar"], ""), pc.greater(pc.list_value_length(rows["options"]), 0))
@@ -148,11 +150,11 @@ def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int]:
             rows = rows.filter(pc.invert(own))
         parts.append(
             pa.table(
-                [rows["dataset"], rows["rel_path"], listing.stamps(rows), ls.uris(rows["rel_path"])],
+                [rows["dataset"], rows["rel_path"], listing.stamps(rows)],
                 schema=worker.TODO,
             )
         )
-    return pa.concat_tables(parts).combine_chunks(), taken
+    return pa.concat_tables(parts).combine_chunks(), taken, roots
 
 
 def _split(todo: pa.Table, old: pa.Table) -> tuple[pa.Array, pa.Table]:
@@ -169,8 +171,9 @@ def _split(todo: pa.Table, old: pa.Table) -> tuple[pa.Array, pa.Table]:
     return pa.array(kept), todo.filter(pc.invert(same))
 
 
-def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: pa.Table, gpu: bool) -> pa.Table:
-    """Read, hash and caption ``todo`` in a Ray Data pipeline: a :data:`rayflux.caption.worker.DONE` row per batch."""
+def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: tuple[pa.Table, dict], gpu: bool) -> pa.Table:
+    """Read, hash and caption ``todo`` (its rows and its datasets' roots) in a Ray Data pipeline: a
+    :data:`rayflux.caption.worker.DONE` row per batch."""
     import ray
     from ray.data import ActorPoolStrategy
 
@@ -180,8 +183,15 @@ def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: pa.Table, gpu: bo
     memory = fit.Memory.of_cluster(gpu, c)
     pool = fit.size(c, gpu, fit.needed_bytes(cap.model, cap.dtype), Capacity.of_cluster(), memory, cap.dtype)
     log.info("captioner: %s per actor, %d actors (%s)", pool.resources, pool.actors, cap.model)
-    ds = ray.data.from_arrow(todo)
-    ds = ds.map_batches(worker.read_images, batch_size=c.batch_size, batch_format="pyarrow", num_cpus=PREPARE_CPUS)
+    rows, roots = todo
+    ds = ray.data.from_arrow(rows)
+    ds = ds.map_batches(
+        worker.read_images,
+        fn_kwargs={"roots": roots},
+        batch_size=c.batch_size,
+        batch_format="pyarrow",
+        num_cpus=PREPARE_CPUS,
+    )
     ds = ds.map_batches(
         worker.CaptionActor,
         fn_constructor_kwargs={

@@ -16,8 +16,9 @@ from rayflux import faults, storage
 from rayflux.cache.decode import BadImage, decode
 from rayflux.caption import table
 
-TODO = pa.schema([("dataset", pa.string()), ("rel_path", pa.string()), ("stamp", pa.string()), ("uri", pa.string())])
-"""An image to caption: where it is listed, its ``size:mtime`` and its URI."""
+TODO = pa.schema([("dataset", pa.string()), ("rel_path", pa.string()), ("stamp", pa.string())])
+"""An image to caption: where it is listed and its ``size:mtime`` (its URI is made in the read task, from its
+dataset's root: the driver does not hold a URI per image)."""
 READ = pa.schema([*TODO, ("data", pa.binary()), ("sha256", pa.string()), ("skip_reason", pa.string())])
 """An image read: its bytes ("" when unreadable), their content hash and why it could not be read."""
 DONE = pa.schema([("part", pa.string()), ("rows", pa.int64()), ("captioned", pa.int64()), ("skipped", pa.int64())])
@@ -29,10 +30,14 @@ KILL_AFTER_PART = "caption_after_part"
 """Fault point: an actor dies after writing its batch's part file, before its batch returns."""
 
 
-def read_images(batch: pa.Table) -> pa.Table:
-    """Ray Data task: each image's bytes and content hash, or why it cannot be read."""
+def read_images(batch: pa.Table, roots: dict[str, tuple[str, int]]) -> pa.Table:
+    """Ray Data task: each image's bytes and content hash, or why it cannot be read. ``roots``: dataset key -> what
+    its images' URIs start with and how many leading characters of a ``rel_path`` they leave out
+    (:meth:`rayflux.discovery.listing.Listing.root`)."""
     data, shas, reasons = [], [], []
-    for uri in batch["uri"].to_pylist():
+    for key, rel in zip(batch["dataset"].to_pylist(), batch["rel_path"].to_pylist()):
+        root, skip = roots[key]
+        uri = root + rel[skip:]
         try:
             raw = storage.read_bytes(uri)
         except Exception as exc:  # noqa: BLE001 - any read failure is a recorded skip, as in the cache stage
