@@ -1,7 +1,7 @@
 """The caption stage's throughput: images per second of one captioner actor, and of the whole stage through Ray.
 
     python benchmarks/bench_caption.py [--images 48] [--batch-size 8] [--max-new-tokens 16] [--rounds 3]
-    python benchmarks/bench_caption.py --driver 2000 8000 16000    # the driver's memory per image
+    python benchmarks/bench_caption.py --driver 2000 8000 16000 100000    # the driver's memory per image
 
 
 Per actor: the stage's own actor class (``rayflux.caption.worker.CaptionActor``) in this process, fed batches the
