@@ -1,7 +1,7 @@
 """The caption stage's throughput: images per second of one captioner actor, and of the whole stage through Ray.
 
     python benchmarks/bench_caption.py [--images 48] [--batch-size 8] [--max-new-tokens 16] [--rounds 3]
-    python benchmarks/bench_caption.py --driver 2000 8000 16000    # the driver's memory per image
+    python benchmarks/bench_caption.py --driver 2000 8000 16000 100000    # the driver's memory per image
 
 
 Per actor: the stage's own actor class (``rayflux.caption.worker.CaptionActor``) in this process, fed batches the
@@ -49,10 +49,9 @@ def per_actor(images: Path, model: str, args) -> list[float]:
 
     paths = sorted(str(p) for p in images.iterdir())
     todo = pa.table(
-        {"dataset": [""] * len(paths), "rel_path": paths, "stamp": ["0:0"] * len(paths), "uri": paths},
-        schema=worker.TODO,
+        {"dataset": [""] * len(paths), "rel_path": paths, "stamp": ["0:0"] * len(paths)}, schema=worker.TODO
     )
-    read = worker.read_images(todo)
+    read = worker.read_images(todo, {"": ("", 0)})  # rel_path: the whole path
     batches = [read.slice(i, args.batch_size) for i in range(0, read.num_rows, args.batch_size)]
     rates = []
     for _ in range(args.rounds):

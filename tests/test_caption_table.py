@@ -3,7 +3,9 @@ are one per content hash (a caption over a skip), and discovery's rows get their
 images with no caption of their own for ``missing_caption=vlm``), with the prefix."""
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from rayflux import storage
 from rayflux.caption import table
 from rayflux.discovery.listing import LISTED
 
@@ -11,6 +13,10 @@ from rayflux.discovery.listing import LISTED
 def _rows(*rows) -> pa.Table:
     names = ("dataset", "rel_path", "stamp", "sha256", "caption", "skip_reason")
     return pa.Table.from_pylist([dict(zip(names, r)) for r in rows], schema=table.TABLE)
+
+
+def _part(*rows) -> pa.Table:
+    return _rows(*rows).append_column("made", pa.array([True] * len(rows))).cast(table.PART)
 
 
 def _listed(*rows) -> pa.Table:
@@ -28,8 +34,8 @@ def test_a_generation_counts_once_its_manifest_is_written_and_parts_are_known(tm
     assert table.latest(cdir)[0] == gdir and gdir.endswith("/g0")
     (tmp_path / "captions" / "abc" / "g1").mkdir()  # a commit that never wrote its manifest
     assert table.latest(cdir)[0] == gdir
-    table.write_part(cdir, pa.table({"sha256": ["h2", "h3"], "caption": ["a dog", ""], "skip_reason": ["", "bad"]}))
-    table.write_part(cdir, pa.table({"sha256": ["h3"], "caption": ["a bird"], "skip_reason": [""]}))
+    table.write_part(cdir, _part(("", "b.png", "1:2", "h2", "a dog", ""), ("", "c.png", "1:2", "h3", "", "bad")))
+    table.write_part(cdir, _part(("", "d.png", "1:2", "h3", "a bird", ""), ("", "e.png", "1:2", "", "", "unreadable")))
     known = table.known(cdir).to_pylist()
     assert known == [
         {"sha256": "h1", "caption": "a cat", "skip_reason": ""},
@@ -56,3 +62,28 @@ def test_discovery_gets_the_vlm_captions_as_options(tmp_path):
     assert table.Committed(gdir, {"other": "all"}).attach("", listed) is listed
     empty = table.commit(str(tmp_path / "d"), _rows(), {}, {})
     assert table.Committed(empty, {"": "all"}).attach("", listed)["options"].to_pylist() == [[], [], [], ["x"]]
+
+
+def test_a_commit_streams_the_kept_rows_and_the_parts_in_row_groups(tmp_path, monkeypatch):
+    cdir = str(tmp_path / "c")
+    old = _rows(*[("", f"{i}.png", "1:2", f"h{i}", f"caption {i}", "") for i in range(5)])
+    first = table.commit(cdir, old, {}, {})
+    kept = pa.array([True, False, True, True, False])
+    part = table.write_part(
+        cdir, _part(("", "9.png", "3:4", "h9", "a new one", ""), ("", "x.png", "3:4", "", "", "bad"))
+    )
+    monkeypatch.setattr(table, "ROW_GROUP_ROWS", 2)  # several row groups from the old table and the part
+    gdir = table.commit(
+        cdir, (p for src in ([*table.read_kept(first, kept)], [table.read_part(part)]) for p in src), {}, {}
+    )
+    assert table.latest(cdir) == (gdir, table.latest(cdir)[1]) and table.latest(cdir)[1]["rows"] == 5
+    assert [(r["rel_path"], r["caption"], r["skip_reason"]) for r in table.read_table(gdir).to_pylist()] == [
+        ("0.png", "caption 0", ""),
+        ("2.png", "caption 2", ""),
+        ("3.png", "caption 3", ""),
+        ("9.png", "a new one", ""),
+        ("x.png", "", "bad"),
+    ]
+    fs, inner = storage.resolve(f"{gdir}/{table.TABLE_FILE}")
+    with fs.open_input_file(inner) as f:
+        assert pq.ParquetFile(f).metadata.num_row_groups == 2  # (0, 2) then (3, 9, x): 2 rows or more each

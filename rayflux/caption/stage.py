@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -97,33 +98,51 @@ def run(cfg: JobConfig, cache_root: str, cluster_gpus: bool, ledger=None, summar
 
 
 def _caption(cfg: JobConfig, cap: Captioner, cdir: str, wanted: dict[str, str], gpu: bool) -> Outcome:
-    todo, taken = _listed(cfg, wanted)
+    todo, taken, roots = _listed(cfg, wanted)
     previous = table.latest(cdir)
-    old = table.read_table(previous[0]) if previous else table.TABLE.empty_table()
+    # The earlier table's paths and stamps only: its captions are streamed into the commit, never held here.
+    columns = ["rel_path", "stamp", "skip_reason"]
+    old = table.read_table(previous[0], columns) if previous else table.TABLE.empty_table().select(columns)
     kept, todo = _split(todo, old)
-    made = _pipeline(cfg, cap, cdir, todo, gpu) if todo.num_rows else worker.DONE.empty_table()
-    captioned = pc.sum(pc.and_(made["made"], pc.equal(made["skip_reason"], ""))).as_py() or 0
-    rows = pa.concat_tables([kept, made.select(table.TABLE.names).cast(table.TABLE)])
-    skipped = pc.sum(pc.not_equal(rows["skip_reason"], "")).as_py() or 0
-    counts = {"captioned": captioned, "reused": rows.num_rows - captioned - skipped + taken, "skipped": skipped}
-    if previous and not todo.num_rows and kept.num_rows == old.num_rows:
+    fresh = todo.num_rows
+    batches = _pipeline(cfg, cap, cdir, (todo, roots), gpu) if fresh else worker.DONE.empty_table()
+    del todo
+    n_kept = pc.sum(kept).as_py() or 0
+    captioned = pc.sum(batches["captioned"]).as_py() or 0
+    skipped = pc.sum(pc.not_equal(pc.filter(old["skip_reason"], kept), "")).as_py() or 0
+    skipped += pc.sum(batches["skipped"]).as_py() or 0
+    rows = n_kept + (pc.sum(batches["rows"]).as_py() or 0)
+    counts = {"captioned": captioned, "reused": rows - captioned - skipped + taken, "skipped": skipped}
+    if previous and not fresh and n_kept == old.num_rows:
         gdir = previous[0]  # nothing new or changed: the committed table is this run's
     else:
-        gdir = table.commit(cdir, rows, counts, {"id": cap.id, "model": cap.model, "prompt": cap.prompt})
+        pieces = _pieces(previous[0] if previous else None, kept, batches["part"].to_pylist())
+        gdir = table.commit(cdir, pieces, counts, {"id": cap.id, "model": cap.model, "prompt": cap.prompt})
         table.drop_parts(cdir)
     return Outcome(**counts, dir=gdir, captions=table.Committed(gdir, wanted, cfg.caption.prefix))
 
 
-def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int]:
-    """The images to caption (:data:`rayflux.caption.worker.TODO` rows) of every captioned dataset, and how many of
-    their listed images have a caption of their own (``missing_caption=vlm``)."""
+def _pieces(previous: str | None, kept: pa.Array, parts: list[str]):
+    """The committed table's rows, a piece at a time: the earlier table's rows that ``kept`` marks, then the rows of
+    this run's part files (only those its batches returned: a killed actor's part is known, not committed twice)."""
+    if previous is not None and len(kept):
+        yield from table.read_kept(previous, kept)
+    for path in parts:
+        yield table.read_part(path)
+
+
+def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int, dict[str, tuple[str, int]]]:
+    """The images to caption (:data:`rayflux.caption.worker.TODO` rows) of every captioned dataset, how many of
+    their listed images have a caption of their own (``missing_caption=vlm``), and each dataset's root
+    (:func:`rayflux.caption.worker.read_images`)."""
     prefix = datasets.prefixes_paths(cfg.data)
-    parts, taken = [worker.TODO.empty_table()], 0
+    parts, taken, roots = [worker.TODO.empty_table()], 0, {}
     for ds in datasets.datasets_of(cfg.data):
         key = datasets.key(cfg.data, ds)
         if key not in wanted:
             continue
         ls = listing.list_dataset(ds, key, prefix)
+        roots[key] = ls.root()
         rows = ls.table
         if wanted[key] == "missing":
             own = pc.or_(pc.not_equal(rows["sidecar"], ""), pc.greater(pc.list_value_length(rows["options"]), 0))
@@ -131,28 +150,30 @@ def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int]:
             rows = rows.filter(pc.invert(own))
         parts.append(
             pa.table(
-                [rows["dataset"], rows["rel_path"], listing.stamps(rows), ls.uris(rows["rel_path"])],
+                [rows["dataset"], rows["rel_path"], listing.stamps(rows)],
                 schema=worker.TODO,
             )
         )
-    return pa.concat_tables(parts).combine_chunks(), taken
+    return pa.concat_tables(parts).combine_chunks(), taken, roots
 
 
-def _split(todo: pa.Table, old: pa.Table) -> tuple[pa.Table, pa.Table]:
-    """(the committed rows of images listed again with the same path and known ``size:mtime``, the images still to
-    read): an unchanged file is not read again."""
+def _split(todo: pa.Table, old: pa.Table) -> tuple[pa.Array, pa.Table]:
+    """(which rows of the earlier table are of images listed again with the same path and known ``size:mtime``, the
+    images still to read): an unchanged file is not read again. ``old``: the earlier table's paths and stamps."""
     if not old.num_rows or not todo.num_rows:
-        return table.TABLE.empty_table(), todo
+        return pa.array(np.zeros(old.num_rows, dtype=bool)), todo
     at = pc.index_in(todo["rel_path"], value_set=old["rel_path"].combine_chunks())
     stamp = pc.take(old["stamp"], pc.fill_null(at, 0))
     same = pc.and_(pc.is_valid(at), pc.equal(stamp, todo["stamp"]))
     same = pc.fill_null(pc.and_(same, pc.invert(pc.ends_with(todo["stamp"], ":0"))), False)
-    kept = old.take(pc.filter(at, same))
-    return kept, todo.filter(pc.invert(same))
+    kept = np.zeros(old.num_rows, dtype=bool)
+    kept[pc.filter(at, same).to_numpy()] = True
+    return pa.array(kept), todo.filter(pc.invert(same))
 
 
-def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: pa.Table, gpu: bool) -> pa.Table:
-    """Read, hash and caption ``todo`` in a Ray Data pipeline: :data:`rayflux.caption.worker.DONE` rows."""
+def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: tuple[pa.Table, dict], gpu: bool) -> pa.Table:
+    """Read, hash and caption ``todo`` (its rows and its datasets' roots) in a Ray Data pipeline: a
+    :data:`rayflux.caption.worker.DONE` row per batch."""
     import ray
     from ray.data import ActorPoolStrategy
 
@@ -162,8 +183,15 @@ def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: pa.Table, gpu: bo
     memory = fit.Memory.of_cluster(gpu, c)
     pool = fit.size(c, gpu, fit.needed_bytes(cap.model, cap.dtype), Capacity.of_cluster(), memory, cap.dtype)
     log.info("captioner: %s per actor, %d actors (%s)", pool.resources, pool.actors, cap.model)
-    ds = ray.data.from_arrow(todo)
-    ds = ds.map_batches(worker.read_images, batch_size=c.batch_size, batch_format="pyarrow", num_cpus=PREPARE_CPUS)
+    rows, roots = todo
+    ds = ray.data.from_arrow(rows)
+    ds = ds.map_batches(
+        worker.read_images,
+        fn_kwargs={"roots": roots},
+        batch_size=c.batch_size,
+        batch_format="pyarrow",
+        num_cpus=PREPARE_CPUS,
+    )
     ds = ds.map_batches(
         worker.CaptionActor,
         fn_constructor_kwargs={
@@ -180,10 +208,6 @@ def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: pa.Table, gpu: bo
         **pool.resources,
     )
     ds.set_name("captions")
-    out = [worker.DONE.empty_table()]
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        # A copy of the rows alone: a block read from the object store is a view of its whole serialized message.
-        rows = batch.select(worker.DONE.names).cast(worker.DONE)
-        out.append(rows.take(pa.array(range(rows.num_rows), pa.int32())))
-    allocator.trim()
-    return pa.concat_tables(out).combine_chunks()
+    # One row per batch (its part file and counts): the captions stay in the part files, never on the driver.
+    out = [worker.DONE.empty_table(), *ds.iter_batches(batch_size=None, batch_format="pyarrow")]
+    return pa.concat_tables([t.select(worker.DONE.names).cast(worker.DONE) for t in out]).combine_chunks()

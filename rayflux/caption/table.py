@@ -2,13 +2,15 @@
 
 Layout, under ``<cache root>/captions/<captioner id>/`` (never in the image folder):
 
-- ``parts/<id>.parquet``: what one captioner batch made (:data:`PART` rows: content hash, caption or skip reason),
-  each written atomically by the actor before its batch returns. Keyed by content alone, they are facts that stay
-  true: a killed actor or job loses at most the batch in flight, and the next run reads them as known captions.
+- ``parts/<id>.parquet``: one captioner batch's rows (:data:`PART`: a :data:`TABLE` row per image and whether the
+  batch generated its caption), each written atomically by the actor before its batch returns. Their content hashes
+  and captions are facts that stay true: a killed actor or job loses at most the batch in flight, and the next run
+  reads them as known captions.
 - ``g<N>/captions.parquet`` then ``g<N>/manifest.json``, written last (the commit): one :data:`TABLE` row per image
-  the job wanted captioned, by its path and ``size:mtime`` stamp, with its content hash. Readers only trust a
-  directory with a manifest. The cache's discovery reads the newest one (:class:`Committed`), and a rerun reuses
-  its rows for images listed with the same stamp, without reading them.
+  the job wanted captioned, by its path and ``size:mtime`` stamp, with its content hash, streamed from the earlier
+  generation's reused rows and this run's part files (:func:`commit`), so the driver never holds the captions.
+  Readers only trust a directory with a manifest. The cache's discovery reads the newest one (:class:`Committed`),
+  and a rerun reuses its rows for images listed with the same stamp, without reading them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import tempfile
 import time
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -31,9 +35,6 @@ MANIFEST = "manifest.json"
 TABLE_FILE = "captions.parquet"
 PARTS = "parts"
 
-PART = pa.schema([("sha256", pa.string()), ("caption", pa.string()), ("skip_reason", pa.string())])
-"""A captioner batch's output: an image's content hash and its caption, or why it has none (a bad image)."""
-
 TABLE = pa.schema(
     [
         ("dataset", pa.string()),
@@ -46,6 +47,14 @@ TABLE = pa.schema(
 )
 """A committed caption: the image's dataset key, its path as discovery lists it, its ``size:mtime``, its content
 hash, and its caption ("" with the ``skip_reason`` of an image the captioner could not read)."""
+
+PART = pa.schema([*TABLE, ("made", pa.bool_())])
+"""A captioner batch's output, one row per image: its :data:`TABLE` row and whether this batch generated its caption
+(False: a caption known by its content, or an image that could not be read)."""
+KNOWN = pa.schema([TABLE.field("sha256"), TABLE.field("caption"), TABLE.field("skip_reason")])
+"""A known caption: a content hash and its caption, or why that content has none (a bad image)."""
+ROW_GROUP_ROWS = 16384
+"""Rows per row group of a committed table: the commit holds at most this many rows at once."""
 
 
 def captioner_dir(cache_root: str, captioner_id: str) -> str:
@@ -72,9 +81,10 @@ def latest(cdir: str) -> tuple[str, dict] | None:
     return None
 
 
-def read_table(gdir: str) -> pa.Table:
+def read_table(gdir: str, columns: list[str] | None = None) -> pa.Table:
     fs, inner = storage.resolve(storage.join(gdir, TABLE_FILE))
-    return pq.read_table(inner, filesystem=fs).cast(TABLE)
+    out = pq.read_table(inner, filesystem=fs, columns=columns)
+    return out.cast(pa.schema([TABLE.field(n) for n in out.column_names]))
 
 
 def write_part(cdir: str, rows: pa.Table) -> str:
@@ -85,17 +95,17 @@ def write_part(cdir: str, rows: pa.Table) -> str:
 
 
 def known(cdir: str) -> pa.Table:
-    """Every caption the captioner already made (:data:`PART` rows, one per content hash): the newest committed
+    """Every caption the captioner already made (:data:`KNOWN` rows, one per content hash): the newest committed
     table's and the part files' (a killed run's batches included)."""
-    parts = [PART.empty_table()]
+    parts = [KNOWN.empty_table()]
     found = latest(cdir)
     if found is not None:
-        parts.append(read_table(found[0]).select(PART.names))
-    fs, inner = storage.resolve(storage.join(cdir, PARTS))
-    for info in fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True)):
-        if info.base_name.endswith(".parquet") and not info.base_name.startswith("."):
-            parts.append(pq.read_table(info.path, filesystem=fs).cast(PART))
+        parts.append(read_table(found[0], KNOWN.names))
+    for path in part_paths(cdir):
+        fs, inner = storage.resolve(path)
+        parts.append(pq.read_table(inner, filesystem=fs, columns=KNOWN.names).cast(KNOWN))
     table = pa.concat_tables(parts)
+    table = table.filter(pc.not_equal(table["sha256"], ""))  # an unreadable file's row: no content to know
     if not table.num_rows:
         return table
     # One row per hash: a caption over a skip (a later run may read a file an earlier one could not).
@@ -107,14 +117,40 @@ def known(cdir: str) -> pa.Table:
     return table.filter(pa.array(first))
 
 
-def commit(cdir: str, rows: pa.Table, counts: dict, captioner: dict) -> str:
-    """Commit ``rows`` (:data:`TABLE`) as the captioner's next generation: the table, then the manifest (last).
-    Returns the generation directory."""
+def part_paths(cdir: str) -> list[str]:
+    """The part files written so far (a killed run's included)."""
+    fs, inner = storage.resolve(storage.join(cdir, PARTS))
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    names = sorted(i.base_name for i in infos if i.base_name.endswith(".parquet") and not i.base_name.startswith("."))
+    return [storage.join(cdir, PARTS, n) for n in names]
+
+
+def read_part(path: str) -> pa.Table:
+    """A part file's :data:`TABLE` rows."""
+    fs, inner = storage.resolve(path)
+    return pq.read_table(inner, filesystem=fs, columns=TABLE.names).cast(TABLE)
+
+
+def read_kept(gdir: str, kept: pa.Array) -> Iterator[pa.Table]:
+    """A committed table's rows that the boolean ``kept`` (one per row) marks, a row group at a time."""
+    fs, inner = storage.resolve(storage.join(gdir, TABLE_FILE))
+    at = 0
+    with fs.open_input_file(inner) as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=ROW_GROUP_ROWS, columns=TABLE.names):
+            rows = pa.Table.from_batches([batch]).cast(TABLE)
+            yield rows.filter(kept.slice(at, rows.num_rows))
+            at += rows.num_rows
+
+
+def commit(cdir: str, pieces: pa.Table | Iterable[pa.Table], counts: dict, captioner: dict) -> str:
+    """Commit ``pieces`` (:data:`TABLE` rows, one table or an iterable of them, each read only when the commit comes
+    to it) as the captioner's next generation: the table, then the manifest (last). Returns the generation
+    directory."""
     gens = _generation_dirs(cdir)
     gdir = storage.join(cdir, f"g{gens[-1][0] + 1 if gens else 0}")
-    storage.write_bytes_atomic(storage.join(gdir, TABLE_FILE), _parquet(rows.cast(TABLE)))
+    rows = _write_table(storage.join(gdir, TABLE_FILE), [pieces] if isinstance(pieces, pa.Table) else pieces)
     manifest = {
-        "rows": rows.num_rows,
+        "rows": rows,
         "files": [TABLE_FILE],
         "captioner": captioner,
         "committed": time.time(),
@@ -133,6 +169,35 @@ def drop_parts(cdir: str) -> None:
             fs.delete_file(info.path)
 
 
+def _write_table(path: str, pieces: Iterable[pa.Table]) -> int:
+    """Stream ``pieces`` into one Parquet file at ``path`` (atomically, through a local file), row groups of up to
+    :data:`ROW_GROUP_ROWS`; its rows. No dictionaries or statistics: the writer would keep them per row group."""
+    fd, local = tempfile.mkstemp(prefix="rayflux-captions-", suffix=".parquet")
+    os.close(fd)
+    rows, group = 0, []
+    try:
+        with pq.ParquetWriter(local, TABLE, use_dictionary=False, write_statistics=False) as out:
+            for piece in pieces:
+                group.append(piece.select(TABLE.names).cast(TABLE))
+                if sum(t.num_rows for t in group) >= ROW_GROUP_ROWS:
+                    rows += _flush(out, group)
+            rows += _flush(out, group)
+        storage.upload_atomic(local, path)
+    finally:
+        os.unlink(local)
+    return rows
+
+
+def _flush(out: pq.ParquetWriter, group: list[pa.Table]) -> int:
+    if not group:
+        return 0
+    table = pa.concat_tables(group)
+    group.clear()
+    if table.num_rows:
+        out.write_table(table, row_group_size=table.num_rows)
+    return table.num_rows
+
+
 def _parquet(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf)
@@ -147,12 +212,21 @@ class Committed:
     images with no caption file and no other option). ``prefix``: ``caption.prefix``."""
 
     def __init__(self, gdir: str, modes: dict[str, str], prefix: str = ""):
-        table = read_table(gdir)
-        table = table.filter(pc.not_equal(table["caption"], ""))
-        self.paths = table["rel_path"].combine_chunks()
-        captions = table["caption"].combine_chunks()
-        self.captions = pc.binary_join_element_wise(prefix, captions, " ") if prefix else captions
-        self.modes = modes
+        self.gdir, self.modes, self.prefix = gdir, modes, prefix
+        self._paths: pa.Array | None = None
+        self.captions: pa.Array | None = None
+
+    @property
+    def paths(self) -> pa.Array:
+        """The captioned paths, read at the first use (by discovery, which holds the captions as it holds a
+        sidecar's lines), not when the caption stage commits: the stage's driver never holds the captions."""
+        if self._paths is None:
+            table = read_table(self.gdir)
+            table = table.filter(pc.not_equal(table["caption"], ""))
+            captions = table["caption"].combine_chunks()
+            self.captions = pc.binary_join_element_wise(self.prefix, captions, " ") if self.prefix else captions
+            self._paths = table["rel_path"].combine_chunks()
+        return self._paths
 
     def attach(self, key: str, listed: pa.Table) -> pa.Table:
         """Listed rows (:data:`rayflux.discovery.listing.LISTED`) of dataset ``key`` with their VLM captions as

@@ -16,22 +16,28 @@ from rayflux import faults, storage
 from rayflux.cache.decode import BadImage, decode
 from rayflux.caption import table
 
-TODO = pa.schema([("dataset", pa.string()), ("rel_path", pa.string()), ("stamp", pa.string()), ("uri", pa.string())])
-"""An image to caption: where it is listed, its ``size:mtime`` and its URI."""
+TODO = pa.schema([("dataset", pa.string()), ("rel_path", pa.string()), ("stamp", pa.string())])
+"""An image to caption: where it is listed and its ``size:mtime`` (its URI is made in the read task, from its
+dataset's root: the driver does not hold a URI per image)."""
 READ = pa.schema([*TODO, ("data", pa.binary()), ("sha256", pa.string()), ("skip_reason", pa.string())])
 """An image read: its bytes ("" when unreadable), their content hash and why it could not be read."""
-DONE = pa.schema([*table.TABLE, ("made", pa.bool_())])
-"""A captioned image: a :data:`rayflux.caption.table.TABLE` row and whether this run generated its caption (False:
-a known caption of the same content)."""
+DONE = pa.schema([("part", pa.string()), ("rows", pa.int64()), ("captioned", pa.int64()), ("skipped", pa.int64())])
+"""What a captioner batch returns to the driver, one row per batch (never its images' rows: those are in its part
+file, :data:`rayflux.caption.table.PART`): the part file's path, its rows, the captions this batch generated and its
+images with a skip reason."""
 
 KILL_AFTER_PART = "caption_after_part"
 """Fault point: an actor dies after writing its batch's part file, before its batch returns."""
 
 
-def read_images(batch: pa.Table) -> pa.Table:
-    """Ray Data task: each image's bytes and content hash, or why it cannot be read."""
+def read_images(batch: pa.Table, roots: dict[str, tuple[str, int]]) -> pa.Table:
+    """Ray Data task: each image's bytes and content hash, or why it cannot be read. ``roots``: dataset key -> what
+    its images' URIs start with and how many leading characters of a ``rel_path`` they leave out
+    (:meth:`rayflux.discovery.listing.Listing.root`)."""
     data, shas, reasons = [], [], []
-    for uri in batch["uri"].to_pylist():
+    for key, rel in zip(batch["dataset"].to_pylist(), batch["rel_path"].to_pylist()):
+        root, skip = roots[key]
+        uri = root + rel[skip:]
         try:
             raw = storage.read_bytes(uri)
         except Exception as exc:  # noqa: BLE001 - any read failure is a recorded skip, as in the cache stage
@@ -92,13 +98,14 @@ class CaptionActor:
                 row["skip_reason"], row["made"] = str(exc), True
         for (row, _), caption in zip(todo, self._generate([img for _, img in todo])):
             row["caption"], row["made"] = caption, True
-        made = [r for r in rows if r["made"] and r["sha256"]]
-        if made:
-            table.write_part(self.cdir, pa.Table.from_pylist([{n: r[n] for n in table.PART.names} for r in made]))
-            faults.kill_point(KILL_AFTER_PART)
-        for r in made:
-            self.known[r["sha256"]] = (r["caption"], r["skip_reason"])
-        return pa.Table.from_pylist([{n: r[n] for n in DONE.names} for r in rows], schema=DONE)
+        part = table.write_part(self.cdir, pa.Table.from_pylist(rows, schema=table.PART))
+        faults.kill_point(KILL_AFTER_PART)
+        for r in rows:
+            if r["made"] and r["sha256"]:
+                self.known[r["sha256"]] = (r["caption"], r["skip_reason"])
+        made = sum(1 for r in rows if r["made"] and not r["skip_reason"])
+        skipped = sum(1 for r in rows if r["skip_reason"])
+        return pa.table([[part], [len(rows)], [made], [skipped]], schema=DONE)
 
     def _generate(self, images: list) -> list[str]:
         import torch
