@@ -1,12 +1,11 @@
 """A LoRA that measurably learns: trained by the real job on the shipped world base, it must learn a concept the base
-was never shown (the trigger-word shape ``sks star``), scored on held-out images at fixed noise and σ.
+was never shown (the trigger-word shape ``sks star``), scored on held-out images at fixed noise and σ; and an edit LoRA
+must read its references.
 
-The threshold comes from benchmarks/bench_quality.py's measured spread (docs/quality.md): see ``CONCEPT_RATIO``.
-With the learning broken (``train.optim.learning_rate=1e-12``; the job refuses 0) the ratio is 1.0, and the test fails
-(docs/quality.md).
-One job of 40 steps at 128 px on the 1.7 MB base (measured: 377 s on 2 cores shared at load average 40 to 55;
-the same job with its cache already built took 124 s in the bench).
-"""
+The thresholds come from benchmarks/bench_quality.py's measured rows (docs/quality.md): see ``CONCEPT_RATIO`` and
+``EDIT_GAP``. With the learning broken (``train.optim.learning_rate=1e-12``; the job refuses 0) the concept ratio is
+1.0 and the edit ratios are 1 and 1, and both tests fail. Two jobs of 40 steps at 128 px on the 1.7 MB base (the
+bench's: 53 s and 76 s with their caches built, at load average about 25)."""
 
 from __future__ import annotations
 
@@ -18,11 +17,12 @@ from rayflux.testing import world, world_base
 
 STEPS = 40
 # Held-out concept eval loss, LoRA / base, after STEPS steps of batch 4 (world_base.job_sets), on the same 16
-# held-out pictures, noise and sigmas the quality bench scores (its plain row is this run). Measured: 0.9710 and
-# 0.9698 with train.seed 0 and 1 (spread 0.0012); learning rate 1e-12 gives 1.0000. The noise is fixed, so the
-# ratio moves only with the training draws: 0.99 sits 15 spreads above the worst seed and still fails a LoRA that
-# learned a third as much.
-CONCEPT_RATIO = 0.99
+# held-out pictures, noise and sigmas the quality bench scores (its plain row is this run, train.seed 0). Measured on
+# world base v2: 0.9757 (seed 0, this test's) and 0.9925 (seed 1); learning rate 1e-12 gives 1.0000. The noise is
+# fixed, so the ratio moves only with the training draws, and this test's draws are seed 0's. 0.995 passes both
+# seeds and fails a learner that learns nothing; the seeds' spread (0.017) is wide on this base, so the margin under
+# it is thin for seed 1 (docs/quality.md, "The CI test").
+CONCEPT_RATIO = 0.995
 
 
 @pytest.fixture(scope="module")
