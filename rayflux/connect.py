@@ -59,3 +59,12 @@ def _refusal(exc: BaseException) -> str:
         "--set run.ray_address=local, or give the job the head's token (RAY_AUTH_MODE=token with "
         "RAY_AUTH_TOKEN=<token> or RAY_AUTH_TOKEN_PATH=<file>)"
     )
+
+
+def on_this_node() -> dict:
+    """Actor options that keep an actor on this process's node, as Ray Train attaches its controller to the driver's:
+    the job's own bookkeeping actors (the handoff, the progress board) hold state no restart could rebuild, so the loss
+    of a worker's node (an elastic shrink) must not take them along."""
+    import ray
+
+    return {"label_selector": {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}}

@@ -119,7 +119,9 @@ class TrainBar:
         self._thread = None
 
     def __enter__(self) -> TrainBar:
-        self.board = ProgressBoard.remote()
+        from rayflux.connect import on_this_node
+
+        self.board = ProgressBoard.options(**on_this_node()).remote()
         self._thread = threading.Thread(target=self._draw, name="rayflux-train-bar", daemon=True)
         self._thread.start()
         return self

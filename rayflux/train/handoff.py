@@ -62,6 +62,13 @@ class Handoff:
         return self._value
 
 
+def start():
+    """A trainer run's handoff, on the driver's node (:func:`rayflux.connect.on_this_node`)."""
+    from rayflux.connect import on_this_node
+
+    return Handoff.options(**on_this_node()).remote()
+
+
 def publish(handoff, gen: Generation) -> None:
     """Hand ``gen`` to the run's workers (a driver call)."""
     ray.get(handoff.publish.remote([ray.put(gen)]))

@@ -148,7 +148,7 @@ class TrainerRun:
             use_gpu=place(cfg, Cluster(gpus=cluster_gpus)).training,
             callbacks=callbacks() if callbacks else [],
         )
-        self.handoff = handoff.Handoff.remote()
+        self.handoff = handoff.start()
         self.bar = progress.TrainBar([], 0).__enter__()  # the plan's step counts are set when it is handed over
         self._thread = threading.Thread(target=self._fit, args=(launch,), name="rayflux-trainer", daemon=True)
         phases.mark("train_launch")
