@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rayflux.testing import world
-from rayflux.testing.images import RGB, SHAPES, draw
+from rayflux.testing.images import RGB, SHAPES
 
 SIDE = 64
 """Pictures are read at 64x64: shape and colour survive, and the network stays tiny."""
@@ -59,17 +59,13 @@ def _through_vae(vae, images) -> list:
     """``images`` encoded and decoded by ``vae`` (its mode), as a render's last step decodes."""
     from PIL import Image
 
-    x = torch.stack([_full(im) for im in images])
+    from rayflux.quality.pretrain import _pixels
+
+    x = _pixels(images)  # one size per call: the batch's
     with torch.no_grad():
         y = vae.decode(vae.encode(x).latent_dist.mode()).sample.clamp(-1, 1)
     arr = ((y.permute(0, 2, 3, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
     return [Image.fromarray(a) for a in arr]
-
-
-def _full(im) -> torch.Tensor:
-    import numpy as np
-
-    return torch.from_numpy(np.array(im, dtype=np.uint8)).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
 @dataclass
@@ -146,8 +142,3 @@ def read(model: WorldClassifier, images) -> list[tuple[str, str]]:
     """``(shape, colour)`` the classifier sees in each picture."""
     ps, pc = model(pixels(images))
     return [(SHAPES[i], COLOURS[j]) for i, j in zip(ps.argmax(1).tolist(), pc.argmax(1).tolist())]
-
-
-def drawn(colour: str, shape: str, background: str, seed: int, size=(128, 128)):
-    """A world picture, for checks of the classifier itself."""
-    return draw(size[0], size[1], colour, shape, background, seed=seed)
