@@ -45,18 +45,20 @@ def where(request, tmp_path):
 
 
 def test_two_jobs_at_once_get_one_lease(where):
-    start_at = time.time() + 2.0  # both processes have imported rayflux by then
-    procs = [_holder(where, 1.0, start_at, 3.0) for _ in range(2)]
+    # A 3 s lease held for 7 s: its heartbeat (every 0.75 s) must be 2.25 s late before the test's take-over could
+    # win, which a loaded CI machine (three test processes on two cores) did with a 1 s lease.
+    start_at = time.time() + 3.0  # both processes have imported rayflux by then
+    procs = [_holder(where, 3.0, start_at, 7.0) for _ in range(2)]
     lines = [p.stdout.readline() for p in procs]
     assert sorted(line.split(" ", 1)[0].strip() for line in lines) == ["acquired", "refused:"], lines
     winner = procs[0] if lines[0].startswith("acquired") else procs[1]
     refusal = next(line for line in lines if line.startswith("refused:"))
     # One line: who holds it, since when, and how to take over.
     assert f"pid {winner.pid}" in refusal and "since" in refusal and f"delete {where}/lease.json" in refusal
-    # Two expiry times later the winner still holds it: its heartbeat renews it.
-    time.sleep(2.0)
+    # One and a half expiry times later the winner still holds it: its heartbeat renews it.
+    time.sleep(4.5)
     with pytest.raises(lease.LeaseHeld, match=f"pid {winner.pid}"):
-        lease.Lease(where, "run.output_dir", 1.0).acquire()
+        lease.Lease(where, "run.output_dir", 3.0).acquire()
     for p in procs:
         p.wait(timeout=30)
     assert sorted(p.returncode for p in procs) == [0, 3], [p.stderr.read() for p in procs]
