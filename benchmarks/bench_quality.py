@@ -58,6 +58,11 @@ ROWS: dict[str, tuple[list[str], str, str]] = {
     "bias_content": (["train.flow.timestep_bias=content"], "lora", "plain"),
     "bias_style": (["train.flow.timestep_bias=style"], "lora", "plain"),
     "sigma_auto": (["train.flow.sigma_sampling=auto"], "lora", "plain"),
+    "plain_30": (["train.max_steps=30"], "lora", "plain"),  # plain LoRA stopped early: preservation at equal concept
+    "sigma_logit_normal": (["train.flow.sigma_sampling=logit_normal"], "lora", "plain"),  # the default before auto
+    # TREAD at the plain row's wall time: its step took 35.4 ms against plain's 65.6 ms on the world base (median of
+    # 40 steps each, 2 CPU cores, 2026-11-28), so it gets 40 x 65.6 / 35.4 = 74 steps.
+    "tread_equal_time": (["train.token_routing=0.5:1-2", "train.max_steps=74"], "lora", "plain"),
     "lora_plus_4": (["train.optim.lora_plus_ratio=4"], "lora", "plain"),
     "lora_plus_16": (["train.optim.lora_plus_ratio=16"], "lora", "plain"),
     "targets_ffs": (["train.adapter.targets=attention+ffs"], "lora", "plain"),

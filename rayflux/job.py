@@ -19,7 +19,7 @@ from rayflux.connect import connect
 from rayflux.config import ConfigError, JobConfig, refresh_interval
 from rayflux.config.placement import Cluster, validate_for_cluster
 from rayflux.generation_stages import GenerationStages
-from rayflux.ledger import Ledger
+from rayflux.ledger import ConfigChanged, Ledger
 from rayflux.summary import Summary, account
 
 log = logging.getLogger("rayflux")
@@ -72,6 +72,35 @@ def run_identity(cfg: JobConfig) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+SIGMA_DEFAULT_BEFORE = "logit_normal"
+"""``train.flow.sigma_sampling``'s default until ``auto`` (each family's own schedule) took its place."""
+
+
+def open_ledger(cfg: JobConfig, output: str, held: lease.Lease) -> Ledger:
+    """The run directory's ledger. A run started while ``logit_normal`` was the default σ schedule holds that
+    schedule in its identity: continued at the ``auto`` default it would be refused as another run, so it goes on
+    with the schedule it started with (one line says so) rather than fail the rerun an upgrade came between."""
+    try:
+        return Ledger(output, run_identity(cfg), guard=held.check)
+    except ConfigChanged as changed:
+        flow = cfg.train.flow
+        if flow.sigma_sampling != "auto":
+            raise
+        flow.sigma_sampling = SIGMA_DEFAULT_BEFORE
+        try:
+            ledger = Ledger(output, run_identity(cfg), guard=held.check)
+        except ConfigChanged:
+            flow.sigma_sampling = "auto"
+            raise changed from None
+    log.warning(
+        "run.output_dir %s: continuing with train.flow.sigma_sampling=%s, the schedule the run started with "
+        "(the default is now auto, each model family's own)",
+        output,
+        SIGMA_DEFAULT_BEFORE,
+    )
+    return ledger
+
+
 def run(cfg: JobConfig, only: str = "", trainer_callbacks: Callable[[], list] | None = None) -> Summary:
     """Run the job's stages. ``only="cache"`` stops after building the first cache generation.
     ``trainer_callbacks``: makes extra Ray Train callbacks for each trainer run (a sweep's trial: its Tune reports)."""
@@ -104,7 +133,7 @@ def _run_stages(cfg: JobConfig, only: str, cache_root: str, output: str, held: l
     warning = models.training_warning(cfg.model)
     if warning:
         log.warning(warning)
-    ledger = Ledger(output, run_identity(cfg), guard=held.check)
+    ledger = open_ledger(cfg, output, held)
     summary.ledger = ledger.path
     gpus = _start_ray(cfg, only, summary)
     stages = GenerationStages(cfg, facts, ledger, cache_root, gpus, summary)

@@ -19,8 +19,10 @@ from rayflux.job import run_identity
 from rayflux.sweep import config as sweep_config
 from rayflux.sweep.driver import _fingerprint
 
+# The σ schedule's default was logit_normal when these were recorded (it is auto since issue 45): the cases that
+# left it at its default spell that default out, as the ledger of a run started then holds it.
 CASES = {
-    "default": [],
+    "default": ["train.sigma_sampling=logit_normal"],
     "a": [
         "train.learning_rate=3e-4",
         "train.rank=16",
@@ -43,6 +45,7 @@ CASES = {
         "data.eval_samples=2",
     ],
     "b": [
+        "train.sigma_sampling=logit_normal",
         "train.adapter=lokr",
         "train.output_format=kohya",
         "train.optimizer=adafactor",
@@ -208,3 +211,29 @@ def test_every_moved_field_names_an_old_key_no_other_field_has():
         assert len(keys) == len(set(keys)), section
         for path, f, _ in leaves(cls):
             assert "." not in path or identity.OLD_KEY in f.metadata, f"{section}.{path} names no old key"
+
+
+def test_a_run_started_at_the_old_default_schedule_continues_with_it(tmp_path, caplog):
+    """A run directory whose ledger holds the identity of the old default (logit_normal) is continued with that
+    schedule by a config that leaves the σ schedule at today's default (auto), and says so; any other difference is
+    still refused, naming the config as it was given."""
+    from rayflux import job, lease
+    from rayflux.ledger import ConfigChanged, Ledger
+
+    def fresh(*sets):
+        return config.load(None, ["data.images_dir=/data/images", *sets])
+
+    out = str(tmp_path / "run")
+    Ledger(out, run_identity(fresh("train.flow.sigma_sampling=logit_normal")))._save()
+    with lease.Lease(out, "run.output_dir", 60.0) as held:
+        cfg = fresh()
+        assert cfg.train.flow.sigma_sampling == "auto"
+        job.open_ledger(cfg, out, held)
+        assert cfg.train.flow.sigma_sampling == "logit_normal"
+        assert "continuing with train.flow.sigma_sampling=logit_normal" in caplog.text
+        other = fresh("train.seed=7")
+        with pytest.raises(ConfigChanged, match=run_identity(other)):
+            job.open_ledger(other, out, held)
+        assert other.train.flow.sigma_sampling == "auto"
+        with pytest.raises(ConfigChanged):  # an explicit schedule is never swapped
+            job.open_ledger(fresh("train.flow.sigma_sampling=uniform"), out, held)

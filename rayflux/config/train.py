@@ -172,12 +172,14 @@ class FlowConfig:
     """Guidance value fed to guidance-distilled models (ignored when the model has no guidance embedding)."""
     guidance_max: float = field(default=0.0, metadata=moved(TRAINED, "guidance_max"))
     """When above ``guidance``, each sample's guidance is drawn uniformly from [guidance, guidance_max]."""
-    sigma_sampling: str = field(default="logit_normal", metadata=moved(TRAINED, "sigma_sampling"))
+    sigma_sampling: str = field(default="auto", metadata=moved(TRAINED, "sigma_sampling"))
     """How σ is drawn: ``logit_normal``, ``uniform``, ``sigmoid``, ``shift``, ``flux_shift`` (a logit-normal draw
     shifted as FLUX.1's pipelines shift their schedule, by a μ linear in the image's token count, from the model's
     ``scheduler_config.json``), ``flux2_shift`` (the same with FLUX.2's pipelines' μ, fitted in the token count and
     the model's denoising steps: 4 for step-distilled [klein], else 50) or ``auto`` (the model family's own
-    pipeline's: ``flux2_shift`` for FLUX.2, ``flux_shift`` for FLUX.1 and Kontext)."""
+    pipeline's: ``flux2_shift`` for FLUX.2, ``flux_shift`` for FLUX.1 and Kontext; the default). Before ``auto`` was
+    the default it was ``logit_normal``: a run directory started then keeps that schedule when it is continued
+    (:func:`rayflux.job.open_ledger`)."""
     logit_mean: float = field(default=0.0, metadata=moved(TRAINED, "logit_mean"))
     """Mean of the normal behind ``logit_normal``."""
     logit_std: float = field(default=1.0, metadata=moved(TRAINED, "logit_std"))
