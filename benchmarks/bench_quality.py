@@ -146,6 +146,9 @@ def concept_rows(args, work: Path, sets: dict, looker=None) -> list[dict]:
                 "drift": world_score.drift(model, plain, sets["prior"]),
                 "seconds": round(secs, 1),
             }
+            # What the LoRA learned of the concept beyond what it did to the world in general: its spread over seeds
+            # is a tenth of ``concept``'s on world base v2 (docs/quality.md, "The CI test").
+            row["specific"] = row["concept"] / row["prior"]
             if looker is not None:
                 row.update(looker(model, concept))
             print(json.dumps(row), flush=True)
@@ -254,7 +257,7 @@ def main() -> int:
     if base_looks:
         print(f"base (no LoRA): {json.dumps(base_looks)}")
     if concept:
-        print(table(concept, ("concept", "prior", "drift", *(LOOKS if looker else ()), "seconds")))
+        print(table(concept, ("concept", "prior", "specific", "drift", *(LOOKS if looker else ()), "seconds")))
     if edits:
         print(table(edits, ("right_ref", "shuffled_ref", "seconds")))
     for name, why in SKIPPED.items():
