@@ -167,8 +167,8 @@ def test_a_node_lost_while_the_early_group_waits_for_the_cache_stage(cluster, ti
             assert _node_of(cluster, restarted) in cluster.worker_nodes and handoff.is_running()
             assert not _marked(marks, "handoff")  # nothing was handed over yet
         finally:
+            released = time.time()  # before the release: the cache stage cannot start building sooner
             held.release()  # the cache stage builds and commits generation 0 only now
-        released = time.time()
         assert job.wait(timeout=PHASE_S) == 0, (tmp_path / "job.log").read_text()[-4000:]
     finally:
         if job.poll() is None:
