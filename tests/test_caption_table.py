@@ -87,3 +87,44 @@ def test_a_commit_streams_the_kept_rows_and_the_parts_in_row_groups(tmp_path, mo
     fs, inner = storage.resolve(f"{gdir}/{table.TABLE_FILE}")
     with fs.open_input_file(inner) as f:
         assert pq.ParquetFile(f).metadata.num_row_groups == 2  # (0, 2) then (3, 9, x): 2 rows or more each
+
+
+def test_the_plan_writes_only_the_new_and_changed_images_as_todo_files_and_the_commit_keeps_the_rest(
+    tmp_path, monkeypatch
+):
+    """The stage's plan and commit tasks, called here as plain functions: an image listed with its committed
+    stamp is kept unread, a touched or new one goes to the todo files (a killed run's stale one removed), an image
+    no longer listed leaves the table."""
+    from rayflux import config
+    from rayflux.caption import plan, worker
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        (images / name).write_bytes(name.encode())
+    st = {n: (images / n).stat() for n in ("a.png", "b.png")}
+    cfg = config.load(None, [f"data.images_dir={images}", "data.caption_strategy=vlm"])
+    cdir = str(tmp_path / "c")
+    stamp = {n: f"{s.st_size}:{s.st_mtime_ns}" for n, s in st.items()}
+    old = _rows(
+        ("", "a.png", stamp["a.png"], "ha", "an a", ""),
+        ("", "b.png", f"{st['b.png'].st_size}:1", "hb", "a b", ""),
+        ("", "gone.png", "1:2", "hg", "gone", ""),
+    )
+    first = table.commit(cdir, old, {}, {})
+    stale = tmp_path / "c" / plan.TODO_DIR / "000000-dead.parquet"
+    stale.parent.mkdir()
+    stale.write_bytes(b"a killed run's")
+    monkeypatch.setattr(plan, "TODO_ROWS", 1)  # a file per image
+    found, kept = plan.plan(cfg, cdir, {"": "all"})
+    assert (found.fresh, found.kept, found.old_rows, found.previous) == (2, 1, 3, first)
+    assert kept.to_pylist() == [True, False, False] and not found.unchanged() and not stale.exists()
+    todo = [pq.read_table(p).cast(worker.TODO).to_pylist() for p in found.todo]
+    assert [[r["rel_path"] for r in rows] for rows in todo] == [["b.png"], ["c.png"]]
+    made = [(r["dataset"], r["rel_path"], r["stamp"], f"h{r['rel_path'][0]}", "new", "") for rows in todo for r in rows]
+    part = table.write_part(cdir, _part(*made))
+    gdir = plan.commit(cdir, found, kept, [part], {}, {})
+    assert [r["rel_path"] for r in table.read_table(gdir).to_pylist()] == ["a.png", "b.png", "c.png"]
+    assert not table.part_paths(cdir) and not list(stale.parent.iterdir())
+    again, _ = plan.plan(cfg, cdir, {"": "all"})
+    assert again.unchanged() and not again.todo  # the rerun: every listed image known by its stamp

@@ -1,11 +1,12 @@
 """The caption stage: before the cache stage, a Ray Data actor pool captions the images that need a VLM caption.
 
-The driver lists the datasets (Arrow, as discovery does), keeps the images whose path and ``size:mtime`` the
-captioner's newest committed table already holds, and hands the rest to the pipeline: CPU tasks read and hash each
-image, and the captioner actors caption the content hashes they do not know yet (each batch's captions written as a
-part file before it returns). The stage then commits the table and prints one line, ``captions: captioned N, reused
-M`` (M: captions reused from earlier runs, plus, with ``missing_caption=vlm``, images taken from their own caption).
-Nothing is done per image on the driver but Arrow compute over whole columns.
+A task lists the datasets (as discovery does), keeps the images whose path and ``size:mtime`` the captioner's
+newest committed table already holds, and writes the rest as todo files (:func:`rayflux.caption.plan.plan`). The
+pipeline reads them: CPU tasks read and hash each image, and the captioner actors caption the content hashes they do
+not know yet (each batch's captions written as a part file before it returns). A second task commits the table
+(:func:`rayflux.caption.plan.commit`), and the stage prints one line, ``captions: captioned N, reused M`` (M:
+captions reused from earlier runs, plus, with ``missing_caption=vlm``, images taken from their own caption). The
+driver holds counts, the todo files' paths and a row per captioner batch: nothing per image.
 
 The pool runs to its end before the cache stage starts, so the captioner's GPUs are free before any encoder loads;
 and it runs only here, from the job's driver, never in a training worker.
@@ -17,16 +18,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rayflux import allocator, datasets, lease
-from rayflux.caption import fit, table, worker
+from rayflux import allocator, datasets, lease, storage
+from rayflux.caption import fit, plan, table, worker
 from rayflux.caption.identity import Captioner, captioner
 from rayflux.config import JobConfig
 from rayflux.config.placement import Cluster, place
-from rayflux.discovery import listing
 
 log = logging.getLogger("rayflux")
 STAGE = "caption"
@@ -98,82 +97,45 @@ def run(cfg: JobConfig, cache_root: str, cluster_gpus: bool, ledger=None, summar
 
 
 def _caption(cfg: JobConfig, cap: Captioner, cdir: str, wanted: dict[str, str], gpu: bool) -> Outcome:
-    todo, taken, roots = _listed(cfg, wanted)
-    previous = table.latest(cdir)
-    # The earlier table's paths and stamps only: its captions are streamed into the commit, never held here.
-    columns = ["rel_path", "stamp", "skip_reason"]
-    old = table.read_table(previous[0], columns) if previous else table.TABLE.empty_table().select(columns)
-    kept, todo = _split(todo, old)
-    fresh = todo.num_rows
-    batches = _pipeline(cfg, cap, cdir, (todo, roots), gpu) if fresh else worker.DONE.empty_table()
-    del todo
-    n_kept = pc.sum(kept).as_py() or 0
+    ref, kept = _task(plan.plan, 2).remote(cfg, cdir, wanted)
+    found: plan.Plan = _get(ref)
+    batches = _pipeline(cfg, cap, cdir, found, gpu) if found.fresh else worker.DONE.empty_table()
     captioned = pc.sum(batches["captioned"]).as_py() or 0
-    skipped = pc.sum(pc.not_equal(pc.filter(old["skip_reason"], kept), "")).as_py() or 0
-    skipped += pc.sum(batches["skipped"]).as_py() or 0
-    rows = n_kept + (pc.sum(batches["rows"]).as_py() or 0)
-    counts = {"captioned": captioned, "reused": rows - captioned - skipped + taken, "skipped": skipped}
-    if previous and not fresh and n_kept == old.num_rows:
-        gdir = previous[0]  # nothing new or changed: the committed table is this run's
+    skipped = found.kept_skipped + (pc.sum(batches["skipped"]).as_py() or 0)
+    rows = found.kept + (pc.sum(batches["rows"]).as_py() or 0)
+    counts = {"captioned": captioned, "reused": rows - captioned - skipped + found.taken, "skipped": skipped}
+    if found.unchanged():
+        gdir = found.previous  # nothing new or changed: the committed table is this run's
     else:
-        pieces = _pieces(previous[0] if previous else None, kept, batches["part"].to_pylist())
-        gdir = table.commit(cdir, pieces, counts, {"id": cap.id, "model": cap.model, "prompt": cap.prompt})
-        table.drop_parts(cdir)
+        who = {"id": cap.id, "model": cap.model, "prompt": cap.prompt}
+        gdir = _get(_task(plan.commit).remote(cdir, found, kept, batches["part"].to_pylist(), counts, who))
     return Outcome(**counts, dir=gdir, captions=table.Committed(gdir, wanted, cfg.caption.prefix))
 
 
-def _pieces(previous: str | None, kept: pa.Array, parts: list[str]):
-    """The committed table's rows, a piece at a time: the earlier table's rows that ``kept`` marks, then the rows of
-    this run's part files (only those its batches returned: a killed actor's part is known, not committed twice)."""
-    if previous is not None and len(kept):
-        yield from table.read_kept(previous, kept)
-    for path in parts:
-        yield table.read_part(path)
+def _task(fn, num_returns: int = 1):
+    """``fn`` as a Ray task on the driver's node where it has room (the listing reads what the driver would)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(fn).options(num_cpus=plan.CPUS, num_returns=num_returns, scheduling_strategy=here)
 
 
-def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int, dict[str, tuple[str, int]]]:
-    """The images to caption (:data:`rayflux.caption.worker.TODO` rows) of every captioned dataset, how many of
-    their listed images have a caption of their own (``missing_caption=vlm``), and each dataset's root
-    (:func:`rayflux.caption.worker.read_images`)."""
-    prefix = datasets.prefixes_paths(cfg.data)
-    parts, taken, roots = [worker.TODO.empty_table()], 0, {}
-    for ds in datasets.datasets_of(cfg.data):
-        key = datasets.key(cfg.data, ds)
-        if key not in wanted:
-            continue
-        ls = listing.list_dataset(ds, key, prefix)
-        roots[key] = ls.root()
-        rows = ls.table
-        if wanted[key] == "missing":
-            own = pc.or_(pc.not_equal(rows["sidecar"], ""), pc.greater(pc.list_value_length(rows["options"]), 0))
-            taken += pc.sum(own).as_py() or 0
-            rows = rows.filter(pc.invert(own))
-        parts.append(
-            pa.table(
-                [rows["dataset"], rows["rel_path"], listing.stamps(rows)],
-                schema=worker.TODO,
-            )
-        )
-    return pa.concat_tables(parts).combine_chunks(), taken, roots
+def _get(ref):
+    """A task's result; a failure of its own (a dataset that cannot be listed) raised as itself."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, Exception):
+            raise exc.cause from None
+        raise
 
 
-def _split(todo: pa.Table, old: pa.Table) -> tuple[pa.Array, pa.Table]:
-    """(which rows of the earlier table are of images listed again with the same path and known ``size:mtime``, the
-    images still to read): an unchanged file is not read again. ``old``: the earlier table's paths and stamps."""
-    if not old.num_rows or not todo.num_rows:
-        return pa.array(np.zeros(old.num_rows, dtype=bool)), todo
-    at = pc.index_in(todo["rel_path"], value_set=old["rel_path"].combine_chunks())
-    stamp = pc.take(old["stamp"], pc.fill_null(at, 0))
-    same = pc.and_(pc.is_valid(at), pc.equal(stamp, todo["stamp"]))
-    same = pc.fill_null(pc.and_(same, pc.invert(pc.ends_with(todo["stamp"], ":0"))), False)
-    kept = np.zeros(old.num_rows, dtype=bool)
-    kept[pc.filter(at, same).to_numpy()] = True
-    return pa.array(kept), todo.filter(pc.invert(same))
-
-
-def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: tuple[pa.Table, dict], gpu: bool) -> pa.Table:
-    """Read, hash and caption ``todo`` (its rows and its datasets' roots) in a Ray Data pipeline: a
-    :data:`rayflux.caption.worker.DONE` row per batch."""
+def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, found: plan.Plan, gpu: bool) -> pa.Table:
+    """Read, hash and caption the plan's todo files in a Ray Data pipeline: a :data:`rayflux.caption.worker.DONE`
+    row per batch."""
     import ray
     from ray.data import ActorPoolStrategy
 
@@ -183,11 +145,12 @@ def _pipeline(cfg: JobConfig, cap: Captioner, cdir: str, todo: tuple[pa.Table, d
     memory = fit.Memory.of_cluster(gpu, c)
     pool = fit.size(c, gpu, fit.needed_bytes(cap.model, cap.dtype), Capacity.of_cluster(), memory, cap.dtype)
     log.info("captioner: %s per actor, %d actors (%s)", pool.resources, pool.actors, cap.model)
-    rows, roots = todo
-    ds = ray.data.from_arrow(rows)
+    fs, _ = storage.resolve(found.todo[0])
+    paths = [storage.resolve(p)[1] for p in found.todo]
+    ds = ray.data.read_parquet(paths, filesystem=fs, partitioning=None, num_cpus=PREPARE_CPUS)
     ds = ds.map_batches(
         worker.read_images,
-        fn_kwargs={"roots": roots},
+        fn_kwargs={"roots": found.roots},
         batch_size=c.batch_size,
         batch_format="pyarrow",
         num_cpus=PREPARE_CPUS,

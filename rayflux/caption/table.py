@@ -90,7 +90,7 @@ def read_table(gdir: str, columns: list[str] | None = None) -> pa.Table:
 def write_part(cdir: str, rows: pa.Table) -> str:
     """One batch's :data:`PART` rows as a part file, atomically; its path."""
     path = storage.join(cdir, PARTS, f"{os.urandom(8).hex()}.parquet")
-    storage.write_bytes_atomic(path, _parquet(rows.cast(PART)))
+    storage.write_bytes_atomic(path, parquet_bytes(rows.cast(PART)))
     return path
 
 
@@ -163,7 +163,12 @@ def commit(cdir: str, pieces: pa.Table | Iterable[pa.Table], counts: dict, capti
 def drop_parts(cdir: str) -> None:
     """Remove the part files once a commit holds what they hold (called under the captioner's lease, after the
     pipeline: no actor writes or reads them any more). A part of an image no longer listed goes with them."""
-    fs, inner = storage.resolve(storage.join(cdir, PARTS))
+    drop_files(storage.join(cdir, PARTS))
+
+
+def drop_files(folder: str) -> None:
+    """Remove the files of ``folder`` (none when it does not exist)."""
+    fs, inner = storage.resolve(folder)
     for info in fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True)):
         if info.type == pafs.FileType.File:
             fs.delete_file(info.path)
@@ -198,7 +203,7 @@ def _flush(out: pq.ParquetWriter, group: list[pa.Table]) -> int:
     return table.num_rows
 
 
-def _parquet(table: pa.Table) -> bytes:
+def parquet_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
