@@ -20,10 +20,11 @@ def _part(*rows) -> pa.Table:
 
 
 def _listed(*rows) -> pa.Table:
-    """(rel_path, sidecar, options) listed rows."""
+    """(rel_path, sidecar, options[, the sidecar's size:mtime stamp]) listed rows."""
     out = []
-    for rel, sidecar, options in rows:
-        out.append({n: None for n in LISTED.names} | {"rel_path": rel, "sidecar": sidecar, "options": options})
+    for rel, sidecar, options, *stamp in rows:
+        row = {"rel_path": rel, "sidecar": sidecar, "options": options, "sidecar_stamp": (stamp or ["9:1"])[0]}
+        out.append({n: None for n in LISTED.names} | row)
     return pa.Table.from_pylist(out, schema=LISTED)
 
 
@@ -128,3 +129,27 @@ def test_the_plan_writes_only_the_new_and_changed_images_as_todo_files_and_the_c
     assert not table.part_paths(cdir) and not list(stale.parent.iterdir())
     again, _ = plan.plan(cfg, cdir, {"": "all"})
     assert again.unchanged() and not again.todo  # the rerun: every listed image known by its stamp
+
+
+def test_an_empty_caption_file_is_no_caption_for_missing_caption_vlm(tmp_path):
+    """missing_caption=vlm: an image whose caption file is empty (0 bytes, told by its listing) is captioned by the VLM
+    like one without a file, and its empty file is not read afterwards; a caption file with text keeps its own."""
+    from rayflux import config
+    from rayflux.caption import plan, worker
+
+    gdir = table.commit(str(tmp_path / "c0"), _rows(("", "e.png", "1:2", "he", "a star", "")), {}, {})
+    listed = _listed(("e.png", "e.txt", [], "0:7"), ("t.png", "t.txt", [], "5:7"))
+    missing = table.Committed(gdir, {"": "missing"}).attach("", listed)
+    assert missing["options"].to_pylist() == [["a star"], []]
+    assert missing["sidecar"].to_pylist() == ["", "t.txt"]  # settling reads only t.txt
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("own.png", "empty.png", "none.png"):
+        (images / name).write_bytes(name.encode())
+    (images / "own.txt").write_text("its own caption")
+    (images / "empty.txt").write_bytes(b"")
+    cfg = config.load(None, [f"data.images_dir={images}", "data.missing_caption=vlm"])
+    found, _ = plan.plan(cfg, str(tmp_path / "c"), {"": "missing"})
+    todo = [r["rel_path"] for p in found.todo for r in pq.read_table(p).cast(worker.TODO).to_pylist()]
+    assert sorted(todo) == ["empty.png", "none.png"] and found.taken == 1

@@ -130,7 +130,7 @@ def _listed(cfg: JobConfig, wanted: dict[str, str]) -> tuple[pa.Table, int, dict
         roots[key] = ls.root()
         rows = ls.table
         if wanted[key] == "missing":
-            own = pc.or_(pc.not_equal(rows["sidecar"], ""), pc.greater(pc.list_value_length(rows["options"]), 0))
+            own = table.own_caption(rows)
             taken += pc.sum(own).as_py() or 0
             rows = rows.filter(pc.invert(own))
         parts.append(pa.table([rows["dataset"], rows["rel_path"], listing.stamps(rows)], schema=worker.TODO))

@@ -209,6 +209,18 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+def own_caption(listed: pa.Table) -> pa.Array:
+    """Which listed images (:data:`rayflux.discovery.listing.LISTED` rows) have a caption of their own, for
+    ``missing_caption=vlm``: another strategy's option, or a caption file with bytes in it. An empty caption file (0
+    bytes by its listing's ``size:mtime`` stamp, so no read is needed to tell) is no caption: the VLM captions that
+    image, as a user who made placeholder files for the images still to caption expects."""
+    has_file = pc.and_(
+        pc.not_equal(listed["sidecar"], ""),
+        pc.invert(pc.fill_null(pc.starts_with(listed["sidecar_stamp"], "0:"), False)),
+    )
+    return pc.or_(has_file, pc.greater(pc.list_value_length(listed["options"]), 0))
+
+
 class Committed:
     """A committed captions table as the cache's discovery reads it: each listed image of a captioned dataset gets
     its VLM caption as its caption option, as a sidecar's lines would give it.
@@ -242,8 +254,10 @@ class Committed:
         at = pc.index_in(listed["rel_path"], value_set=self.paths)
         wanted = pc.is_valid(at)
         if mode == "missing":
-            own = pc.or_(pc.not_equal(listed["sidecar"], ""), pc.greater(pc.list_value_length(listed["options"]), 0))
-            wanted = pc.and_(wanted, pc.invert(own))
+            wanted = pc.and_(wanted, pc.invert(own_caption(listed)))
+            # An empty caption file it replaces is not read afterwards (it would give the image no caption again).
+            sidecar = pc.if_else(wanted, "", listed["sidecar"])
+            listed = listed.set_column(listed.schema.get_field_index("sidecar"), "sidecar", sidecar)
         n = listed.num_rows
         found = pc.take(self.captions, pc.fill_null(at, 0)) if len(self.paths) else pa.nulls(n, pa.string())
         if isinstance(found, pa.ChunkedArray):
