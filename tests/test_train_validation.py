@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from rayflux import config, memory, models
@@ -102,3 +103,34 @@ def test_the_render_actor_goes_where_the_cluster_has_room():
     assert choose(True, 3) == ({"CPU": 1, "GPU": 1}, 0.0)  # a spare GPU beside the 2 workers'
     assert choose(True, 2) == ({"CPU": 1, "GPU": 0.25}, 0.25)  # no room: a quarter of each training GPU
     assert choose(True, 2, 'train.validation.resources={"CPU": 0.5}') == ({"CPU": 0.5}, 0.0)
+
+
+def test_true_cfg_renders_what_the_pipeline_guides_and_refuses_a_scale_that_does_nothing(tiny_model):
+    """``train.validation.true_cfg`` with a negative prompt draws what ``FluxPipeline`` draws with that
+    ``true_cfg_scale`` and ``negative_prompt``, and differs from the unguided render."""
+    from diffusers import FluxPipeline
+
+    sets = [f"model.path={tiny_model}", "data.resolution=64", "train.validation.inference_steps=2"]
+    sets.append(f"train.validation.prompts={PROMPTS[:1]}")
+    guided = config.load(None, [*sets, "train.validation.true_cfg=4", "train.validation.negative_prompt=a green ring"])
+    transformer = models.load_transformer(guided.model, "cpu", torch.float32)
+    image = np.asarray(validation.render(transformer, guided, "cpu", torch.float32)[0])
+    plain = np.asarray(validation.render(transformer, config.load(None, sets), "cpu", torch.float32)[0])
+
+    pipe = FluxPipeline.from_pretrained(str(tiny_model), transformer=transformer, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    full = pipe(
+        PROMPTS[0],
+        negative_prompt="a green ring",
+        true_cfg_scale=4.0,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=3.5,
+        max_sequence_length=models.model_facts(guided.model).text_length,
+        generator=torch.Generator().manual_seed(0),
+    ).images[0]
+    np.testing.assert_array_equal(image, np.asarray(full))
+    assert not np.array_equal(image, plain)
+    with pytest.raises(config.ConfigError, match="true_cfg must be 0 .off. or above 1"):
+        config.load(None, [*sets, "train.validation.true_cfg=0.5"])

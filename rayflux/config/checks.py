@@ -208,6 +208,9 @@ def _value(cfg: JobConfig, section: str, path: str):
 
 def _check_validation(cfg: JobConfig) -> None:
     """Validation prompts and their reference images."""
+    true_cfg = cfg.train.validation.true_cfg
+    if true_cfg != 0 and not true_cfg > 1:  # diffusers guides only above 1: a smaller scale would do nothing
+        raise ConfigError(f"train.validation.true_cfg must be 0 (off) or above 1, got {true_cfg}")
     prompts = cfg.train.validation.prompts
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(f"train.validation.prompts must be a YAML list of strings, e.g. ['a cat']; got {prompts!r}")

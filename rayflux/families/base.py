@@ -205,6 +205,14 @@ class Family(ABC):
         ``images`` (PIL, already at the render's size)."""
         raise ValueError(f"{', '.join(self.pipelines.values())} takes no reference images")
 
+    def true_cfg_kwargs(self, negative: dict, scale: float) -> dict:
+        """The pipeline call's keyword arguments for ``train.validation.true_cfg``: classifier-free guidance by
+        ``scale`` away from the ``negative`` prompt's embeddings (one :meth:`prompt_embeddings` entry)."""
+        raise ValueError(
+            f"train.validation.true_cfg: {', '.join(self.pipelines.values())} takes no true classifier-free guidance "
+            "(FLUX.2 [klein] base guides against the empty prompt with train.validation.guidance)"
+        )
+
     def validation_settings(self, path: str, kw: dict) -> tuple[int, float]:
         """``(denoising steps, guidance scale)`` a validation render of the model at ``path`` takes when
         ``train.validation.inference_steps`` / ``train.validation.guidance`` are 0 (``kw``: ``from_pretrained``'s

@@ -253,6 +253,15 @@ class Flux1(Family):
                 out.append({"prompt_embeds": e.clone(), "pooled_prompt_embeds": pooled.clone()})
         return out
 
+    def true_cfg_kwargs(self, negative, scale):
+        """diffusers' true CFG: FluxPipeline and FluxKontextPipeline run the negative prompt's prediction beside the
+        prompt's at every step when ``true_cfg_scale`` > 1 and negative embeddings are given."""
+        return {
+            "negative_prompt_embeds": negative["prompt_embeds"],
+            "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"],
+            "true_cfg_scale": scale,
+        }
+
     def render_pipeline(self, path: str, kw: dict, scheduler, vae, transformer):
         return self.pipeline_class()(
             scheduler=scheduler,

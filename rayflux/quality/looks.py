@@ -18,7 +18,7 @@ import torch
 
 from rayflux.quality.classify import WorldClassifier, read
 from rayflux.testing import world
-from rayflux.testing.world_base import WORLD_TEXT_TOKENS
+from rayflux.testing.world_base import WORLD_TEXT_TOKENS, render_guidance
 
 RENDER_SEED = 31337
 
@@ -40,17 +40,23 @@ def prompts(kind: str, count: int) -> list[Prompt]:
     return [Prompt(s.caption, s.shape, s.colour) for s in scenes]
 
 
-def render(base: str | Path, transformer, texts: list[str], steps: int = 20, size: int = 128) -> list:
+def render(
+    base: str | Path, transformer, texts: list[str], steps: int = 20, size: int = 128, true_cfg: float | None = None
+) -> list:
     """One picture per prompt from the base's pipeline with ``transformer`` (the base's, or one with a LoRA);
-    prompt ``i`` starts from seed ``RENDER_SEED + i``."""
+    prompt ``i`` starts from seed ``RENDER_SEED + i``. ``true_cfg``: classifier-free guidance away from the empty
+    caption (None: the base's own, :func:`rayflux.testing.world_base.render_guidance`; 0: none)."""
     from rayflux.families import Flux1
 
     pipe = Flux1().pipeline_class().from_pretrained(str(base), transformer=transformer, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    scale = render_guidance(base) if true_cfg is None else true_cfg
+    guide = {"negative_prompt": "", "true_cfg_scale": scale} if scale else {}
     images = []
     for i, text in enumerate(texts):
         out = pipe(
             prompt=text,
+            **guide,
             height=size,
             width=size,
             num_inference_steps=steps,

@@ -60,6 +60,18 @@ class PretrainSpec:
     none, the default, so that the shipped base is the same on any machine; a cap makes it depend on the load)."""
     vae_share: float = 0.25
     """Share of ``minutes`` the VAE's training may use before it stops early (with a cap only)."""
+    sigma_sampling: str = "logit_normal"
+    """How the transformer's σ are drawn (a :func:`rayflux.train.flow.sample_sigmas` method). ``logit_normal`` (v2)
+    rarely draws σ near 1, where a render's shape and colours are decided; ``shift`` moves the draws there."""
+    sigma_shift: float = 3.0
+    """The shift of ``sigma_sampling: shift`` (``σ' = sσ/(1+(s-1)σ)``)."""
+    caption_dropout: float = 0.0
+    """Share of samples trained with the empty caption, so that classifier-free guidance has an unconditional
+    prediction to push a render away from."""
+    parts_from: str = ""
+    """An existing base directory whose VAE, text encoders and tokenizers are kept (only the transformer is
+    trained): the VAE's training is skipped, and the CLIP tokenizer (whose token ids no seed fixes) stays the same.
+    Empty: build and train them all."""
 
 
 def base_pipeline():
@@ -170,11 +182,13 @@ def train_vae(vae, spec: PretrainSpec, deadline: float, log) -> dict:
 
 @dataclass
 class Encoded:
-    """The encoded world: stored latents grouped by size, each sample's caption index, and the captions' text."""
+    """The encoded world: stored latents grouped by size, each sample's caption index, the captions' text, and the
+    empty caption's (one row: what caption dropout trains with)."""
 
     latents: dict[tuple[int, int], torch.Tensor]
     captions: dict[tuple[int, int], list[int]]
     text: dict[str, torch.Tensor]
+    empty: dict[str, torch.Tensor]
 
 
 def encode_world(
@@ -193,6 +207,7 @@ def encode_world(
     index = {c: i for i, c in enumerate(unique)}
     encoders = (pipe.tokenizer, pipe.text_encoder, pipe.tokenizer_2, pipe.text_encoder_2)
     text = family.encode_text(encoders, unique, SimpleNamespace(text_length=text_tokens))
+    empty = family.encode_text(encoders, [""], SimpleNamespace(text_length=text_tokens))
     by_size: dict[tuple[int, int], list[tuple[world.Scene, int]]] = {}
     for (scene, size), caption in zip(scenes, texts):
         by_size.setdefault(size, []).append((scene, index[caption]))
@@ -207,7 +222,7 @@ def encode_world(
                 chunks.append(family.stored_latent(pipe.vae, z))
         latents[size] = torch.cat(chunks)
         caps[size] = [c for _, c in group]
-    return Encoded(latents, caps, {k: v.detach() for k, v in text.items()})
+    return Encoded(latents, caps, {k: v.detach() for k, v in text.items()}, {k: v.detach() for k, v in empty.items()})
 
 
 def _scenes(count: int, seed: int) -> list[tuple[world.Scene, tuple[int, int]]]:
@@ -246,9 +261,19 @@ def eval_loss(transformer, enc: Encoded, sigma_count: int = 5) -> float:
     return total / n
 
 
+def _batch_text(enc: Encoded, size, pick: list[int], spec: PretrainSpec, gen: torch.Generator) -> dict:
+    """The text rows of the samples ``pick`` of ``size``; with ``spec.caption_dropout``, each sample's caption is the
+    empty one with that probability (no draw without it, so a base without dropout keeps its random stream)."""
+    text = {k: v[[enc.captions[size][i] for i in pick]] for k, v in enc.text.items()}
+    if spec.caption_dropout > 0:
+        drop = torch.rand(len(pick), generator=gen) < spec.caption_dropout
+        text = {k: torch.where(drop.view(-1, *[1] * (v.dim() - 1)), enc.empty[k], v) for k, v in text.items()}
+    return text
+
+
 def train_transformer(transformer, enc: Encoded, held: Encoded, spec: PretrainSpec, deadline: float, log) -> dict:
-    """Flow-matching pretraining: batches of one size drawn in turn, logit-normal σ, AdamW with warmup and
-    cosine decay. Stops at ``spec.steps`` or at ``deadline`` (``time.monotonic()``)."""
+    """Flow-matching pretraining: batches of one size drawn in turn, σ drawn by ``spec.sigma_sampling``, AdamW with
+    warmup and cosine decay. Stops at ``spec.steps`` or at ``deadline`` (``time.monotonic()``)."""
     from rayflux.train import flow
 
     gen = torch.Generator().manual_seed(WORLD_SEED + 3)
@@ -268,8 +293,8 @@ def train_transformer(transformer, enc: Encoded, held: Encoded, spec: PretrainSp
         lat = enc.latents[size]
         pick = torch.randint(0, lat.shape[0], (spec.batch,), generator=gen)
         x = lat[pick]
-        text = {k: v[[enc.captions[size][i] for i in pick.tolist()]] for k, v in enc.text.items()}
-        sigmas = flow.sample_sigmas(spec.batch, "logit_normal", gen)
+        text = _batch_text(enc, size, pick.tolist(), spec, gen)
+        sigmas = flow.sample_sigmas(spec.batch, spec.sigma_sampling, gen, shift=spec.sigma_shift)
         noise = torch.randn(x.shape, generator=gen)
         loss = flow_loss(transformer, x, text, sigmas, noise).mean()
         opt.zero_grad(set_to_none=True)
@@ -293,7 +318,11 @@ def pretrain(out: Path, spec: PretrainSpec, log=print) -> dict:
     round_fp16(pipe.text_encoder_2)
     record: dict = {"spec": asdict(spec), "seed": WORLD_SEED}
     budget = spec.minutes * 60 if spec.minutes > 0 else float("inf")
-    record.update(train_vae(pipe.vae, spec, begin + budget * spec.vae_share, log))
+    if spec.parts_from:
+        record.update(keep_parts(pipe, Path(spec.parts_from)))
+        log(f"VAE, text encoders and tokenizers from {spec.parts_from}")
+    else:
+        record.update(train_vae(pipe.vae, spec, begin + budget * spec.vae_share, log))
     record["vae_seconds"] = round(time.monotonic() - begin, 1)
     enc = encode_world(pipe, _scenes(spec.images, WORLD_SEED), spec.text_tokens)
     held = encode_world(pipe, _scenes(spec.eval_images, WORLD_SEED + 99), spec.text_tokens)
@@ -307,6 +336,21 @@ def pretrain(out: Path, spec: PretrainSpec, log=print) -> dict:
     pipe.transformer.eval()
     save(pipe, out, record)
     return record
+
+
+def keep_parts(pipe, source: Path) -> dict:
+    """``spec.parts_from``: put ``source``'s VAE, text encoders and tokenizers (frozen) into ``pipe``; returns
+    ``source``'s VAE figures, which still describe the VAE."""
+    from diffusers import FluxPipeline
+
+    kept = FluxPipeline.from_pretrained(str(source), transformer=None, torch_dtype=torch.float32)
+    for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        part = getattr(kept, name)
+        if hasattr(part, "requires_grad_"):
+            part.eval().requires_grad_(False)
+        setattr(pipe, name, part)
+    record = json.loads((source / "world_base.json").read_text())
+    return {k: v for k, v in record.items() if k.startswith("vae_") and k != "vae_seconds"}
 
 
 def save(pipe, out: Path, record: dict) -> None:

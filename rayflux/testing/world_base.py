@@ -34,6 +34,20 @@ def world_base() -> Path:
     return WORLD_BASE
 
 
+TRUE_CFG = 3.0
+"""The classifier-free guidance scale renders of a world base pretrained with caption dropout take
+(:func:`render_guidance`)."""
+
+
+def render_guidance(base: str | Path | None = None) -> float:
+    """The true-CFG scale (``train.validation.true_cfg``) renders of the world base at ``base`` take: :data:`TRUE_CFG`
+    when its record says it was pretrained with caption dropout (it has an unconditional prediction to guide away
+    from), else 0. Base v2 has none: guiding its untrained empty-caption prediction made its renders no better
+    (docs/quality.md, "The world base")."""
+    record = json.loads((Path(base or world_base()) / "world_base.json").read_text())
+    return TRUE_CFG if record.get("spec", {}).get("caption_dropout", 0.0) > 0 else 0.0
+
+
 def write_once(path: Path, stamp: str, write) -> Path:
     """``path`` as ``write(tmp)`` fills it, written once: into a temp directory beside it, stamped, then renamed
     into place; kept while its stamp (``.complete``) still reads ``stamp``."""
@@ -116,10 +130,13 @@ def demo_images(path: str | Path | None = None) -> Path:
 
 def demo_sets() -> list[str]:
     """What ``python jobs/train_flux.py`` with no arguments runs: a LoRA of the held-back ``sks star`` on the world
-    base, with validation grids every 20 steps (``runs/demo/validation/``)."""
+    base, with validation grids every 20 steps (``runs/demo/validation/``), rendered with the base's guidance
+    (:func:`render_guidance`)."""
+    guidance = render_guidance()
     return [
         *job_sets(demo_images(), "runs/demo", DEMO_STEPS),
         f"train.validation.prompts={json.dumps(DEMO_PROMPTS)}",
         "train.validation.every=20",
         "train.validation.inference_steps=20",
+        *([f"train.validation.true_cfg={guidance}"] if guidance else []),
     ]

@@ -59,12 +59,11 @@ def _prompt_embeddings(cfg: JobConfig, device, dtype) -> list:
     t, model = cfg.train, models.render_model(cfg)
     facts = models.model_facts(model)
     path = models.resolve_path(model)
-    key = (path, model.revision, tuple(t.validation.prompts), str(device), str(dtype), facts.text_length)
+    texts = [*t.validation.prompts, *([t.validation.negative_prompt] if t.validation.true_cfg else [])]
+    key = (path, model.revision, tuple(texts), str(device), str(dtype), facts.text_length)
     if key not in _PREPARED:
         family = models.family(model)
-        embeds = family.prompt_embeddings(
-            path, models.revision_kw(model), list(t.validation.prompts), facts, device, dtype
-        )
+        embeds = family.prompt_embeddings(path, models.revision_kw(model), texts, facts, device, dtype)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -104,6 +103,15 @@ def _references(cfg: JobConfig, size: int) -> list[list]:
     return _REFERENCES[key]
 
 
+def _guided(cfg: JobConfig, family, embeds: list) -> tuple[list, dict]:
+    """``(the prompts' embeddings, the guidance arguments every render call takes)``: with
+    ``train.validation.true_cfg`` the last embedding is the negative prompt's (:func:`_prompt_embeddings`)."""
+    scale = cfg.train.validation.true_cfg
+    if not scale:
+        return embeds, {}
+    return embeds[:-1], family.true_cfg_kwargs(embeds[-1], scale)
+
+
 def render(transformer, cfg: JobConfig, device, dtype) -> list:
     """One image per prompt; prompt ``i`` always starts from seed ``train.seed + i``."""
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -122,6 +130,7 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kw)
         vae = models.load_vae(model, str(device), dtype)
         family = models.family(model)
+        embeds, guide = _guided(cfg, family, embeds)
         pipe = family.render_pipeline(path, kw, scheduler, vae, transformer)
         own_steps, own_guidance = family.validation_settings(path, kw)
         edits = [family.reference_kwargs(images, size, size) for images in _references(cfg, size)]
@@ -132,6 +141,7 @@ def render(transformer, cfg: JobConfig, device, dtype) -> list:
                 pipe(
                     **prompt,
                     **(edits[i] if edits else {}),
+                    **guide,
                     height=size,
                     width=size,
                     num_inference_steps=t.validation.inference_steps or own_steps,

@@ -1,0 +1,43 @@
+"""The world base's pretraining batches: caption dropout swaps in the empty caption's text at its rate, and draws
+nothing when it is off (a base pretrained without it keeps its random stream); renders of a base guide only when it
+was pretrained with caption dropout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import torch
+
+from rayflux.quality.pretrain import Encoded, PretrainSpec, _batch_text
+from rayflux.testing import world_base
+
+
+def _encoded() -> Encoded:
+    text = {
+        "t5": torch.arange(1.0, 4.0).view(3, 1, 1).expand(3, 2, 4),
+        "clip_pooled": torch.arange(1.0, 4.0).view(3, 1),
+    }
+    empty = {"t5": torch.zeros(1, 2, 4), "clip_pooled": torch.zeros(1, 1)}
+    return Encoded({(16, 16): torch.zeros(3, 4, 2, 2)}, {(16, 16): [2, 0, 1]}, text, empty)
+
+
+def test_caption_dropout_uses_the_empty_caption_at_its_rate_and_draws_nothing_when_off():
+    enc, size = _encoded(), (16, 16)
+    gen = torch.Generator().manual_seed(0)
+    kept = _batch_text(enc, size, [0, 1, 2], PretrainSpec(), gen)
+    assert kept["clip_pooled"].flatten().tolist() == [3.0, 1.0, 2.0]  # each sample's own caption row
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())  # no draw
+
+    dropped = _batch_text(enc, size, [0, 1, 2] * 200, PretrainSpec(caption_dropout=0.25), gen)
+    empty = dropped["clip_pooled"].flatten() == 0
+    assert 0.15 < empty.float().mean() < 0.35
+    assert (dropped["t5"][empty] == 0).all() and (dropped["t5"][~empty] > 0).all()  # t5 and CLIP drop together
+
+
+def test_renders_guide_only_a_base_pretrained_with_caption_dropout(tmp_path):
+    assert world_base.render_guidance() == 0.0  # the shipped v2: no dropout, no unconditional branch
+    assert not any(s.startswith("train.validation.true_cfg") for s in world_base.demo_sets())
+    for dropout, scale in ((0.0, 0.0), (0.1, world_base.TRUE_CFG)):
+        (tmp_path / "world_base.json").write_text(json.dumps({"spec": asdict(PretrainSpec(caption_dropout=dropout))}))
+        assert world_base.render_guidance(tmp_path) == scale
