@@ -247,7 +247,9 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(
 
     path = request.getfixturevalue(variant)
     out = tmp_path / "run"
-    data = [f"data.images_dir={demo_images}"]
+    # Two steps at a rate that moves the tiny model visibly (at the default rate the dev variant's change of its
+    # render sat at 1e-4, the assertion's own size).
+    data = [f"data.images_dir={demo_images}", "train.optim.learning_rate=0.01"]
     renders = {}
     if edits:
         root = _edit_set(tmp_path / "edits")
@@ -257,7 +259,7 @@ def test_the_full_job_runs_and_its_lora_changes_the_pipeline(
             "data.reference_column=source",
             f'train.validation.references=[["{root / "in2a.png"}", "{root / "in2b.png"}"]]',
             "train.optim.learning_rate=0.01",
-        ]  # two images, two steps: a rate that moves the tiny model visibly
+        ]
         renders = {"image": [Image.open(root / n).convert("RGB") for n in ("in2a.png", "in2b.png")]}
     cfg = config.load(
         None,

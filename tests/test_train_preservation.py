@@ -8,7 +8,7 @@ import torch
 import train_data
 
 from rayflux import config, models, preservation
-from rayflux.train import flow, preserve, step
+from rayflux.train import flow, preserve, step, timesteps
 from rayflux.train.data import batching
 from rayflux.train.trainer import LoraTrainer
 
@@ -62,7 +62,7 @@ def _draws(trainer: LoraTrainer, batch: step.Batch):
     noise = torch.randn(batch.latents.shape, generator=g)
     sigmas = flow.sample_sigmas(
         b,
-        t.sigma_sampling,
+        timesteps.method(t.sigma_sampling, trainer.family),
         g,
         logit_mean=t.logit_mean,
         logit_std=t.logit_std,
