@@ -260,12 +260,12 @@ class ValidationConfig:
     guidance: float = field(default=0.0, metadata=moved(UNTRACKED, "validation_guidance"))
     """Guidance scale for validation images; 0: the model's own (FLUX.2 [klein] base: classifier-free guidance 4;
     distilled [klein]: none; 3.5 otherwise)."""
-    true_cfg: float = field(default=0.0, metadata=added(UNTRACKED))
+    true_cfg: float = field(default=0.0, metadata=added(moved(UNTRACKED, "validation_true_cfg")))
     """Classifier-free guidance for a FLUX.1 model that embeds no guidance value ([schnell]-like, as the world base):
     each denoising step also predicts for ``train.validation.negative_prompt`` and moves the prediction away from it
     by this scale, above 1 (diffusers' ``true_cfg_scale``; twice the transformer's work per step). 0: off. A model made with
     caption dropout follows its prompts better with it (docs/quality.md, "The world base")."""
-    negative_prompt: str = field(default="", metadata=added(UNTRACKED))
+    negative_prompt: str = field(default="", metadata=added(moved(UNTRACKED, "validation_negative_prompt")))
     """What ``train.validation.true_cfg`` guides away from (empty: the empty caption, the unconditional branch that
     caption dropout trains)."""
     resources: dict = field(default_factory=dict, metadata=moved(TRAINED, "validation_resources"))
