@@ -44,10 +44,9 @@ class WorldClassifier(nn.Module):
 
 def pixels(images) -> torch.Tensor:
     """PIL images as a ``[n, 3, SIDE, SIDE]`` batch in [-1, 1] (resized: renders come in any bucket's size)."""
-    import numpy as np
+    from rayflux.quality.pretrain import to_pixels
 
-    arrays = [np.asarray(im.convert("RGB").resize((SIDE, SIDE)), dtype=np.uint8) for im in images]
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return to_pixels([im.convert("RGB").resize((SIDE, SIDE)) for im in images])
 
 
 def _scene(rng: random.Random) -> world.Scene:
@@ -59,9 +58,9 @@ def _through_vae(vae, images) -> list:
     """``images`` encoded and decoded by ``vae`` (its mode), as a render's last step decodes."""
     from PIL import Image
 
-    from rayflux.quality.pretrain import _pixels
+    from rayflux.quality.pretrain import to_pixels
 
-    x = _pixels(images)  # one size per call: the batch's
+    x = to_pixels(images)  # one size per call: the batch's
     with torch.no_grad():
         y = vae.decode(vae.encode(x).latent_dist.mode()).sample.clamp(-1, 1)
     arr = ((y.permute(0, 2, 3, 1) + 1) * 127.5).round().to(torch.uint8).numpy()

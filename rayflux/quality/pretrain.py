@@ -127,7 +127,8 @@ def round_fp16(module) -> None:
             p.copy_(p.half().float())
 
 
-def _pixels(images) -> torch.Tensor:
+def to_pixels(images) -> torch.Tensor:
+    """PIL images of one size as a ``[n, 3, h, w]`` batch in [-1, 1], as the VAE takes them."""
     import numpy as np
 
     x = torch.from_numpy(np.stack([np.asarray(im, dtype=np.uint8) for im in images])).permute(0, 3, 1, 2)
@@ -159,7 +160,7 @@ def train_vae(vae, spec: PretrainSpec, deadline: float, log) -> dict:
             log(f"VAE time budget reached at step {i}")
             break
         w = h = (64, 96)[i % 2]
-        x = _pixels([_any_scene(rng).image(w, h) for _ in range(spec.vae_batch)])
+        x = to_pixels([_any_scene(rng).image(w, h) for _ in range(spec.vae_batch)])
         dist = vae.encode(x).latent_dist
         recon = vae.decode(dist.sample()).sample
         loss = torch.nn.functional.mse_loss(recon, x) + 1e-6 * dist.kl().mean()
@@ -172,7 +173,7 @@ def train_vae(vae, spec: PretrainSpec, deadline: float, log) -> dict:
     vae.eval().requires_grad_(False)
     round_fp16(vae)
     held = random.Random(WORLD_SEED + 1)
-    x = _pixels([_any_scene(held).image(128, 128) for _ in range(32)])
+    x = to_pixels([_any_scene(held).image(128, 128) for _ in range(32)])
     with torch.no_grad():
         z = vae.encode(x).latent_dist.mode()
         mse = torch.nn.functional.mse_loss(vae.decode(z).sample, x).item()
@@ -217,7 +218,7 @@ def encode_world(
         chunks = []
         for k in range(0, len(group), 64):
             with torch.no_grad():
-                dist = pipe.vae.encode(_pixels([s.image(*size) for s, _ in group[k : k + 64]])).latent_dist
+                dist = pipe.vae.encode(to_pixels([s.image(*size) for s, _ in group[k : k + 64]])).latent_dist
                 z = dist.mode() if mode else dist.mean + dist.std * torch.randn(dist.mean.shape, generator=gen)
                 chunks.append(family.stored_latent(pipe.vae, z))
         latents[size] = torch.cat(chunks)
