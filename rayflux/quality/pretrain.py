@@ -339,12 +339,18 @@ def pretrain(out: Path, spec: PretrainSpec, log=print) -> dict:
     return record
 
 
+def encoder_pipe(base: str | Path):
+    """A world base's pipeline without its transformer: its VAE, text encoders and tokenizers (the base is
+    FLUX.1-architecture)."""
+    from rayflux.families import Flux1
+
+    return Flux1().pipeline_class().from_pretrained(str(base), transformer=None, torch_dtype=torch.float32)
+
+
 def keep_parts(pipe, source: Path) -> dict:
     """``spec.parts_from``: put ``source``'s VAE, text encoders and tokenizers (frozen) into ``pipe``; returns
     ``source``'s VAE figures, which still describe the VAE."""
-    from diffusers import FluxPipeline
-
-    kept = FluxPipeline.from_pretrained(str(source), transformer=None, torch_dtype=torch.float32)
+    kept = encoder_pipe(source)
     for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
         part = getattr(kept, name)
         if hasattr(part, "requires_grad_"):

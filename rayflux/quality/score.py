@@ -16,7 +16,7 @@ import torch
 
 from rayflux.testing import world
 from rayflux.testing.world_base import WORLD_TEXT_TOKENS
-from rayflux.quality.pretrain import Encoded, encode_world
+from rayflux.quality.pretrain import Encoded, encode_world, encoder_pipe
 
 SIGMAS = 5
 NOISE_SEED = 777
@@ -30,16 +30,9 @@ class ScoreSet:
     refs: dict[tuple[int, int], torch.Tensor] | None = None
 
 
-def _encoder_pipe(base: str | Path):
-    """The world base's pipeline without its transformer: its encoders (the base is FLUX.1-architecture)."""
-    from rayflux.families import Flux1
-
-    return Flux1().pipeline_class().from_pretrained(str(base), transformer=None, torch_dtype=torch.float32)
-
-
 def held_out(base: str | Path, kind: str, count: int, seed: int = 10_000, sizes=world.SIZES_128) -> ScoreSet:
     """``count`` held-out samples of ``kind``: ``prior``, ``shape``, ``colour`` or ``edit``."""
-    pipe = _encoder_pipe(base)
+    pipe = encoder_pipe(base)
     rng = random.Random(f"score:{kind}:{seed}")
     size = [sizes[i % len(sizes)] for i in range(count)]
     if kind == "edit":
