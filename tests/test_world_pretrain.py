@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+import pytest
 import torch
 
 from rayflux.quality.pretrain import Encoded, PretrainSpec, _batch_text
@@ -41,3 +42,26 @@ def test_renders_guide_only_a_base_pretrained_with_caption_dropout(tmp_path):
     for dropout, scale in ((0.0, 0.0), (0.1, world_base.TRUE_CFG)):
         (tmp_path / "world_base.json").write_text(json.dumps({"spec": asdict(PretrainSpec(caption_dropout=dropout))}))
         assert world_base.render_guidance(tmp_path) == scale
+
+
+def test_large_batches_come_every_nth_step_and_every_size_takes_its_turn():
+    from rayflux.quality.pretrain import batch_size_at
+    from rayflux.testing.world import SIZES_128, SIZES_256, WORLD_SIZES
+
+    sizes = sorted(WORLD_SIZES)
+    assert [batch_size_at(i, sizes, 0) for i in range(10)] == sizes  # v2: every size in turn
+    drawn = [batch_size_at(i, sizes, 4) for i in range(40)]
+    assert [i for i, s in enumerate(drawn) if s in SIZES_256] == list(range(3, 40, 4))
+    assert {drawn[i] for i in range(3, 40, 4)} == set(SIZES_256)
+    small = [s for s in drawn if s in SIZES_128]
+    assert all(small.count(s) == 6 for s in SIZES_128)  # 30 small batches, 6 of each
+
+
+def test_the_flux_rotary_split_gives_rows_as_many_dims_as_columns():
+    from rayflux.quality.pretrain import PretrainSpec, rope_axes
+
+    assert rope_axes(PretrainSpec()) == (4, 4, 8)  # v2: rows keep 4 of 16
+    assert rope_axes(PretrainSpec(head_dim=32, rope="flux")) == (4, 14, 14)  # 16/56/56 of 128, scaled
+    assert rope_axes(PretrainSpec(head_dim=128, rope="flux")) == (16, 56, 56)  # FLUX.1's own
+    with pytest.raises(ValueError, match="multiple of 16"):
+        rope_axes(PretrainSpec(head_dim=24, rope="flux"))

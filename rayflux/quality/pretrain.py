@@ -68,21 +68,51 @@ class PretrainSpec:
     caption_dropout: float = 0.0
     """Share of samples trained with the empty caption, so that classifier-free guidance has an unconditional
     prediction to push a render away from."""
+    large_every: int = 0
+    """Draw every ``large_every``-th batch from the 256 px sizes and the others from the 128 px ones (a 256 px step
+    costs about four 128 px steps, and shapes are learned as well at 128). 0: all ten sizes in turn (v2)."""
+    heads: int = 4
+    """The transformer's attention heads."""
+    head_dim: int = 16
+    """Each head's width (the transformer's width is ``heads * head_dim``)."""
+    rope: str = "tiny"
+    """How each head's rotary dims are split between the (text, row, column) position axes: ``tiny``, the tiny
+    model's (¼, ¼, ½), which leaves rows one usable frequency at 16 dims (v2); ``flux``, FLUX.1's own proportions
+    (16, 56, 56 of 128), which needs ``head_dim`` a multiple of 16."""
     parts_from: str = ""
     """An existing base directory whose VAE, text encoders and tokenizers are kept (only the transformer is
     trained): the VAE's training is skipped, and the CLIP tokenizer (whose token ids no seed fixes) stays the same.
     Empty: build and train them all."""
 
 
-def base_pipeline():
-    """The untrained world base: the tiny FLUX.1's seeded text encoders, a wider transformer, a VAE with more
-    channels than the tiny one, all from fixed seeds."""
-    from diffusers import AutoencoderKL
+def rope_axes(spec: PretrainSpec) -> tuple[int, int, int]:
+    """The transformer's ``axes_dims_rope`` for ``spec.rope`` (see :attr:`PretrainSpec.rope`)."""
+    if spec.rope == "tiny":
+        quarter = spec.head_dim // 4
+        return (quarter, quarter, spec.head_dim - 2 * quarter)
+    if spec.rope == "flux" and spec.head_dim % 16 == 0:
+        return (spec.head_dim // 8, spec.head_dim * 7 // 16, spec.head_dim * 7 // 16)
+    raise ValueError(f"rope {spec.rope!r} with head_dim {spec.head_dim}: use tiny, or flux with a multiple of 16")
+
+
+def base_pipeline(spec: PretrainSpec | None = None):
+    """The untrained world base: the tiny FLUX.1's seeded text encoders, a wider transformer (``spec``'s heads and
+    rotary split), a VAE with more channels than the tiny one, all from fixed seeds."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
 
     from rayflux.testing.tiny import TinySpec, build_pipeline
 
-    spec = TinySpec(guidance_embeds=False, num_layers=2, num_single_layers=2, num_attention_heads=4)
-    pipe = build_pipeline(spec)
+    spec = spec or PretrainSpec()
+    tiny = TinySpec(guidance_embeds=False, num_layers=2, num_single_layers=2, num_attention_heads=4)
+    pipe = build_pipeline(tiny)
+    if (spec.heads, spec.head_dim, spec.rope) != (4, 16, "tiny"):  # v2's transformer is the tiny builder's own
+        torch.manual_seed(WORLD_SEED)
+        shape = {
+            "num_attention_heads": spec.heads,
+            "attention_head_dim": spec.head_dim,
+            "axes_dims_rope": rope_axes(spec),
+        }
+        pipe.transformer = FluxTransformer2DModel.from_config({**pipe.transformer.config, **shape})
     pipe.tokenizer_2 = world_t5_tokenizer()
     torch.manual_seed(WORLD_SEED)
     pipe.vae = AutoencoderKL(
@@ -272,6 +302,18 @@ def _batch_text(enc: Encoded, size, pick: list[int], spec: PretrainSpec, gen: to
     return text
 
 
+def batch_size_at(step: int, sizes: list[tuple[int, int]], large_every: int) -> tuple[int, int]:
+    """The image size of batch ``step``: every size in turn (``large_every`` 0), or the sizes over 128 px in turn
+    every ``large_every``-th step and the others in turn between them."""
+    if not large_every:
+        return sizes[step % len(sizes)]
+    large = [s for s in sizes if max(s) > 160]
+    small = [s for s in sizes if max(s) <= 160]
+    if step % large_every == large_every - 1:
+        return large[(step // large_every) % len(large)]
+    return small[(step - step // large_every) % len(small)]
+
+
 def train_transformer(transformer, enc: Encoded, held: Encoded, spec: PretrainSpec, deadline: float, log) -> dict:
     """Flow-matching pretraining: batches of one size drawn in turn, σ drawn by ``spec.sigma_sampling``, AdamW with
     warmup and cosine decay. Stops at ``spec.steps`` or at ``deadline`` (``time.monotonic()``)."""
@@ -283,14 +325,13 @@ def train_transformer(transformer, enc: Encoded, held: Encoded, spec: PretrainSp
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + torch.cos(torch.tensor(s / spec.steps * 3.14159)).item())
     )
-    sizes = sorted(enc.latents)
     step = 0
     for step in range(spec.steps):
         if time.monotonic() > deadline:
             log(f"time budget reached at step {step}")
             break
         transformer.train()
-        size = sizes[step % len(sizes)]
+        size = batch_size_at(step, sorted(enc.latents), spec.large_every)
         lat = enc.latents[size]
         pick = torch.randint(0, lat.shape[0], (spec.batch,), generator=gen)
         x = lat[pick]
@@ -314,7 +355,7 @@ def pretrain(out: Path, spec: PretrainSpec, log=print) -> dict:
     torch.manual_seed(WORLD_SEED)
     # One thread: on a shared 2-core machine, two threads wait on each other whenever another process holds a core.
     torch.set_num_threads(1)
-    pipe = base_pipeline()
+    pipe = base_pipeline(spec)
     round_fp16(pipe.text_encoder)
     round_fp16(pipe.text_encoder_2)
     record: dict = {"spec": asdict(spec), "seed": WORLD_SEED}

@@ -175,7 +175,9 @@ def _transformer(spec: TinySpec, latent_channels: int):
         joint_attention_dim=spec.text_dim,
         pooled_projection_dim=spec.text_dim,
         guidance_embeds=spec.guidance_embeds,
-        # FLUX splits each head's rotary dims 16/56/56 of 128; keep the same shape of split at any width.
+        # (¼, ¼, ½) of the head's rotary dims for (text, row, column): not FLUX's 16/56/56 of 128, and at 16 dims the
+        # rows get one usable frequency. Kept: the golden losses pin these models. The world base can take FLUX's
+        # split (rayflux.quality.pretrain.rope_axes).
         axes_dims_rope=(quarter, quarter, spec.attention_head_dim - 2 * quarter),
     )
 
