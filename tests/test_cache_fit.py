@@ -18,7 +18,7 @@ import cache_sets
 import pytest
 
 from rayflux import config, models
-from rayflux.cache import fit, generations
+from rayflux.cache import fit, generations, host
 from rayflux.cache.shards import CacheShapeError
 from rayflux.cache.encoders import threads_for
 from rayflux.cache.stall import CacheStallError
@@ -126,6 +126,16 @@ def test_the_pools_share_the_cluster_by_the_joint_rule():
     assert _joint(big) == fit.SEQUENTIAL  # 7 VAE + 1 text actors of 8 CPUs: 64 + 1.0 > 64
 
 
+def test_one_process_runs_both_passes_where_the_pools_take_the_same_resources_in_turn():
+    def one_process(cap: fit.Capacity, *items: str, gpus: bool = False) -> bool:
+        return host.wanted(fit.plan(config.load(None, list(items)), gpus, cap))
+
+    assert one_process(TWO_CPUS)  # VAE after text: one 1.25-CPU actor each
+    assert one_process(GPU_NODE, gpus=True)  # eight text actors, then eight VAE actors, on the same eight GPUs
+    assert not one_process(TWO_CPUS, "cache.actor_cpus=0.25", "cache.vae_actors=1")  # side by side: both at once
+    assert not one_process(TWO_CPUS, "cache.vae_actors=2")  # sequential, but two VAE actors and one text actor
+
+
 @pytest.mark.parametrize(
     "item, message",
     [
@@ -182,6 +192,7 @@ def test_two_auto_sized_actors_run_on_two_cpus(ray_session, job_config):
     # the text actor: the passes run one after the other.
     passes = generations.load_manifest(summary.cache_dir)["passes"]
     assert passes["encoders"] == fit.SEQUENTIAL and passes["text"]["end"] <= passes["images"]["start"]
+    assert not passes["one_process"]  # the pools differ (two VAE actors, one text actor): no one host for both
 
 
 def _pictures(tmp_path: Path, n: int, caption: str | None = None) -> Path:
@@ -249,6 +260,7 @@ def test_images_are_prepared_while_the_text_pool_encodes(ray_session, ray_dashbo
     _, manifest = cache_sets.build(cfg)
     passes = manifest["passes"]
     assert passes["encoders"] == fit.VAE_AFTER_TEXT and manifest["cached"] == 40
+    assert passes["one_process"]  # one actor on the pools' resources ran both passes (rayflux.cache.host)
     text_end_ms = passes["text"]["end"] * 1000
     starts = []
     for _ in range(60):  # task events reach the GCS a second or so after the fact

@@ -1,10 +1,11 @@
 """Build one cache generation with Ray Data: prepare on CPU, encode in actor pools, write validated shards.
 
 A text pass (one encoder pass per unique caption) and an image pass run side by side (see :mod:`rayflux.cache.passes`;
-:mod:`rayflux.cache.fit` decides whether their pools start together). With a previous committed generation of the same
-cache key, unchanged samples and known captions are referenced where it holds them, and only new ones are encoded
-and written (see :mod:`rayflux.cache.reuse`). The driver reads the write tasks' metadata as it streams in, so a
-validation error or, with ``cache.strict``, the first bad input stops the build at once with a plain error, and the
+:mod:`rayflux.cache.fit` decides whether their pools start together; where they would take the same resources in
+turn, one process per encoder slot runs both, see :mod:`rayflux.cache.host`). With a previous committed generation of
+the same cache key, unchanged samples and known captions are referenced where it holds them, and only new ones are
+encoded and written (see :mod:`rayflux.cache.reuse`). The driver reads the write tasks' metadata as it streams in, so
+a validation error or, with ``cache.strict``, the first bad input stops the build at once with a plain error, and the
 generation is never committed. The index rows the writers return stream into the generation index
 (:mod:`rayflux.cache.index`), written beside the manifest just before it.
 """
@@ -26,6 +27,7 @@ from rayflux import allocator, preservation
 from rayflux.cache import (
     fit,
     generations,
+    host,
     index,
     passes,
     prepare,
@@ -85,6 +87,10 @@ class _Build:
     """What an earlier generation of the same cache key can lend."""
     encoders: str
     """How the two pools share the cluster (:attr:`rayflux.cache.fit.Plan.encoders`)."""
+    one_process: bool = False
+    """Whether one process per encoder slot runs both passes (:func:`rayflux.cache.host.wanted`)."""
+    hosts: host.Hosts | None = None
+    """The encoder hosts that run both passes, while they run (:mod:`rayflux.cache.host`); None: two pools."""
 
 
 # Images per preparation task: hundreds, so the tasks spread over every CPU of a large cluster and each one's
@@ -160,18 +166,7 @@ def _build_text(
     c = b.cfg.cache
     if ds is None:
         return []
-    ds = ds.map_batches(
-        TextEncoder,
-        fn_constructor_kwargs={
-            "model": b.cfg.model,
-            "store_dtype": store_dtype(b.cfg, b.cluster_gpus),
-            "facts": b.facts,
-            "encode_id": b.encode_id,
-        },
-        batch_size=c.text_batch_size,
-        compute=_pool(c.text_actors),
-        **b.resources,
-    )
+    ds = _encode(b, ds, text=True)
     out = {
         "out_dir": b.gen_dir,
         "layout": layout(b.cfg, b.facts, "text", b.cluster_gpus),
@@ -208,17 +203,7 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
         },
         num_cpus=fit.PREPARE_CPUS,
     )
-    ds = ds.map_batches(
-        VaeEncoder,
-        fn_constructor_kwargs={
-            "model": b.cfg.model,
-            "store_dtype": store_dtype(b.cfg, b.cluster_gpus),
-            "encode_id": b.encode_id,
-        },
-        batch_size=c.batch_size,
-        compute=_pool(c.vae_actors),
-        **b.resources,
-    )
+    ds = _encode(b, ds, text=False)
     ds = ds.map_batches(
         writer.write_samples,
         fn_kwargs={
@@ -233,6 +218,24 @@ def _build_samples(b: _Build, ds, roots: dict, sink: index.Sink, stop: threading
     name = f"cache-images-g{b.generation}"
     ds.set_name(name)  # what the pipeline's progress bar is called
     return _collect(ds, name, strict=c.strict, sink=sink, stop=stop)
+
+
+def _encode(b: _Build, ds, text: bool):
+    """A pass's encode step: a pool of its encoder's actors, or tasks that hand each batch to the build's hosts."""
+    c = b.cfg.cache
+    batch = c.text_batch_size if text else c.batch_size
+    if b.hosts is not None:
+        step = b.hosts.step("encode_text", "caption_id") if text else b.hosts.step("encode_images", "sample_id")
+        return ds.map_batches(**step, batch_size=batch)
+    cls, size = (TextEncoder, c.text_actors) if text else (VaeEncoder, c.vae_actors)
+    args = _encoder_args(b, text)
+    return ds.map_batches(cls, fn_constructor_kwargs=args, batch_size=batch, compute=_pool(size), **b.resources)
+
+
+def _encoder_args(b: _Build, text: bool) -> dict:
+    """The text (or VAE) encoder's constructor arguments."""
+    args = {"model": b.cfg.model, "store_dtype": store_dtype(b.cfg, b.cluster_gpus), "encode_id": b.encode_id}
+    return {**args, "facts": b.facts} if text else args
 
 
 def _pool(size: fit.PoolSize):
@@ -302,6 +305,7 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, clust
         cfg, cluster_gpus, encoders
     )  # fails here, before any Ray Data work, when it cannot fit
     b = _Build(run_cfg, facts, gen_dir, generation, seed, encode_id, plan.resources, cluster_gpus, prev, plan.encoders)
+    b = dataclasses.replace(b, one_process=host.wanted(plan))
 
     samples = layout(cfg, facts, cluster_gpus=cluster_gpus).samples
     sample_index, caption_index = index.Sink("samples", samples=samples), index.Sink("captions", facts.text)
@@ -333,7 +337,9 @@ def _build_generation(cfg, facts, discovery, gen_dir, generation, seed, *, clust
         if found.sidecars:  # the caption files read, for the next discovery (see cache.sidecars)
             files["sidecars"] = sidecars.write(gen_dir, discovery.sidecars, encode_id)
         staged_bytes = sum(s.file_bytes for s in staged.values() if s is not None) + text.known_bytes
-        manifest.finish(files, {**times, "encoders": b.encoders}, text.unique, staged_bytes)
+        # "one_process": both passes ran in the same encoder processes (rayflux.cache.host), not in two pools.
+        encoders = {"encoders": b.encoders, "one_process": b.one_process}
+        manifest.finish(files, {**times, **encoders}, text.unique, staged_bytes)
     finally:
         sample_index.discard()
         caption_index.discard()
@@ -350,16 +356,37 @@ def _passes(b: _Build, discovery: Discovery, sample_index: index.Sink, caption_i
     text = _text_input(b, staged["images"], caption_index)
     staged["captions"] = text.staged
     images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
-    # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
-    flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT else None
-    text_meta, sample_meta, times = passes.run(
-        lambda stop: _build_text(b, texts, caption_index, stop, flowing),
-        lambda stop: _build_samples(b, images, discovery.roots, sample_index, stop),
-        together=b.encoders != fit.SEQUENTIAL,
-        text_flowing=flowing,
-    )
+    if b.one_process:  # one process per encoder slot runs both passes: its text, then its VAE
+        args = (b.cfg.cache.vae_actors.initial, b.resources, _encoder_args(b, True), _encoder_args(b, False))
+        b = dataclasses.replace(b, hosts=host.Hosts.start(*args))
+    try:
+        text_meta, sample_meta, times = _run_passes(b, texts, images, discovery.roots, sample_index, caption_index)
+    finally:
+        if b.hosts is not None:
+            b.hosts.kill()  # no encoder outlives the stage
     allocator.trim()  # what the passes' threads kept for themselves until they ended
     return staged, text, text_meta, sample_meta, times
+
+
+def _run_passes(b: _Build, texts, images, roots: dict, sample_index: index.Sink, caption_index: index.Sink):
+    """The text and image passes, at once or in turn as :attr:`_Build.encoders` says (with encoder hosts, at once:
+    the image batches wait in the hosts for the text pass's end)."""
+    # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
+    flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT or b.hosts is not None else None
+
+    def text_pass(stop):
+        try:
+            return _build_text(b, texts, caption_index, stop, flowing)
+        finally:
+            if b.hosts is not None:
+                b.hosts.end_text()
+
+    return passes.run(
+        text_pass,
+        lambda stop: _build_samples(b, images, roots, sample_index, stop),
+        together=b.encoders != fit.SEQUENTIAL or b.hosts is not None,
+        text_flowing=flowing,
+    )
 
 
 def _log_built(gen_dir: str, manifest) -> None:
