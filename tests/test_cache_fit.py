@@ -298,7 +298,8 @@ def _pending_text_actors(dashboard: str) -> int:
 
     actors = list_actors(address=dashboard, limit=10_000, raise_on_missing_output=False)
     return sum(
-        "TextEncoder" in (a.class_name or "") and a.state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
+        any(k in (a.class_name or "") for k in ("TextEncoder", "EncoderHost"))
+        and a.state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
         for a in actors
     )
 
@@ -313,10 +314,51 @@ def test_a_stage_that_cannot_be_scheduled_fails_with_what_is_pending(ray_session
         run(job_config, only="cache")
     message = str(err.value)
     assert "no progress for 4 s (cache.stall_seconds)" in message
-    assert "TextEncoder" in message and "free {" in message
+    # The pending encoder: the text pool's actor, or the host that would run both passes (rayflux.cache.host).
+    assert "TextEncoder" in message or "EncoderHost (text then VAE encoder): 1 of 1 not started" in message
+    assert "free {" in message
     assert "\n" not in message
     # Ray Data shut the stage down: none of its actors keeps waiting for the resource.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _pending_text_actors(ray_dashboard):
         time.sleep(0.5)
     assert _pending_text_actors(ray_dashboard) == 0
+
+
+def test_an_encoder_host_that_dies_fails_the_build_with_a_plain_error(ray_session, ray_dashboard, tiny_model, tmp_path):
+    """On two CPUs one encoder host runs both passes (:mod:`rayflux.cache.host`). A host is not restarted (a new
+    one could not know whether the text pass had ended), so when the only one is killed mid-build the build fails
+    and says why, commits nothing, and leaves no host alive. 41 text calls: the host is killed while it works."""
+    import os
+    import signal
+    import traceback
+
+    from ray.util.state import list_actors
+
+    images = _pictures(tmp_path, 40)
+    cfg = cache_sets.job_config(tiny_model, images, tmp_path, "data.resolution=64", "cache.text_batch_size=1")
+    killed: list[int] = []
+
+    def kill_the_host() -> None:
+        for _ in range(600):
+            alive = list_actors(
+                address=ray_dashboard,
+                filters=[("class_name", "=", "EncoderHost"), ("state", "=", "ALIVE")],
+                raise_on_missing_output=False,
+            )
+            if alive and alive[0].pid:
+                os.kill(alive[0].pid, signal.SIGKILL)
+                killed.append(alive[0].pid)
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_host, daemon=True)
+    killer.start()
+    with pytest.raises(Exception) as err:
+        cache_sets.build(cfg)
+    killer.join()
+    assert killed, "the encoder host was never seen alive"
+    assert "every encoder host (1) died" in "".join(traceback.format_exception(err.value))
+    assert not list((tmp_path / "cache").rglob(generations.MANIFEST))
+    alive = list_actors(address=ray_dashboard, filters=[("class_name", "=", "EncoderHost"), ("state", "=", "ALIVE")])
+    assert not alive, alive

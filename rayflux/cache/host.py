@@ -9,8 +9,14 @@ returns what the host encoded; the rest of both pipelines (preparation, batch si
 
 A host encodes text first. Image batches that reach it meanwhile wait there, holding nothing but their pixels (the
 calling tasks are capped at two per host), until the text pass has ended and the host has dropped its text
-encoders: as with two pools, the text encoders and the VAE are never loaded in one process at once. The build kills
-the hosts once both passes are done, so no encoder outlives the cache stage.
+encoders: as with two pools, the text encoders and the VAE are never loaded in one process at once. Each of the
+host's three methods has a thread of its own (a Ray concurrency group), so image batches waiting there can never take
+the thread a text batch or the end of the text pass needs. The build kills the hosts once both passes are done, or
+either fails, so no encoder outlives the cache stage.
+
+Unlike a pool's actor, a host is not restarted when it dies: a restarted host could not know whether the text pass
+had ended. A batch whose host is gone goes to the next living host instead, and the pass fails with a plain error
+only once every host is gone.
 """
 
 from __future__ import annotations
@@ -19,14 +25,21 @@ import gc
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rayflux.cache.fit import Plan
+from rayflux.cache.stall import CacheStallError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CALLS_PER_HOST = 2
 """Encode tasks of one pass in flight per host: one encoding, one waiting with its batch."""
+
+METHODS = ("encode_text", "encode_images", "end_text")
+"""The host's methods, each with a thread (concurrency group) of its own."""
 
 
 def wanted(plan: Plan) -> bool:
@@ -61,9 +74,14 @@ class EncoderHost:
 
     def end_text(self) -> None:
         """The text pass is over: drop the text encoders, then let the image batches through."""
+        from rayflux import allocator
+
         with self.lock:
-            self.text = None
+            loaded, self.text = self.text is not None, None
             gc.collect()
+            if loaded:  # hand the text encoders' memory back before the VAE loads
+                allocator.trim()
+                _empty_cuda_cache()
         self.text_over.set()
 
     def encode_images(self, batch: dict) -> dict:
@@ -81,31 +99,35 @@ class Hosts:
     """The build's encoder hosts."""
 
     actors: list
+    ready: list
+    """One reference per host, ready once Ray has started it."""
+    resources: dict
 
     @staticmethod
     def start(count: int, resources: dict, text: dict, vae: dict) -> Hosts:
         """``count`` hosts of ``resources`` each (one encoder actor's Ray options)."""
         import ray
 
-        cls = ray.remote(max_concurrency=1 + CALLS_PER_HOST * 2, **resources)(EncoderHost)
-        return Hosts([cls.remote(text, vae) for _ in range(count)])
+        groups = dict.fromkeys(METHODS, 1)  # a thread per method: waiting image batches block nothing else
+        cls = ray.remote(max_concurrency=1, concurrency_groups=groups, **resources)(EncoderHost)
+        actors = [cls.remote(text, vae) for _ in range(count)]
+        return Hosts(actors, [a.__ray_ready__.remote() for a in actors], resources)
 
     def end_text(self) -> None:
         """Every host drops its text encoders and starts on images (after the text pass, whether it failed or not:
-        image batches waiting in a host must not wait for ever)."""
+        image batches waiting in a host must not wait for ever). Not waited for: a host Ray never started (a
+        stalled stage) would never answer; a host that died has nothing to end."""
+        for h in self.actors:
+            _call(h, "end_text")
+
+    def pending(self) -> str:
+        """What a stall report adds: how many hosts Ray has not started, and what each needs ("" when all run)."""
         import ray
 
-        for h in self.actors:
-            try:
-                ray.get(h.end_text.remote())
-            except ray.exceptions.RayActorError as exc:  # a host that died: the pass that used it has failed already
-                log.warning("cache: an encoder host is gone: %s", exc)
-
-    def kill(self) -> None:
-        import ray
-
-        for h in self.actors:
-            ray.kill(h)
+        started, waiting = ray.wait(self.ready, num_returns=len(self.ready), timeout=0)
+        if not waiting:
+            return ""
+        return f" | EncoderHost (text then VAE encoder): {len(waiting)} of {len(self.actors)} not started, each needs {self.resources}"
 
     def step(self, method: str, key: str) -> dict:
         """``map_batches`` arguments of a pass's encode step: a task per batch, on no CPU of its own (the host holds
@@ -118,11 +140,53 @@ class Hosts:
         }
 
 
+def run_pass(hosts: Hosts | None, one_pass: Callable[[], T], text: bool) -> T:
+    """``one_pass()``; with hosts, a stall's report says which hosts Ray has not started, and the end of the text
+    pass (``text``, whatever its outcome) is handed to every host."""
+    try:
+        return one_pass()
+    except CacheStallError as exc:
+        note = hosts.pending() if hosts is not None else ""
+        if not note:
+            raise
+        raise CacheStallError(f"{exc}{note}") from exc
+    finally:
+        if hosts is not None and text:
+            hosts.end_text()
+
+
+def kill(hosts: Hosts | None) -> None:
+    """Kill every host (``None``: no hosts, nothing to do)."""
+    import ray
+
+    for h in hosts.actors if hosts is not None else []:
+        ray.kill(h)
+
+
 def on_host(batch: dict, hosts: list, method: str, key: str) -> dict:
     """Ray Data batch function: encode ``batch`` on one of ``hosts`` (chosen by its first ``key``, so batches spread
-    evenly over them) with the host's ``method``."""
+    over them) with the host's ``method``; where that host is gone, on the next living one."""
     import ray
 
     first = str(batch[key][0]) if len(batch[key]) else ""
-    host = hosts[int(hashlib.sha256(first.encode()).hexdigest()[:8], 16) % len(hosts)]
-    return ray.get(getattr(host, method).remote(batch))
+    start = int(hashlib.sha256(first.encode()).hexdigest()[:8], 16) % len(hosts)
+    errors = []
+    for i in range(len(hosts)):
+        try:
+            return ray.get(_call(hosts[(start + i) % len(hosts)], method, batch))
+        except ray.exceptions.RayActorError as exc:
+            errors.append(exc)
+    raise RuntimeError(f"cache: every encoder host ({len(hosts)}) died; the last error: {errors[-1]}") from errors[-1]
+
+
+def _call(actor, method: str, *args):
+    """``actor.method(*args)`` on that method's own thread (see :data:`METHODS`)."""
+    return getattr(actor, method).options(concurrency_group=method).remote(*args)
+
+
+def _empty_cuda_cache() -> None:
+    """Hand CUDA's cached blocks back to the device, where torch has initialised CUDA in this process."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -357,13 +357,12 @@ def _passes(b: _Build, discovery: Discovery, sample_index: index.Sink, caption_i
     staged["captions"] = text.staged
     images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
     if b.one_process:  # one process per encoder slot runs both passes: its text, then its VAE
-        args = (b.cfg.cache.vae_actors.initial, b.resources, _encoder_args(b, True), _encoder_args(b, False))
-        b = dataclasses.replace(b, hosts=host.Hosts.start(*args))
+        encoders = (_encoder_args(b, True), _encoder_args(b, False))
+        b = dataclasses.replace(b, hosts=host.Hosts.start(b.cfg.cache.vae_actors.initial, b.resources, *encoders))
     try:
         text_meta, sample_meta, times = _run_passes(b, texts, images, discovery.roots, sample_index, caption_index)
     finally:
-        if b.hosts is not None:
-            b.hosts.kill()  # no encoder outlives the stage
+        host.kill(b.hosts)  # no encoder outlives the stage, whether it failed or not
     allocator.trim()  # what the passes' threads kept for themselves until they ended
     return staged, text, text_meta, sample_meta, times
 
@@ -373,17 +372,9 @@ def _run_passes(b: _Build, texts, images, roots: dict, sample_index: index.Sink,
     the image batches wait in the hosts for the text pass's end)."""
     # Where the pools exclude each other, the text pool starts first and the VAE pool waits for it.
     flowing = threading.Event() if b.encoders == fit.VAE_AFTER_TEXT or b.hosts is not None else None
-
-    def text_pass(stop):
-        try:
-            return _build_text(b, texts, caption_index, stop, flowing)
-        finally:
-            if b.hosts is not None:
-                b.hosts.end_text()
-
     return passes.run(
-        text_pass,
-        lambda stop: _build_samples(b, images, roots, sample_index, stop),
+        lambda stop: host.run_pass(b.hosts, lambda: _build_text(b, texts, caption_index, stop, flowing), text=True),
+        lambda stop: host.run_pass(b.hosts, lambda: _build_samples(b, images, roots, sample_index, stop), text=False),
         together=b.encoders != fit.SEQUENTIAL or b.hosts is not None,
         text_flowing=flowing,
     )
