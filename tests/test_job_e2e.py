@@ -136,8 +136,10 @@ def test_both_entries_are_the_same_job():
 def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     """The installed ``rayflux train``, joined to the session's Ray through RAY_ADDRESS, with stdout and stderr one
     pipe (not a terminal): stage lines, plain progress lines and the summary last; Ray's chatter stays in its logs,
-    what its C++ core prints on the driver's fd 2 (``core_worker.cc`` about the encoder actors) included. (The same on
-    a terminal: test_cluster_driver_terminal.) With ``model.text_tokens=16``, so that the same job shows the shorter
+    what its C++ core prints on the driver's fd 2 included. (The same on a terminal: test_cluster_driver_terminal.)
+    On this 2-CPU Ray one encoder process runs both cache passes (rayflux.cache.host) and is killed idle, so the C++
+    core no longer prints ``core_worker.cc`` lines about pool actors here; Ray Data's progress is the chatter that
+    must have reached the log. With ``model.text_tokens=16``, so that the same job shows the shorter
     text cached as 16-token tensors and trained on (one job less than a run of its own)."""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     env.pop("RAYFLUX_VERBOSE", None)
@@ -168,7 +170,7 @@ def test_cli_demo_job_runs_as_a_subprocess(ray_session, tiny_model, tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     chatter = ("TrainingReport(", "Execution plan of", "core_worker.cc", "Total Progress")
     assert not [line for line in lines if any(c in line for c in chatter)], proc.stdout
-    assert "core_worker.cc" in (out / "logs" / "ray-driver.txt").read_text()
+    assert "Total Progress" in (out / "logs" / "ray-driver.txt").read_text()  # there was chatter, and it went there
     assert len(lines) <= 40, proc.stdout
     assert lines[-1].startswith("[rayflux] time:"), proc.stdout  # the summary is last
     assert any(line.startswith("[rayflux] train step 2/2 ") for line in lines), proc.stdout
