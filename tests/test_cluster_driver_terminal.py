@@ -67,9 +67,10 @@ def _run_on_pty(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
 
 
 def test_a_terminal_shows_the_cache_bars_and_none_of_ray_s_own_lines(tiny_model, tmp_path):
-    """The demo's cache stage on a terminal, starting its own Ray: Ray's token notice (Python logging) and its
-    ``core_worker.cc`` line about the encoder actors (C++, straight to fd 2) go to the logs; Ray Data's one bar per
-    pipeline stays. (The piped run is test_job_e2e's subprocess test.)"""
+    """The demo's cache stage on a terminal, starting its own Ray: Ray's token notice (Python logging) goes to the
+    logs; Ray Data's one bar per pipeline stays. (The piped run is test_job_e2e's subprocess test.) On 2 CPUs one
+    encoder process runs both passes (rayflux.cache.host) and is killed idle, so Ray's C++ core prints no
+    ``core_worker.cc`` line about pool actors here; were it to print one, ``RAY_LINES`` keeps it off the terminal."""
     out = tmp_path / "run"
     cmd = train_job_cmd(
         f"model.path={tiny_model}", "data.resolution=64", f"run.output_dir={out}", "run.ray_address=local", only="cache"
@@ -82,7 +83,7 @@ def test_a_terminal_shows_the_cache_bars_and_none_of_ray_s_own_lines(tiny_model,
     assert "[rayflux] cache:" in shown, shown
     # What was kept off the terminal is in the run's driver log.
     kept = (out / "logs" / "ray-driver.txt").read_text()
-    assert "Token authentication is enabled" in kept and "core_worker.cc" in kept, kept
+    assert "Token authentication is enabled" in kept, kept
 
 
 def test_a_head_that_refuses_the_job_is_named_in_one_line(tiny_model, tmp_path):
