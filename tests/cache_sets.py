@@ -29,6 +29,16 @@ def picture(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Imag
     return img if mode == "RGB" else img.convert(mode)
 
 
+def captioned_pictures(root: Path, n: int, caption: str | None = None) -> Path:
+    """``root/images``: ``n`` small pictures, each with its own caption file (or all with ``caption``)."""
+    images = root / "images"
+    images.mkdir()
+    for k in range(n):
+        picture(64, 64, k).save(images / f"img{k}.png")
+        (images / f"img{k}.txt").write_text(caption or f"caption number {k}")
+    return images
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A few hundred bytes of PNG whose header claims ``width`` x ``height``: a decompression bomb's calling card."""
 

@@ -358,7 +358,8 @@ def _passes(b: _Build, discovery: Discovery, sample_index: index.Sink, caption_i
     images, texts = (staging.dataset(staged[k], fit.PREPARE_CPUS) for k in ("images", "captions"))
     if b.one_process:  # one process per encoder slot runs both passes: its text, then its VAE
         encoders = (_encoder_args(b, True), _encoder_args(b, False))
-        b = dataclasses.replace(b, hosts=host.Hosts.start(b.cfg.cache.vae_actors.initial, b.resources, *encoders))
+        hosts = host.Hosts.start(b.cfg.cache.vae_actors.initial, b.resources, *encoders, build=b.encode_id)
+        b = dataclasses.replace(b, hosts=hosts)
     try:
         text_meta, sample_meta, times = _run_passes(b, texts, images, discovery.roots, sample_index, caption_index)
     finally:
