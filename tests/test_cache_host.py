@@ -79,10 +79,13 @@ def _comparable(manifest: dict) -> tuple[dict, dict]:
 
 
 def test_a_host_killed_in_the_vae_pass_comes_back_and_the_build_is_unchanged(ray_session, tiny_model, tmp_path):
-    """32 images, one a VAE call: the host is killed once it has encoded two image batches. Ray restarts it, the batches it held go to the new process (which loads the VAE again), and the generation holds
-    the same rows, latents and embeddings as a build nobody interrupted."""
+    """32 images, one a VAE call: the host is killed once it has encoded two image batches. Ray restarts it, the
+    batches it held go to the new process (which loads the VAE again), and the generation holds the same rows,
+    latents and embeddings as a build nobody interrupted."""
     images = cache_sets.captioned_pictures(tmp_path, 32)
-    sets = ("data.resolution=64", "cache.batch_size=1", "cache.rows_per_shard=4")
+    # A restarted host left waiting for an end of the text pass it was never told of would stall the build: 60 s, not
+    # the default 600, until it fails.
+    sets = ("data.resolution=64", "cache.batch_size=1", "cache.rows_per_shard=4", "cache.stall_seconds=60")
     _, quiet = cache_sets.build(cache_sets.job_config(tiny_model, images, tmp_path / "quiet", *sets))
     killed: list[int] = []
     at_kill: list[dict] = []
