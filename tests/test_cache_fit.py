@@ -12,8 +12,6 @@ import dataclasses
 import threading
 import time
 
-from pathlib import Path
-
 import cache_sets
 import pytest
 

@@ -160,7 +160,7 @@ class Hosts:
         """What a stall report adds: how many hosts Ray has not started, and what each needs ("" when all run)."""
         import ray
 
-        started, waiting = ray.wait(self.ready, num_returns=len(self.ready), timeout=0)
+        _, waiting = ray.wait(self.ready, num_returns=len(self.ready), timeout=0)
         if not waiting:
             return ""
         return f" | EncoderHost (text then VAE encoder): {len(waiting)} of {len(self.actors)} not started, each needs {self.resources}"
@@ -261,7 +261,7 @@ def run_pass(hosts: Hosts | None, one_pass: Callable[[], T], text: bool) -> T:
         if not note:
             raise
         raise CacheStallError(f"{exc}{note}") from exc
-    except Exception as exc:  # noqa: BLE001 - every host gone: said as itself, not as Ray Data's wrapper of it
+    except Exception as exc:  # every host gone: said as itself, not as Ray Data's wrapper of it
         gone = _hosts_gone(exc)
         if gone is None:
             raise
