@@ -79,6 +79,9 @@ class PretrainSpec:
     """How each head's rotary dims are split between the (text, row, column) position axes: ``tiny``, the tiny
     model's (¼, ¼, ½), which leaves rows one usable frequency at 16 dims (v2); ``flux``, FLUX.1's own proportions
     (16, 56, 56 of 128), which needs ``head_dim`` a multiple of 16."""
+    transformer_from: str = ""
+    """An existing base directory whose transformer this pretraining continues from (its shape replaces ``heads``,
+    ``head_dim`` and ``rope``): a longer schedule in stages, each its own seeded run. Empty: a random transformer."""
     parts_from: str = ""
     """An existing base directory whose VAE, text encoders and tokenizers are kept (only the transformer is
     trained): the VAE's training is skipped, and the CLIP tokenizer (whose token ids no seed fixes) stays the same.
@@ -366,10 +369,18 @@ def pretrain(out: Path, spec: PretrainSpec, log=print) -> dict:
     else:
         record.update(train_vae(pipe.vae, spec, begin + budget * spec.vae_share, log))
     record["vae_seconds"] = round(time.monotonic() - begin, 1)
+    if spec.transformer_from:
+        pipe.transformer = type(pipe.transformer).from_pretrained(
+            spec.transformer_from, subfolder="transformer", torch_dtype=torch.float32
+        )
+        log(f"transformer continued from {spec.transformer_from}")
+        # The record carries the earlier stage's, so the shipped base says how all of it was made.
+        record["continued_from"] = json.loads((Path(spec.transformer_from) / "world_base.json").read_text())
     enc = encode_world(pipe, _scenes(spec.images, WORLD_SEED), spec.text_tokens)
     held = encode_world(pipe, _scenes(spec.eval_images, WORLD_SEED + 99), spec.text_tokens)
-    record["eval_loss_random"] = eval_loss(pipe.transformer, held)
-    log(f"random transformer eval loss {record['eval_loss_random']:.4f}")
+    start = "eval_loss_continued" if spec.transformer_from else "eval_loss_random"
+    record[start] = eval_loss(pipe.transformer, held)
+    log(f"{start.removeprefix('eval_loss_')} transformer eval loss {record[start]:.4f}")
     deadline = begin + budget
     record.update(train_transformer(pipe.transformer, enc, held, spec, deadline, log))
     record["eval_loss_pretrained"] = eval_loss(pipe.transformer, held)
