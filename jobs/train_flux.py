@@ -1,6 +1,7 @@
 """Fine-tune a FLUX LoRA on Ray: ``python jobs/train_flux.py [--config FILE] [--set KEY=VALUE ...] [--only cache]``.
 
-With no arguments it trains the embedded tiny model on generated demo images, on a local Ray.
+With neither ``--config`` nor ``--set`` it runs the demo on a local Ray: a LoRA of a colour the shipped world base never
+saw (pink), with validation grids in ``runs/demo/validation/`` where it appears over the steps.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import sys
 from rayflux import config, console
 
 
-def _train_parser(prog: str) -> argparse.ArgumentParser:
+def train_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Cache latents with Ray Data, then train a FLUX LoRA with Ray Train.",
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> int:
     quiet_libraries()
-    args = _train_parser(prog).parse_args(argv)
+    args = train_parser(prog).parse_args(argv)
     console.set_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO, format="[rayflux] %(message)s")
-    cfg = config.load_or_report(args.config, args.set)
+    cfg = config.load_or_report(args.config, overrides(args))
     if cfg is None:
         return 2
     # Ray's C++ core writes to fd 2 itself; that goes to the run's logs, and sys.stderr to the terminal.
@@ -54,6 +54,19 @@ def main_train(argv: list[str] | None = None, prog: str = "train_flux.py") -> in
         finally:
             if not joined:
                 disconnect()
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The job's ``--set`` values; given neither ``--config`` nor ``--set``, the demo's: a LoRA of a colour the shipped
+    world base never saw (pink), with validation grids where it appears (``runs/demo/validation/``)."""
+    if args.config is not None or args.set:
+        return args.set
+    from rayflux.testing.world_base import demo_sets
+
+    print(
+        "rayflux: no --config or --set: the demo, a LoRA of a new colour on the world base (runs/demo)", file=sys.stderr
+    )
+    return demo_sets()
 
 
 def ray_connected() -> bool:

@@ -73,3 +73,15 @@ def test_a_failure_names_the_file_holding_its_traceback(foreign, tmp_path):
     where = Path(last.rsplit("(traceback: ", 1)[1].rstrip(")"))
     assert where.parent == out / "logs"
     assert "Traceback (most recent call last)" in where.read_text() and "check_family" in where.read_text()
+
+
+def test_neither_config_nor_set_runs_the_world_demo_and_either_one_runs_as_given(capsys):
+    from rayflux.cli import overrides, train_parser
+    from rayflux.testing.world_base import demo_sets, world_base
+
+    parse = train_parser("train_flux.py").parse_args
+    demo = overrides(parse(["--verbose"]))
+    assert demo == demo_sets() and f"model.path={world_base()}" in demo
+    assert "the demo" in capsys.readouterr().err
+    assert overrides(parse(["--set", "train.epochs=1"])) == ["train.epochs=1"]  # the tiny model, as before
+    assert overrides(parse(["--config", "job.yaml"])) == []

@@ -37,8 +37,8 @@ def test_caption_dropout_uses_the_empty_caption_at_its_rate_and_draws_nothing_wh
 
 
 def test_renders_guide_only_a_base_pretrained_with_caption_dropout(tmp_path):
-    assert world_base.render_guidance() == 0.0  # the shipped v2: no dropout, no unconditional branch
-    assert not any(s.startswith("train.validation.true_cfg") for s in world_base.demo_sets())
+    assert world_base.render_guidance() == world_base.TRUE_CFG  # the shipped v3 trained with caption dropout
+    assert f"train.validation.true_cfg={world_base.TRUE_CFG}" in world_base.demo_sets()
     for dropout, scale in ((0.0, 0.0), (0.1, world_base.TRUE_CFG)):
         (tmp_path / "world_base.json").write_text(json.dumps({"spec": asdict(PretrainSpec(caption_dropout=dropout))}))
         assert world_base.render_guidance(tmp_path) == scale

@@ -1,9 +1,9 @@
-"""The world-base demo: ``python -m rayflux.quality.demo [--set KEY=VALUE ...]``.
+"""The world-base demo with overrides: ``python -m rayflux.quality.demo [--set KEY=VALUE ...]``.
 
-It trains a LoRA of the held-back ``sks star`` on the shipped world base (:func:`rayflux.testing.world_base.demo_sets`)
-with validation grids every 20 steps in ``runs/demo/validation/``; further ``--set`` values override its own. It is
-not yet the default demo (``python jobs/train_flux.py``): the base is undertrained and its renders do not follow
-their prompts, so the grids do not show the star yet (docs/quality.md, "The demo").
+``python jobs/train_flux.py`` with neither ``--config`` nor ``--set`` runs the demo as it is: a LoRA of the held-back
+colour (pink) on the shipped world base (:func:`rayflux.testing.world_base.demo_sets`), with validation grids in
+``runs/demo/validation/``. Any ``--set`` given to the job replaces the demo; given here, it is applied on top of the
+demo's own (``--set train.max_steps=300``, another ``data.images_dir`` such as the held-back star's).
 """
 
 from __future__ import annotations
