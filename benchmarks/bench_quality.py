@@ -209,7 +209,7 @@ def make_looker(base):
     prompt). Returns it with the base's own figures."""
     from rayflux.quality import classify, looks
 
-    vae = world_score._encoder_pipe(base).vae
+    vae = world_score.encoder_pipe(base).vae
     trained = classify.train(vae=vae, steps=2000)
     print(f"classifier: shape {trained.shape_accuracy:.3f}, colour {trained.colour_accuracy:.3f} on held-out pictures")
 
