@@ -25,8 +25,9 @@ from cluster_support import free_port, ray_node, train_job_cmd, wait_for
 
 BOUND_S = 600  # a bound for the job to finish at all on a busy 2-core machine; never a performance claim
 # Lines only Ray writes: its token notice, its C++ core's log lines (``[time E pid tid] core_worker.cc:...``) and Ray
-# Data's plain progress for a non-terminal stdout.
-RAY_LINES = re.compile(r"Token authentication is enabled|\.cc:\d+:|Total Progress")
+# Data's plain progress for a non-terminal stdout, and the Python warnings of Ray and the libraries (a deprecated
+# argument, a concurrency cap above a pass's batch count).
+RAY_LINES = re.compile(r"Token authentication is enabled|\.cc:\d+:|Total Progress|Warning: |is deprecated")
 
 
 def _job_env(**extra: str) -> dict:

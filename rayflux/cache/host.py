@@ -31,6 +31,7 @@ import gc
 import hashlib
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -168,11 +169,18 @@ class Hosts:
     def step(self, method: str, key: str) -> dict:
         """``map_batches`` arguments of a pass's encode step: a task per batch, on no CPU of its own (the host holds
         the encoder's), at most :data:`CALLS_PER_HOST` per host at once."""
+        from ray.data import TaskPoolStrategy
+
+        # The cap counts calls per host, not throughput: a pass with fewer batches than it is the usual small build,
+        # which Ray Data would warn about on the user's terminal each time.
+        warnings.filterwarnings(
+            "ignore", message="The maximum number of concurrent tasks for 'MapBatches", category=UserWarning
+        )
         return {
             "fn": on_host,
             "fn_kwargs": {"hosts": self.actors, "method": method, "key": key},
             "num_cpus": 0,
-            "concurrency": CALLS_PER_HOST * len(self.actors),
+            "compute": TaskPoolStrategy(size=CALLS_PER_HOST * len(self.actors)),
         }
 
 
