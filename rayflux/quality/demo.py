@@ -9,6 +9,9 @@ demo's own (``--set train.max_steps=300``, another ``data.images_dir`` such as t
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+import torch
 
 from rayflux.cli import main_train
 from rayflux.testing.world_base import demo_sets
@@ -21,3 +24,28 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def picture(run_dir: str | Path, out: str | Path) -> Path:
+    """The demo's grids side by side, after the base's own (no LoRA) rendered the same way (the job's validation
+    render: same prompts, seeds, steps and guidance), each labelled: what the README shows. ``run_dir`` is a finished
+    demo run (``runs/demo``)."""
+    from diffusers import FluxTransformer2DModel
+    from PIL import Image, ImageDraw
+
+    from rayflux import config
+    from rayflux.train.observe import validation
+
+    cfg = config.load(None, demo_sets())
+    base = FluxTransformer2DModel.from_pretrained(cfg.model.path, subfolder="transformer", torch_dtype=torch.float32)
+    grids = [("base", validation.grid(validation.render(base, cfg, "cpu", torch.float32)))]
+    for path in sorted((Path(run_dir) / "validation").glob("step-*.png")):
+        grids.append((f"step {int(path.stem.split('-')[1])}", Image.open(path).convert("RGB")))
+    w, h = grids[0][1].size
+    sheet = Image.new("RGB", (len(grids) * (w + 8) - 8, h + 18), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (label, image) in enumerate(grids):
+        sheet.paste(image, (i * (w + 8), 18))
+        draw.text((i * (w + 8) + 4, 3), label, fill="black")
+    sheet.save(out)
+    return Path(out)
