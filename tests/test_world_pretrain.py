@@ -65,3 +65,20 @@ def test_the_flux_rotary_split_gives_rows_as_many_dims_as_columns():
     assert rope_axes(PretrainSpec(head_dim=128, rope="flux")) == (16, 56, 56)  # FLUX.1's own
     with pytest.raises(ValueError, match="multiple of 16"):
         rope_axes(PretrainSpec(head_dim=24, rope="flux"))
+
+
+def test_the_demo_picture_puts_the_base_grid_before_the_runs_grids_in_step_order(tmp_path):
+    from PIL import Image
+
+    from rayflux.quality.demo import picture
+
+    grids = tmp_path / "run" / "validation"
+    grids.mkdir(parents=True)
+    for step, colour in ((80, "red"), (40, "blue")):  # written out of order
+        Image.new("RGB", (256, 256), colour).save(grids / f"step-{step:06d}.png")
+    sheet = Image.open(picture(tmp_path / "run", tmp_path / "demo.png"))
+    assert sheet.size == (3 * 256 + 2 * 8, 256 + 18)
+    assert sheet.getpixel((256 + 8 + 128, 140)) == (0, 0, 255)  # step 40 second
+    assert sheet.getpixel((2 * (256 + 8) + 128, 140)) == (255, 0, 0)  # step 80 last
+    base = sheet.crop((0, 18, 256, 274))
+    assert len(set(base.getdata())) > 100  # the base's own renders, not a blank cell
