@@ -30,15 +30,14 @@ def picture(run_dir: str | Path, out: str | Path) -> Path:
     """The demo's grids side by side, after the base's own (no LoRA) rendered the same way (the job's validation
     render: same prompts, seeds, steps and guidance), each labelled: what the README shows. ``run_dir`` is a finished
     demo run (``runs/demo``)."""
-    from diffusers import FluxTransformer2DModel
     from PIL import Image, ImageDraw
 
     from rayflux import config
+    from rayflux.quality.score import transformer
     from rayflux.train.observe import validation
 
     cfg = config.load(None, demo_sets())
-    base = FluxTransformer2DModel.from_pretrained(cfg.model.path, subfolder="transformer", torch_dtype=torch.float32)
-    grids = [("base", validation.grid(validation.render(base, cfg, "cpu", torch.float32)))]
+    grids = [("base", validation.grid(validation.render(transformer(cfg.model.path), cfg, "cpu", torch.float32)))]
     for path in sorted((Path(run_dir) / "validation").glob("step-*.png")):
         grids.append((f"step {int(path.stem.split('-')[1])}", Image.open(path).convert("RGB")))
     w, h = grids[0][1].size
