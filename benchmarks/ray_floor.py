@@ -10,6 +10,11 @@ function imports what the train step needs (torch, diffusers' ``FluxTransformer2
 ``ray.shutdown``. No model is loaded, no file read, no step taken. ``bench_cold.py --floor`` runs it beside the job
 and SimpleTuner: its wall time is a lower bound for any job built on Ray Data's actor pools and Ray Train's worker
 group on that machine. Prints one JSON line of phase seconds.
+
+``--refits N`` then runs N more such trainers one after another in the same Ray, as a sweep's trials do (each trial
+is a ``TorchTrainer`` of its own), and adds, as medians over them, ``refit_to_train_fn`` (from ``fit()`` to the
+worker's training function starting, its imports not yet done), ``refit_imports`` (those imports) and ``refit``
+(the whole ``fit``): the floor of a sweep trial's start, before any cache check, model load or read.
 """
 
 from __future__ import annotations
@@ -42,9 +47,18 @@ def _train_fn() -> None:
     from peft import LoraConfig  # noqa: F401
 
 
+def _refit_fn(config: dict) -> None:
+    """``_train_fn``, noting when it started and when its imports were done (``--refits``)."""
+    started = time.time()
+    _train_fn()
+    with open(config["marks"], "a") as f:
+        f.write(json.dumps({"started": started, "imported": time.time()}) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cold", action="store_true", help="also one actor-pool map_batches, as a cache pass needs")
+    ap.add_argument("--refits", type=int, default=0, help="then N more trainers in the same Ray (a sweep's trials)")
     args = ap.parse_args()
     marks = {"start": time.time()}
     import ray
@@ -66,11 +80,44 @@ def main() -> int:
             run_config=RunConfig(name="floor", storage_path=storage),
         ).fit()
     marks["trainer_fit"] = time.time()
+    refits = {}
+    if args.refits:
+        refits = _refits(args.refits, TorchTrainer, ScalingConfig, RunConfig)
+        marks["refits"] = time.time()
     ray.shutdown()
     marks["shutdown"] = time.time()
     names = list(marks)
-    print(json.dumps({b: round(marks[b] - marks[a], 3) for a, b in itertools.pairwise(names)}), flush=True)
+    phases = {b: round(marks[b] - marks[a], 3) for a, b in itertools.pairwise(names)}
+    print(json.dumps({**phases, **refits}), flush=True)
     return 0
+
+
+def _refits(n: int, TorchTrainer, ScalingConfig, RunConfig) -> dict:
+    """N more no-op trainers, one after another in this Ray: medians of their start and whole ``fit``."""
+    import statistics
+
+    to_fn, imports, whole = [], [], []
+    with tempfile.TemporaryDirectory(prefix="rayflux-floor-") as storage:
+        marks = os.path.join(storage, "marks.jsonl")
+        for i in range(n):
+            t0 = time.time()
+            TorchTrainer(
+                _refit_fn,
+                train_loop_config={"marks": marks},
+                scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 0.5}),
+                run_config=RunConfig(name=f"refit-{i}", storage_path=storage),
+            ).fit()
+            whole.append(time.time() - t0)
+            with open(marks) as f:
+                last = json.loads(f.read().splitlines()[-1])
+            to_fn.append(last["started"] - t0)
+            imports.append(last["imported"] - last["started"])
+    med = statistics.median
+    return {
+        "refit_to_train_fn": round(med(to_fn), 3),
+        "refit_imports": round(med(imports), 3),
+        "refit": round(med(whole), 3),
+    }
 
 
 if __name__ == "__main__":

@@ -176,7 +176,10 @@ def _start_early(cfg: JobConfig, facts, stages: GenerationStages, pending: list,
         log.info("train: the worker group starts after the cache stage: %s", choice.reason)
         return None
     seg = pending[0]
-    run = TrainerRun(cfg, facts, output, stages.cluster_gpus, (seg.first_epoch, seg.end_epoch), callbacks=callbacks)
+    epochs = (seg.first_epoch, seg.end_epoch)
+    run = TrainerRun(
+        cfg, facts, output, stages.cluster_gpus, epochs, callbacks=callbacks, encoder_share=choice.encoder_share
+    )
     if not run.done_at:  # a run with nothing left starts no group: the cache keeps the whole cluster
         log.info("train: the worker group starts beside the cache stage: %s", choice.reason)
         stages.encoders = choice.encoders
@@ -245,7 +248,10 @@ def _train_segments(
             manifest = stages.generation(seg.generation)
             summary.generations.append(manifest.dir)
             prebuild = None
-            if nxt is not None and nxt.generation != seg.generation and stages.room_for_overlap():
+            # A run that shares its GPUs with the encoders (rayflux.train.gpu_sharing) leaves their share free while
+            # it trains: no other build may take it then, since only the cache stage's encoders were counted.
+            shared = early is not None and early.encoder_share > 0
+            if nxt is not None and nxt.generation != seg.generation and not shared and stages.room_for_overlap():
                 prebuild = pool.submit(stages.generation, nxt.generation)
             entry = ledger.start(name, f"epochs {seg.first_epoch}-{seg.end_epoch}", generation=manifest.dir)
             t0 = time.perf_counter()

@@ -22,8 +22,8 @@ from rayflux.config import token_routing
 from rayflux.config.base_dtype import refusal
 from rayflux.config.train import checkpointing_setting
 from rayflux.gpu_memory import GIB, BaseCounts
-from rayflux.train.adapter import targets
-from rayflux.train.adapter import lora
+from rayflux.train.adapter import lora, targets
+from rayflux.train.adapter.counts import base_counts, count_parameters
 
 
 def text_tokens(cfg: config.JobConfig) -> int:
@@ -35,22 +35,6 @@ def text_tokens(cfg: config.JobConfig) -> int:
     from rayflux.models import model_facts
 
     return model_facts(cfg.model).text_length
-
-
-def count_parameters(
-    tc: dict, targets: str, rank: int, adapter: str = "lora", rank_pattern: dict | None = None
-) -> tuple[int, int]:
-    """(all transformer parameters, trainable adapter parameters) of ``targets`` at ``rank``, counted on peft's own
-    modules attached on the meta device (``train.adapter.kind``: DoRA's magnitudes, LoKr's factors included)."""
-    import torch
-
-    from rayflux.models import meta_transformer
-
-    model = meta_transformer(tc)
-    base = sum(p.numel() for p in model.parameters())
-    with torch.device("meta"):
-        lora.add_lora(model, rank, rank, targets, adapter=adapter, rank_pattern=rank_pattern)
-    return base, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def selected_modules(tc: dict, spec: str) -> list[str]:
@@ -66,14 +50,6 @@ def target_lines(tc: dict, spec: str, trainable: int) -> list[str]:
     prefixes = families.of_transformer_config(tc).lora_blocks
     head = f"  this job's targets={spec!r}: {len(modules)} modules, {trainable:,} trainable parameters"
     return [head] + [f"    {line}" for line in targets.summary(modules, prefixes)]
-
-
-def base_counts(tc: dict) -> BaseCounts:
-    """What the base_dtype and base_sharding options need to know of the frozen transformer (meta device)."""
-    from rayflux.models import meta_transformer
-    from rayflux.train.adapter import base_weights
-
-    return base_weights.counts(meta_transformer(tc))
 
 
 def transformer_config(cfg: config.JobConfig, model: str = "") -> tuple[dict, str]:

@@ -200,7 +200,7 @@ def test_the_cycle_finder_reports_a_cycle_planted_in_a_copy(tmp_path):
         f.write("\n\ndef _planted():\n    from rayflux import cli\n")
     cycles = find_cycles(import_graph(copy))
     assert len(cycles) == 1, cycles
-    assert {"rayflux.gpu_memory", "rayflux.cli", "rayflux.job", "rayflux.train.trainer"} <= set(cycles[0])
+    assert {"rayflux.gpu_memory", "rayflux.cli", "rayflux.job"} <= set(cycles[0])  # back through the job's stages
     cycle = cycles[0]
     assert cycle[0] == cycle[-1] and all(b in import_graph(copy)[a] for a, b in zip(cycle, cycle[1:]))
 

@@ -82,3 +82,62 @@ def test_a_cache_stage_that_fails_while_the_group_waits_ends_the_job_with_its_er
     while _alive_train_actors() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _alive_train_actors() == []
+
+
+def _gpu_node(gpus: float):
+    """One node of 64 CPUs and ``gpus`` GPUs, as the cache's pre-flight sees a cluster (no autoscaler)."""
+    from rayflux.cache import fit
+
+    return fit.Capacity(now={"CPU": 64.0, "GPU": gpus, "memory": 5e11}, most=None, largest_node_cpus=64.0)
+
+
+def _gpu_cfg(tiny_model, images, tmp_path, *extra: str) -> config.JobConfig:
+    sets = [f"model.path={tiny_model}", f"data.images_dir={images}", f"cache.dir={tmp_path / 'cache'}"]
+    return config.load(None, [*sets, f"run.output_dir={tmp_path / 'run'}", "train.workers.num_workers=8", *extra])
+
+
+def test_where_every_gpu_trains_each_is_shared_with_one_encoder_only_if_both_fit(tiny_model, demo_images, tmp_path):
+    """8 workers on an 8-GPU node leave the encoders no GPU. The tiny model's worker peak and encoders fit an 80 GiB
+    GPU many times: each GPU is split (the worker 0.9, one encoder 0.1) and the pools have one actor per GPU. On a
+    GPU too small for both, or with validation renders already sharing the GPUs, the cache stage runs first."""
+    from rayflux.train import gpu_sharing, stage
+
+    cfg = _gpu_cfg(tiny_model, demo_images, tmp_path)
+    shared = early.choose(cfg, True, _gpu_node(8), gpu_bytes=80 * gpu_sharing.GIB)
+    assert shared.early and shared.encoder_share == gpu_sharing.MIN_SHARE, shared.reason
+    assert shared.encoders.resources["num_gpus"] == gpu_sharing.MIN_SHARE and shared.encoders.vae.max == 8
+    assert "the worker 0.9, one encoder 0.1" in shared.reason
+    assert stage.scaling_config(cfg, True, shared.encoder_share).resources_per_worker["GPU"] == pytest.approx(0.9)
+
+    small = gpu_sharing.encoder_bytes(cfg)  # a GPU that holds the encoders and nothing beside them
+    cramped = early.choose(cfg, True, _gpu_node(8), gpu_bytes=small)
+    assert not cramped.early and "do not fit one GPU" in cramped.reason and "no GPU left" not in cramped.reason
+
+    renders = _gpu_cfg(tiny_model, demo_images, tmp_path, "train.validation.prompts=[a red square]")
+    rendering = early.choose(renders, True, _gpu_node(8), gpu_bytes=80 * gpu_sharing.GIB)
+    assert not rendering.early and "validation renders already share" in rendering.reason
+
+    spare = early.choose(cfg, True, _gpu_node(12), gpu_bytes=80 * gpu_sharing.GIB)  # 4 GPUs the workers leave
+    assert spare.early and spare.encoder_share == 0 and spare.encoders.resources["num_gpus"] == 1.0, spare.reason
+
+
+@pytest.mark.parametrize(
+    "gpu_gib, fits, share",
+    [(80, True, 0.15), (141, True, 0.1), (40, False, None), (24, False, None)],
+)
+def test_flux1_dev_shares_a_gpu_with_its_encoders_on_80_gib_and_up(gpu_gib, fits, share):
+    """FLUX.1-dev at 512 px, batch 1, rank 16 on attention (the planner's figures), beside its encoders: T5-XXL's
+    encoder (4,762,310,656 parameters), CLIP-L's text model (123,060,480) and the VAE (83,819,683) in bf16."""
+    from rayflux import gpu_memory
+    from rayflux.families.flux1 import FLUX1_DEV
+    from rayflux.train import gpu_sharing
+
+    from test_plan import _trainable
+
+    total, lora = 11_901_408_320, _trainable("attention", 16)
+    worker = gpu_memory.estimate(FLUX1_DEV, total * 2, lora, 512, 1, False, rank=16).total
+    encoders = int((4_762_310_656 + 123_060_480 + 83_819_683) * 2 * gpu_sharing.ENCODER_MARGIN)
+    split = gpu_sharing.Sharing(worker, encoders, gpu_gib * gpu_sharing.GIB)
+    assert split.fits == fits, split.describe()
+    if fits:
+        assert split.share == share and split.share <= gpu_sharing.MAX_SHARE

@@ -108,8 +108,13 @@ class Memory:
 
 
 def gpu_memory(c) -> int:
-    """Bytes of one GPU of the kind a captioner actor gets, asked of a GPU in a short task (0 when no GPU answers
-    within a minute: an autoscaler may not have started one yet)."""
+    """Bytes of one GPU of the kind a captioner actor gets (:func:`probe_gpu`)."""
+    return probe_gpu(min(c.gpus_per_actor, 1.0), c.accelerator_type)
+
+
+def probe_gpu(share: float, accelerator_type: str = "") -> int:
+    """Bytes of one GPU (of ``accelerator_type``, when set), asked of a GPU in a short task that reserves ``share`` of
+    it; 0 when no GPU answers within a minute (an autoscaler may not have started one yet)."""
     import ray
 
     def probe() -> int:
@@ -117,9 +122,9 @@ def gpu_memory(c) -> int:
 
         return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
-    opts = {"num_gpus": min(c.gpus_per_actor, 1.0), "num_cpus": 0}
-    if c.accelerator_type:
-        opts["accelerator_type"] = c.accelerator_type
+    opts = {"num_gpus": share, "num_cpus": 0}
+    if accelerator_type:
+        opts["accelerator_type"] = accelerator_type
     ref = ray.remote(**opts)(probe).remote()
     ready, _ = ray.wait([ref], timeout=60)
     if not ready:

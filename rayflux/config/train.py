@@ -49,7 +49,9 @@ class WorkersConfig:
     start_during_cache: bool = field(default=True, metadata=added(moved(UNTRACKED, "start_during_cache")))
     """Start the worker group, and load the base and attach the LoRA, while the cache stage runs; the workers then
     wait for the committed generation, and the plan follows from its manifest. Only where the workers fit beside the
-    encoders (:mod:`rayflux.train.early`); otherwise, and with ``false``, the cache stage runs first, then the group.
+    encoders (:mod:`rayflux.train.early`): on GPUs of their own, or sharing each training GPU with one encoder actor
+    where the memory plan says both fit (:mod:`rayflux.train.gpu_sharing`); otherwise, and with ``false``, the cache
+    stage runs first, then the group.
     (Also ``train.start_during_cache``.)"""
 
 
@@ -62,7 +64,8 @@ class FeedConfig:
     scheduling per step (its share of the feed runs beside the step); the first step waits for one whole read."""
     prefetch_reads: int = field(default=2, metadata=moved(UNTRACKED, "prefetch_reads"))
     """Reads each worker's feed keeps ahead of the step it is training (0: none), so the Parquet reads of the next
-    batches overlap the current step. Host memory held: about ``prefetch_reads × batches_per_read`` batches."""
+    batches overlap the current step; the feed runs at most ``prefetch_reads + 1`` read tasks at once. Host memory
+    held: about ``(prefetch_reads + 1) × batches_per_read`` batches."""
     shuffle_block: int = field(default=4, metadata=moved(TRAINED, "read_run"))
     """Batches are filled with shuffled blocks of up to this many neighbouring rows of one Parquet file (a block
     shuffle, as MosaicML Streaming and WebDataset do), so a block's latents are one read: ``1 + 1/shuffle_block``

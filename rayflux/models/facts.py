@@ -11,7 +11,7 @@ from rayflux.families.base import Family, ModelFacts
 from rayflux.models.location import config_path, read_config, resolve_path, revision_kw
 
 
-def _weights_signature(path: str, subfolders: list[str]) -> list:
+def weight_files(path: str, subfolders: list[str]) -> list:
     """Names and sizes of weight files (local or in object storage); cheap, and changes whenever they are replaced."""
     if storage.is_uri(path):
         import pyarrow.fs as pafs
@@ -59,7 +59,7 @@ def model_facts(cfg: ModelConfig) -> ModelFacts:
     fam = family(cfg)
     configs = {s: read_config(cfg, s) for s in fam.config_parts}
     identity = {
-        "weights": _weights_signature(path, list(fam.encoder_parts)),
+        "weights": weight_files(path, list(fam.encoder_parts)),
         "path": path if not Path(path).is_dir() else "",
         "revision": cfg.revision,
     }

@@ -18,6 +18,8 @@ REPORT = "report"
 """A message with an eval record (a dict of plain values)."""
 CONTROLLER = "controller"
 """A message with the handle of the trainer's controller actor."""
+ENDED = "ended"
+"""The trial attempt's last message: its job returned or raised (the trainable sees it without waiting a poll)."""
 
 
 def trial_callbacks(channel, tag: str, metric: str, trial_dir: str) -> list:

@@ -40,10 +40,11 @@ killed (it returns within seconds: its ``fit`` raises as the controller dies) be
 
 
 class _Attempt:
-    """One trial's job, running in its own thread; ``error``: what it raised, once it ended."""
+    """One trial's job, running in its own thread; ``error``: what it raised, once it ended. Its last message on the
+    channel says it ended, so the trainable's wait returns at once instead of at its next poll."""
 
-    def __init__(self, tag: str, out: str, job):
-        self.tag, self.out = tag, out
+    def __init__(self, tag: str, out: str, job, channel):
+        self.tag, self.out, self.channel = tag, out, channel
         self.controllers: list = []
         """Handles of its trainers' controllers, as they announced themselves."""
         self.killed = 0
@@ -57,6 +58,11 @@ class _Attempt:
             job()
         except BaseException as exc:  # noqa: BLE001 - handed to Tune by the next step
             self.error = exc
+        finally:
+            try:  # after every report of the job's, so nothing follows it; a full channel is drained by the trainable
+                self.channel.put((report.ENDED, self.tag, None), timeout=END_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - the channel is gone (cleanup): the poll still sees the end
+                log.debug("sweep: trial %s could not say it ended: %s", self.tag, exc)
 
 
 class TrialTrainable(tune.Trainable):
@@ -79,7 +85,7 @@ class TrialTrainable(tune.Trainable):
         def callbacks() -> list:
             return report.trial_callbacks(channel, tag, metric, out)
 
-        return _Attempt(tag, out, lambda: run_trial(dict(settings), self.base, out, callbacks))
+        return _Attempt(tag, out, lambda: run_trial(dict(settings), self.base, out, callbacks), channel)
 
     def step(self) -> dict:
         """The trial's next eval record; when its job returned, Tune's mark for "done with the last result"; when it
@@ -109,6 +115,9 @@ class TrialTrainable(tune.Trainable):
                 log.debug("sweep: dropped a %s message of an earlier trial (%s)", kind, tag)
             elif kind == report.CONTROLLER:
                 attempt.controllers.append(payload)
+            elif kind == report.ENDED:
+                attempt.thread.join()  # it returns right after this message
+                return None
             else:
                 return payload
 

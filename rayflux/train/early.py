@@ -8,10 +8,10 @@ encoder pools are sized to what is left, by the cache's own pre-flight (:func:`r
 do not fit (no CPU left for the preparation and writer tasks, or no GPU left beside the workers' for the encoders),
 the old order stays: the cache stage, then the group, so nothing waits on resources held by a stage that waits on it.
 
-A worker and an encoder never share a GPU here: a training worker reserves its GPU whole (the render actor's share
-included), and the driver has no figure of a GPU's memory to check both models against, so Ray's reservations keep
-them apart. On a CPU-only cluster the workers' fractional CPUs (``train.workers.cpus_per_worker``) leave the encoders
-the rest.
+A training worker reserves its GPU whole (the render actor's share included), and the encoders take GPUs the workers
+do not use. Where no GPU is left for them (every GPU trains), a worker and an encoder actor share each GPU, but only
+where the memory planner says both fit in it (:mod:`rayflux.train.gpu_sharing`); otherwise the old order stays. On a
+CPU-only cluster the workers' fractional CPUs (``train.workers.cpus_per_worker``) leave the encoders the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class Choice:
     """The encoder pools' :class:`rayflux.cache.fit.Plan` beside the started group; None: the old order."""
     reason: str
     """Why (one line for the log)."""
+    encoder_share: float = 0.0
+    """The share of each training GPU left to one encoder actor (:mod:`rayflux.train.gpu_sharing`); 0: none."""
 
     @property
     def early(self) -> bool:
@@ -57,13 +59,15 @@ def reservation(cfg: JobConfig, cluster_gpus: bool, cluster: dict) -> dict[str, 
     return need
 
 
-def choose(cfg: JobConfig, cluster_gpus: bool) -> Choice:
-    """Start the group during the cache stage, or after it (see the module)."""
+def choose(cfg: JobConfig, cluster_gpus: bool, cap=None, gpu_bytes: int | None = None) -> Choice:
+    """Start the group during the cache stage, or after it (see the module). ``cap``: the cluster's
+    :class:`~rayflux.cache.fit.Capacity` (None: as it is now); ``gpu_bytes``: one GPU's memory (None: asked of a GPU,
+    only where sharing one is considered)."""
     if not cfg.train.workers.start_during_cache:
         return Choice(None, "train.workers.start_during_cache is off")
     from rayflux.cache import fit
 
-    cap = fit.Capacity.of_cluster()
+    cap = cap or fit.Capacity.of_cluster()
     held = reservation(cfg, cluster_gpus, cap.now)
     short = [k for k, v in held.items() if cap.now.get(k, 0.0) + 1e-9 < v]
     if short:  # the group itself waits for resources (an autoscaler to add them): no room to plan beside it
@@ -71,8 +75,38 @@ def choose(cfg: JobConfig, cluster_gpus: bool) -> Choice:
     try:
         encoders = fit.plan(cfg, cluster_gpus, cap.less(held))
     except fit.FitError as exc:
-        return Choice(None, f"the encoders do not fit beside the workers' {_fmt(held)}: {exc}")
+        return _sharing_gpus(
+            cfg, cluster_gpus, cap, held, f"the encoders do not fit beside the workers' {_fmt(held)}: {exc}", gpu_bytes
+        )
     return Choice(encoders, f"the workers hold {_fmt(held)}; the encoders the rest")
+
+
+def _sharing_gpus(cfg: JobConfig, cluster_gpus: bool, cap, held: dict, why: str, gpu_bytes: int | None) -> Choice:
+    """Where no GPU is left for the encoders: each training GPU split between its worker and one encoder actor, if
+    both fit in its memory (:mod:`rayflux.train.gpu_sharing`); else the old order, with ``why``."""
+    from rayflux.cache import fit
+    from rayflux.caption.fit import probe_gpu
+    from rayflux.train import gpu_sharing
+
+    placed = place(cfg, Cluster(gpus=cluster_gpus))
+    # Encoders on a GPU type of their own (cache.accelerator_type) never come to the training GPUs.
+    if not (placed.training and placed.encoders and held.get("GPU")) or cfg.cache.accelerator_type:
+        return Choice(None, why)
+    if gpu_bytes is None:
+        gpu_bytes = probe_gpu(0.01, cfg.train.workers.accelerator_type)
+    split, no = gpu_sharing.judge(cfg, gpu_bytes, cap.now)
+    if split is None:
+        return Choice(None, f"{why}; and they may not share its GPUs: {no}")
+    _, hi = worker_range(cfg.train.workers.num_workers)
+    shared = {**held, "GPU": held["GPU"] - hi * split.share}
+    try:
+        encoders = fit.plan(gpu_sharing.with_share(cfg, split.share), cluster_gpus, cap.less(shared))
+    except fit.FitError as exc:
+        return Choice(None, f"{why}; and not beside them on their GPUs either: {exc}")
+    reason = (
+        f"each worker's GPU is shared: the worker {1 - split.share:g}, one encoder {split.share:g} ({split.describe()})"
+    )
+    return Choice(encoders, reason, split.share)
 
 
 def _fmt(resources: dict[str, float]) -> str:

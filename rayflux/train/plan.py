@@ -49,6 +49,11 @@ class FeedPlan:
     """``train.feed.batches_per_read``: consecutive planned batches per read task."""
     read_cpus: float = 0.25
     """CPUs each read task reserves."""
+    reads_in_flight: int = 3
+    """Read tasks a rank's feed runs at once: ``train.feed.prefetch_reads`` plus the one its step is taking rows
+    from. More would only hold more batches in the object store than the prefetch asks for, and start a process of
+    their own each (Ray Data's task runner imports for a second or more of CPU in each) where none is idle yet, as
+    on a run's first read."""
     run_storage: str = ""
     """Ray Train's storage of this run (:func:`rayflux.train.resume.commits.run_storage`): the checkpoints a (re)started
     worker group resumes from, and the commits."""
@@ -148,6 +153,7 @@ def feed_plan(cfg: JobConfig, output_dir: str, epochs: tuple[int, int] | None = 
         accumulation=t.gradient_accumulation,
         shuffle_block=t.feed.shuffle_block,
         batches_per_read=t.feed.batches_per_read,
+        reads_in_flight=t.feed.prefetch_reads + 1,
         run_storage=commits.run_storage(output_dir, cfg.run.name),
     )
 

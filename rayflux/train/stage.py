@@ -127,16 +127,30 @@ class Launch:
     """Whether the workers train on GPUs (:func:`rayflux.config.placement.place`)."""
     callbacks: list = field(default_factory=list)
     """Extra Ray Train callbacks (a sweep trial's Tune reports), beside the commit record's."""
+    encoder_share: float = 0.0
+    """The share of each worker's GPU left to the cache stage's encoders (:mod:`rayflux.train.gpu_sharing`)."""
 
 
 class TrainerRun:
     """One trainer run, its worker group started at once: the workers load the model and wait for the committed
     generation, which :meth:`finish` hands them (:mod:`rayflux.train.handoff`), or :meth:`cancel` ends them.
 
-    A run whose latest checkpoint already ends these epochs starts nothing (no worker, no model load)."""
+    A run whose latest checkpoint already ends these epochs starts nothing (no worker, no model load).
+    ``encoder_share``: the share of each worker's GPU the cache stage's encoders take meanwhile (the workers reserve
+    the rest for the whole run)."""
 
-    def __init__(self, cfg, facts: ModelFacts, output_dir: str, cluster_gpus: bool, epochs=None, *, callbacks=None):
-        self.cfg, self.output_dir = cfg, output_dir
+    def __init__(
+        self,
+        cfg,
+        facts: ModelFacts,
+        output_dir: str,
+        cluster_gpus: bool,
+        epochs=None,
+        *,
+        callbacks=None,
+        encoder_share=0.0,
+    ):
+        self.cfg, self.output_dir, self.encoder_share = cfg, output_dir, encoder_share
         self.epochs = tuple(epochs or (0, cfg.train.epochs))
         self.done_at = _finished(cfg, commits.run_storage(output_dir, cfg.run.name), self.epochs)
         self.handoff, self.bar, self._thread, self._outcome = None, None, None, {}
@@ -147,6 +161,7 @@ class TrainerRun:
             text_length=facts.text_length,
             use_gpu=place(cfg, Cluster(gpus=cluster_gpus)).training,
             callbacks=callbacks() if callbacks else [],
+            encoder_share=encoder_share,
         )
         self.handoff = handoff.start()
         self.bar = progress.TrainBar([], 0).__enter__()  # the plan's step counts are set when it is handed over
@@ -274,6 +289,7 @@ def _fit(cfg: JobConfig, launch: Launch, handoff_actor, board):
         resources, why = renderer.choose_resources(cfg, launch.use_gpu, ray.cluster_resources())
         gpu_left = renderer.gpu_share(resources) if launch.use_gpu else 0.0
         renders = renderer.Renders(cfg, launch.output_dir, resources, why)
+    gpu_left += launch.encoder_share if launch.use_gpu else 0.0
     loop = LoopConfig(
         job=cfg.to_dict(),
         output_dir=launch.output_dir,

@@ -58,6 +58,7 @@ class PlannedDataConfig(DataConfig):
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         import ray.data
+        from ray.data import TaskPoolStrategy
 
         refs, feed = self._planned(datasets)
         run_storage = feed.run_storage
@@ -71,7 +72,14 @@ class PlannedDataConfig(DataConfig):
             # consuming worker less scheduling per step (its executor runs beside the training step).
             reads = max(1, min(-(-len(mine) // feed.batches_per_read), 1000))
             ds = ray.data.from_items(mine, override_num_blocks=reads)
-            ds = ds.map_batches(_load_batches, batch_size=None, batch_format="pyarrow", num_cpus=feed.read_cpus)
+            ds = ds.map_batches(
+                _load_batches,
+                batch_size=None,
+                batch_format="pyarrow",
+                num_cpus=feed.read_cpus,
+                # Never more than the rank has reads: Ray Data warns on a cap its inputs cannot reach.
+                compute=TaskPoolStrategy(size=min(feed.reads_in_flight, reads)),
+            )
             options = copy.deepcopy(ds.context.execution_options)
             options.preserve_order = True  # a rank's batches arrive in plan order
             ds.context.execution_options = options
