@@ -211,6 +211,10 @@ def test_node_loss_growth_and_sigterm_preemption(cluster, tiny_model, demo_image
             )
             [jit] = noticed
             assert node_c_id in gcs(cluster.address).get_draining_nodes()
+            # The step log has the step before its checkpoint is reported (a stopped sweep trial's workers need that
+            # order), so the node goes only once that checkpoint is registered, as the drain's deadline allows (300 s
+            # here; Ray's default is 30): ended at once, the checkpoint could be lost with it (seen in CI).
+            _wait_checkpoint(storage, job, "the notice's checkpoint registered", lambda m: m["step"] >= jit["step"])
 
             # 4. The node is gone; training must resume from the latest checkpoint on node A and finish.
             stop_process_group(node_c)
