@@ -181,3 +181,24 @@ def gradient_checkpointing(setting, on_gpu: bool, pixels: int, need_without: int
     if setting != "auto":
         return bool(setting)
     return on_gpu and (pixels >= 768 or (device_bytes > 0 and need_without > 0.9 * device_bytes))
+
+
+def run_estimates(
+    cfg, tc: dict, weight_bytes: int, trainable: int, *, text: int, activation_bytes: int, device_bytes: int
+) -> tuple[Estimate, Estimate, bool]:
+    """A job's training process (``cfg``: its ``JobConfig``) on a ``device_bytes`` GPU (0: the CPU): the estimates
+    without and with gradient checkpointing at its largest resolution and ``train.batch_size`` (times the graphs
+    preservation holds), and whether ``train.gradient_checkpointing`` turns it on. The worker decides with it, and
+    the driver weighs a GPU shared with the encoders with it (:mod:`rayflux.train.gpu_sharing`)."""
+    from rayflux import datasets, preservation
+
+    t = cfg.train
+    pixels = max(ds.resolution for ds in datasets.datasets_of(cfg.data))
+    batch = t.batch_size * preservation.graphs(t.flow.preservation)  # issue 45: preservation's second graph
+    opt = {"text": text, "optimizer": t.optim.name, "rank": t.adapter.rank, "ema": bool(t.optim.ema_decay)}
+    without, with_ = (
+        estimate(tc, weight_bytes, trainable, pixels, batch, c, activation_bytes=activation_bytes, **opt)
+        for c in (False, True)
+    )
+    on = gradient_checkpointing(t.gradient_checkpointing, device_bytes > 0, pixels, without.total, device_bytes)
+    return without, with_, on

@@ -30,7 +30,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from rayflux import gpu_memory
+from rayflux.caption.fit import BYTES, parameters
 from rayflux.config import JobConfig
+from rayflux.gpu_memory import GIB
 
 HEADROOM = 0.85
 """Of a GPU's memory, what the worker's peak and the encoders may fill together: the rest is two CUDA contexts and
@@ -42,8 +45,6 @@ MIN_SHARE = 0.1
 """The smallest GPU share an encoder actor reserves."""
 MAX_SHARE = 0.45
 """The largest: below one half, so a worker keeps more than half of its GPU and no two workers share one."""
-GIB = 2**30
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,6 @@ def encoder_bytes(cfg: JobConfig) -> int | None:
     import os
 
     from rayflux import storage
-    from rayflux.caption.fit import parameters
     from rayflux.models import family, resolve_path
     from rayflux.models.facts import weight_files
 
@@ -103,25 +103,24 @@ def encoder_bytes(cfg: JobConfig) -> int | None:
 
 
 def worker_peak_bytes(cfg: JobConfig, gpu: int) -> int:
-    """A training worker's peak on a ``gpu``-byte GPU, as the memory planner counts it (see the module)."""
-    from rayflux import datasets, gpu_memory
-    from rayflux.config.train import checkpointing_setting
+    """A training worker's peak on a ``gpu``-byte GPU, as the worker itself will estimate it
+    (:func:`rayflux.gpu_memory.run_estimates`), its base counted whole."""
+    import torch
+
     from rayflux.models import model_facts, read_config
+    from rayflux.train import optim
     from rayflux.train.adapter.counts import base_counts, count_parameters
 
     t = cfg.train
     tc = read_config(cfg.model, "transformer")  # the model the job trains (``plan`` counts FLUX.1-dev for the tiny one)
     trainable = count_parameters(tc, t.adapter.targets, t.adapter.rank, t.adapter.kind, t.adapter.rank_pattern)[1]
-    float_bytes = 4 if cfg.model.dtype == "float32" else 2
-    weights = int(gpu_memory.weight_bytes(base_counts(tc), t.base_dtype, float_bytes))
-    pixels = max(ds.resolution for ds in datasets.datasets_of(cfg.data))
-    opt = {"text": model_facts(cfg.model).text_length, "optimizer": t.optim.name, "rank": t.adapter.rank}
-    opt["ema"] = bool(t.optim.ema_decay)
-    without = gpu_memory.estimate(tc, weights, trainable, pixels, t.batch_size, False, **opt)
-    on = gpu_memory.gradient_checkpointing(
-        checkpointing_setting(t.gradient_checkpointing), True, pixels, without.total, gpu
+    weights = int(gpu_memory.weight_bytes(base_counts(tc), t.base_dtype, BYTES.get(cfg.model.dtype, 2)))
+    activations = torch.finfo(optim.autocast_dtype(t.mixed_precision, "cuda") or torch.float32).bits // 8
+    text = model_facts(cfg.model).text_length
+    without, with_, on = gpu_memory.run_estimates(
+        cfg, tc, weights, trainable, text=text, activation_bytes=activations, device_bytes=gpu
     )
-    return (gpu_memory.estimate(tc, weights, trainable, pixels, t.batch_size, True, **opt) if on else without).total
+    return (with_ if on else without).total
 
 
 def judge(cfg: JobConfig, gpu: int, cluster: dict) -> tuple[Sharing | None, str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflux import datasets, families, gpu_memory, models, phases, preservation
+from rayflux import datasets, families, gpu_memory, models, phases
 from rayflux.gpu_memory import GIB
 from rayflux.config import JobConfig
 from rayflux.config import base_dtype as base_dtype_rules
@@ -192,28 +192,18 @@ class LoraTrainer:
         """This run's memory estimates per process (``weight_bytes`` of frozen base, ``trainable`` LoRA parameters)
         without and with gradient checkpointing, whether ``train.gradient_checkpointing`` turns it on (see
         :func:`rayflux.gpu_memory.gradient_checkpointing`), and the device's bytes (0 on CPU)."""
-        t = self.cfg.train
         on_gpu = self.device.type == "cuda"
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else 0
-        pixels = max(ds.resolution for ds in datasets.datasets_of(self.cfg.data))
         act_bytes = torch.finfo(self.autocast or torch.float32).bits // 8
-        without, with_ = (
-            gpu_memory.estimate(
-                tc,
-                weight_bytes,
-                trainable,
-                pixels,
-                t.batch_size * preservation.graphs(t.flow.preservation),  # issue 45: preservation's second graph
-                c,
-                activation_bytes=act_bytes,
-                text=self.text_length,
-                optimizer=t.optim.name,
-                rank=t.adapter.rank,
-                ema=bool(t.optim.ema_decay),
-            )
-            for c in (False, True)
+        without, with_, on = gpu_memory.run_estimates(
+            self.cfg,
+            tc,
+            weight_bytes,
+            trainable,
+            text=self.text_length,
+            activation_bytes=act_bytes,
+            device_bytes=device_bytes,
         )
-        on = gpu_memory.gradient_checkpointing(t.gradient_checkpointing, on_gpu, pixels, without.total, device_bytes)
         return without, with_, on, device_bytes
 
     def _plan_memory(self, rank: int) -> bool:
